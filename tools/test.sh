@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The whole test suite: every notebook (nbdev_test) and then pytest. Fails loudly when either
+# ran nothing, since both tools exit 0/5 in that case.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
+       RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+n_nbs=$(find nbs -name '[0-9a-z]*.ipynb' -not -path '*/.ipynb_checkpoints/*' | wc -l)
+[ "$n_nbs" -ge 1 ] || { echo "FAIL: no notebooks under nbs/"; exit 1; }
+log=$(mktemp)
+nbdev_test --n_workers 2 --do_print ${NBDEV_TEST_FLAGS:-} 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+[ "$rc" -eq 0 ] || { echo "FAIL: nbdev_test exit $rc"; exit "$rc"; }
+ran=$(grep -c '^Starting' "$log" || true)
+[ "$ran" -ge 1 ] || { echo "FAIL: nbdev_test ran zero notebooks"; exit 1; }
+echo "nbdev_test: $ran notebooks passed"
+python -m pytest tests ${PYTEST_ARGS:-} ; rc=$?
+[ "$rc" -eq 5 ] && { echo "FAIL: pytest collected no tests"; exit 1; }
+exit "$rc"
