@@ -1,0 +1,92 @@
+"""Tokenizing the shared real datasets: reports add up, parallel == serial, the cache is content-addressed."""
+import json, shutil
+from pathlib import Path
+import pytest
+from transformers import AutoTokenizer
+from sft_nb.data import BadRow
+from sft_nb.templates import add_family_specials
+from sft_nb.tokenize import tokenize_dataset, TokenizeSpec, cache_root
+
+
+@pytest.fixture()
+def qwen_tok(tiny_path):
+    return add_family_specials(AutoTokenizer.from_pretrained(tiny_path), 'qwen2.5-instruct')
+
+
+@pytest.fixture()
+def qwen_template(shared):
+    return str(shared / 'templates' / 'qwen2.5-instruct.jinja')
+
+
+def check_report(ds, rep, n_rows):
+    assert rep.n_rows == n_rows and rep.n_kept + rep.n_dropped == n_rows
+    assert len(ds) == rep.n_kept and min(ds['n_trained']) > 0
+    assert sorted(set(ds['index'])) == ds['index']  # source order kept, each row once
+    assert rep.n_tokens == sum(ds['length']) and rep.n_trained == sum(ds['n_trained'])
+
+
+@pytest.mark.parametrize('mode', ['all_assistant', 'last_assistant'])
+def test_alpaca(shared, tiny_tok, tmp_path, mode):
+    ds, rep = tokenize_dataset(shared / 'datasets/alpaca_en_demo.json', tiny_tok, TokenizeSpec(mode=mode, max_length=256), cache_dir=tmp_path)
+    check_report(ds, rep, 999)
+    assert rep.dropped.get('too_long', 0) > 0 and max(ds['length']) <= 256
+    ds2, rep2 = tokenize_dataset(shared / 'datasets/alpaca_en_demo.json', tiny_tok,
+                                 TokenizeSpec(mode=mode, max_length=256, truncation='keep_start'), cache_dir=tmp_path)
+    assert 'too_long' not in rep2.dropped and rep2.n_kept + rep2.dropped.get('empty_mask', 0) == 999 and rep2.max_length == 256
+
+
+def test_glaive_tool_calls(shared, qwen_tok, qwen_template, tmp_path):
+    ds, rep = tokenize_dataset(shared / 'datasets/glaive_toolcall_en_demo.json', qwen_tok,
+                               TokenizeSpec(template=qwen_template, max_length=4096), cache_dir=tmp_path)
+    check_report(ds, rep, 300)
+    row = ds[0]
+    text = qwen_tok.decode([i for i, m in zip(row['input_ids'], row['loss_mask']) if m])
+    assert '<tool_call>' in text and '<tool_response>' not in text and '<|im_start|>' not in text
+
+
+def test_bad_rows_reported_not_fatal(tiny_tok, tmp_path):
+    rows = [{'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'yo'}]},
+            {'messages': [{'role': 'alien', 'content': 'hi'}]},
+            {'conversations': 'nope'},
+            {'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': None, 'tool_calls': '{"name": '}]}]
+    ds, rep = tokenize_dataset(rows, tiny_tok, TokenizeSpec(format='messages'), cache_dir=tmp_path)
+    assert len(ds) == 1 and rep.dropped == {'bad_format': 3}
+    assert [b[0] for b in rep.bad_rows] == [1, 2, 3]
+    assert 'not valid JSON' in rep.bad_rows[2][2]
+    with pytest.raises(BadRow, match="row 1: message 0: unknown role 'alien'"):
+        tokenize_dataset(rows, tiny_tok, TokenizeSpec(format='messages'), cache_dir=tmp_path, on_bad_row='raise')
+
+
+def test_parallel_equals_serial(shared, qwen_tok, qwen_template, tmp_path):
+    src = shared / 'datasets/glaive_toolcall_en_demo.json'
+    spec = TokenizeSpec(template=qwen_template, max_length=4096)
+    a, ra = tokenize_dataset(src, qwen_tok, spec, cache_dir=tmp_path / 'a', batch_size=64)
+    b, rb = tokenize_dataset(src, qwen_tok, spec, cache_dir=tmp_path / 'b', num_proc=2, batch_size=64)
+    assert a.to_dict() == b.to_dict() and ra == rb
+
+
+def test_cache_is_content_addressed(shared, tiny_tok, qwen_tok, qwen_template, tmp_path):
+    src = shared / 'datasets/identity.json'
+    ds, rep = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    hit, rep_hit = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    assert hit.to_dict() == ds.to_dict() and rep_hit == rep
+    assert len(list(tmp_path.iterdir())) == 1
+    other, _ = tokenize_dataset(src, qwen_tok, TokenizeSpec(template=qwen_template), cache_dir=tmp_path)  # other template + tokenizer
+    assert len(list(tmp_path.iterdir())) == 2 and other['input_ids'] != ds['input_ids']
+    tokenize_dataset(src, tiny_tok, TokenizeSpec(chat_template_kwargs={'enable_thinking': False}), cache_dir=tmp_path)
+    assert len(list(tmp_path.iterdir())) == 3
+
+
+def test_truncated_cache_entry_is_rebuilt(shared, tiny_tok, tmp_path):
+    src = shared / 'datasets/identity.json'
+    ds, _ = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    expected = ds.to_dict()
+    entry = next(tmp_path.iterdir())
+    arrow = next(entry.rglob('*.arrow'))
+    del ds
+    arrow.write_bytes(arrow.read_bytes()[:100])  # a partial write / corrupted file
+    again, _ = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    assert again.to_dict() == expected
+    (entry / 'MANIFEST.json').unlink()  # an interrupted writer leaves no manifest
+    again, _ = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    assert again.to_dict() == expected and (entry / 'MANIFEST.json').exists()
