@@ -28,3 +28,14 @@ def tiny_path() -> Path:
 def tiny_tok(tiny_path):
     from transformers import AutoTokenizer
     return AutoTokenizer.from_pretrained(tiny_path)
+
+
+@pytest.fixture(scope='session')
+def ray_session():
+    "One local Ray cluster (capped object store) for the whole session; always shut down."
+    import ray
+    from sft_nb.workers import init_ray
+    started = init_ray(num_cpus=4, object_store_memory=256 * 1024**2)
+    try: yield
+    finally:
+        if started: ray.shutdown()

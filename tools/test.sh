@@ -8,7 +8,7 @@ export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DA
 n_nbs=$(find nbs -name '[0-9a-z]*.ipynb' -not -path '*/.ipynb_checkpoints/*' | wc -l)
 [ "$n_nbs" -ge 1 ] || { echo "FAIL: no notebooks under nbs/"; exit 1; }
 log=$(mktemp)
-nbdev_test --n_workers 2 --do_print ${NBDEV_TEST_FLAGS:-} 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+nbdev_test --n_workers 2 --do_print --flags "${NBDEV_TEST_FLAGS-slow}" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "FAIL: nbdev_test exit $rc"; exit "$rc"; }
 ran=$(grep -c '^Starting' "$log" || true)
 [ "$ran" -ge 1 ] || { echo "FAIL: nbdev_test ran zero notebooks"; exit 1; }
