@@ -25,3 +25,12 @@ test: $(STAMP)
 
 readme: $(STAMP)
 	$(PY) tools/make_readme.py
+
+# The inspector in a real browser: papermill runs examples/inspect.ipynb, nbconvert makes it a page,
+# headless Chromium (Debian's `chromium`) screenshots it to build/screenshot/inspector.png, and the
+# PNG must show the trained/masked chip colours. Installs chromium with apt-get when it is missing.
+.PHONY: screenshot
+screenshot: $(STAMP)
+	command -v chromium >/dev/null || (apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends chromium fonts-dejavu-core)
+	$(PY) -c "import nbconvert" 2>/dev/null || $(PY) -m pip install -q nbconvert
+	HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false $(PY) tools/screenshot.py --out build/screenshot

@@ -90,3 +90,12 @@ def test_truncated_cache_entry_is_rebuilt(shared, tiny_tok, tmp_path):
     (entry / 'MANIFEST.json').unlink()  # an interrupted writer leaves no manifest
     again, _ = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
     assert again.to_dict() == expected and (entry / 'MANIFEST.json').exists()
+
+
+def test_turns_reduced_to_end_of_turn_are_reported(shared, tiny_tok, qwen_tok, qwen_template, tmp_path):
+    "A template that drops tool calls (plain ChatML) leaves turns that train only <|im_end|>: counted and warned about."
+    src = shared / 'datasets/glaive_toolcall_en_demo.json'
+    _, rep = tokenize_dataset(src, tiny_tok, TokenizeSpec(max_length=4096), cache_dir=tmp_path)
+    assert rep.eot_only_turns > 100 and 'WARNING' in str(rep)
+    _, rep = tokenize_dataset(src, qwen_tok, TokenizeSpec(template=qwen_template, max_length=4096), cache_dir=tmp_path)
+    assert rep.eot_only_turns == 0 and 'WARNING' not in str(rep)

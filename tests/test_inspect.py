@@ -1,0 +1,244 @@
+"""Notebook views: the inspector over every glaive row (checked against an independent per-turn
+oracle), the template linter on every real template, the batch heatmap, the dataset report, the
+papermill example, and a real-browser screenshot of the inspector."""
+import html
+import importlib.util
+import json
+import re
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+from sft_nb.batchviz import TRAINED, batch_fig, batch_grid
+from sft_nb.collate import collate_packed, collate_padded
+from sft_nb.data import normalize_row
+from sft_nb.datareport import dataset_report
+from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, render_example
+from sft_nb.lint import CHECKS, failed, lint_template
+from sft_nb.models import smollm2_chat_template
+from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, chat_ids, collapse_template, render
+from sft_nb.tokenize import TokenizeSpec, tokenize_conversation
+
+CHIP = re.compile(r'<span class="k (y|n) r-(\w+)" style="[^"]*" title="[^"]*">(.*?)</span>', re.S)
+
+
+def _load_tools_screenshot():
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location('sft_nb_screenshot', Path(__file__).resolve().parents[1] / 'tools' / 'screenshot.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope='module')
+def glaive(shared):
+    return json.loads((shared / 'datasets' / 'glaive_toolcall_en_demo.json').read_text())
+
+
+@pytest.fixture(scope='module')
+def qwen(tiny_path, shared):
+    "(tokenizer with Qwen2.5's special tokens, Qwen2.5 template)."
+    tok = add_family_specials(AutoTokenizer.from_pretrained(tiny_path), 'qwen2.5-instruct')
+    return tok, (shared / 'templates' / 'qwen2.5-instruct.jinja').read_text()
+
+
+def oracle_ranges(tok, template, msgs, tools):
+    """Character ranges of each message in the full render, found without sft_nb's locator: an assistant
+    turn is what rendering it adds after the generation prompt (minus trailing newlines: content, tool
+    calls and end-of-turn); user/tool content is found verbatim, in order."""
+    full = render(tok, msgs, tools, template=template)
+    out, cursor = [], 0
+    for i, m in enumerate(msgs):
+        if m['role'] == 'assistant':
+            prefix = render(tok, msgs[:i], tools, template=template, add_generation_prompt=True)
+            upto = render(tok, msgs[:i + 1], tools, template=template)
+            assert full.startswith(upto) and upto.startswith(prefix), f'message {i}: the template is not append-only'
+            end = len(upto.rstrip('\n'))
+            out.append(('assistant', len(prefix), end)); cursor = end
+        elif m['content']:
+            j = full.find(m['content'], cursor)
+            assert j >= 0, f'message {i}: content not in the render'
+            out.append((m['role'], j, j + len(m['content']))); cursor = j + len(m['content'])
+    return full, out
+
+
+def test_inspector_over_every_glaive_row(shared, qwen, glaive):
+    tok, template = qwen
+    ins = Inspector(shared / 'datasets' / 'glaive_toolcall_en_demo.json', tok, template=template)
+    assert ins.row.max == len(glaive) - 1 == 299
+    n_asst = n_other = 0
+    for i, raw in enumerate(glaive):
+        ins.row.value = i
+        ex = ins.example
+        assert ex is not None, f'row {i}: {ins.error}'
+        conv = normalize_row(raw, 'sharegpt')
+        assert ex.input_ids == chat_ids(tok, conv['messages'], conv['tools'], template=template)
+        chips = CHIP.findall(ins.html.value)
+        assert len(chips) == len(ex), f'row {i}: {len(chips)} chips for {len(ex)} tokens'
+        seen = 0  # each chip shows the characters its token adds to the text
+        for (s, e), (_, _, shown) in zip(ex.offsets, chips):
+            assert html.unescape(shown) == (ex.text[max(s, seen):e].replace('\n', '↵') or '◦')
+            seen = max(seen, e)
+        full, ranges = oracle_ranges(tok, template, conv['messages'], conv['tools'])
+        assert full == ex.text
+        in_trained_chip = np.zeros(len(full), dtype=bool)
+        for (s, e), (flag, _, _) in zip(ex.offsets, chips):
+            if flag == 'y': in_trained_chip[s:e] = True
+        for role, s, e in ranges:
+            if role == 'assistant':
+                assert in_trained_chip[s:e].all(), f'row {i}: assistant text {full[s:e]!r} outside a trained chip'
+                n_asst += e - s
+            else:
+                assert not in_trained_chip[s:e].any(), f'row {i}: {role} text {full[s:e]!r} inside a trained chip'
+                n_other += e - s
+                inside = [c[1] for (a, b), c in zip(ex.offsets, chips) if s <= a and b <= e and b > a]
+                assert set(inside) <= {role}, f'row {i}: {role} tokens drawn with roles {set(inside)}'
+    assert n_asst > 50_000 and n_other > 50_000  # the checks above covered a lot of text
+
+
+def test_inspector_controls(shared, qwen, tiny_tok):
+    tok, template = qwen
+    chats = [{'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]}]
+    ins = Inspector({'glaive': shared / 'datasets' / 'glaive_toolcall_en_demo.json', 'mine': chats}, tok, template=template, row=7)
+    assert (ins.source.value, ins.row.value) == ('glaive', 7)
+    ins.source.value = 'mine'
+    assert (ins.row.max, ins.row.value, ins.fmt) == (0, 0, 'messages')
+    assert [r for r, _ in zip(ins.example.input_ids, range(3))] == chat_ids(tok, chats[0]['messages'], template=template)[:3]
+    assert 'mine row 0 · all_assistant' in ins.html.value
+    ins.mode.value = 'all'
+    assert ins.example.n_trained == len(ins.example)
+    ins.source.value = 'glaive'
+    assert ins.row.max == 299 and ins.example.n_trained == len(ins.example)
+
+
+def test_one_colour_map_for_html_and_ansi(tiny_tok):
+    msgs = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]
+    ex = tokenize_conversation(msgs, tiny_tok)
+    h, a = render_example(ex, tiny_tok, 'html'), render_example(ex, tiny_tok, 'ansi')
+    for name in ('trained', 'masked'):
+        r, g, b = (int(COLORS[name][k:k + 2], 16) for k in (1, 3, 5))
+        assert f'background:{COLORS[name]}' in h and f'\x1b[48;2;{r};{g};{b}m' in a
+    for role in ('system', 'user', 'assistant', 'template'):
+        r, g, b = (int(ROLE_COLORS[role][k:k + 2], 16) for k in (1, 3, 5))
+        assert f'border-color:{ROLE_COLORS[role]}' in h and f'\x1b[38;2;{r};{g};{b}m' in a
+
+
+def test_inspect_main_prints_ansi(shared, capsys):
+    rc = inspect_main([str(shared / 'datasets' / 'glaive_toolcall_en_demo.json'), '--row', '3', '--model', 'tiny', '--mode', 'all_assistant',
+                       '--template', str(shared / 'templates' / 'qwen2.5-instruct.jinja')])
+    out = capsys.readouterr().out
+    assert rc == 0
+    assert out.startswith(f'{shared / "datasets" / "glaive_toolcall_en_demo.json"} row 3 · all_assistant · 1293 tokens · 334 trained')
+    assert '\x1b[48;2;123;211;137m' in out and '<tool_call>' in re.sub(r'\x1b\[[\d;]*m', '', out)
+
+
+# which checks each real template fails, on the first 20 glaive rows plus two plain chats
+EXPECTED_FAILS = {
+    'chatml': {'renders', 'text_after_eot'},
+    'llama-3-instruct': {'renders'},
+    'mistral-instruct': {'renders'},
+    'gemma-it': {'renders', 'text_after_eot'},
+    'phi-3': {'renders', 'text_after_eot'},
+    'qwen2.5-instruct': {'default_system_prompt', 'text_after_eot'},
+    'smollm2': {'default_system_prompt', 'empty_trained_span', 'text_after_eot'},
+}
+MULTI = [{'role': 'user', 'content': 'Hi there, who are you?'}, {'role': 'assistant', 'content': 'I am a tiny model.'},
+         {'role': 'user', 'content': 'What is 2 + 2?'}, {'role': 'assistant', 'content': '  It is 4.\n'}]
+SYSTEM = [{'role': 'system', 'content': 'You answer briefly.'}] + MULTI
+
+
+@pytest.fixture(scope='module')
+def lint_samples(glaive):
+    return glaive[:20] + [MULTI, SYSTEM]
+
+
+@pytest.mark.parametrize('family', list(FAMILY_SPECIALS))
+def test_lint_real_templates(family, tiny_path, shared, lint_samples):
+    tok = add_family_specials(AutoTokenizer.from_pretrained(tiny_path), family)
+    if family == 'smollm2': template = smollm2_chat_template()
+    else:
+        template = (shared / 'templates' / f'{family}.jinja').read_text()
+        if family != 'qwen2.5-instruct': template = collapse_template(template)
+    lint = lint_template(tok, lint_samples, template)
+    assert list(lint.check) == list(CHECKS) and set(lint.status) <= {'pass', 'fail', 'n/a'}
+    assert failed(lint) == EXPECTED_FAILS[family]
+    r = lint.set_index('check')
+    assert (r.example[r.status == 'fail'] != '').all()  # every failure shows an offending example
+    if family == 'qwen2.5-instruct':
+        assert r.loc['default_system_prompt', 'example'] == 'You are Qwen, created by Alibaba Cloud. You are a helpful assistant.'
+    if family == 'smollm2':
+        assert r.loc['default_system_prompt', 'example'] == 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'
+        assert r.loc['empty_trained_span', 'example'] == "message 3 trains only '<|im_end|>': its tool_calls are not rendered"
+    if family == 'chatml':
+        assert r.loc['text_after_eot', 'example'] == "'<|im_end|>' is followed by '\\n'"
+        assert r.loc['renders', 'example'].startswith('8 of 22 samples refused; first: TemplateError: Conversation roles must alternate')
+
+
+def test_lint_smollm2_real_tokenizer(lint_samples):
+    "SmolLM2's own BPE merges '\\n' with following spaces: an answer starting with spaces straddles the header."
+    from sft_nb.models import smollm2_instruct
+    tok = AutoTokenizer.from_pretrained(smollm2_instruct())
+    lint = lint_template(tok, lint_samples, smollm2_chat_template())
+    assert failed(lint) == {'default_system_prompt', 'empty_trained_span', 'text_after_eot', 'whitespace_merged'}
+    assert lint.set_index('check').loc['whitespace_merged', 'sample'] == 20  # MULTI: '  It is 4.'
+
+
+def test_batch_heatmap(qwen, glaive):
+    tok, template = qwen
+    exs = [tokenize_conversation(normalize_row(r, 'sharegpt')['messages'], tok, tools=normalize_row(r, 'sharegpt')['tools'], template=template)
+           for r in glaive[:5]]
+    padded, packed = collate_padded(exs, tok.pad_token_id), collate_packed([exs[:2], exs[2:]], tok.pad_token_id)
+    for batch in (padded, packed):
+        assert batch_fig(batch).to_plotly_json() == batch_fig(batch).to_plotly_json()
+        grid, starts = batch_grid(batch)
+        assert int((grid == TRAINED).sum()) == batch['n_trained']
+    fig = batch_fig(packed)
+    assert len(fig.layout.shapes) == 2 * 3  # (2 + 3 sequences) - 2 rows = 3 boundaries, drawn on both panels
+    assert [s.x0 for s in fig.layout.shapes[::2]] == [len(exs[0]) - .5, len(exs[2]) - .5, len(exs[2]) + len(exs[3]) - .5]
+    assert fig.data[1].z[0][len(exs[0])] == 0  # position ids restart at the boundary
+
+
+def test_dataset_report(shared, qwen, tmp_path):
+    tok, template = qwen
+    rep = dataset_report(shared / 'datasets' / 'glaive_toolcall_en_demo.json', tok, TokenizeSpec(max_length=1024, template=template),
+                         cache_dir=str(tmp_path))
+    assert rep.report.n_rows == 300 and rep.report.n_dropped == int(rep.drops.rows.sum()) > 0
+    assert len(rep.fig.data[2].x) == rep.report.dropped['too_long']
+    assert min(rep.fig.data[2].x) > 1024 >= max(rep.fig.data[0].x)
+    assert rep.fig.layout.shapes[0].x0 == 1024
+    assert 'marks max_length 1024' in rep.text()
+    assert list(rep.dropped.columns) == ['row', 'reason', 'message'] and len(rep.dropped) == 5
+
+
+@pytest.fixture(scope='module')
+def executed_example(tmp_path_factory):
+    "examples/inspect.ipynb run headless with papermill: tiny model, glaive data, Qwen2.5 template."
+    out = tmp_path_factory.mktemp('example')
+    return _load_tools_screenshot().execute_example(out / 'inspect.ipynb', cache_dir=str(out / 'cache'))
+
+
+def test_example_notebook_runs_with_papermill(executed_example, shared):
+    nb = json.loads(executed_example.read_text())
+    tags = [c['metadata'].get('tags', []) for c in nb['cells']]
+    assert ['parameters'] in tags and ['injected-parameters'] in tags
+    injected = ''.join(nb['cells'][tags.index(['injected-parameters'])]['source'])
+    assert "qwen2.5-instruct.jinja" in injected and "model = \"tiny\"" in injected
+    outputs = [o for c in nb['cells'] if c['cell_type'] == 'code' for o in c['outputs']]
+    assert not [o for o in outputs if o['output_type'] == 'error']
+    htmls = ''.join(''.join(o.get('data', {}).get('text/html', '')) for o in outputs)
+    texts = ''.join(''.join(o.get('text', '')) for o in outputs)
+    assert 'glaive_toolcall_en_demo.json row 3 · all_assistant · 1293 tokens · 334 trained' in htmls
+    assert '<span class="k y r-assistant"' in htmls  # trained assistant chips
+    assert 'default_system_prompt' in htmls  # the lint table
+    assert '300 rows:' in texts and 'packed: 2 rows' in texts
+    assert any('application/vnd.plotly.v1+json' in o.get('data', {}) for o in outputs)
+
+
+def test_screenshot_shows_coloured_chips(executed_example):
+    "The executed example → nbconvert page → headless Chromium screenshot → the chip colours are on it."
+    shot = _load_tools_screenshot()
+    chromium, why = shot.ensure_chromium(install=True)
+    if chromium is None: pytest.skip(f'no headless browser: {why}')
+    page = shot.to_html(executed_example)
+    png = shot.screenshot(chromium, page, executed_example.with_name('inspector.png'))
+    counts = shot.chip_pixels(png)
+    assert counts['trained'] > 2000 and counts['masked'] > 2000, counts
