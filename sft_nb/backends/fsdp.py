@@ -14,7 +14,14 @@ from ..collate import token_nll_sum, model_inputs
 # %% auto #0
 __all__ = ['FSDPWorker']
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #c13c0d21
+# %% ../../nbs/07a_backends.fsdp.ipynb #f0edac76
+def _model_cls(path):
+    "AutoModelForImageTextToText for vision-language folders, AutoModelForCausalLM otherwise."
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from sft_nb.vlm_models import is_vlm
+    return AutoModelForImageTextToText if is_vlm(path) else AutoModelForCausalLM
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #a8bdc43a
 class FSDPWorker(DistWorker):
     "FSDP2 training worker (one per rank)."
     def __init__(self, rank: int, world_size: int, model: dict, optim: dict, total_steps: int, seed: int = 0, use_gpu: bool = False,
@@ -35,7 +42,7 @@ class FSDPWorker(DistWorker):
         torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
         self.path = resolve_model_path(self.mcfg['path'])
         dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.mcfg['attn_implementation'])
+        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.mcfg['attn_implementation'])
         if getattr(model.config, 'layer_types', None) and any(t not in ('full_attention', 'sliding_attention') for t in model.config.layer_types):
             self.packable = False  # linear-attention / hybrid layers ignore attention masks
         else: self.packable = True
@@ -147,7 +154,7 @@ class FSDPWorker(DistWorker):
         from transformers import AutoModelForCausalLM, AutoTokenizer
         state = self.full_state()
         if self.rank == 0:
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+            model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32)
             if self.mcfg['lora_r'] > 0:
                 from peft import LoraConfig, get_peft_model
                 model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
@@ -156,4 +163,6 @@ class FSDPWorker(DistWorker):
             else: model.load_state_dict(state, strict=False)
             model.save_pretrained(path)
             AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
+            if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
+                import shutil; shutil.copy(Path(self.path, 'preprocessor_config.json'), path)
         return True

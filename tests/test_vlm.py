@@ -1,0 +1,151 @@
+"""Vision-language SFT: processor-exact ids and masks on image rows, bad/truncated image rows, mixed text+image training, resume, packing refusal."""
+import base64, io, json, os
+import numpy as np
+import pytest
+from sft_nb.config import ConfigError
+from sft_nb.tokenize import TokenizeSpec, tokenize_conversation
+from sft_nb.vision import vision_conversation, tokenize_vision, tokenize_vision_dataset, tokenize_vision_rows
+
+
+@pytest.fixture(scope='module')
+def proc():
+    from sft_nb.vlm_models import load_processor
+    from sft_nb.models import resolve_model_path
+    return load_processor(resolve_model_path('tiny-vlm'))
+
+
+@pytest.fixture(scope='module')
+def demo(shared):
+    return json.loads((shared / 'datasets' / 'mllm_demo.json').read_text())
+
+
+def reference(proc, conv):
+    "The processor's own ids for the conversation, images inline."
+    it = iter(conv['images'])
+    msgs = [{**m, 'content': [{'type': 'image', 'image': next(it)} if p['type'] == 'image' else p for p in m['content']]}
+            if isinstance(m['content'], list) else m for m in conv['messages']]
+    return proc.apply_chat_template(msgs, tokenize=True, return_dict=True)['input_ids'][0]
+
+
+def trained(proc, ex):
+    runs, cur = [], []
+    for i, m in zip(ex.input_ids + [None], ex.loss_mask + [0]):
+        if m: cur.append(i)
+        elif cur: runs.append(proc.tokenizer.decode(cur)); cur = []
+    return runs
+
+
+def placeholder_ids(proc):
+    return set(proc.tokenizer.convert_tokens_to_ids(['<|image_pad|>', '<|vision_start|>', '<|vision_end|>']))
+
+
+@pytest.mark.parametrize('mode', ['all_assistant', 'last_assistant'])
+def test_masks_on_image_rows(proc, demo, shared, mode):
+    "Every mllm_demo row (single image, multi-turn, image in a later turn): ids == processor, no placeholder trained, text as for text rows."
+    later = [r for r in demo if r['messages'][2]['content'].endswith('<image>')]
+    assert later, 'the demo set has an image in a later turn'
+    for row in demo:
+        conv = vision_conversation(row, shared / 'datasets')
+        ex = tokenize_vision(conv, proc, mode=mode)
+        assert ex.input_ids == reference(proc, conv)
+        assert not any(m for i, m in zip(ex.input_ids, ex.loss_mask) if i in placeholder_ids(proc))
+        assert sum(e - s for s, e in ex.image_tokens) == sum(int(np.prod(g)) // 4 + 2 for g in ex.image_grid_thw)
+        text_only = [{'role': m['role'], 'content': m['content'] if isinstance(m['content'], str)
+                      else ''.join(p.get('text', '') for p in m['content'])} for m in conv['messages']]
+        assert trained(proc, ex) == trained(proc, tokenize_conversation(text_only, proc.tokenizer, mode=mode, template=proc.chat_template))
+        n_asst = sum(m['role'] == 'assistant' for m in conv['messages'])
+        assert len(trained(proc, ex)) == (n_asst if mode == 'all_assistant' else 1)
+
+
+def test_content_parts_data_uri_and_pil(proc, shared):
+    from PIL import Image
+    img = Image.open(shared / 'datasets' / 'mllm_demo_data' / '2.jpg')
+    buf = io.BytesIO(); img.save(buf, format='PNG')
+    uri = 'data:image/png;base64,' + base64.b64encode(buf.getvalue()).decode()
+    msgs = [{'role': 'system', 'content': 'Be brief.'},
+            {'role': 'user', 'content': [{'type': 'text', 'text': 'Hi'}]}, {'role': 'assistant', 'content': 'Hello.'},
+            {'role': 'user', 'content': [{'type': 'text', 'text': 'Look: '}, {'type': 'image', 'image': uri},
+                                         {'type': 'text', 'text': ' and '}, {'type': 'image', 'image': img}]},
+            {'role': 'assistant', 'content': [{'type': 'text', 'text': 'Two players.'}]}]
+    conv = vision_conversation({'messages': msgs})
+    ex = tokenize_vision(conv, proc)
+    assert ex.input_ids == reference(proc, conv)
+    assert trained(proc, ex) == ['Hello.<|im_end|>', 'Two players.<|im_end|>']
+    assert len(ex.image_grid_thw) == 2 and len(ex.image_tokens) == 2
+
+
+def test_bad_and_truncated_image_rows(proc, demo, shared, tmp_path):
+    (tmp_path / 'broken.jpg').write_bytes(b'\xff\xd8 not really')
+    rows = [demo[1], {**demo[1], 'images': [str(tmp_path / 'broken.jpg')]}, {**demo[1], 'images': ['mllm_demo_data/gone.jpg']}]
+    good, bad = tokenize_vision_rows(rows, proc, TokenizeSpec(max_length=None), shared / 'datasets')
+    assert [g[0] for g in good] == [0]
+    assert [b[:2] for b in bad] == [(1, 'bad_image'), (2, 'bad_image')]
+    assert 'broken.jpg' in bad[0][2] and 'gone.jpg' in bad[1][2]
+    # a cut inside the image: dropped and reported, never cut inside an image
+    full = good[0][1]
+    spec = TokenizeSpec(max_length=full.image_tokens[0][0] + 3, truncation='keep_start')
+    src = tmp_path / 'd.json'; src.write_text(json.dumps([demo[1]]))
+    (tmp_path / 'mllm_demo_data').symlink_to(shared / 'datasets' / 'mllm_demo_data')
+    ds, rep = tokenize_vision_dataset(str(src), proc, spec, use_cache=False)
+    assert len(ds) == 0 and rep.bad_rows[0][1] == 'truncated_image' and 'cut through image 0' in rep.bad_rows[0][2]
+
+
+def vlm_cfg(shared, run_dir, **kw):
+    cfg = {'model': {'path': 'tiny-vlm'},
+           'data': {'train': [{'path': str(shared / 'datasets' / 'mllm_demo.json')}, {'path': 'sft_nb:identity', 'max_rows': 18}]},
+           'tokenize': {'max_length': 512, 'cache_dir': str(run_dir / 'cache')},
+           'optim': {'lr': 1e-2, 'schedule': 'constant'},
+           'train': {'global_batch_size': 8, 'micro_batch_size': 4, 'num_steps': 10},
+           'placement': {'workers_per_node': 1}, 'checkpoint': {'run_dir': str(run_dir), 'export_hf': False},
+           'logging': {'trackers': ['jsonl']}}
+    for k, v in kw.items():
+        sec, key = k.split('__')
+        cfg.setdefault(sec, {})[key] = v
+    return cfg
+
+
+def test_vlm_trains_mixed_rows_and_resumes(shared, tmp_path, ray_session):
+    "10 steps on mllm_demo image rows mixed with text rows: the loss falls; 5 steps + resume + 5 == 10 straight."
+    from sft_nb.trainer import SFTTrainer
+    with SFTTrainer(vlm_cfg(shared, tmp_path / 'full')) as t:
+        assert t.processor is not None and t.data_report.n_dropped == 0
+        kinds = [{'image' if 'pixel_values' in t._collate(mb) else 'text'} for mb in
+                 [t.global_batch(s)[j:j + 4] for s in range(10) for j in (0, 4)]]
+        assert {'image'} in kinds and {'text'} in kinds  # micro-batches of both kinds (and mixed ones)
+        assert any(len({bool(t._example(k).get('image_grid_thw')) for k in t.global_batch(s)}) == 2 for s in range(10))
+        full = t.fit()['loss'].tolist()
+        ev = t.evaluate() if t.eval_sets else None
+    print('losses', [round(x, 3) for x in full])
+    assert len(full) == 10 and full[-1] < full[0] and np.mean(full[-3:]) < np.mean(full[:3])
+    with SFTTrainer(vlm_cfg(shared, tmp_path / 'half')) as t:
+        t.fit(5); ckpt = t.save()
+    with SFTTrainer(vlm_cfg(shared, tmp_path / 'half', checkpoint__resume=str(ckpt))) as r:
+        assert r.global_step == 5
+        resumed = r.fit()['loss'].tolist()
+    assert resumed[:5] == full[:5]
+    assert max(abs(a - b) for a, b in zip(resumed[5:], full[5:])) <= 1e-5, (resumed, full)
+
+
+def test_packing_image_rows_is_refused(shared, tmp_path, ray_session):
+    from sft_nb.trainer import SFTTrainer
+    with pytest.raises(ConfigError, match='multi-dimensional'):
+        SFTTrainer(vlm_cfg(shared, tmp_path, packing__enabled=True, packing__capacity=512)).setup()
+
+
+def test_train_notebook_runs_a_vlm_job(shared, tmp_path):
+    "examples/train.ipynb (papermill, `sft-nb run`) trains the tiny VLM on mllm_demo.json and exports it with its image processor."
+    import subprocess, sys
+    from pathlib import Path
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / 'vlm'
+    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'run', str(root / 'examples' / 'train.ipynb'), '-p', 'model', 'tiny-vlm',
+                        '-p', 'train_data', str(shared / 'datasets' / 'mllm_demo.json'), '-p', 'max_steps', '3',
+                        '-p', 'global_batch_size', '4', '-p', 'eval_fraction', '0.2', '--run-dir', str(run)],
+                       capture_output=True, text=True, cwd=root, timeout=900,
+                       env={**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'})
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads((run / 'summary.json').read_text())
+    assert summary['steps'] == 3 and len(summary['train_losses']) == 3 and summary['data_report']['n_kept'] == 6
+    assert (run / 'hf' / 'preprocessor_config.json').exists()
+    from sft_nb.vlm_models import load_processor, is_vlm
+    assert is_vlm(run / 'hf') and load_processor(run / 'hf').image_token_id is not None
