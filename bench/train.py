@@ -1,0 +1,542 @@
+"""Training throughput benchmark: sft_nb's `SFTTrainer` (padded and packed) side by side in one run with TRL's
+`SFTTrainer` (padded and packed) on the same model, rows, max_length, batch size, step count and optimizer settings.
+
+    python bench/train.py                       # CPU: SmolLM2-135M-Instruct (6 steps) and the tiny model (30 steps × 3)
+    python bench/train.py --models tiny --repeats-tiny 5 --json /tmp/train.json
+    python bench/train.py --profile --models smollm2   # torch.profiler of one padded step: our worker code vs TRL
+    python bench/train.py --gpu [--peak-tflops 989]    # CUDA: SmolLM2 in bf16, ours packed vs padded, tokens/s and MFU
+
+What is compared (CPU):
+- rows: `alpaca_en_demo.json` tokenized by sft_nb (all assistant turns trained, rows over max_length dropped); TRL
+  gets exactly those rows as `messages` (`sft_nb.data.normalize_row(row, 'alpaca')`), rendered by the model's own
+  chat template with `{% generation %}` markers added around each assistant turn's content + `<|im_end|>` (the text
+  is checked to equal the original template's render on every row, and TRL's ids/masks to equal ours), so
+  `assistant_only_loss=True` trains exactly the tokens sft_nb trains.
+- padded runs: ours shuffles rows; TRL padded gets the rows of our padded run's steps in the same order (sequential
+  sampler), so both train on identical batches and their per-step losses must agree.
+- packed runs: each trainer packs with its own best-fit-decreasing planner into rows of max_length tokens; the
+  global batch is B packed rows (TRL flattens them padding-free into one sequence whose block-diagonal mask
+  transformers derives from position_ids; sft_nb keeps B rows with a block-diagonal mask). Batches differ in
+  content, not in size.
+- same optimizer settings: AdamW lr 5e-5 constant, betas (0.9, 0.95), eps 1e-8, no weight decay, clip 1.0; fp32;
+  no gradient checkpointing (TRL's default would be on). Each uses its own AdamW implementation (TRL: torch fused).
+- the methods of a model are set up first, then run interleaved step by step (round-robin, the first method of each
+  round rotating), one at a time, so a changing machine load hits them alike: all four together for the tiny model;
+  for SmolLM2 (four fp32 copies with AdamW state and activations do not fit in 24 GB) ours/TRL padded together,
+  then ours/TRL packed together (`--interleave`). TRL runs in this process with
+  `torch.set_num_threads(threads)`; ours in a Ray worker with `cpus_per_worker=threads`, both at niceness 0
+  (`--ray-niceness`; Ray's default would start our workers at 15).
+- tokens/s = Σ real (non-padding) tokens / Σ step time over steps 2..N (step 1 is warm-up). Our step time is
+  `SFTTrainer.step()`: collation on the driver + the Ray call to forward/backward + optimizer step. TRL's step time
+  is on_step_begin → on_step_end (forward/backward/clip/optimizer step; its collation happens before on_step_begin,
+  so it is excluded); "incl. TRL collation" adds TRL's time between steps (logging + next batch's collation).
+  Also shown: the median of per-step tokens/s, the median of per-step ratios for each ours/TRL pair, and tokens per
+  CPU-second (CPU time of our worker + driver process, or of TRL's process, during the step).
+- loss@T: token-weighted mean training loss over each run's first steps up to T real tokens, T = the smallest
+  token total of that model's runs (so every run is judged on the same amount of data).
+"""
+import os, sys
+from pathlib import Path
+# bench/ holds other benchmarks (bench/tokenize.py would shadow the stdlib module): keep it off the import path
+sys.path = [p for p in sys.path if Path(p or '.').resolve() != Path(__file__).resolve().parent]
+os.environ.setdefault('HF_HUB_OFFLINE', '1'); os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+os.environ.setdefault('TRANSFORMERS_VERBOSITY', 'error')
+
+import argparse, datetime, gc, json, platform, re, statistics, tempfile, time, warnings
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
+DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json')
+METHODS = ('ours padded', 'ours packed', 'trl padded', 'trl packed')
+
+
+def log(*a): print(*a, file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# data: the rows sft_nb keeps, and the same rows as `messages` for TRL
+def prepare(folder, max_length):
+    from transformers import AutoTokenizer
+    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
+    from sft_nb.data import load_source, row_dict, normalize_row
+    import datasets; datasets.disable_progress_bars()
+    tok = AutoTokenizer.from_pretrained(folder)
+    ds, rep = tokenize_dataset(DATA, tok, TokenizeSpec(mode='all_assistant', max_length=max_length, truncation='drop'))
+    raw = load_source(DATA)
+    keep = [int(i) for i in ds['index']]
+    messages = {i: normalize_row(row_dict(raw[i]), 'alpaca')['messages'] for i in keep}
+    ours = {i: (list(r['input_ids']), list(r['loss_mask'])) for i, r in zip(keep, ds.select_columns(['input_ids', 'loss_mask']))}
+    train_tpl = training_template(tok.chat_template)
+    bad = [i for i in keep if tok.apply_chat_template(messages[i], tokenize=False)
+           != tok.apply_chat_template(messages[i], tokenize=False, chat_template=train_tpl)]
+    if bad: raise SystemExit(f"training template renders {len(bad)} rows differently from the model's template, e.g. row {bad[0]}")
+    return {'keep': keep, 'messages': messages, 'ours': ours, 'template': train_tpl, 'report': str(rep)}
+
+
+def training_template(tpl):
+    "The ChatML-style template with `{% generation %}` around each assistant turn's content + <|im_end|> (what sft_nb trains)."
+    pat = re.compile(r"\{\{-?\s*'<\|im_start\|>'\s*\+\s*message\['role'\]\s*\+\s*'(?:\n|\\n)'\s*\+\s*message\['content'\]"
+                     r"\s*\+\s*'<\|im_end\|>'\s*\+\s*'(?:\n|\\n)'\s*-?\}\}")
+    if len(pat.findall(tpl)) != 1: raise SystemExit("bench/train.py only knows how to mark ChatML templates for TRL's assistant_only_loss")
+    block = ("{% if message['role'] == 'assistant' %}{{ '<|im_start|>assistant\\n' }}{% generation %}"
+             "{{ message['content'] + '<|im_end|>' }}{% endgeneration %}{{ '\\n' }}"
+             "{% else %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}{% endif %}")
+    return pat.sub(lambda m: block, tpl)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# runs
+def summarize(name, losses, n_tokens, n_trained, positions, step_times, wall_times=None, cpu_times=None, extra=None):
+    tt, st = sum(n_tokens[1:]), sum(step_times[1:])
+    out = {'method': name, 'steps': len(losses), 'loss': losses, 'n_tokens': n_tokens, 'n_trained': n_trained,
+           'positions': positions, 'step_time': step_times, 'tokens_per_s': tt / st if st else float('nan'),
+           'median_step_tokens_per_s': statistics.median(a / b for a, b in zip(n_tokens[1:], step_times[1:])) if len(losses) > 1 else float('nan'),
+           'final_loss': losses[-1], 'mean_loss': statistics.fmean(losses),
+           'padding_efficiency': sum(n_tokens) / max(1, sum(positions))}
+    if cpu_times: out['cpu_time'], out['tokens_per_cpu_s'] = cpu_times, tt / sum(cpu_times[1:])
+    if wall_times:
+        out['wall_time'] = wall_times
+        out['wall_tokens_per_s'] = sum(n_tokens[1:]) / sum(wall_times[1:])
+    out.update(extra or {})
+    return out
+
+
+def trim():
+    "Give freed heap memory back to the OS (glibc keeps it otherwise), so the next group of runs has room."
+    try:
+        import ctypes; ctypes.CDLL('libc.so.6').malloc_trim(0)
+    except Exception: pass
+
+
+def peak_rss_gb(pid):
+    "Peak resident memory of a process (VmHWM), GB."
+    for line in Path(f'/proc/{pid}/status').read_text().splitlines():
+        if line.startswith('VmHWM:'): return int(line.split()[1]) / 2**20
+
+
+def proc_cpu(pid):
+    "CPU seconds (user + system, all threads) a process has used so far."
+    f = Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()
+    return (int(f[11]) + int(f[12])) / os.sysconf('SC_CLK_TCK')
+
+
+class Ours:
+    "sft_nb's SFTTrainer, driven one `step()` at a time (its Ray worker does the compute)."
+    def __init__(self, folder, packed, args, use_gpu=False):
+        import ray
+        from sft_nb.trainer import SFTTrainer
+        from sft_nb.callbacks import Callback
+        self.name, self.args = 'ours packed' if packed else 'ours padded', args
+        self.tmp = tempfile.TemporaryDirectory(prefix='sftnb_bench_')
+        cfg = {'model': {'path': str(folder), **({'dtype': 'bfloat16'} if use_gpu else {})},
+               'data': {'train': [{'path': DATA}]},
+               'tokenize': {'max_length': args.max_length, 'mode': 'all_assistant'},
+               'packing': {'enabled': packed, 'capacity': args.max_length},
+               'optim': {'lr': args.lr, 'schedule': 'constant'},
+               'train': {'global_batch_size': args.batch, 'micro_batch_size': args.micro_batch or args.batch, 'num_steps': args.n_steps},
+               'placement': {'workers_per_node': 1, 'cpus_per_worker': 1 if use_gpu else args.threads, 'use_gpu': use_gpu},
+               'checkpoint': {'run_dir': self.tmp.name, 'export_hf': False}, 'logging': {'trackers': []}}
+        t = self.t = SFTTrainer(cfg).setup()
+        order = [t.global_batch(s) for s in range(args.n_steps)]
+        orig = [int(i) for i in t.train_sets[0]['index']]
+        self.positions = ([len(b) * t.capacity for b in order] if packed else
+                          [len(b) * max(int(t.lengths[k]) for k in b) for b in order])  # tokens incl. padding
+        self.rows = None if packed else [[orig[t.rows[k][1]] for k in b] for b in order]  # original row ids of each step
+        pid = ray.get(t.group.actors[0].__ray_call__.remote(lambda self: os.getpid()))
+        self.niceness, self.pid = os.getpriority(os.PRIO_PROCESS, pid), pid
+        self.cpu, self.collate_s = [], []
+
+        class Meter(Callback):  # CPU seconds of the worker process + the driver, per step
+            def on_step_start(s, trainer, step): s.c0 = (proc_cpu(pid), time.process_time())
+            def on_step_end(s, trainer, m): self.cpu.append(proc_cpu(pid) - s.c0[0] + time.process_time() - s.c0[1])
+        t.callbacks.append(Meter())
+        rank_batches = t._rank_batches
+        def timed(items):  # driver-side collation time of each step (inside step_time)
+            c0 = time.perf_counter(); out = rank_batches(items); self.collate_s.append(time.perf_counter() - c0); return out
+        t._rank_batches = timed
+
+    def step(self):
+        import ray
+        self.t.step()
+        # outside the timed step: let the idle worker give freed activation memory back while the others run
+        ray.get(self.t.group.actors[0].__ray_call__.remote(lambda self_: __import__('ctypes').CDLL('libc.so.6').malloc_trim(0)))
+
+    def result(self):
+        h = self.t.history
+        return summarize(self.name, h['loss'].tolist(), h['n_tokens'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),
+                         self.positions, h['step_time'].tolist(), cpu_times=self.cpu,
+                         extra={'n_params': self.t.model_info['n_params'], 'collate_time': self.collate_s, 'worker_niceness': self.niceness,
+                                'worker_peak_rss_gb': peak_rss_gb(self.pid)})
+
+    def close(self):
+        self.t.shutdown(); self.tmp.cleanup()
+
+
+class TRL:
+    "TRL's SFTTrainer.train() in a thread that runs one optimizer step each time `step()` hands it the turn."
+    def __init__(self, folder, packed, args, data, rows=None):
+        import threading, torch, trl
+        from datasets import Dataset
+        from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+        from transformers.trainer_callback import PrinterCallback
+        self.name, self.args = 'trl packed' if packed else 'trl padded', args
+        tok = AutoTokenizer.from_pretrained(folder)
+        if tok.pad_token is None: tok.pad_token = tok.eos_token  # as sft_nb does
+        tok.chat_template = data['template']
+        ids = data['keep'] if packed else [i for b in rows for i in b]  # packed: TRL packs and shuffles; padded: our batches, in order
+        ds = Dataset.from_list([{'messages': data['messages'][i]} for i in ids])
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation='sdpa')
+        self.turn, self.done = threading.Semaphore(0), threading.Semaphore(0)
+        self.step_s, self.wall_s, self.cpu, self.losses, self.stats, self.error, self.closing = [], [], [], [], [], None, False
+        me = self
+
+        class Timer(TrainerCallback):  # times on_step_begin → on_step_end; waits for its turn between steps
+            def on_train_begin(s, args_, state, control, **k):
+                me.turn.acquire(); s.last = time.perf_counter()
+                if me.closing: control.should_training_stop = True
+            def on_step_begin(s, *a, **k): s.begin = (time.perf_counter(), time.process_time())
+            def on_step_end(s, args_, state, control, **k):
+                now = time.perf_counter()
+                me.step_s.append(now - s.begin[0]); me.wall_s.append(now - s.last); me.cpu.append(time.process_time() - s.begin[1])
+                trim()  # outside the timed step, as for ours
+                me.done.release(); me.turn.acquire(); s.last = time.perf_counter()
+                if me.closing: control.should_training_stop = True  # closed early (an error elsewhere): stop after this step
+
+        class Trainer(trl.SFTTrainer):
+            def compute_loss(s, model, inputs, return_outputs=False, num_items_in_batch=None):
+                out = super().compute_loss(model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch)
+                if model.training: me.losses.append(float((out[0] if return_outputs else out).detach()))
+                return out
+
+        self.tmp = tempfile.TemporaryDirectory(prefix='trl_bench_')
+        cfg = trl.SFTConfig(output_dir=self.tmp.name, per_device_train_batch_size=args.batch, gradient_accumulation_steps=1,
+                            max_steps=args.n_steps, learning_rate=args.lr, lr_scheduler_type='constant', warmup_steps=0,
+                            weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,  # = sft_nb's optim defaults
+                            max_length=args.max_length, packing=packed, assistant_only_loss=True,
+                            gradient_checkpointing=False,  # TRL defaults to True; sft_nb does not checkpoint
+                            report_to=[], use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy='no',
+                            eval_strategy='no', dataloader_num_workers=0, seed=0, disable_tqdm=True,
+                            train_sampling_strategy='random' if packed else 'sequential')
+        tr = self.tr = Trainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
+        tr.remove_callback(PrinterCallback)  # no per-step printing (sft_nb runs with no tracker either)
+        self.check = None
+        if not packed:  # TRL's tokenization of the same rows must equal ours
+            mism = sum(1 for i, r in zip(ids, tr.train_dataset) if list(r['input_ids']) != data['ours'][i][0]
+                       or [int(l != -100) for l in r['labels']][1:] != data['ours'][i][1][1:])
+            self.check = f"{mism} of {len(ids)} rows differ from sft_nb's input_ids/trained-token mask"
+        collate = tr.data_collator
+        def counting(examples):  # real tokens (no padding), trained tokens, positions of each batch
+            b = collate(examples)
+            real = int(b['attention_mask'].sum()) if 'attention_mask' in b else int(b['input_ids'].numel())
+            self.stats.append((real, int((b['labels'][:, 1:] != -100).sum()), int(b['input_ids'].numel())))
+            return b
+        tr.data_collator = counting
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+
+    def _run(self):
+        try: self.tr.train()
+        except BaseException as e: self.error = e
+        finally: self.done.release()
+
+    def step(self):
+        self.turn.release(); self.done.acquire()
+        if self.error is not None: raise RuntimeError(f"{self.name} failed") from self.error
+
+    def result(self):
+        n = self.args.n_steps
+        return summarize(self.name, self.losses[:n], [s[0] for s in self.stats[:n]], [s[1] for s in self.stats[:n]],
+                         [s[2] for s in self.stats[:n]], self.step_s[:n], self.wall_s[:n], self.cpu[:n], extra={'token_check': self.check})
+
+    def close(self):
+        self.closing = True; self.turn.release(); self.thread.join(timeout=900); self.tmp.cleanup()
+        del self.tr; gc.collect()
+
+
+def run_interleaved(folder, methods, args, data):
+    """Set up every method, then run their steps round-robin (step k of each method before step k+1 of any; the first
+    method of each round rotates), so that a changing machine load hits all of them alike. Only one runs at a time."""
+    import torch, ray
+    from sft_nb.workers import init_ray
+    torch.set_num_threads(args.threads)
+    # one local Ray cluster for both of our trainers: 2 workers × `threads` logical CPUs (only one computes at a time)
+    started = init_ray(num_cpus=max(os.cpu_count(), 2 * args.threads))
+    steppers = {}
+    try:
+        for m in ('ours padded', 'ours packed'):
+            if m in methods: steppers[m] = Ours(folder, m == 'ours packed', args)
+        if 'trl padded' in methods:
+            if 'ours padded' not in steppers: raise SystemExit("trl padded needs ours padded (it replays its batches)")
+            steppers['trl padded'] = TRL(folder, False, args, data, steppers['ours padded'].rows)
+        if 'trl packed' in methods: steppers['trl packed'] = TRL(folder, True, args, data)
+        names = list(steppers)
+        for k in range(args.n_steps):
+            for j in range(len(names)):
+                steppers[names[(k + j) % len(names)]].step()
+            log(f"    step {k + 1}/{args.n_steps} done (loadavg {os.getloadavg()[0]:.2f})")
+        return {m: st.result() for m, st in steppers.items()}
+    finally:
+        for st in steppers.values():
+            try: st.close()
+            except Exception as e: log(f"close {st.name}: {e!r}")
+        steppers.clear(); gc.collect(); trim()
+        if started: ray.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+def loss_at(r, T):
+    "Token-weighted mean loss over the run's first steps until T real tokens are reached."
+    tot = w = acc = 0
+    for loss, n, k in zip(r['loss'], r['n_tokens'], r['n_trained']):
+        acc += loss * k; w += k; tot += n
+        if tot >= T: break
+    return acc / w
+
+
+def med(rs, key): return statistics.median(r[key] for r in rs)
+
+
+def table(model, runs, steps, batch):
+    "runs: method → list of repeats. Markdown rows + verdicts."
+    T = min(sum(rs[0]['n_tokens']) for rs in runs.values())
+    base = med(runs['trl padded'], 'tokens_per_s') if 'trl padded' in runs else None
+    lines = []
+    for m in METHODS:
+        if m not in runs: continue
+        rs = runs[m]; r = rs[0]
+        tps = med(rs, 'tokens_per_s')
+        spread = f"{min(x['tokens_per_s'] for x in rs):,.0f}–{max(x['tokens_per_s'] for x in rs):,.0f}" if len(rs) > 1 else ''
+        wall = f"{med(rs, 'wall_tokens_per_s'):,.0f}" if 'wall_tokens_per_s' in r else f"{tps:,.0f}"
+        ratio = f"{tps / base:.2f}×" if base else '–'
+        step = statistics.median(x for rr in rs for x in rr['step_time'][1:])
+        per_step = statistics.median(x['median_step_tokens_per_s'] for x in rs)
+        cpu = f"{med(rs, 'tokens_per_cpu_s'):,.0f}" if all(x.get('tokens_per_cpu_s') for x in rs) else '–'
+        lines.append(f"| {model} | {m} | {steps} | {batch} | {tps:,.0f} | {spread} | {per_step:,.0f} | {wall} | {ratio} | {cpu} | "
+                     f"{r['final_loss']:.4f} | {r['mean_loss']:.4f} | {loss_at(r, T):.4f} | {sum(r['n_tokens']):,} | "
+                     f"{r['padding_efficiency']:.0%} | {step:.3f} |")
+    verdicts = []
+    tp = lambda m: med(runs[m], 'tokens_per_s')
+    if 'ours packed' in runs and 'ours padded' in runs:
+        x = tp('ours packed') / tp('ours padded')
+        verdicts.append(f"{model}: ours packed / ours padded = {x:.2f}× tokens/s (target ≥ 1.5×): {'MET' if x >= 1.5 else 'NOT MET'}")
+    for a, b in (('ours padded', 'trl padded'), ('ours packed', 'trl packed')):
+        if a in runs and b in runs:
+            x = tp(a) / tp(b)
+            la, lb = runs[a][0], runs[b][0]
+            dl = max(abs(p - q) for p, q in zip(la['loss'], lb['loss']))
+            same = a.endswith('padded')
+            eq = (f"same batches, max per-step |Δloss| {dl:.4f}" if same else
+                  f"loss@{T:,} tokens {loss_at(la, T):.4f} vs {loss_at(lb, T):.4f}, mean loss {la['mean_loss']:.4f} vs {lb['mean_loss']:.4f}")
+            paired = statistics.median((na / ta) / (nb / tb) for ra, rb in zip(runs[a], runs[b]) for na, ta, nb, tb in
+                                       zip(ra['n_tokens'][1:], ra['step_time'][1:], rb['n_tokens'][1:], rb['step_time'][1:]))
+            verdicts.append(f"{model}: {a} / {b} = {x:.2f}× (median of per-step ratios {paired:.2f}×; target ≥ 1.2×; {eq}): "
+                            f"{'MET' if x >= 1.2 else 'NOT MET'}")
+    ours = [m for m in ('ours padded', 'ours packed') if m in runs]; trls = [m for m in ('trl padded', 'trl packed') if m in runs]
+    if ours and trls:
+        bo, bt = max(ours, key=tp), max(trls, key=tp)
+        x = tp(bo) / tp(bt)
+        verdicts.append(f"{model}: best ours ({bo}) / best TRL ({bt}) = {x:.2f}× (target ≥ 1.2×): {'MET' if x >= 1.2 else 'NOT MET'}")
+    return lines, verdicts, T
+
+
+HEADER = ("| model | method | steps | batch | tokens/s | range over repeats | median per-step tokens/s | tokens/s incl. TRL collation | "
+          "vs TRL padded | tokens per CPU-s | final loss | mean loss | loss@T | real tokens | real/positions | median step (s) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def versions():
+    import torch, transformers, datasets, ray
+    v = {'python': platform.python_version(), 'torch': torch.__version__, 'transformers': transformers.__version__,
+         'datasets': datasets.__version__, 'ray': ray.__version__}
+    try:
+        import trl; v['trl'] = trl.__version__
+    except Exception: v['trl'] = 'not installed'
+    return v
+
+
+def cpu_main(args):
+    from sft_nb.models import smollm2_instruct, tiny_chat_model
+    models = {'smollm2': (smollm2_instruct, args.steps_smollm2, args.repeats_smollm2), 'tiny': (tiny_chat_model, args.steps_tiny, args.repeats_tiny)}
+    load0 = os.getloadavg()
+    log(f"loadavg before: {load0}")
+    out = {'args': vars(args), 'versions': versions(), 'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
+           'machine': f"{platform.machine()}, {os.cpu_count()} CPUs visible, {platform.platform()}", 'loadavg_before': load0, 'models': {}}
+    all_lines, all_verdicts = [], []
+    for name in args.models.split(','):
+        build, steps, repeats = models[name]
+        folder = build()
+        args.n_steps = steps
+        data = prepare(folder, args.max_length)
+        log(f"[{name}] {data['report']}")
+        methods = [m for m in METHODS if m in args.methods.split(',')]
+        mode = args.interleave if args.interleave != 'auto' else ('pairs' if name == 'smollm2' else 'all')
+        groups = ([methods] if mode == 'all' else
+                  [g for g in ([m for m in methods if m.endswith(k)] for k in ('padded', 'packed')) if g])
+        runs, notes = {m: [] for m in methods}, []
+        for rep in range(repeats):
+            for g in (groups if rep % 2 == 0 else groups[::-1]):
+                la = os.getloadavg()
+                log(f"[{name}] repeat {rep + 1}/{repeats}: {', '.join(g)} interleaved, {steps} steps, batch {args.batch}, loadavg {la}")
+                try: res = run_interleaved(folder, g, args, data)
+                except Exception as e:
+                    log(f"    FAILED: {e!r}"); notes.append(f"{name}: group {g} (repeat {rep + 1}) failed: {str(e)[:300]}"); continue
+                finally: gc.collect(); trim()
+                for m, r in res.items():
+                    r['loadavg_start'], r['loadavg_end'] = la, os.getloadavg()
+                    runs[m].append(r)
+                    log(f"    {m}: {r['tokens_per_s']:,.0f} tokens/s, final loss {r['final_loss']:.4f}, mean loss {r['mean_loss']:.4f}"
+                        + (f"; TRL tokenization check: {r['token_check']}" if r.get('token_check') else ''))
+                if args.json: Path(args.json).with_suffix('.partial.json').write_text(json.dumps({'model': name, 'runs': runs}, default=str))
+        notes.append(f"{name}: methods run interleaved step by step in groups {groups}")
+        runs = {m: rs for m, rs in runs.items() if rs}
+        if not runs:
+            for v in notes: print('- ' + v, flush=True)
+            continue
+        for m, rs in runs.items():
+            if len(rs) > 1 and any(abs(a - b) > 1e-3 for x in rs[1:] for a, b in zip(rs[0]['loss'], x['loss'])):
+                notes.append(f"{name} {m}: losses differ between repeats")
+            if rs[0].get('token_check'): notes.append(f"{name} {m}: TRL tokenization check: {rs[0]['token_check']}")
+        lines, verdicts, T = table(name, runs, steps, args.batch)
+        notes.append(f"{name}: loss@T uses T = {T:,} real tokens")
+        if 'ours padded' in runs and 'trl padded' in runs:
+            a, b = runs['ours padded'][0], runs['trl padded'][0]
+            notes.append(f"{name}: ours padded vs TRL padded: real tokens {sum(a['n_tokens']):,} vs {sum(b['n_tokens']):,}, "
+                         f"trained tokens {sum(a['n_trained']):,} vs {sum(b['n_trained']):,}; per-step losses ours "
+                         f"{[round(x, 4) for x in a['loss']]} vs TRL {[round(x, 4) for x in b['loss']]}")
+        all_lines += lines; all_verdicts += verdicts
+        out['models'][name] = {'runs': runs,
+                               'verdicts': verdicts, 'notes': notes, 'T': T, 'data': data['report']}
+        print('\n'.join([HEADER] + lines), flush=True)
+        for v in verdicts + notes: print('- ' + v, flush=True)
+    out['loadavg_after'] = os.getloadavg()
+    log(f"loadavg after: {out['loadavg_after']}")
+    print('\n## All models\n\n' + '\n'.join([HEADER] + all_lines))
+    print('\n' + '\n'.join('- ' + v for v in all_verdicts))
+    if args.json: Path(args.json).write_text(json.dumps(out, indent=1, default=str))
+
+
+def gpu_main(args):
+    "SmolLM2 in bf16 on one CUDA GPU: ours packed vs padded, tokens/s and model FLOPs utilization."
+    import torch
+    if not torch.cuda.is_available(): raise SystemExit("--gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
+    from sft_nb.models import smollm2_instruct
+    folder = smollm2_instruct()
+    args.n_steps = args.steps_gpu
+    peak = args.peak_tflops * 1e12
+    print(f"GPU: {torch.cuda.get_device_name(0)}; peak bf16 dense {args.peak_tflops} TFLOP/s; versions {versions()}")
+    print("| model | method | dtype | steps | batch | tokens/s | MFU (6·N·tokens/s ÷ peak) | final loss | mean loss |\n|---|---|---|---|---|---|---|---|---|")
+    res = {}
+    for packed in (False, True):  # one after the other: each worker takes the GPU
+        st = Ours(folder, packed, args, use_gpu=True)
+        try:
+            for _ in range(args.n_steps): st.step()
+            r = st.result()
+        finally: st.close()
+        res[r['method']] = r
+        mfu = 6 * r['n_params'] * r['tokens_per_s'] / peak
+        print(f"| smollm2 | {r['method']} | bf16 | {r['steps']} | {args.batch} | {r['tokens_per_s']:,.0f} | {mfu:.2%} | "
+              f"{r['final_loss']:.4f} | {r['mean_loss']:.4f} |", flush=True)
+    x = res['ours packed']['tokens_per_s'] / res['ours padded']['tokens_per_s']
+    print(f"- ours packed / ours padded = {x:.2f}× (target ≥ 1.5×): {'MET' if x >= 1.5 else 'NOT MET'}; "
+          f"N = {res['ours packed']['n_params']:,} parameters; MFU counts 6·N FLOPs per token (no attention FLOPs)")
+    if args.json: Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+
+
+def profile_main(args):
+    """One padded step of the same 8 rows, in this process: sft_nb's worker code (`FSDPWorker.forward_backward` +
+    `optim_step`, what the Ray actor runs) vs TRL (`training_step` + clip + optimizer step), timed and profiled."""
+    import numpy as np, torch, trl
+    from dataclasses import asdict
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.collate import collate_padded
+    from sft_nb.config import ModelConfig, OptimConfig
+    from sft_nb.models import smollm2_instruct, tiny_chat_model
+    from torch.profiler import profile, ProfilerActivity
+    torch.set_num_threads(args.threads)
+    name = args.models.split(',')[0]
+    folder = {'smollm2': smollm2_instruct, 'tiny': tiny_chat_model}[name]()
+    data = prepare(folder, args.max_length)
+    keep = data['keep']
+    ids = [keep[k] for k in np.random.default_rng(0).permutation(len(keep))[:args.batch]]  # = our padded step 1
+    tok = AutoTokenizer.from_pretrained(folder)
+    if tok.pad_token is None: tok.pad_token = tok.eos_token
+    batch = collate_padded([{'input_ids': data['ours'][i][0], 'loss_mask': data['ours'][i][1]} for i in ids], tok.pad_token_id)
+    n_trained, n_tokens = batch.pop('n_trained'), batch.pop('n_tokens')
+    print(f"profile: {name}, {args.batch} rows, {n_tokens} real tokens, batch shape {tuple(batch['input_ids'].shape)}, "
+          f"{n_trained} trained, {args.threads} threads")
+    w = FSDPWorker(0, 1, model=asdict(ModelConfig(path=str(folder))), optim=asdict(OptimConfig(lr=args.lr, schedule='constant')),
+                   total_steps=100)
+    w.setup()
+    ours = lambda: (w.forward_backward([batch], n_trained), w.optim_step())
+
+    tok.chat_template = data['template']
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation='sdpa')
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = trl.SFTConfig(output_dir=tmp, per_device_train_batch_size=args.batch, max_steps=100, learning_rate=args.lr,
+                            lr_scheduler_type='constant', adam_beta2=0.95, max_length=args.max_length, assistant_only_loss=True,
+                            gradient_checkpointing=False, report_to=[], use_cpu=True, bf16=False, save_strategy='no', disable_tqdm=True)
+        tr = trl.SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list([{'messages': data['messages'][i]} for i in ids]),
+                            processing_class=tok)
+        tr.create_optimizer_and_scheduler(num_training_steps=100)
+        inputs = tr.data_collator([tr.train_dataset[i] for i in range(len(ids))])
+        assert torch.equal(inputs['input_ids'], batch['input_ids'][:, :inputs['input_ids'].shape[1]]), 'different batches'
+        def trl_step():
+            model.train()
+            tr.training_step(model, inputs, torch.tensor(n_trained))
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            tr.optimizer.step(); tr.optimizer.zero_grad(set_to_none=True)
+        res = {}
+        for label, fn in (('sft_nb worker step', ours), ('TRL step', trl_step)):
+            fn()  # warm-up
+            ts = []
+            for _ in range(args.profile_steps):
+                t0 = time.perf_counter(); fn(); ts.append(time.perf_counter() - t0)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                fn()
+            res[label] = ts
+            print(f"\n### {label}: {args.profile_steps} timed steps {[round(x, 3) for x in ts]} s, median {statistics.median(ts):.3f} s "
+                  f"({n_tokens / statistics.median(ts):,.0f} real tokens/s); torch.profiler, one more step, top ops by self CPU time:\n")
+            print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=args.profile_rows, max_name_column_width=50))
+    a, b = (statistics.median(res[k]) for k in ('sft_nb worker step', 'TRL step'))
+    print(f"in-process step: sft_nb worker {a:.3f} s vs TRL {b:.3f} s (sft_nb / TRL time = {a / b:.2f})")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    p.add_argument('--models', default='smollm2,tiny', help='comma list of smollm2, tiny')
+    p.add_argument('--methods', default=','.join(m.replace(' ', '_') for m in METHODS), help='comma list of ' + ', '.join(m.replace(' ', '_') for m in METHODS))
+    p.add_argument('--steps-smollm2', type=int, default=6)
+    p.add_argument('--steps-tiny', type=int, default=30)
+    p.add_argument('--steps-gpu', type=int, default=30)
+    p.add_argument('--batch', type=int, default=8, help='global batch: rows (padded) or packed rows (packed)')
+    p.add_argument('--micro-batch', type=int, default=None, help='ours: micro-batch size (default = batch)')
+    p.add_argument('--max-length', type=int, default=512)
+    p.add_argument('--lr', type=float, default=5e-5)
+    p.add_argument('--threads', type=int, default=2, help='torch threads (TRL, in this process) = cpus_per_worker (ours)')
+    p.add_argument('--repeats-smollm2', type=int, default=1, help='run every SmolLM2 method this many times (alternating order); medians are reported')
+    p.add_argument('--repeats-tiny', type=int, default=3, help='the same for the tiny model')
+    p.add_argument('--json', default=None, help='write every per-step number here')
+    p.add_argument('--gpu', action='store_true', help='CUDA: SmolLM2 bf16, ours packed vs padded, tokens/s and MFU')
+    p.add_argument('--peak-tflops', type=float, default=989.0, help='peak dense bf16 TFLOP/s of the GPU (989: H100/H200 SXM)')
+    p.add_argument('--interleave', choices=('auto', 'all', 'pairs'), default='auto',
+                   help="all: the 4 methods step by step together; pairs: ours/TRL padded, then ours/TRL packed (less memory); "
+                        "auto: pairs for smollm2 (4 fp32 copies with Adam and activations do not fit in 24 GB), all for tiny")
+    p.add_argument('--ray-niceness', type=int, default=0, help="niceness of our Ray workers (Ray's own default is 15; -1 = leave Ray's default)")
+    p.add_argument('--profile', action='store_true', help='profile one padded step of ours (worker code, in-process) and of TRL (first of --models)')
+    p.add_argument('--profile-steps', type=int, default=3)
+    p.add_argument('--profile-rows', type=int, default=25)
+    args = p.parse_args()
+    # Ray starts its worker processes at niceness 15 unless told otherwise; on a shared, busy machine that starves our
+    # workers against TRL (which runs in this process, at niceness 0). Same priority for both by default.
+    if args.ray_niceness >= 0: os.environ['RAY_worker_niceness'] = str(args.ray_niceness)
+    args.methods = args.methods.replace('_', ' ')
+    warnings.filterwarnings('ignore')
+    profile_main(args) if args.profile else gpu_main(args) if args.gpu else cpu_main(args)
+
+
+if __name__ == '__main__':
+    main()
