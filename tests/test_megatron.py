@@ -3,6 +3,7 @@ import pytest
 import torch
 from sft_nb.demo_data import identity_rows
 from sft_nb.trainer import SFTTrainer
+from helpers import run_cfg
 
 pytest.importorskip('megatron.core')
 ROWS = identity_rows()['train']
@@ -10,15 +11,9 @@ STEPS = 5
 
 
 def make_cfg(tiny_path, run_dir, **kw):
-    cfg = {'model': {'path': str(tiny_path)},
-           'optim': {'lr': 1e-3, 'schedule': 'cosine', 'max_grad_norm': 1.0, 'warmup_steps': 1},
-           'train': {'global_batch_size': 8, 'micro_batch_size': 2, 'num_steps': STEPS},
-           'placement': {'workers_per_node': 1}, 'checkpoint': {'run_dir': str(run_dir), 'export_hf': False},
-           'logging': {'trackers': ['jsonl']}}
-    for k, v in kw.items():
-        sec, key = k.split('__')
-        cfg.setdefault(sec, {})[key] = v
-    return cfg
+    "Cosine schedule with warmup and clipping over STEPS steps, micro-batches of 2."
+    return run_cfg(tiny_path, run_dir, **{'optim__lr': 1e-3, 'optim__schedule': 'cosine', 'optim__max_grad_norm': 1.0,
+                                          'optim__warmup_steps': 1, 'train__micro_batch_size': 2, 'train__num_steps': STEPS, **kw})
 
 
 def in_process_worker(path, **placement):

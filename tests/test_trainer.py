@@ -8,20 +8,14 @@ from sft_nb.optim import lr_at
 from sft_nb.trainer import SFTTrainer
 from sft_nb.callbacks import Callback
 from sft_nb.workers import WorkerError
+from helpers import run_cfg
 
 ROWS = identity_rows()['train']
 
 
 def make_cfg(tiny_path, run_dir, **kw):
-    cfg = {'model': {'path': str(tiny_path)},
-           'optim': {'lr': 1e-2, 'schedule': 'constant', 'max_grad_norm': 0.0},
-           'train': {'global_batch_size': 8, 'micro_batch_size': 1, 'num_steps': 1},
-           'placement': {'workers_per_node': 1}, 'checkpoint': {'run_dir': str(run_dir), 'export_hf': False},
-           'logging': {'trackers': ['jsonl']}}
-    for k, v in kw.items():
-        sec, key = k.split('__')
-        cfg.setdefault(sec, {})[key] = v
-    return cfg
+    "No clipping: the parity tests compare raw gradients."
+    return run_cfg(tiny_path, run_dir, **{'optim__max_grad_norm': 0.0, **kw})
 
 
 def weights(t):

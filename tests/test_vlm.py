@@ -3,6 +3,7 @@ import base64, io, json, os
 import numpy as np
 import pytest
 from sft_nb.config import ConfigError
+from helpers import run_cfg
 from sft_nb.tokenize import TokenizeSpec, tokenize_conversation
 from sft_nb.vision import vision_conversation, tokenize_vision, tokenize_vision_dataset, tokenize_vision_rows
 
@@ -91,17 +92,11 @@ def test_bad_and_truncated_image_rows(proc, demo, shared, tmp_path):
 
 
 def vlm_cfg(shared, run_dir, **kw):
-    cfg = {'model': {'path': 'tiny-vlm'},
-           'data': {'train': [{'path': str(shared / 'datasets' / 'mllm_demo.json')}, {'path': 'sft_nb:identity', 'max_rows': 18}]},
-           'tokenize': {'max_length': 512, 'cache_dir': str(run_dir / 'cache')},
-           'optim': {'lr': 1e-2, 'schedule': 'constant'},
-           'train': {'global_batch_size': 8, 'micro_batch_size': 4, 'num_steps': 10},
-           'placement': {'workers_per_node': 1}, 'checkpoint': {'run_dir': str(run_dir), 'export_hf': False},
-           'logging': {'trackers': ['jsonl']}}
-    for k, v in kw.items():
-        sec, key = k.split('__')
-        cfg.setdefault(sec, {})[key] = v
-    return cfg
+    "tiny-vlm on mllm_demo image rows mixed with 18 text rows, 10 steps of 2 micro-batches of 4."
+    return run_cfg('tiny-vlm', run_dir, **{
+        'data__train': [{'path': str(shared / 'datasets' / 'mllm_demo.json')}, {'path': 'sft_nb:identity', 'max_rows': 18}],
+        'tokenize__max_length': 512, 'tokenize__cache_dir': str(run_dir / 'cache'),
+        'train__micro_batch_size': 4, 'train__num_steps': 10, **kw})
 
 
 def test_vlm_trains_mixed_rows_and_resumes(shared, tmp_path, ray_session):
