@@ -59,6 +59,17 @@ def test_train_yaml_and_run_notebook(tmp_path):
     assert (run / 'checkpoints' / 'step_000003' / 'trainer_state.json').exists() and (run / 'hf' / 'config.json').exists()
 
 
+def test_synthetic_throughput_run_with_profiler(tmp_path):
+    "A data-free batch run: synthetic full-context rows in data order, a torch.profiler window on step 2."
+    run = tmp_path / 'synth'
+    r = sft_nb('run', TRAIN_NB, '-p', 'synthetic_rows', '16', '-p', 'max_length', '32', '-p', 'max_steps', '2', '-p', 'global_batch_size', '4',
+               '-p', 'sampler', 'sequential', '-p', 'profile_step', '2', '-p', 'eval_fraction', '0.0', '-p', 'export_hf', 'False', '--run-dir', run)
+    assert r.returncode == 0, r.stderr[-3000:]
+    rows = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines() if '"loss"' in l]
+    assert [m['n_tokens'] for m in rows] == [4 * 32] * 2 and [m['n_trained'] for m in rows] == [4 * 31] * 2
+    assert (run / 'profile' / 'steps_2-2' / 'rank0.json').stat().st_size > 0
+
+
 def _ray_node(args, tmp):
     "Start one Ray node with `--block` so that terminating this PID stops exactly the node we started."
     log = open(tmp / f'ray_{len(list(tmp.glob("ray_*")))}.log', 'w')

@@ -133,3 +133,22 @@ def test_killed_actor_names_rank_and_keeps_checkpoint(tiny_path, tmp_path, ray_s
         assert sorted(p.name for p in ckpt.iterdir()) == before and t.checkpoints() == [ckpt]
     finally:
         t.shutdown()
+
+
+def test_prefetch_and_sampler_in_checkpoint(tiny_path, tmp_path, ray_session):
+    "The next step's batch is collated during this step and equals a fresh collation; a resume under another sampler is refused."
+    from sft_nb.config import ConfigError
+    with SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=3, train__sampler='sequential'), train_data=ROWS) as t:
+        t.step()
+        (nxt, fut), = t._pending.items()
+        assert nxt == 1
+        (pre, n_trained, n_tokens), (ref, n_trained2, n_tokens2) = fut.result(), t._rank_batches(t.global_batch(1))
+        assert (n_trained, n_tokens) == (n_trained2, n_tokens2) and n_tokens > 0
+        for a, b in zip(pre[0], ref[0]): assert all(torch.equal(a[k], b[k]) for k in ('input_ids', 'labels'))
+        ck = t.save()
+    t2 = SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=3), train_data=ROWS)
+    try:
+        with pytest.raises(ConfigError, match="train.sampler: the checkpoint's run used 'sequential', this config 'random'"):
+            t2.load(ck)
+    finally: t2.shutdown()
+    assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == 1  # the checkpoint is left as it was
