@@ -27,7 +27,8 @@ What is compared (CPU):
   `torch.set_num_threads(threads)`; ours in a Ray worker with `cpus_per_worker=threads`, both at niceness 0
   (`--ray-niceness`; Ray's default would start our workers at 15).
 - tokens/s = Σ real (non-padding) tokens / Σ step time over steps 2..N (step 1 is warm-up). Our step time is
-  `SFTTrainer.step()`: collation on the driver + the Ray call to forward/backward + optimizer step. TRL's step time
+  `SFTTrainer.step()`: collation on the driver (since 264d089 done in a thread during the previous step, except for
+  step 1) + the Ray call to forward/backward + optimizer step. TRL's step time
   is on_step_begin → on_step_end (forward/backward/clip/optimizer step; its collation happens before on_step_begin,
   so it is excluded); "incl. TRL collation" adds TRL's time between steps (logging + next batch's collation).
   Also shown: the median of per-step tokens/s, the median of per-step ratios for each ours/TRL pair, and tokens per
