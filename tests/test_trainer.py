@@ -152,3 +152,37 @@ def test_prefetch_and_sampler_in_checkpoint(tiny_path, tmp_path, ray_session):
             t2.load(ck)
     finally: t2.shutdown()
     assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == 1  # the checkpoint is left as it was
+
+
+def test_lora_adapter_only_exact_resume_and_both_exports(tiny_path, tmp_path, ray_session):
+    """LoRA with dropout 0.3: the base weights stay as loaded; 2 steps + resume + 2 == 4 straight (the dropout masks
+    after resume come from the checkpoint's RNG streams); the merged and the adapter-only exports give the same logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+    lora = dict(model__lora_r=4, model__lora_dropout=0.3, train__num_steps=4)
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'straight', **lora), train_data=ROWS) as t:
+        straight = t.fit()['loss'].tolist()
+        trained = weights(t)
+        merged = t.export(tmp_path / 'merged')
+        t.cfg.checkpoint.lora_export = 'adapter'
+        adapter = t.export(tmp_path / 'adapter')
+    base = AutoModelForCausalLM.from_pretrained(tiny_path)
+    base_sd = base.state_dict()
+    frozen = {k: v for k, v in trained.items() if 'lora_' not in k}
+    assert frozen and any('lora_' in k for k in trained)
+    for k, v in frozen.items():
+        assert torch.equal(v, base_sd[k.removeprefix('base_model.model.').replace('.base_layer', '')]), k
+
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', **lora), train_data=ROWS) as t:
+        t.fit(2); t.save()
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', checkpoint__resume='auto', **lora), train_data=ROWS) as t:
+        resumed = t.fit()['loss'].tolist()
+    assert resumed == straight, (resumed, straight)
+
+    assert (adapter / 'adapter_config.json').exists() and not (adapter / 'model.safetensors').exists()
+    ids = torch.tensor([[1, 5, 9, 20, 7, 3]])
+    with torch.no_grad():
+        m = AutoModelForCausalLM.from_pretrained(merged).eval()(ids).logits
+        a = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), adapter).eval()(ids).logits
+        b = base.eval()(ids).logits
+    assert float((m - a).abs().max()) <= 1e-5 and float((m - b).abs().max()) > 1e-4
