@@ -60,14 +60,16 @@ def test_train_yaml_and_run_notebook(tmp_path):
 
 
 def test_synthetic_throughput_run_with_profiler(tmp_path):
-    "A data-free batch run: synthetic full-context rows in data order, a torch.profiler window on step 2."
+    "A data-free LoRA batch run: synthetic full-context rows in data order, a torch.profiler window on step 2, the adapter exported."
     run = tmp_path / 'synth'
     r = sft_nb('run', TRAIN_NB, '-p', 'synthetic_rows', '16', '-p', 'max_length', '32', '-p', 'max_steps', '2', '-p', 'global_batch_size', '4',
-               '-p', 'sampler', 'sequential', '-p', 'profile_step', '2', '-p', 'eval_fraction', '0.0', '-p', 'export_hf', 'False', '--run-dir', run)
+               '-p', 'sampler', 'sequential', '-p', 'profile_step', '2', '-p', 'eval_fraction', '0.0',
+               '-p', 'lora_r', '4', '-p', 'lora_export', 'adapter', '--run-dir', run)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines() if '"loss"' in l]
     assert [m['n_tokens'] for m in rows] == [4 * 32] * 2 and [m['n_trained'] for m in rows] == [4 * 31] * 2
     assert (run / 'profile' / 'steps_2-2' / 'rank0.json').stat().st_size > 0
+    assert (run / 'hf' / 'adapter_config.json').exists() and not (run / 'hf' / 'model.safetensors').exists()
 
 
 def _ray_node(args, tmp):
