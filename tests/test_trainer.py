@@ -175,7 +175,7 @@ def test_lora_adapter_only_exact_resume_and_both_exports(tiny_path, tmp_path, ra
 
     with SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', **lora), train_data=ROWS) as t:
         t.fit(2); t.save()
-    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', checkpoint__resume='auto', **lora), train_data=ROWS) as t:
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', checkpoint__resume='latest', **lora), train_data=ROWS) as t:
         resumed = t.fit()['loss'].tolist()
     assert resumed == straight, (resumed, straight)
 
