@@ -121,6 +121,17 @@ def test_vlm_trains_mixed_rows_and_resumes(shared, tmp_path, ray_session):
     assert max(abs(a - b) for a, b in zip(resumed[5:], full[5:])) <= 1e-5, (resumed, full)
 
 
+def test_vlm_two_workers_match_one(shared, tmp_path, ray_session):
+    "The same 3 mixed image/text global batches on 2 FSDP2 workers (2 micro-batches of 2 each) and on 1 (4 of 2): same losses."
+    from sft_nb.trainer import SFTTrainer
+    runs = {}
+    for workers in (1, 2):
+        with SFTTrainer(vlm_cfg(shared, tmp_path / f'w{workers}', train__num_steps=3, train__micro_batch_size=2,
+                                placement__workers_per_node=workers)) as t:
+            runs[workers] = t.fit()['loss'].tolist()
+    assert max(abs(a - b) for a, b in zip(runs[1], runs[2])) <= 1e-5, runs
+
+
 def test_packing_image_rows_is_refused(shared, tmp_path, ray_session):
     from sft_nb.trainer import SFTTrainer
     with pytest.raises(ConfigError, match='multi-dimensional'):
