@@ -4,7 +4,8 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import importlib, json, math, os, shutil, time
+import importlib, json, math, os, shutil, threading, time
+from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
@@ -18,7 +19,7 @@ from .callbacks import Control, Callback, make_trackers, JSONLTracker
 from .workers import init_ray, WorkerGroup, WorkerError
 
 # %% auto #0
-__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'SFTTrainer']
+__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'TrainerBusy', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
@@ -63,6 +64,9 @@ def synthetic_dataset(n_rows: int, length: int, vocab_size: int, seed: int = 0):
                               'n_trained': [length - 1] * n_rows, 'index': list(range(n_rows))})
 
 # %% ../nbs/08_trainer.ipynb #9819ee61
+class TrainerBusy(RuntimeError):
+    "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
+
 def _row(ds, i: int) -> dict:
     "One tokenized row as the collator's input (with images when the dataset has them)."
     r = ds[i]
@@ -86,10 +90,37 @@ class SFTTrainer:
         self._pool, self._pending = None, {}  # background collation of the next step's batch
         self.processor = None
         self.run_dir = Path(self.cfg.checkpoint.run_dir)
+        self._lock, self._owner, self.running = threading.Lock(), None, None  # one action at a time (see `_exclusive`)
+
+    # ---- one action at a time -------------------------------------------------------------------
+    @contextmanager
+    def _exclusive(self, action: str):
+        "Run `action` alone: a call from another thread while one runs raises `TrainerBusy`; nested calls in one thread are fine."
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me):
+                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.running}() is running in another thread "
+                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
+            outer = self._owner is None
+            if outer: self._owner, self.running = me, action
+        try: yield
+        finally:
+            if outer:
+                with self._lock: self._owner, self.running = None, None
+
+    def request_stop(self) -> bool:
+        "Ask a running `fit`/`train` to stop after the current step; does nothing (returns False) when idle."
+        if self.running not in ('fit', 'train'): return False
+        self.control.should_stop = True
+        return True
 
     # ---- build ---------------------------------------------------------------------------------
     def setup(self) -> 'SFTTrainer':
         "Tokenize, plan batches, start the workers, and resume if asked. Safe to call twice."
+        if self.group is not None: return self
+        with self._exclusive('setup'): return self._setup()
+
+    def _setup(self) -> 'SFTTrainer':
         if self.group is not None: return self
         from transformers import AutoTokenizer
         from sft_nb.models import resolve_model_path
@@ -250,6 +281,9 @@ class SFTTrainer:
 
     def step(self) -> dict:
         "One optimizer step on the next global batch; returns its metrics."
+        with self._exclusive('step'): return self._step()
+
+    def _step(self) -> dict:
         self.setup()
         if self.global_step >= self.total_steps: raise RuntimeError(f"all {self.total_steps} steps are done")
         step = self.global_step
@@ -288,8 +322,12 @@ class SFTTrainer:
 
     def fit(self, n_steps: int | None = None) -> pd.DataFrame:
         "Run `n_steps` more steps (default: to the end), honouring stop/save/evaluate flags after each step."
+        with self._exclusive('fit'): return self._fit(n_steps)
+
+    def _fit(self, n_steps: int | None = None) -> pd.DataFrame:
         self.setup()
         end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
+        self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
         self._emit('on_train_start')
         if self.cfg.train.eval_before and self.global_step == 0 and getattr(self, 'last_eval', {}).get('step') != 0: self.evaluate()
         while self.global_step < end:
@@ -302,6 +340,9 @@ class SFTTrainer:
 
     def train(self) -> pd.DataFrame:
         "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
+        with self._exclusive('train'): return self._train()
+
+    def _train(self) -> pd.DataFrame:
         h = self.fit()
         if self.eval_sets or getattr(self, 'heldout', None): self.evaluate()
         self.save()
@@ -315,6 +356,9 @@ class SFTTrainer:
 
     def evaluate(self) -> dict:
         "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
+        with self._exclusive('evaluate'): return self._evaluate()
+
+    def _evaluate(self) -> dict:
         self.setup()
         pad, dp, micro = self.tokenizer.pad_token_id, self.cfg.placement.dp_size, max(1, self.cfg.train.micro_batch_size)
         out = {'step': self.global_step}
@@ -340,6 +384,9 @@ class SFTTrainer:
 
     def save(self) -> Path:
         "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
+        with self._exclusive('save'): return self._save()
+
+    def _save(self) -> Path:
         self.setup()
         final = self.ckpt_dir / f'step_{self.global_step:06d}'
         if (final / 'trainer_state.json').exists(): return final
@@ -364,6 +411,9 @@ class SFTTrainer:
 
     def load(self, path: str | Path = 'latest') -> int:
         "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
+        with self._exclusive('load'): return self._load(path)
+
+    def _load(self, path: str | Path = 'latest') -> int:
         if self.group is None: self.setup()  # (setup itself calls load when checkpoint.resume is set)
         if path in ('latest', 'auto'):
             marker = self.ckpt_dir / 'latest'
@@ -389,6 +439,9 @@ class SFTTrainer:
 
     def export(self, path: str | Path | None = None) -> Path:
         "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
+        with self._exclusive('export'): return self._export(path)
+
+    def _export(self, path: str | Path | None = None) -> Path:
         self.setup()
         path = Path(path or self.run_dir / 'hf')
         from sft_nb.models import resolve_model_path
@@ -397,6 +450,9 @@ class SFTTrainer:
 
     def generate(self, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
         "Greedy answers of the current model to chat prompts."
+        with self._exclusive('generate'): return self._generate(messages_list, max_new_tokens)
+
+    def _generate(self, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
         self.setup()
         prompts = []
         for msgs in messages_list:
@@ -408,6 +464,9 @@ class SFTTrainer:
     # ---- teardown ------------------------------------------------------------------------------
     def shutdown(self):
         "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
+        with self._exclusive('shutdown'): self._shutdown()
+
+    def _shutdown(self):
         for cb in getattr(self, 'callbacks', []): cb.close()
         if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True); self._pool, self._pending = None, {}
         if self.group is not None: self.group.shutdown(); self.group = None
