@@ -87,6 +87,7 @@ class SFTTrainer:
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
         self.control, self.group, self.global_step, self.rows_history = Control(), None, 0, []
+        self.eval_history = []  # every evaluate() result, in order (a panel opened later draws them)
         self._pool, self._pending = None, {}  # background collation of the next step's batch
         self.processor = None
         self.run_dir = Path(self.cfg.checkpoint.run_dir)
@@ -375,6 +376,7 @@ class SFTTrainer:
             first = [k for k in out if k.endswith('_loss')][0]
             out['eval_loss'], out['eval_ppl'] = out[first], out[first.removesuffix('_loss') + '_ppl']
         self.last_eval = out
+        self.eval_history.append(out)
         self._emit('on_evaluate', out)
         return out
 
@@ -433,6 +435,7 @@ class SFTTrainer:
                               f"{self.cfg.train.sampler!r}; resuming would train on other rows than the run it continues")
         self.group.call('load', str(path))
         self.global_step, self.rows_history = state['global_step'], state['history']
+        self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
         for cb in self.callbacks:
             if isinstance(cb, JSONLTracker): cb.truncate(self.global_step)
         return self.global_step
