@@ -47,18 +47,26 @@ class EarlyStopping(Callback):
             if self.bad >= self.patience: trainer.control.should_stop = True
 
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
+def _in_panel() -> bool:
+    "True in a thread whose output a notebook `TrainerPanel` shows: the panel draws progress and eval lines itself."
+    import sys
+    return bool(getattr(sys.stderr, 'is_routed', lambda: False)())
+
 class ConsoleTracker(Callback):
-    "A tqdm bar (terminal or notebook) with the loss; eval results printed as lines."
+    "A tqdm bar (terminal or notebook) with the loss; eval results printed as lines (silent in a panel's runs)."
     def __init__(self, total: int | None = None): self.total, self.bar = total, None
     def on_train_start(self, trainer):
+        if _in_panel(): return
         from tqdm.auto import tqdm
         if self.bar is None:
             self.bar = tqdm(total=trainer.total_steps, initial=trainer.global_step, desc='train', dynamic_ncols=True)
     def on_log(self, trainer, metrics):
+        if _in_panel(): return
         if self.bar is None: self.on_train_start(trainer)
         self.bar.n = metrics['step']; self.bar.refresh()
         self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_s']:.0f}")
     def on_evaluate(self, trainer, metrics):
+        if _in_panel(): return
         msg = '  '.join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith('loss'))
         (self.bar.write if self.bar is not None else print)(f"step {metrics['step']}: {msg}")
     def close(self):
