@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #6913556c
 from __future__ import annotations
-import dataclasses, difflib, types, typing
+import dataclasses, difflib, math, types, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Literal, Any, get_args, get_origin
@@ -12,9 +12,9 @@ import yaml
 from fastcore.docments import docments
 
 # %% auto #0
-__all__ = ['ConfigError', 'from_dict', 'field_docs', 'SourceConfig', 'DataConfig', 'TokenizeConfig', 'PackingConfig',
-           'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig', 'CheckpointConfig', 'LoggingConfig',
-           'SFTConfig', 'parse_overrides', 'to_dict', 'load_config', 'save_config']
+__all__ = ['ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig', 'TokenizeConfig',
+           'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig', 'CheckpointConfig',
+           'LoggingConfig', 'SFTConfig', 'parse_overrides', 'to_dict', 'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
 class ConfigError(ValueError):
@@ -74,6 +74,16 @@ def from_dict(cls, d: dict, path: str = ''):
         if path and not str(e).startswith(path): raise ConfigError(f"{path}.{e}") from None
         raise
 
+def check_range(name: str, v, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False):
+    "Raise a `ConfigError` naming `name` unless `v` (None passes) is a finite number in the range (`lo_open`: > lo, else >= lo)."
+    if v is None: return
+    ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or (v < hi if hi_open else v <= hi))
+    if ok: return
+    if lo is not None and hi is not None: want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
+    elif lo is not None: want = f"{'>' if lo_open else '>='} {lo}"
+    else: want = f"{'<' if hi_open else '<='} {hi}"
+    raise ConfigError(f"{name}: must be {'a finite number ' if isinstance(v, float) else ''}{want}, got {v!r}")
+
 def field_docs(cls) -> dict[str, str]:
     "The comment after each field, used by `show_doc`, the CLI help and papermill parameters."
     return {k: v for k, v in docments(cls).items() if k != 'return' and v}
@@ -89,7 +99,7 @@ class SourceConfig:
     subset: str | None = None  # HF dataset configuration name
     max_rows: int | None = None  # read only the first rows (debugging)
     def __post_init__(self):
-        if self.weight <= 0: raise ConfigError(f"weight: must be > 0, got {self.weight}")
+        check_range('weight', self.weight, 0, lo_open=True); check_range('max_rows', self.max_rows, 1)
 
 @dataclass
 class DataConfig:
@@ -101,8 +111,7 @@ class DataConfig:
     seed: int = 0  # seed for mixing, shuffling and the held-out split
     synthetic_rows: int = 0  # > 0: ignore the sources and train on this many rows of random ids at tokenize.max_length (throughput runs)
     def __post_init__(self):
-        if not 0 <= self.eval_fraction < 1: raise ConfigError(f"eval_fraction: must be in [0, 1), got {self.eval_fraction}")
-        if self.synthetic_rows < 0: raise ConfigError(f"synthetic_rows: must be >= 0, got {self.synthetic_rows}")
+        check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
 
 @dataclass
 class TokenizeConfig:
@@ -116,8 +125,7 @@ class TokenizeConfig:
     ray_shards: int = 0  # > 0: tokenize as this many Ray tasks over the cluster's CPUs (multi-node)
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
     def __post_init__(self):
-        if self.max_length < 2: raise ConfigError(f"max_length: must be >= 2, got {self.max_length}")
-        if self.num_proc < 1: raise ConfigError(f"num_proc: must be >= 1, got {self.num_proc}")
+        check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
 
 @dataclass
 class PackingConfig:
@@ -125,7 +133,7 @@ class PackingConfig:
     enabled: bool = False  # pack rows into bins of `capacity` tokens instead of padding
     strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'mbs'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing)
     capacity: int | None = None  # tokens per packed row; None = tokenize.max_length
-    scope: Literal['dataset', 'global_batch'] = 'dataset'  # pack the whole dataset, or each global batch
+    def __post_init__(self): check_range('capacity', self.capacity, 2)
 
 @dataclass
 class ModelConfig:
@@ -138,6 +146,10 @@ class ModelConfig:
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout
     lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps
+    def __post_init__(self):
+        if not self.path.strip(): raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")
+        check_range('lora_r', self.lora_r, 0); check_range('lora_alpha', self.lora_alpha, 0, lo_open=True)
+        check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True)
 
 @dataclass
 class OptimConfig:
@@ -151,8 +163,11 @@ class OptimConfig:
     warmup_steps: int = 0  # linear warmup steps
     min_lr_ratio: float = 0.0  # final LR as a fraction of `lr` (linear/cosine)
     def __post_init__(self):
-        if self.lr <= 0: raise ConfigError(f"lr: must be > 0, got {self.lr}")
+        check_range('lr', self.lr, 0, lo_open=True); check_range('eps', self.eps, 0, lo_open=True)
+        check_range('weight_decay', self.weight_decay, 0); check_range('max_grad_norm', self.max_grad_norm, 0)
+        check_range('warmup_steps', self.warmup_steps, 0); check_range('min_lr_ratio', self.min_lr_ratio, 0, 1)
         if len(self.betas) != 2: raise ConfigError(f"betas: expected two values, got {self.betas}")
+        for i, b in enumerate(self.betas): check_range(f'betas[{i}]', b, 0, 1, hi_open=True)
 
 @dataclass
 class TrainConfig:
@@ -164,7 +179,8 @@ class TrainConfig:
     eval_every: int = 0  # evaluate every N steps; 0 = only at the end
     eval_before: bool = False  # also evaluate before the first step (a baseline for the eval curve)
     seed: int = 0  # model init / data order seed
-    sampler: str = 'random'  # order of rows in an epoch: 'random', 'sequential', or 'module:Class' (see sft_nb.trainer.Sampler)
+    sampler: str = 'random'  # order of rows in an epoch: 'random', 'sequential', or 'module:Class' (a Sampler subclass; importing it runs that module's code: a config naming one is code)
+    on_nonfinite: Literal['stop', 'skip'] = 'stop'  # a step whose loss or gradient norm is NaN/inf: stop the run with an error naming it, or skip its update
     def __post_init__(self):
         if self.sampler not in ('random', 'sequential') and ':' not in self.sampler:
             raise ConfigError(f"sampler: expected 'random', 'sequential' or an import path 'module:Class', got {self.sampler!r}")
@@ -174,6 +190,7 @@ class TrainConfig:
             raise ConfigError("num_steps, num_epochs: give one of them, not both")
         for k in ('num_steps', 'num_epochs'):
             if getattr(self, k) is not None and getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1")
+        check_range('eval_every', self.eval_every, 0)
 
 @dataclass
 class PlacementConfig:
@@ -193,8 +210,9 @@ class PlacementConfig:
     @property
     def dp_size(self): return self.world_size // (self.tensor_parallel * self.pipeline_parallel)
     def __post_init__(self):
-        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel'):
+        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel', 'cpus_per_worker'):
             if getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
+        check_range('object_store_memory', self.object_store_memory, 1)
         mp = self.tensor_parallel * self.pipeline_parallel
         if self.world_size % mp:
             raise ConfigError(f"tensor_parallel, pipeline_parallel: TP×PP={mp} must divide world size {self.world_size}")
@@ -206,10 +224,16 @@ class CheckpointConfig:
     "Checkpoints, resume and export."
     run_dir: str = 'runs/latest'  # run folder: metrics, checkpoints, export (a path every node can reach)
     save_every: int = 0  # checkpoint every N steps; 0 = only at the end
-    keep_last: int = 2  # checkpoints to keep
+    keep_last: int = 2  # checkpoints to keep (>= 1)
     resume: str | None = None  # 'latest' (alias 'auto': the newest complete checkpoint in run_dir) or a checkpoint folder
+    overwrite: bool = False  # a run_dir holding another run's outputs: False = refuse (resume it, or pick another run_dir); True = delete them first
     export_hf: bool = True  # save_pretrained the final model into run_dir/hf
     lora_export: Literal['merged', 'adapter'] = 'merged'  # LoRA runs: merge the adapter into the weights, or save the PEFT adapter alone
+    def __post_init__(self):
+        check_range('save_every', self.save_every, 0); check_range('keep_last', self.keep_last, 1)
+        if self.resume is not None and not self.resume.strip(): self.resume = None  # '' (papermill's "no resume") = fresh run
+        if self.resume is not None and self.overwrite:
+            raise ConfigError("resume, overwrite: resuming keeps run_dir's outputs and overwrite deletes them; set one of them")
 
 @dataclass
 class LoggingConfig:
@@ -221,6 +245,7 @@ class LoggingConfig:
     profile_steps: int = 1  # steps in the profiler window
     profile_ranks: list[int] = field(default_factory=lambda: [0])  # ranks that profile (traces go to run_dir/profile)
     def __post_init__(self):
+        check_range('log_every', self.log_every, 1)
         if self.profile_steps < 1: raise ConfigError(f"profile_steps: must be >= 1, got {self.profile_steps}")
         if self.profile_step < 0: raise ConfigError(f"profile_step: must be >= 0 (0 = off), got {self.profile_step}")
 
@@ -276,7 +301,12 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] | dic
     if isinstance(src, (str, Path)):
         p = Path(src)
         text = p.read_text() if p.suffix in ('.yaml', '.yml') or p.exists() else str(src)
-        d = yaml.safe_load(text) or {}
+        try: d = yaml.safe_load(text)
+        except yaml.YAMLError as e:
+            where = getattr(e, 'problem_mark', None)
+            at = f" at line {where.line + 1}, column {where.column + 1}" if where else ''
+            raise ConfigError(f"{src}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
+        if d is None: raise ConfigError(f"{src}: the config is empty; it needs at least data.train (see examples/tiny.yaml)")
         if not isinstance(d, dict): raise ConfigError(f"{src}: the YAML must be a mapping of sections")
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     return from_dict(SFTConfig, _merge(d, ov))
