@@ -184,6 +184,7 @@ class DataReport:
     n_trained: int = 0
     max_length: int = 0
     eot_only_turns: int = 0  # trained assistant turns whose template rendered nothing but the end-of-turn (e.g. tool calls dropped)
+    n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
     def drop(self, index: int, kind: str, msg: str):
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
@@ -192,17 +193,18 @@ class DataReport:
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_tokens': self.n_tokens,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
-                'bad_rows': [list(b) for b in self.bad_rows]}
+                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows]}
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_tokens + o.n_tokens, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
-                          self.eot_only_turns + o.eot_only_turns)
+                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples)
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
         warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
                 "drops their content, e.g. tool calls; see lint_template)") if self.eot_only_turns else ''
-        return (f"{self.n_rows} rows: {self.n_kept} kept, dropped {drops}; {self.n_tokens:,} tokens, "
+        ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
+        return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_tokens:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{warn}")
 
 # %% ../nbs/01_data.ipynb #10daeb69

@@ -43,6 +43,11 @@ class TemplateInfo:
     after_eot: str  # template text after the end-of-turn (trained never)
     rewrites_history: bool  # rendering more turns changes the text of earlier ones
     full_render_matches_gen_prompt: bool  # a full render contains the generation prompt as the assistant header
+    headers: tuple = ()  # assistant headers (generation prompt, final turn, earlier turn) when they differ; () = one header
+    @property
+    def history(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
+    @property
+    def empty_think_in_gen_prompt(self) -> bool: return '<think>' in self.gen_prompt and '</think>' in self.gen_prompt
 
 _U1, _A1, _U2, _A2, _R1, _R2 = 'qzxUone', 'qzxAone', 'qzxUtwo', 'qzxAtwo', 'qzxRone', 'qzxRtwo'
 
@@ -59,6 +64,15 @@ def _split_eot(footer: str, specials: list[str]) -> tuple[str, str]:
         return footer[:i + len(s)], footer[i + len(s):]
     eot = footer.rstrip()
     return eot, footer[len(eot):]
+
+def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
+    "Assistant headers of the probe's earlier and final turn and the generation prompt, when they are not all one string."
+    def between(before, marker):
+        a = r4.find(before) + len(before)
+        a += len(user_footer) if user_footer and r4.startswith(user_footer, a) else 0
+        return r4[a:r4.find(marker)]
+    hs = tuple(dict.fromkeys(h for h in (gen_prompt, between(_U2, _A2), between(_U1, _A1)) if h))
+    return hs if len(hs) > 1 else ()
 
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
@@ -77,12 +91,11 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
     user_footer = ru[ru.rfind(_U1) + len(_U1):]
     eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], _special_strings(tokenizer))
     rewrites = not r4.startswith(r2)
-    try:  # reasoning kept on the last turn but dropped from earlier ones (Qwen3) is a rewrite too
-        ra = r([u1, {**a1, 'reasoning_content': _R1}])
-        rb = r([u1, {**a1, 'reasoning_content': _R1}, u2, {**a2, 'reasoning_content': _R2}])
-        rewrites = rewrites or not rb.startswith(ra)
-    except TemplateError: pass
-    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen))
+    think = lambda a, x: {**a, 'content': f'<think>\n{x}\n</think>\n\n' + a['content']}
+    for f in (lambda a, x: {**a, 'reasoning_content': x}, think):  # reasoning kept on the last turn only (Qwen3, QwQ) is a rewrite too
+        try: rewrites = rewrites or not r([u1, f(a1, _R1), u2, f(a2, _R2)]).startswith(r([u1, f(a1, _R1)]))
+        except TemplateError: pass
+    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt))
 
 _PROBES: dict[str, TemplateInfo] = {}
 

@@ -13,11 +13,13 @@ from .data import BadRow, DataReport, normalize_row, detect_format, load_source,
 from .templates import TemplateError, TemplateInfo, template_info, template_key, render, load_template, chat_ids
 
 # %% auto #0
-__all__ = ['MODES', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans', 'mask_from_offsets', 'tokenize_conversation',
-           'TokenizeSpec', 'tokenize_rows', 'cache_root', 'cache_key', 'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans', 'mask_from_offsets', 'turn_parts',
+           'trained_parts', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'TokenizeSpec', 'tokenize_rows',
+           'cache_root', 'cache_key', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
+HISTORY = ('expand', 'final', 'error')  # all_assistant on a template that rewrites earlier turns
 
 @dataclass
 class Example:
@@ -30,14 +32,28 @@ class Example:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (char start, char end, message index) of trained spans
     segments: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, role) of every message located in `text`
     eot: str = ''  # the template's trained end-of-turn text
+    masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls') kept out of training
     @property
     def n_trained(self) -> int: return int(sum(self.loss_mask))
     @property
     def eot_only_turns(self) -> int:
         "Trained turns whose rendered text is only the end-of-turn marker (content dropped by the template)."
-        return sum(1 for s, e, *_ in self.spans if self.text is not None and self.eot and self.text[s:e].strip() == self.eot)
+        if self.text is None or not self.eot: return 0
+        masked = {i for *_, i, _ in self.masked_parts}
+        turns = {}
+        for s, e, i in self.spans: turns[i] = turns.get(i, '') + self.text[s:e]
+        return sum(1 for i, t in turns.items() if i not in masked and t.strip() == self.eot)
 
     def __len__(self): return len(self.input_ids)
+
+def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: str) -> int:
+    "End of the assistant header nearest `cursor` (templates whose earlier and final turns have different headers)."
+    hits = [(j, h) for h in info.headers if (j := text.find(h, cursor)) >= 0]
+    if not hits: raise TemplateError(f"{where}: no assistant header {list(info.headers)!r} found in the rendered text")
+    j = min(j for j, _ in hits)
+    at = [h for k, h in hits if k == j]
+    # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
+    return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
 
 def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:
     "Walk the rendered `text` once: `(start, end, message index, role)` of each message's content (assistant: content + end-of-turn)."
@@ -49,7 +65,8 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
                 j = text.find(cand, cursor) if cand else -1
                 if j >= 0: segs.append((j, j + len(cand), i, m['role'])); cursor = j + len(cand); break
             continue
-        if info.gen_prompt and info.full_render_matches_gen_prompt:
+        if info.headers: start = _header_end(text, cursor, info, last=i == len(messages) - 1, where=f"message {i}")
+        elif info.gen_prompt and info.full_render_matches_gen_prompt:
             h = text.find(info.gen_prompt, cursor)
             if h < 0: raise TemplateError(f"message {i}: assistant header {info.gen_prompt!r} not found in the rendered text")
             start = h + len(info.gen_prompt)
@@ -69,6 +86,7 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
 
 def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: str,
                     segments: list | None = None, # `locate_messages` output, when the caller already has it
+                    history: str = 'error', # 'final' trains every turn as the full render shows it; see `tokenize_turns` for 'expand'
                    ) -> list[tuple[int, int, int]]:
     "Character spans `(start, end, message index)` of the trained assistant turns in the rendered `text`."
     if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
@@ -79,10 +97,12 @@ def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: s
             raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
         trained = {asst[-1]}
     else:
-        if info.rewrites_history and len(asst) > 1:
+        if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
+        if info.rewrites_history and len(asst) > 1 and history != 'final':
             raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
                                 "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
-                                "as the model would produce it; use mode='last_assistant'")
+                                "as the model would produce it; use history='expand' (tokenize_turns: one example per turn), "
+                                "history='final' (the full render as it is) or mode='last_assistant'")
         trained = set(asst)
     trained = {i for i in trained if messages[i].get('train', True) is not False}
     segs = segments if segments is not None else locate_messages(text, messages, info)
@@ -94,6 +114,35 @@ def mask_from_offsets(offsets, spans, n: int | None = None) -> list[int]:
     mask = np.zeros(len(off), dtype=np.int8)
     for s, e, *_ in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)
     return mask.tolist()
+
+# %% ../nbs/02_tokenize.ipynb #71036f25
+def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:
+    "Split one assistant span of `text` into reasoning / answer / tool_calls / eot character ranges (empty ones have start == end)."
+    body = end - len(eot) if eot and text.endswith(eot, start, end) else end
+    r = text.find('</think>', start, body)
+    if r < 0: r = start
+    else:
+        r += len('</think>')
+        while r < body and text[r] == '\n': r += 1  # the newlines a template puts after </think>; the answer keeps its own spaces
+    t = body
+    if message.get('tool_calls'):
+        ans = (message.get('content') or '').split('</think>')[-1].strip()
+        a = text.find(ans, r, body) if ans else -1
+        t = a + len(ans) if a >= 0 else r
+    return {'reasoning': (start, r), 'answer': (r, t), 'tool_calls': (t, body), 'eot': (body, end)}
+
+def trained_parts(text, spans, messages, eot, train_on_reasoning: bool = True, train_on_tool_calls: bool = True):
+    "Spans with the reasoning and/or tool-call parts taken out → (trained spans, masked parts)."
+    if train_on_reasoning and train_on_tool_calls: return spans, []
+    keep, masked = [], []
+    for s, e, i in spans:
+        for kind, (a, b) in turn_parts(text, s, e, messages[i], eot).items():
+            if b <= a: continue
+            off = (kind == 'reasoning' and not train_on_reasoning) or (kind == 'tool_calls' and not train_on_tool_calls)
+            if off: masked.append((a, b, i, kind))
+            elif keep and keep[-1][1] == a and keep[-1][2] == i: keep[-1] = (keep[-1][0], b, i)
+            else: keep.append((a, b, i))
+    return keep, masked
 
 # %% ../nbs/02_tokenize.ipynb #aef8eff8
 def _encode(tokenizer, texts: list[str]):
@@ -129,13 +178,15 @@ def _finish(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bo
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
-def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_offsets: bool = True) -> Example:
+def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_offsets: bool = True,
+                  history: str = 'error', train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair."
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
-    segs = locate_messages(text, messages, info)
+    segs, masked = locate_messages(text, messages, info), []
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
     else:
-        spans = assistant_spans(text, messages, info, mode, segs)
+        spans = assistant_spans(text, messages, info, mode, segs, history)
+        spans, masked = trained_parts(text, spans, messages, info.eot, train_on_reasoning, train_on_tool_calls)
         mask = _mask_from_encoding(enc, spans, len(text)) if offsets is None else None
         if mask is None:
             offsets = enc.offsets if offsets is None else offsets
@@ -143,7 +194,7 @@ def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_
     ids, mask, truncated = _finish(list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
-    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot)
+    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked)
 
 def _completion_example(row, tokenizer, max_length, truncation) -> Example:
     "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained."
@@ -166,6 +217,9 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
                           chat_template_kwargs: dict | None = None, # extra template variables (enable_thinking, ...)
                           truncation: str = 'keep_start', # 'drop' raises BadRow(kind='too_long') instead
                           template: str | None = None, # template text replacing the tokenizer's
+                          history: str = 'error', # all_assistant on a history-rewriting template: 'final' or 'error' ('expand': `tokenize_turns`)
+                          train_on_reasoning: bool = True, # train the `<think>…</think>` block of a trained turn
+                          train_on_tool_calls: bool = True, # train the tool-call part of a trained turn
                          ) -> Example:
     "Render `messages` once, tokenize once, and mark the trained tokens."
     kw = chat_template_kwargs or {}
@@ -176,7 +230,27 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else _encode(tokenizer, [text])[0], conv['messages'], info, mode,
-                         max_length, truncation)
+                         max_length, truncation, True, history, train_on_reasoning, train_on_tool_calls)
+
+# %% ../nbs/02_tokenize.ipynb #be107368
+def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
+    "(messages, mode) of each example a row gives: one per trained assistant turn for `expand` on a history-rewriting template."
+    if mode != 'all_assistant' or history != 'expand' or not info.rewrites_history: return [(messages, mode)]
+    turns = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and m.get('train', True) is not False]
+    return [(messages[:i + 1], 'last_assistant') for i in turns] or [(messages, mode)]
+
+def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistant', tools: list[dict] | None = None,
+                   max_length: int | None = None, chat_template_kwargs: dict | None = None, template: str | None = None,
+                   history: str = 'expand', # expand | final | error
+                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True, truncation: str = 'keep_start',
+                  ) -> list[Example]:
+    "The examples one conversation gives (one, except `history='expand'` on a template that rewrites history)."
+    if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
+    conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
+    info = template_info(tokenizer, template, chat_template_kwargs or {})
+    kw = dict(tools=conv['tools'], max_length=max_length, chat_template_kwargs=chat_template_kwargs, truncation=truncation,
+              template=template, history=history, train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
+    return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, history)]
 
 # %% ../nbs/02_tokenize.ipynb #b1a70d78
 @dataclass
@@ -188,6 +262,9 @@ class TokenizeSpec:
     template: str | None = None
     chat_template_kwargs: dict = field(default_factory=dict)
     format: str = 'auto'
+    history: str = 'expand'  # all_assistant on a history-rewriting template: expand | final | error
+    train_on_reasoning: bool = True  # train the <think>…</think> block of a trained turn
+    train_on_tool_calls: bool = True  # train the tool-call part of a trained turn
 
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
@@ -205,22 +282,27 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
             elif 'prompt' in conv:
                 good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation)))
             else:
-                text = render(tokenizer, conv['messages'], conv['tools'], template=spec.template, **spec.chat_template_kwargs)
-                chats.append((idx, conv['messages'], text))
+                turns = [(msgs, mode, render(tokenizer, msgs, conv['tools'], template=spec.template, **spec.chat_template_kwargs))
+                         for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
+                chats += [(idx, *t) for t in turns]
         except BadRow as e: bad.append((idx, e.kind, e.reason))
         except TemplateError: raise
         except Exception as e: bad.append((idx, 'template_error', f"chat template error: {e}"))
-    texts = [t for _, _, t in chats]
+    texts = [t for *_, t in chats]
     encs = _encodings(tokenizer, texts)
     if encs is None: encs = _encode(tokenizer, texts)
-    for (idx, msgs, text), enc in zip(chats, encs):
-        try: good.append((idx, _chat_example(text, enc, msgs, info, spec.mode, spec.max_length, spec.truncation, keep_offsets)))
-        except BadRow as e: bad.append((idx, e.kind, e.reason))
+    failed = set()
+    for (idx, msgs, mode, text), enc in zip(chats, encs):
+        if idx in failed: continue
+        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spec.max_length, spec.truncation, keep_offsets,
+                                             spec.history, spec.train_on_reasoning, spec.train_on_tool_calls)))
+        except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
+    if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole
     good.sort(key=lambda g: g[0])
     return good, bad
 
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 2  # bump when masking changes: old cache entries then miss
+ALGO_VERSION = 3  # bump when masking changes: old cache entries then miss
 
 def _map_batch(batch, tokenizer, spec, fmt, indices):
     n = len(next(iter(batch.values())))
@@ -275,7 +357,7 @@ def cache_root(cache_dir: str | None = None) -> Path:
 def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) -> str:
     from sft_nb import __version__
     parts = [data_fingerprint, template_key(tokenizer, spec.template, spec.chat_template_kwargs), spec.mode,
-             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION]
+             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 def _manifest(folder: Path) -> dict:
@@ -345,7 +427,8 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
         report.eot_only_turns = int(np.asarray(kept['eot_only'], dtype=np.int64).sum())
         kept = kept.remove_columns(['eot_only'])
         lengths, trained = np.asarray(kept['length'], dtype=np.int64), np.asarray(kept['n_trained'], dtype=np.int64)
-        report.n_kept, report.n_tokens, report.n_trained = len(kept), int(lengths.sum()), int(trained.sum())
+        report.n_kept, report.n_examples = len(np.unique(np.asarray(kept['index'], dtype=np.int64))), len(kept)
+        report.n_tokens, report.n_trained = int(lengths.sum()), int(trained.sum())
         report.max_length = int(lengths.max()) if len(lengths) else 0
         if use_cache:
             _write_entry(folder, kept, report)
