@@ -134,12 +134,13 @@ def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     p = build_parser()
     if argv and argv[0] in ('inspect', 'pack', 'demo'):  # these parse their own arguments (and --help)
-        return {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
-    a = p.parse_args(argv)
-    try:
-        {'run': _cmd_run, 'train': _cmd_train}[a.command](a)
-    except (ValueError, RuntimeError, FileNotFoundError) as e:
-        print(f"sft-nb {a.command}: error: {e}", file=sys.stderr)
+        cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
+    else:
+        a = p.parse_args(argv)
+        cmd, run = a.command, lambda: {'run': _cmd_run, 'train': _cmd_train}[a.command](a)
+    try: return run()
+    except (ValueError, RuntimeError, OSError, ImportError) as e:  # bad input and failed runs: one line, no traceback
+        print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ValueError) else 1)
 
 if __name__ == '__main__' and 'IPython' not in sys.modules: main()  # not when a notebook kernel runs this cell

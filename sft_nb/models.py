@@ -9,7 +9,7 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'sft_nb_home', 'build_tiny_tokenizer', 'tiny_model_config',
-           'tiny_chat_model', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path']
+           'tiny_chat_model', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path']
 
 # %% ../nbs/06_models.ipynb #572cb52f
 def sft_nb_home() -> Path:
@@ -131,3 +131,16 @@ def resolve_model_path(path: str) -> str:
         return str(tiny_vlm())
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
     return path
+
+# %% ../nbs/06_models.ipynb #98b344f8
+def check_model_path(path: str) -> str:
+    "`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks local but does not exist."
+    from sft_nb.config import ConfigError
+    out = resolve_model_path(path)
+    p = Path(out).expanduser()
+    if p.is_dir():
+        if not (p / 'config.json').exists(): raise ConfigError(f"model.path: {path!r} is a folder without config.json (not a Hugging Face model folder)")
+    elif p.exists(): raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a hub id 'org/name'")
+    elif out.startswith(('/', '.', '~')) or out.count('/') > 1 or os.sep != '/' and os.sep in out:
+        raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
+    return out

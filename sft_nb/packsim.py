@@ -133,6 +133,8 @@ def pack_main(argv: list[str] | None = None) -> int:
     p.add_argument('--bins', type=int, default=10, help='bins printed')
     p.add_argument('--plan-out', default=None, help='write the plan (last capacity) as JSON here')
     a = p.parse_args(argv)
+    for flag, vals, lo in (('--capacity', a.capacity, 2), ('--dp', [a.dp], 1), ('--batch-size', [a.batch_size], 1), ('--bins', [a.bins], 0)):
+        if min(vals) < lo: p.error(f"{flag}: must be >= {lo}, got {min(vals)}")  # before any tokenization
     import json
     from sft_nb.inspect import load_tokenizer
     from sft_nb.tokenize import TokenizeSpec, tokenize_dataset

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import importlib, json, math, os, shutil, threading, time
+import importlib, json, math, os, shutil, socket, threading, time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -19,7 +19,8 @@ from .callbacks import Control, Callback, make_trackers, JSONLTracker
 from .workers import init_ray, WorkerGroup, WorkerError
 
 # %% auto #0
-__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'TrainerBusy', 'SFTTrainer']
+__all__ = ['RUN_OUTPUTS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'TrainerBusy',
+           'NonFiniteLoss', 'RunDirBusy', 'run_outputs', 'RunLock', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
@@ -49,6 +50,8 @@ def make_sampler(spec: str, n: int, seed: int) -> Sampler:
     mod, _, name = spec.partition(':')
     try: cls = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e: raise ConfigError(f"train.sampler: cannot import {spec!r}: {e}") from None
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):  # checked before calling it: the name could be any callable
+        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.trainer.Sampler (got {type(cls).__name__} {cls!r})")
     smp = cls(n, seed)
     o = [int(i) for i in smp.order(0)]
     if sorted(o) != list(range(n)): raise ConfigError(f"train.sampler: {spec}.order(0) is not a permutation of range({n})")
@@ -67,12 +70,63 @@ def synthetic_dataset(n_rows: int, length: int, vocab_size: int, seed: int = 0):
 class TrainerBusy(RuntimeError):
     "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
 
+class NonFiniteLoss(RuntimeError):
+    "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
+
 def _row(ds, i: int) -> dict:
     "One tokenized row as the collator's input (with images when the dataset has them)."
     r = ds[i]
     out = {'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
     if r.get('image_grid_thw'): out |= {'pixel_values': r['pixel_values'], 'image_grid_thw': r['image_grid_thw']}
     return out
+
+# %% ../nbs/08_trainer.ipynb #413b51a0
+class RunDirBusy(RuntimeError):
+    "Another live trainer (in this or another process) holds the run folder's lock."
+
+RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'hf', 'tensorboard', 'profile', 'config.yaml')
+
+def run_outputs(run_dir) -> list[str]:
+    "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
+    return [n for n in RUN_OUTPUTS if (Path(run_dir) / n).exists()]
+
+def _proc_start(pid: int) -> str | None:
+    "Start time of process `pid` (Linux), which tells a live owner from a reused PID; None when gone or unknown."
+    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]
+    except (OSError, IndexError): return None
+
+def _alive(pid: int, start: str | None) -> bool:
+    if Path('/proc/self/stat').exists(): return (s := _proc_start(pid)) is not None and start in (None, s)
+    try: os.kill(pid, 0); return True
+    except ProcessLookupError: return False
+    except PermissionError: return True
+
+# %% ../nbs/08_trainer.ipynb #c4553a11
+class RunLock:
+    "`run_dir/.lock`, created atomically with its owner's host, PID and start time; a lock whose process is gone is taken over."
+    def __init__(self, run_dir): self.path, self.held = Path(run_dir) / '.lock', False
+    def acquire(self) -> 'RunLock':
+        me = {'host': socket.gethostname(), 'pid': os.getpid(), 'start': _proc_start(os.getpid())}
+        tmp = self.path.with_name(f'.lock.{os.getpid()}.{threading.get_ident()}')
+        tmp.write_text(json.dumps(me))
+        try:
+            for _ in range(3):
+                try: os.link(tmp, self.path); self.held = True; return self  # atomic: the lock appears with its content
+                except FileExistsError: pass
+                try: other = json.loads(self.path.read_text())
+                except FileNotFoundError: continue
+                except ValueError: other = {}
+                who = f"PID {other.get('pid')} on {other.get('host')}"
+                if other.get('host', me['host']) != me['host']:
+                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}; if that run is over, delete {self.path}")
+                if other.get('pid') and _alive(other['pid'], other.get('start')):
+                    mine = ' (this process: another SFTTrainer on this run_dir; call its shutdown())' if other['pid'] == me['pid'] else ''
+                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}{mine}; wait for it or choose another run_dir")
+                self.path.unlink(missing_ok=True)  # its owner is gone (killed): stale
+            raise RunDirBusy(f"checkpoint.run_dir: could not take {self.path}")
+        finally: tmp.unlink(missing_ok=True)
+    def release(self):
+        if self.held: self.path.unlink(missing_ok=True); self.held = False
 
 # %% ../nbs/08_trainer.ipynb #b5921618
 class SFTTrainer:
@@ -92,6 +146,7 @@ class SFTTrainer:
         self.processor = None
         self.run_dir = Path(self.cfg.checkpoint.run_dir)
         self._lock, self._owner, self.running = threading.Lock(), None, None  # one action at a time (see `_exclusive`)
+        self._run_lock, self._owns_run_dir, self._resuming = None, False, False  # one run per run_dir (see `RunLock`)
 
     # ---- one action at a time -------------------------------------------------------------------
     @contextmanager
@@ -123,18 +178,44 @@ class SFTTrainer:
 
     def _setup(self) -> 'SFTTrainer':
         if self.group is not None: return self
-        from transformers import AutoTokenizer
-        from sft_nb.models import resolve_model_path
-        c = self.cfg
+        try: return self._setup_all()
+        except BaseException:
+            self._shutdown()  # a failed setup leaves no workers, no Ray it started, no lock
+            raise
+
+    def _claim_run_dir(self):
+        "Lock run_dir; refuse one that holds another run's outputs unless the config resumes or overwrites it."
+        c = self.cfg.checkpoint
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_lock = RunLock(self.run_dir).acquire()
+        if self._owns_run_dir: return  # this trainer's own outputs (set up again after shutdown)
+        used = run_outputs(self.run_dir)
+        if used and not (c.resume or self._resuming):
+            if not c.overwrite:
+                raise ConfigError(f"checkpoint.run_dir: {self.run_dir} already holds a run ({', '.join(used)}); continue it with "
+                                  "checkpoint.resume=latest, start over with checkpoint.overwrite=true (deletes them), or choose another run_dir")
+            for n in used: shutil.rmtree(self.run_dir / n) if (self.run_dir / n).is_dir() else (self.run_dir / n).unlink()
+        self._owns_run_dir = True
+
+    def _setup_all(self) -> 'SFTTrainer':
+        from transformers import AutoTokenizer
+        from sft_nb.models import check_model_path
+        c = self.cfg
+        self._claim_run_dir()  # what can be checked without Ray is checked before Ray starts
         from sft_nb.vlm_models import is_vlm, load_processor
-        path = resolve_model_path(c.model.path)
-        self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
-        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
+        path = check_model_path(c.model.path)
+        try:
+            self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
+            self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model.path: cannot load {c.model.path!r}: {str(e).strip().splitlines()[0]}") from e
         if self.tokenizer.pad_token_id is None: self.tokenizer.pad_token = self.tokenizer.eos_token
-        self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
+        ray_first = c.tokenize.ray_shards > 0  # tokenization as Ray tasks needs the cluster first
+        if ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
         self._prepare_data()
         self._plan()
+        resume = self._resume_path(c.checkpoint.resume) if c.checkpoint.resume else None
+        if not ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
         self.callbacks = make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
         from sft_nb.backends import get_backend
         self.worker_cls = get_backend(c.placement.backend)
@@ -149,7 +230,7 @@ class SFTTrainer:
                               "cannot separate; packing would leak across sequences. Set packing.enabled=false")
         self.model_info = info
         save_config(c, self.run_dir / 'config.yaml')
-        if c.checkpoint.resume: self.load(c.checkpoint.resume)
+        if c.checkpoint.resume: self._load(resume if resume is not None else c.checkpoint.resume)
         return self
 
     def _tokenize(self, src):
@@ -297,16 +378,25 @@ class SFTTrainer:
         batches, n_trained, n_tokens = self._batches(step)
         self._prefetch(step + 1)  # collated in a thread while the workers run this step
         fb = self.group.call_per_rank('forward_backward', [(batches[d], n_trained) for d in self._dp_of_rank()])
-        om = self.group.call('optim_step')[0]
+        fb = [fb[self._dp_of_rank().index(d)] for d in range(len(batches))]  # count each replica once
+        loss = sum(r['nll_sum'] for r in fb) / max(1, n_trained)
+        om = self.group.call('optim_step', not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
         dt = time.perf_counter() - t0
         if lg.profile_step and step + 1 == lg.profile_step + lg.profile_steps - 1:
             self.profile_dir = self.run_dir / 'profile' / f'steps_{lg.profile_step}-{step + 1}'
             self.group.call('profile', 'stop', str(self.profile_dir), lg.profile_ranks)
         self.global_step += 1
-        fb = [fb[self._dp_of_rank().index(d)] for d in range(len(batches))]  # count each replica once
-        m = {'step': self.global_step, 'loss': sum(r['nll_sum'] for r in fb) / max(1, n_trained), 'grad_norm': om['grad_norm'],
+        m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'],
              'lr': om['lr'], 'n_trained': n_trained, 'n_tokens': n_tokens, 'tokens_per_s': n_tokens / dt,
              'epoch': step / self.steps_per_epoch, 'step_time': dt}
+        if not (math.isfinite(loss) and math.isfinite(om['grad_norm'])):
+            m['skipped'] = True
+            if self.cfg.train.on_nonfinite == 'stop':
+                self.rows_history.append(m); self._pending = {}
+                raise NonFiniteLoss(f"step {self.global_step}: loss {loss}, grad_norm {om['grad_norm']}: not finite; its update was not "
+                                    f"applied (the weights are those after step {self.global_step - 1}). Lower optim.lr, or set "
+                                    "train.on_nonfinite=skip to skip such steps")
+            import warnings; warnings.warn(f"step {self.global_step}: loss {loss}, grad_norm {om['grad_norm']}: not finite; update skipped")
         self.rows_history.append(m)
         self._emit('on_step_end', m)
         if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
@@ -345,7 +435,8 @@ class SFTTrainer:
 
     def _train(self) -> pd.DataFrame:
         h = self.fit()
-        if self.eval_sets or getattr(self, 'heldout', None): self.evaluate()
+        done = getattr(self, 'last_eval', {}).get('step') == self.global_step  # eval_every may have evaluated this step already
+        if (self.eval_sets or getattr(self, 'heldout', None)) and not done: self.evaluate()
         self.save()
         if self.cfg.checkpoint.export_hf: self.export()
         return h
@@ -391,7 +482,7 @@ class SFTTrainer:
     def _save(self) -> Path:
         self.setup()
         final = self.ckpt_dir / f'step_{self.global_step:06d}'
-        if (final / 'trainer_state.json').exists(): return final
+        if getattr(self, '_saved_step', None) == self.global_step and (final / 'trainer_state.json').exists(): return final  # this trainer saved it
         tmp = self.ckpt_dir / f'.tmp_step_{self.global_step:06d}'
         if tmp.exists(): shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
@@ -399,11 +490,15 @@ class SFTTrainer:
         state = {'global_step': self.global_step, 'history': self.rows_history, 'total_steps': self.total_steps,
                  'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None, 'sampler': self.cfg.train.sampler}
         (tmp / 'trainer_state.json').write_text(json.dumps(state))
-        if final.exists(): shutil.rmtree(final)
+        old = self.ckpt_dir / f'.old_step_{self.global_step:06d}'  # a checkpoint of this step from before a resume: replaced
+        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
         os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        self._saved_step = self.global_step
         marker = self.ckpt_dir / '.latest.tmp'  # the 'latest' marker is written last, atomically
         marker.write_text(final.name); os.replace(marker, self.ckpt_dir / 'latest')
-        for old in self.checkpoints()[:-self.cfg.checkpoint.keep_last or None]: shutil.rmtree(old, ignore_errors=True)
+        cks = self.checkpoints()
+        for old in cks[:max(0, len(cks) - self.cfg.checkpoint.keep_last)]: shutil.rmtree(old, ignore_errors=True)
         self._emit('on_save', str(final))
         return final
 
@@ -415,17 +510,17 @@ class SFTTrainer:
         "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
         with self._exclusive('load'): return self._load(path)
 
-    def _load(self, path: str | Path = 'latest') -> int:
-        if self.group is None: self.setup()  # (setup itself calls load when checkpoint.resume is set)
-        if path in ('latest', 'auto'):
+    def _resume_path(self, spec: str | Path) -> Path | None:
+        "The checkpoint `spec` names, checked against this run without Ray; 'latest'/'auto' with no checkpoint yet: None."
+        if spec in ('latest', 'auto'):
             marker = self.ckpt_dir / 'latest'
             named = self.ckpt_dir / marker.read_text().strip() if marker.exists() else None
-            if named is not None and (named / 'trainer_state.json').exists(): path = named
+            if named is not None and (named / 'trainer_state.json').exists(): spec = named
             else:  # no marker (or it names a pruned folder): the newest complete checkpoint
                 cks = self.checkpoints()
-                if not cks: return 0
-                path = cks[-1]
-        path = Path(path)
+                if not cks: return None
+                spec = cks[-1]
+        path = Path(spec)
         if not (path / 'trainer_state.json').exists(): raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint")
         state = json.loads((path / 'trainer_state.json').read_text())
         if state['total_steps'] != self.total_steps:
@@ -433,6 +528,19 @@ class SFTTrainer:
         if state.get('sampler', 'random') != self.cfg.train.sampler:
             raise ConfigError(f"train.sampler: the checkpoint's run used {state.get('sampler', 'random')!r}, this config "
                               f"{self.cfg.train.sampler!r}; resuming would train on other rows than the run it continues")
+        return path
+
+    def _load(self, path: str | Path = 'latest') -> int:
+        if self.group is None:  # an explicit load continues run_dir's run: setup must not refuse its outputs
+            self._resuming = True
+            try: self.setup()  # (setup itself calls _load when checkpoint.resume is set)
+            finally: self._resuming = False
+        path = self._resume_path(path)
+        if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
+            for cb in self.callbacks:
+                if isinstance(cb, JSONLTracker) and self.global_step == 0: cb.truncate(0)
+            return 0
+        state = json.loads((path / 'trainer_state.json').read_text())
         self.group.call('load', str(path))
         self.global_step, self.rows_history = state['global_step'], state['history']
         self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
@@ -476,9 +584,12 @@ class SFTTrainer:
         if getattr(self, '_ray_started', False):
             import ray
             ray.shutdown(); self._ray_started = False
+        if self._run_lock is not None: self._run_lock.release(); self._run_lock = None
 
     def __enter__(self): return self.setup()
     def __exit__(self, *exc): self.shutdown()
     def __del__(self):
         try: self.group is not None and self.group.kill()
+        except Exception: pass
+        try: self._run_lock is not None and self._run_lock.release()
         except Exception: pass

@@ -4,13 +4,13 @@
 
 # %% ../nbs/07_workers.ipynb #e5d925d0
 from __future__ import annotations
-import os, socket, time
+import json, os, random, socket, time
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'init_ray', 'free_port', 'DistWorker', 'WorkerError', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'init_ray', 'free_port', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -89,6 +89,32 @@ class DistWorker:
         import torch.distributed as dist
         if dist.is_initialized(): dist.destroy_process_group()
         return True
+
+# %% ../nbs/07_workers.ipynb #a7e28bfe
+def save_rng(path, rank: int, use_gpu: bool = False):
+    "Write this process's torch/Python/NumPy (and CUDA) RNG states as `rng_rank{rank}.safetensors` + `.json`."
+    import numpy as np, torch
+    from safetensors.torch import save_file
+    ver, mt, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    t = {'torch': torch.get_rng_state(), 'python': torch.tensor(mt, dtype=torch.int64), 'numpy': torch.from_numpy(keys.astype(np.int64))}
+    if use_gpu: t['cuda'] = torch.cuda.get_rng_state()
+    save_file(t, str(Path(path, f'rng_rank{rank}.safetensors')))
+    Path(path, f'rng_rank{rank}.json').write_text(json.dumps({'python': [ver, gauss], 'numpy': [name, int(pos), int(has_gauss), float(cached)]}))
+
+def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
+    "Restore what `save_rng` wrote; False (streams left as they are) when the checkpoint has none for this rank."
+    import numpy as np, torch
+    from safetensors.torch import load_file
+    f = Path(path, f'rng_rank{rank}.safetensors')
+    if not f.exists(): return False
+    t, j = load_file(str(f)), json.loads(f.with_suffix('.json').read_text())
+    torch.set_rng_state(t['torch'])
+    random.setstate((j['python'][0], tuple(t['python'].tolist()), j['python'][1]))
+    name, pos, has_gauss, cached = j['numpy']
+    np.random.set_state((name, t['numpy'].numpy().astype(np.uint32), pos, has_gauss, cached))
+    if use_gpu and 'cuda' in t: torch.cuda.set_rng_state(t['cuda'])
+    return True
 
 # %% ../nbs/07_workers.ipynb #de47446a
 class WorkerError(RuntimeError):

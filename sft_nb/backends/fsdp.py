@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, random
 from pathlib import Path
 import numpy as np
-from ..workers import DistWorker
+from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, model_inputs
 
@@ -100,18 +100,20 @@ class FSDPWorker(DistWorker):
             nll += float(s.detach()); n += k
         return {'nll_sum': nll, 'n_tokens': n}
 
-    def optim_step(self) -> dict:
-        "Clip, step with this step's LR, zero grads."
+    def optim_step(self, skip: bool = False) -> dict:
+        "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
         import torch
         o = self.ocfg
         lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
         for g in self.opt.param_groups: g['lr'] = lr
         params = [p for p in self.model.parameters() if p.requires_grad]
         gn = torch.nn.utils.clip_grad_norm_(params, o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf'))
-        gn = gn.full_tensor() if hasattr(gn, 'full_tensor') else gn
-        self.opt.step(); self.opt.zero_grad(set_to_none=True)
-        self.step += 1
-        return {'grad_norm': float(gn), 'lr': lr}
+        gn = float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn)  # the global norm: every rank decides alike
+        skip = bool(skip or not np.isfinite(gn))
+        if not skip: self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
+        return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
 
     def eval_loss(self, micro_batches: list[dict]) -> dict:
         import torch
@@ -149,15 +151,8 @@ class FSDPWorker(DistWorker):
         msd, osd = get_state_dict(self.model, self.opt)
         dcp.save({'model': msd, 'optim': osd}, checkpoint_id=path)
         if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step}))
-        torch.save(self._rng_state(), Path(path, f'rng_rank{self.rank}.pt'))
+        save_rng(path, self.rank, self.use_gpu)  # this rank's dropout streams, restored on resume (no pickle)
         return True
-
-    def _rng_state(self) -> dict:
-        "This rank's RNG streams (dropout, LoRA dropout): restored on resume so the continued run draws the same masks."
-        import torch
-        s = {'torch': torch.get_rng_state(), 'python': random.getstate(), 'numpy': np.random.get_state()}
-        if self.use_gpu: s['cuda'] = torch.cuda.get_rng_state()
-        return s
 
     def load(self, path: str) -> int:
         import torch.distributed.checkpoint as dcp
@@ -167,12 +162,7 @@ class FSDPWorker(DistWorker):
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
         self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']
-        rng = Path(path, f'rng_rank{self.rank}.pt')
-        if rng.exists():  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
-            import torch
-            s = torch.load(rng, weights_only=False)
-            torch.set_rng_state(s['torch']); random.setstate(s['python']); np.random.set_state(s['numpy'])
-            if self.use_gpu and 'cuda' in s: torch.cuda.set_rng_state(s['cuda'])
+        load_rng(path, self.rank, self.use_gpu)  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
         return self.step
 
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:

@@ -8,12 +8,13 @@ import json, random
 from pathlib import Path
 import numpy as np
 from ..config import ConfigError
-from ..workers import DistWorker
+from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 
 # %% auto #0
-__all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'mcore_batch', 'megatron_dp_index', 'MegatronWorker']
+__all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'mcore_batch', 'megatron_dp_index', 'load_shard',
+           'MegatronWorker']
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
 def load_hf_state(path: str) -> dict:
@@ -88,6 +89,15 @@ def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> i
     if world_size % (tp * pp):
         raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: TP×PP={tp * pp} must divide world size {world_size}")
     return (rank // tp) % (world_size // (tp * pp))
+
+# %% ../../nbs/07b_backends.megatron.ipynb #ad5e043b
+def load_shard(f, device='cpu') -> dict:
+    "A checkpoint shard written by `MegatronWorker.save`, loaded without running pickled code."
+    import pickle, torch
+    try: return torch.load(f, map_location=device, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"checkpoint.resume: {f} holds more than tensors and plain data; refused (loading it could run code): "
+                         f"{str(e).splitlines()[0]}") from None
 
 # %% ../../nbs/07b_backends.megatron.ipynb #6524bc71
 class MegatronWorker(DistWorker):
@@ -213,8 +223,8 @@ class MegatronWorker(DistWorker):
         nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / max(1, n_tokens_global))
         return {'nll_sum': nll, 'n_tokens': n}
 
-    def optim_step(self) -> dict:
-        "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads."
+    def optim_step(self, skip: bool = False) -> dict:
+        "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
         import torch
         o = self.ocfg
         lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
@@ -223,11 +233,14 @@ class MegatronWorker(DistWorker):
         sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
         gn = self._mp_sum(sq) ** 0.5
         max_norm = o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf')
-        coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-        for p in self.params: p.grad.mul_(coef)
-        self.opt.step(); self.opt.zero_grad(set_to_none=True)
-        self.step += 1
-        return {'grad_norm': gn, 'lr': lr}
+        skip = bool(skip or not np.isfinite(gn))  # the global norm: every rank decides alike
+        if not skip:
+            coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+            for p in self.params: p.grad.mul_(coef)
+            self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
+        return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
 
     def eval_loss(self, micro_batches: list[dict]) -> dict:
         import torch
@@ -292,6 +305,7 @@ class MegatronWorker(DistWorker):
             torch.save({'model': self._local_state(), 'optim': self.opt.state_dict(), 'step': self.step,
                         'tp': self.tp, 'pp': self.pp}, self._ckpt_file(path))
         if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step, 'backend': 'megatron'}))
+        save_rng(path, self.rank)  # no pickle anywhere in a checkpoint (see sft_nb.workers.save_rng)
         dist.barrier()
         return True
 
@@ -299,12 +313,13 @@ class MegatronWorker(DistWorker):
         import torch
         f = self._ckpt_file(path)
         if not f.exists(): raise FileNotFoundError(f"checkpoint.resume: {f.name} missing in {path} (saved with another TP/PP or backend?)")
-        ck = torch.load(f, map_location=self.device, weights_only=False)
+        ck = load_shard(f, self.device)
         if (ck['tp'], ck['pp']) != (self.tp, self.pp):
             raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: checkpoint has TP={ck['tp']} PP={ck['pp']}")
         self.model.load_state_dict(ck['model'], strict=False)
         self.opt.load_state_dict(ck['optim'])
         self.step = ck['step']
+        load_rng(path, self.rank)
         return self.step
 
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
