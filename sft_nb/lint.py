@@ -9,10 +9,10 @@ from datetime import datetime
 import pandas as pd
 from .data import BadRow, detect_format, normalize_row
 from .templates import TemplateError, load_template, probe_template, render
-from .tokenize import tokenize_conversation
+from .tokenize import tokenize_turns
 
 # %% auto #0
-__all__ = ['CHECKS', 'lint_template', 'failed']
+__all__ = ['CHECKS', 'STRATEGY', 'lint_template', 'failed']
 
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
@@ -24,9 +24,14 @@ CHECKS = {
     'eot_not_trained': 'every trained assistant turn must end on a trained end-of-turn token, or the model never stops',
     'empty_trained_span': 'no assistant turn may train only its end-of-turn (tool calls the template drops, empty content)',
     'gen_prompt_mismatch': 'the generation prompt must equal the assistant header of a full render',
+    'empty_think_gen_prompt': 'the generation prompt carries an empty <think></think> block that earlier turns lack (Qwen3 with enable_thinking=False)',
     'whitespace_merged': 'no token may span the boundary between an assistant header and its content',
     'text_after_eot': 'no template text after the end-of-turn token (e.g. ChatML\'s newline: never generated, never trained)',
 }
+
+STRATEGY = {'expand': 'one example per assistant turn, the render up to that turn, trained on that turn',
+            'final': 'one example, the full render, each assistant turn trained as it appears there',
+            'error': 'all_assistant refuses multi-turn rows (use last_assistant)'}
 
 def _conversation(sample, i: int) -> dict:
     "A sample (a message list, or a row in any supported format) → `{'messages', 'tools'}`."
@@ -70,11 +75,12 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
                   template: str | None = None, # template text or .jinja path; None = the tokenizer's
                   chat_template_kwargs: dict | None = None, # extra template variables
+                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeSpec.history)
                  ) -> pd.DataFrame:
     "One row per check in `CHECKS`: status ('pass' | 'fail' | 'n/a'), the offending sample and an example."
     template, kw = load_template(template), chat_template_kwargs or {}
     convs = [_conversation(s, i) for i, s in enumerate(sample_conversations)]
-    found, na, probe = {}, {}, {}  # probe findings only stand in when no sample shows the trap
+    found, na, probe, notes = {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap
     def fail(check, i, example): found.setdefault(check, (i, example))
     try: info = probe_template(tokenizer, template, kw)
     except TemplateError as e: info = None; probe['renders'] = (None, f'probe conversation: {e}')
@@ -85,6 +91,9 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
     if info is not None:
         if info.rewrites_history: probe['rewrites_history'] = (None, 'probe: an earlier turn changes when a turn is added')
         if not info.full_render_matches_gen_prompt: probe['gen_prompt_mismatch'] = (None, f'probe: generation prompt {info.gen_prompt!r} is not the header of a full render')
+        if info.empty_think_in_gen_prompt:
+            probe['empty_think_gen_prompt'] = (None, f'generation prompt {info.gen_prompt!r}; earlier turns start {min(info.headers, key=len)!r}: '
+                                                     'each turn is located by the header it really has')
         if info.after_eot: fail('text_after_eot', None, f'{info.eot!r} is followed by {info.after_eot!r}' if info.eot else f'assistant turns end with {info.after_eot!r}, no end-of-turn token')
     bos, specials, n_refused = tokenizer.bos_token_id, set(tokenizer.all_special_ids), 0
     if bos is None: na['bos_doubled'] = 'the tokenizer has no BOS token'
@@ -108,10 +117,10 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
             naive = list(tokenizer(full)['input_ids'])
             if naive[:2] == [bos, bos]: fail('bos_doubled', i, f'tokenizer(text) starts {tokenizer.convert_ids_to_tokens(naive[:3])}')
         if info is None: continue
-        mode = 'last_assistant' if info.rewrites_history and msgs[-1]['role'] == 'assistant' else 'all_assistant'
-        try: ex = tokenize_conversation(msgs, tokenizer, mode=mode, tools=tools, chat_template_kwargs=kw, template=template)
+        mode = 'last_assistant' if info.rewrites_history and history == 'error' and msgs[-1]['role'] == 'assistant' else 'all_assistant'
+        try: exs = tokenize_turns(msgs, tokenizer, mode=mode, tools=tools, chat_template_kwargs=kw, template=template, history=history)
         except (BadRow, TemplateError): continue
-        for s, e, m in ex.spans:
+        for ex, (s, e, m) in ((ex, sp) for ex in exs for sp in ex.spans):
             toks = [j for j, (a, b) in enumerate(ex.offsets) if a < e and b > s]
             last = toks[-1] if toks else None
             if last is None or not ex.loss_mask[last] or ex.input_ids[last] not in specials:
@@ -125,10 +134,14 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                     cut = s if a < s < b else e
                     fail('whitespace_merged', i, f'message {m}: token {ex.text[a:b]!r} = {ex.text[a:cut]!r} + {ex.text[cut:b]!r} across the span edge')
     for check, v in probe.items(): found.setdefault(check, v)
+    if info is not None and (info.rewrites_history or 'rewrites_history' in found):
+        i, example = found.get('rewrites_history', (None, ''))
+        found['rewrites_history'] = (i, f"{example}; all_assistant: history={history!r}: {STRATEGY[history]}")
+    elif info is not None: notes['rewrites_history'] = 'prefix-stable: all_assistant trains every turn in one render'
     if 'renders' in found and n_refused: found['renders'] = (found['renders'][0], f'{n_refused} of {len(convs)} samples refused; first: {found["renders"][1]}')
     rows = []
     for check, meaning in CHECKS.items():
-        i, example = found.get(check, (None, na.get(check, '')))
+        i, example = found.get(check, (None, na.get(check, notes.get(check, ''))))
         rows.append({'check': check, 'status': 'fail' if check in found else 'n/a' if check in na else 'pass',
                      'sample': i, 'example': example, 'meaning': meaning})
     return pd.DataFrame(rows).astype({'sample': 'Int64'})
