@@ -19,7 +19,7 @@ _TOO_LONG = re.compile(r'^(\d+) tokens > max_length (\d+)')
 def row_lengths(ds, # tokenized dataset (columns `length`, `n_trained`, `index`)
                 report: DataReport, # its report
                ) -> pd.DataFrame:
-    "One row per source row the report knows: index, tokens, trained tokens, kept, reason ('' when kept)."
+    "One row per example (kept) or dropped source row: index (the source row), tokens, trained tokens, kept, reason ('' when kept)."
     kept = pd.DataFrame({'index': ds['index'], 'tokens': ds['length'], 'trained': ds['n_trained'], 'kept': True, 'reason': ''})
     gone = [{'index': i, 'tokens': int(m[1]) if (m := _TOO_LONG.match(msg)) else pd.NA, 'trained': pd.NA, 'kept': False, 'reason': kind}
             for i, kind, msg in report.bad_rows]
@@ -27,6 +27,12 @@ def row_lengths(ds, # tokenized dataset (columns `length`, `n_trained`, `index`)
     return out.astype({'index': 'int64', 'tokens': 'Int64', 'trained': 'Int64'}).sort_values('index', ignore_index=True)
 
 # %% ../nbs/03c_datareport.ipynb #f6c1a9d1
+def _title(lengths: pd.DataFrame) -> str:
+    "Rows and examples are counted apart: history='expand' gives a row one example per trained turn."
+    kept = lengths[lengths.kept]
+    n_rows, n_kept = lengths['index'].nunique(), kept['index'].nunique()
+    return f'{n_kept} of {n_rows} rows kept' + (f' ({len(kept)} examples)' if len(kept) != n_kept else '')
+
 def lengths_fig(lengths: pd.DataFrame, # from `row_lengths`
                 max_length: int | None = None, # the cut to mark
                 nbins: int = 40,
@@ -43,7 +49,7 @@ def lengths_fig(lengths: pd.DataFrame, # from `row_lengths`
         if len(x): fig.add_trace(go.Histogram(x=x.astype(int).tolist(), name=name, marker_color=color, xbins=bins, opacity=0.85))
     if max_length: fig.add_vline(x=max_length, line_dash='dash', line_color='black', annotation_text=f'max_length {max_length}', annotation_position='top')
     fig.update_layout(barmode='overlay', height=340, margin=dict(l=50, r=20, t=50, b=40), xaxis_title='tokens', yaxis_title='rows',
-                      title=f'{int(lengths.kept.sum())} of {len(lengths)} rows kept', legend=dict(orientation='h', y=-0.25))
+                      title=_title(lengths), legend=dict(orientation='h', y=-0.25))
     return fig
 
 # %% ../nbs/03c_datareport.ipynb #b5eba63d
@@ -65,7 +71,7 @@ class DatasetReport:
         lines = [str(self.report)]
         x = self.lengths.tokens.dropna().astype(int).to_numpy()
         if len(x):
-            lines.append('tokens per row (kept, and dropped for length)' + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
+            lines.append('tokens per example (kept, and dropped rows for length)' + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
             edges = np.linspace(0, max(int(x.max()), self.max_length or 0) + 1, nbins + 1).astype(int)
             counts, _ = np.histogram(x, edges)
             for lo, hi, n in zip(edges[:-1], edges[1:], counts):

@@ -10,11 +10,11 @@ from typing import NamedTuple
 from .collate import labels_for
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
-from .tokenize import MODES, Example, TokenizeSpec, tokenize_conversation, tokenize_rows
+from .tokenize import HISTORY, MODES, Example, TokenizeSpec, tokenize_conversation, tokenize_rows
 
 # %% auto #0
 __all__ = ['COLORS', 'ROLE_COLORS', 'TokenRow', 'char_roles', 'token_rows', 'summary', 'ImageChip', 'render_example',
-           'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
+           'inspect_examples', 'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
@@ -169,24 +169,29 @@ def _base_dir(source) -> Path | None:
     if not isinstance(source, (str, Path)) or not Path(source).exists(): return None
     return Path(source) if Path(source).is_dir() else Path(source).parent
 
-def inspect_row(rows, # a loaded source (datasets.Dataset)
-                index: int, # row to show
-                tokenizer, # a fast tokenizer, or a vision-language processor (image rows)
-                spec: TokenizeSpec, # mode, max_length, template (text), kwargs
-                fmt: str | None = None, # format; None = detect from the columns
-                base_dir: str | Path | None = None, # folder of relative image paths (processor only)
-               ) -> tuple[Example | None, str]:
-    "Row `index` tokenized as the pipeline would: `(Example, '')`, or `(None, reason)` for a bad row."
+def inspect_examples(rows, # a loaded source (datasets.Dataset)
+                     index: int, # row to show
+                     tokenizer, # a fast tokenizer, or a vision-language processor (image rows)
+                     spec: TokenizeSpec, # mode, max_length, template (text), kwargs, history, train_on_*
+                     fmt: str | None = None, # format; None = detect from the columns
+                     base_dir: str | Path | None = None, # folder of relative image paths (processor only)
+                    ) -> tuple[list[Example], str]:
+    "Row `index` tokenized as the pipeline would: `([Example, ...], '')` (several when `history='expand'` splits it), or `([], reason)`."
     spec = TokenizeSpec(**{**spec.__dict__, 'truncation': 'keep_start'})
     if _is_processor(tokenizer):  # the trainer's vision path: processor-exact ids, image placeholders never trained
         from sft_nb.vision import tokenize_vision_rows
         good, bad = tokenize_vision_rows([row_dict(rows[int(index)])], tokenizer, spec, base_dir, [int(index)])
-        return (None, f'{bad[0][1]}: {bad[0][2]}') if bad else (good[0][1], '')
-    fmt = fmt or detect_format(source_columns(rows))
-    try: good, bad = tokenize_rows([row_dict(rows[int(index)])], tokenizer, spec, fmt, [int(index)])
-    except TemplateError as e: return None, f'template: {e}'
-    if bad: return None, f'{bad[0][1]}: {bad[0][2]}'
-    return good[0][1], ''
+    else:
+        fmt = fmt or detect_format(source_columns(rows))
+        try: good, bad = tokenize_rows([row_dict(rows[int(index)])], tokenizer, spec, fmt, [int(index)])
+        except TemplateError as e: return [], f'template: {e}'
+    return ([], f'{bad[0][1]}: {bad[0][2]}') if bad else ([ex for _, ex in good], '')
+
+def inspect_row(rows, index: int, tokenizer, spec: TokenizeSpec, fmt: str | None = None,
+                base_dir: str | Path | None = None) -> tuple[Example | None, str]:
+    "The first example of `inspect_examples`: `(Example, '')`, or `(None, reason)` for a bad row."
+    exs, err = inspect_examples(rows, index, tokenizer, spec, fmt, base_dir)
+    return (exs[0] if exs else None), err
 
 def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or hub id
                    template: str | None = None, # template text or .jinja path replacing the tokenizer's
@@ -216,6 +221,9 @@ class Inspector:
                  *, mode: str = 'all_assistant', # masking mode, one of MODES
                  template: str | None = None, # template text or path replacing the tokenizer's
                  chat_template_kwargs: dict | None = None, # extra template variables
+                 history: str = 'expand', # all_assistant on a history-rewriting template: expand | final | error
+                 train_on_reasoning: bool = True, # train <think>…</think> blocks of trained turns
+                 train_on_tool_calls: bool = True, # train the tool calls of trained turns
                  max_length: int | None = None, # cut rows beyond this many tokens (flagged as truncated)
                  row: int = 0, # first row shown
                  format: str = 'auto', # source format; 'auto' detects it
@@ -230,13 +238,19 @@ class Inspector:
         self.row_box = W.BoundedIntText(value=0, min=0, max=0, layout=W.Layout(width='90px'))
         W.link((self.row, 'value'), (self.row_box, 'value')); W.link((self.row, 'max'), (self.row_box, 'max'))
         self.mode = W.Dropdown(options=MODES, value=mode, description='mode')
-        self.kwargs = W.Text(value=json.dumps(chat_template_kwargs or {}), description='template kwargs')
+        # a browser cuts a long description at the default 90px ('template …'): size the label to its text
+        self.kwargs = W.Text(value=json.dumps(chat_template_kwargs or {}), description='template kwargs',
+                             style={'description_width': 'initial'}, layout=W.Layout(width='420px'))
+        self.history = W.Dropdown(options=HISTORY, value=history, description='history')
+        self.reasoning = W.Checkbox(value=train_on_reasoning, description='train reasoning', indent=False)
+        self.tool_calls = W.Checkbox(value=train_on_tool_calls, description='train tool calls', indent=False)
         self.max_length = W.IntText(value=max_length or 0, description='max_length', layout=W.Layout(width='180px'))
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
-        self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]), self.kwargs, self.html])
+        self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]),
+                              W.HBox([self.history, self.reasoning, self.tool_calls]), self.kwargs, self.html])
         self._load(); self.row.value = min(row, self.row.max)
-        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view): w.observe(lambda _: self.update(), names='value')
+        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.history, self.reasoning, self.tool_calls): w.observe(lambda _: self.update(), names='value')
         self.source.observe(lambda _: (self._load(), self.update()), names='value')
         self.update()
 
@@ -254,17 +268,24 @@ class Inspector:
         "The current controls as a `TokenizeSpec` (raises on template kwargs that are not a JSON object)."
         kw = json.loads(self.kwargs.value or '{}')
         if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
-        return TokenizeSpec(mode=self.mode.value, max_length=self.max_length.value or None, template=self.template, chat_template_kwargs=kw)
+        return TokenizeSpec(mode=self.mode.value, max_length=self.max_length.value or None, template=self.template, chat_template_kwargs=kw,
+                            history=self.history.value, train_on_reasoning=self.reasoning.value, train_on_tool_calls=self.tool_calls.value)
 
     def update(self):
         "Re-tokenize the current row and redraw."
-        try: self.example, self.error = inspect_row(self.rows, self.row.value, self.tokenizer, self.spec, self.fmt,
-                                                    self.base_dirs.get(self.source.value))
-        except ValueError as e: self.example, self.error = None, f'template kwargs: {e}'
+        try: self.examples, self.error = inspect_examples(self.rows, self.row.value, self.tokenizer, self.spec, self.fmt,
+                                                          self.base_dirs.get(self.source.value))
+        except ValueError as e: self.examples, self.error = [], f'template kwargs: {e}'
+        self.example = self.examples[0] if self.examples else None
         head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
         if self.example is None:
             self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-        else: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head)
+        elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head)
+        else:  # history='expand': the examples of one row side by side, one column per trained turn
+            n = len(self.examples)
+            cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}")}</div>'
+                    for k, ex in enumerate(self.examples)]
+            self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
 
     def snapshot(self):
         "The current rendering as static HTML (survives nbconvert and GitHub, where live widgets don't)."
@@ -283,6 +304,9 @@ def inspect_main(argv: list[str] | None = None) -> int:
     p.add_argument('--row', type=int, default=0, help='row index')
     p.add_argument('--model', default='tiny', help="tokenizer: 'tiny', 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
     p.add_argument('--mode', default='all_assistant', choices=MODES, help='masking mode')
+    p.add_argument('--history', default='expand', choices=HISTORY, help='all_assistant on a template that rewrites earlier turns')
+    p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
+    p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
     p.add_argument('--template', default=None, help='chat template (.jinja path) replacing the tokenizer\'s')
     p.add_argument('--family', default=None, choices=sorted(FAMILY_SPECIALS), help="add this template family's special tokens")
     p.add_argument('--max-length', type=int, default=None, help='cut the row after this many tokens')
@@ -295,11 +319,13 @@ def inspect_main(argv: list[str] | None = None) -> int:
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
-    spec = TokenizeSpec(mode=a.mode, max_length=a.max_length, template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs))
-    ex, err = inspect_row(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
+    spec = TokenizeSpec(mode=a.mode, max_length=a.max_length, template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
+                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls)
+    exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'
-    if ex is None:
+    if not exs:
         print(f'{head}: not trained — {err}'); return 1
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
-    sys.stdout.write(render_example(ex, tokenizer, form, a.view, head) + '\n')
+    for k, ex in enumerate(exs):
+        sys.stdout.write(render_example(ex, tokenizer, form, a.view, head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '')) + '\n')
     return 0

@@ -4,6 +4,7 @@ papermill example, and a real-browser screenshot of the inspector."""
 import html
 import importlib.util
 import json
+from pathlib import Path
 import re
 import numpy as np
 import pytest
@@ -130,6 +131,34 @@ def test_inspect_main_prints_ansi(shared, capsys):
     assert out.startswith(f'{shared / "datasets" / "glaive_toolcall_en_demo.json"} row 3 · all_assistant · 1293 tokens · 334 trained')
     assert '\x1b[48;2;123;211;137m' in out and '<tool_call>' in re.sub(r'\x1b\[[\d;]*m', '', out)
 
+
+
+def test_inspect_main_expanded_examples(shared, capsys):
+    "Qwen3 drops earlier reasoning: the CLI prints one example per trained turn (history='expand'), one with 'final'."
+    tpl = str(Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja')
+    row = shared / 'datasets' / 'glaive_toolcall_en_demo.json'
+    args = [str(row), '--row', '3', '--model', 'tiny', '--template', tpl, '--color', 'never']
+    assert inspect_main(args) == 0
+    out = capsys.readouterr().out
+    n = out.count(' · example ')
+    assert n > 1 and f'example {n}/{n}' in out
+    assert inspect_main(args + ['--history', 'final']) == 0
+    assert ' · example ' not in capsys.readouterr().out
+    assert inspect_main(args + ['--no-train-tool-calls']) == 0
+    assert '⟦<tool_call>' not in capsys.readouterr().out
+
+
+def test_inspector_history_controls(tiny_tok):
+    tpl = (Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja').read_text()
+    conv = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!', 'reasoning_content': 'A greeting.'},
+            {'role': 'user', 'content': 'Bye'}, {'role': 'assistant', 'content': 'Bye now.', 'reasoning_content': 'A farewell.'}]
+    ins = Inspector({'chat': [{'messages': conv}]}, tiny_tok, template=tpl)
+    assert ins.kwargs.style.description_width == 'initial'  # the label is not cut to 'template …' in a browser
+    assert len(ins.examples) == 2 and 'example 2/2' in ins.html.value
+    ins.history.value = 'error'
+    assert ins.examples == [] and "history='expand'" in ins.error
+    ins.mode.value = 'last_assistant'
+    assert len(ins.examples) == 1 and 'A farewell.' in ins.example.text
 
 # which checks each real template fails, on the first 20 glaive rows plus two plain chats
 EXPECTED_FAILS = {
