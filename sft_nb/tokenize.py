@@ -360,15 +360,36 @@ def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) ->
              spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
-def _manifest(folder: Path) -> dict:
-    return {str(p.relative_to(folder)): p.stat().st_size for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'MANIFEST.json'}
+def _digest(path: Path) -> str:
+    "xxh3-128 of a file's bytes: datasets already depends on xxhash, and it hashes at memory speed (see bench/tokenize.py)."
+    import xxhash
+    h = xxhash.xxh3_128()
+    with open(path, 'rb') as f:
+        while chunk := f.read(1 << 24): h.update(chunk)
+    return h.hexdigest()
 
-def _load_entry(folder: Path):
-    "A complete cache entry → (Dataset, DataReport); anything incomplete or altered → None."
-    import datasets
+def _manifest(folder: Path, digests: bool = True) -> dict:
+    "{file: [size, content digest]} of a cache entry (the digest is computed only when asked)."
+    return {str(p.relative_to(folder)): [p.stat().st_size, _digest(p) if digests else None]
+            for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'MANIFEST.json'}
+
+def _verify(folder: Path, recorded: dict) -> str:
+    "'' if every file of the entry has its recorded size and digest, else the first file that does not."
+    sizes = _manifest(folder, digests=False)
+    if not isinstance(recorded, dict) or sizes.keys() != recorded.keys(): return 'file list'
+    for name, (size, _) in sizes.items():  # cheap size check first; a truncated file never gets hashed
+        if not isinstance(recorded[name], list) or recorded[name][0] != size: return name
+    return next((n for n in sizes if _digest(folder / n) != recorded[n][1]), '')
+
+def _load_entry(folder: Path, verify: bool = True): # verify=False: the entry this process just wrote
+    "A complete cache entry → (Dataset, DataReport); anything incomplete or altered → None (altered: with a warning)."
+    import datasets, warnings
     m = folder / 'MANIFEST.json'
     try:
-        if not m.exists() or json.loads(m.read_text()) != _manifest(folder): return None
+        if not m.exists(): return None
+        if verify and (bad := _verify(folder, json.loads(m.read_text()))):
+            warnings.warn(f"tokenization cache entry {folder} fails its content check ({bad}); rebuilding it", stacklevel=3)
+            return None
         rep = json.loads((folder / 'report.json').read_text())
         rep['bad_rows'] = [tuple(b) for b in rep['bad_rows']]
         return datasets.load_from_disk(str(folder / 'data')), DataReport(**rep)
@@ -432,7 +453,7 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
         report.max_length = int(lengths.max()) if len(lengths) else 0
         if use_cache:
             _write_entry(folder, kept, report)
-            hit = _load_entry(folder)
+            hit = _load_entry(folder, verify=False)
         else: hit = (kept, report)
         if bars_were_on: datasets.enable_progress_bars()
     ds, report = hit

@@ -92,6 +92,30 @@ def test_truncated_cache_entry_is_rebuilt(shared, tiny_tok, tmp_path):
     assert again.to_dict() == expected and (entry / 'MANIFEST.json').exists()
 
 
+def test_cache_altered_in_place_is_detected(shared, tiny_tok, tmp_path):
+    "Issue 17 item 7: 4 bytes overwritten in place (same size) used to be served; digests catch it and the entry is rebuilt."
+    import datasets
+    src = shared / 'datasets/identity.json'
+    ds, rep = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    expected = ds.to_dict()
+    del ds
+    entry = next(tmp_path.iterdir())
+    arrow = next(entry.rglob('*.arrow'))
+    b = bytearray(arrow.read_bytes()); k = len(b) // 2
+    b[k:k + 4] = bytes(x ^ 0xFF for x in b[k:k + 4]); arrow.write_bytes(bytes(b))
+    assert datasets.load_from_disk(str(entry / 'data')).to_dict() != expected  # what a size-only check served
+    with pytest.warns(UserWarning, match='fails its content check'):
+        again, rep2 = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    assert again.to_dict() == expected and rep2 == rep
+    report = entry / 'report.json'
+    text = report.read_text()
+    n = f'"n_tokens": {rep.n_tokens}'
+    report.write_text(text.replace(n, n[:-1] + str((int(n[-1]) + 1) % 10)))  # one digit changed, same size
+    assert report.stat().st_size == len(text)
+    with pytest.warns(UserWarning, match=r'fails its content check \(report.json\)'):
+        again, rep3 = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
+    assert rep3 == rep and again.to_dict() == expected
+
 def test_turns_reduced_to_end_of_turn_are_reported(shared, tiny_tok, qwen_tok, qwen_template, tmp_path):
     "A template that drops tool calls (plain ChatML) leaves turns that train only <|im_end|>: counted and warned about."
     src = shared / 'datasets/glaive_toolcall_en_demo.json'
