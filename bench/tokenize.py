@@ -19,6 +19,13 @@ and the Qwen2.5 template (`../shared/templates/qwen2.5-instruct.jinja`, used as-
 
 Each measurement is repeated (default 3) and the best time is kept; the repeats run in rounds (every method once per
 round) so that background load on a shared machine hits all methods alike.
+
+`--verify-rows N` instead measures what the cache's content check costs (issue 17 item 7): N alpaca-style rows (the
+demo rows repeated, each instruction made unique) are tokenized into a cache entry once; then, best of `--repeats`, it
+times loading the entry with its size + xxh3-128 digest check, without it, the check alone, and a whole
+`tokenize_dataset` cache hit (which also reads and fingerprints the source file). Files are warm in the page cache.
+
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --verify-rows 100000
 """
 # This file is named tokenize.py: drop its folder from sys.path before anything imports the stdlib `tokenize`.
 import sys
@@ -147,6 +154,7 @@ def main():
     ap.add_argument('--datasets', nargs='*', default=list(DATASETS))
     ap.add_argument('--skip-trl', action='store_true')
     ap.add_argument('--profile', choices=MODES, help='only cProfile tokenize_rows on the tool-calling set in this mode')
+    ap.add_argument('--verify-rows', type=int, default=0, help='only measure the cache content check on a cache of this many rows')
     a = ap.parse_args()
 
     import datasets, transformers
@@ -175,6 +183,7 @@ def main():
           f"best of {a.repeats}, TOKENIZERS_PARALLELISM={os.environ.get('TOKENIZERS_PARALLELISM', '(unset)')}, "
           f"load average at start {_load()}")
     if a.profile: return _profile(tok, template, a.profile)
+    if a.verify_rows: return _verify_cost(tok, template, a.verify_rows, a.repeats)
     results, notes, checks = [], [], []
 
     def add(ds, mode, method, secs, n_ex, n_tok, cpu_secs):
@@ -286,6 +295,42 @@ def _profile(tok, template, mode, name=TOOL_SET, top=25):
     print(f"\n## cProfile: tokenize_rows on {name}, mode {mode}, 3 passes over {len(rows)} rows in batches of {BATCH}\n")
     pstats.Stats(pr, stream=sys.stdout).sort_stats('cumtime').print_stats(top)
     pstats.Stats(pr, stream=sys.stdout).sort_stats('tottime').print_stats(12)
+
+
+def _verify_cost(tok, template, n_rows, repeats):
+    "Cost of the tokenization cache's content check (sizes + xxh3-128 digests) on a cache of `n_rows` alpaca-style rows."
+    import json, time
+    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset, _load_entry, _verify
+    demo = json.loads(DATASETS['alpaca'].read_text())
+    big = [{**r, 'instruction': f"{r['instruction']} (#{k})"} for k in range(-(-n_rows // len(demo))) for r in demo][:n_rows]
+    spec = TokenizeSpec(template=template, max_length=None)
+    with tempfile.TemporaryDirectory() as d:
+        src, cache = Path(d) / 'alpaca_big.json', Path(d) / 'cache'
+        src.write_text(json.dumps(big))
+        t0 = time.perf_counter()
+        ds, rep = tokenize_dataset(str(src), tok, spec, cache_dir=str(cache))
+        build = time.perf_counter() - t0
+        del ds
+        entry = next(p for p in cache.iterdir() if p.is_dir())
+        files = [p for p in entry.rglob('*') if p.is_file()]
+        size = sum(p.stat().st_size for p in files)
+        manifest = json.loads((entry / 'MANIFEST.json').read_text())
+        runs = {'load entry, with content check': lambda: _load_entry(entry),
+                'load entry, no check': lambda: _load_entry(entry, verify=False),
+                'content check alone (sizes + digests)': lambda: _verify(entry, manifest),
+                'tokenize_dataset cache hit (reads + fingerprints the source too)': lambda: tokenize_dataset(str(src), tok, spec, cache_dir=str(cache))}
+        assert _verify(entry, manifest) == '' and _load_entry(entry) is not None
+        best = {k: float('inf') for k in runs}
+        for _ in range(repeats):
+            for k, fn in runs.items():
+                t0 = time.perf_counter(); out = fn(); best[k] = min(best[k], time.perf_counter() - t0)
+                del out
+        print(f"\n## cache content check: {rep.n_rows:,} rows, {rep.n_tokens:,} tokens, entry {size / 2**20:.1f} MiB in {len(files)} files "
+              f"(built in {build:.1f} s), best of {repeats}\n")
+        print('| what | ms |\n|---|---:|')
+        for k, v in best.items(): print(f'| {k} | {v * 1e3:,.1f} |')
+        c, hit = best['content check alone (sizes + digests)'], best['tokenize_dataset cache hit (reads + fingerprints the source too)']
+        print(f"\ncheck: {size / 2**20 / c:,.0f} MiB/s; {100 * c / hit:.0f}% of a whole cache hit")
 
 
 def _report(results, notes, checks):

@@ -132,7 +132,7 @@ def check(tok, tpl, kw, msgs, tools, ex, trained, reasoning=True, tool_calls=Tru
     assert trained_runs(ex, tok) == want
 
 
-STRATEGIES = ['last_assistant', 'expand', 'final', 'error']
+STRATEGIES = ['last_assistant', 'completion_only', 'expand', 'final', 'error']
 FLAGS = [(True, True), (False, True), (True, False)]
 
 
@@ -145,8 +145,8 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
     row, fmt = convs[conv]
     c = normalize_row(row, fmt)
     msgs, tools = c['messages'], c['tools']
-    mode = 'last_assistant' if strategy == 'last_assistant' else 'all_assistant'
-    history = 'expand' if strategy == 'last_assistant' else strategy
+    mode = strategy if strategy in ('last_assistant', 'completion_only') else 'all_assistant'
+    history = 'expand' if mode != 'all_assistant' else strategy
     reasoning, tool_calls = flags
     spec = TokenizeSpec(mode=mode, history=history, template=tpl, chat_template_kwargs=kw, max_length=None,
                         train_on_reasoning=reasoning, train_on_tool_calls=tool_calls)
@@ -170,7 +170,7 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
         for i, ex in zip(asst, exs): check(tok, tpl, kw, msgs[:i + 1], tools, ex, [i], *flags)
         return
     assert len(exs) == 1
-    check(tok, tpl, kw, msgs, tools, exs[0], asst[-1:] if mode == 'last_assistant' else asst, *flags)
+    check(tok, tpl, kw, msgs, tools, exs[0], asst if mode == 'all_assistant' else asst[-1:], *flags)
 
 
 def test_qwen3_multiturn_last_assistant_regression(templates):
