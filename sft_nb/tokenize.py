@@ -49,7 +49,7 @@ class Example:
 def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: str) -> int:
     "End of the assistant header nearest `cursor` (templates whose earlier and final turns have different headers)."
     hits = [(j, h) for h in info.headers if (j := text.find(h, cursor)) >= 0]
-    if not hits: raise TemplateError(f"{where}: no assistant header {list(info.headers)!r} found in the rendered text")
+    if not hits: raise BadRow(f"{where}: no assistant header {list(info.headers)!r} found in the rendered text", kind='template_error')
     j = min(j for j, _ in hits)
     at = [h for k, h in hits if k == j]
     # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
@@ -68,7 +68,7 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
         if info.headers: start = _header_end(text, cursor, info, last=i == len(messages) - 1, where=f"message {i}")
         elif info.gen_prompt and info.full_render_matches_gen_prompt:
             h = text.find(info.gen_prompt, cursor)
-            if h < 0: raise TemplateError(f"message {i}: assistant header {info.gen_prompt!r} not found in the rendered text")
+            if h < 0: raise BadRow(f"message {i}: assistant header {info.gen_prompt!r} not found in the rendered text", kind='template_error')
             start = h + len(info.gen_prompt)
         else:
             start = cursor + len(info.user_footer) if info.user_footer and text.startswith(info.user_footer, cursor) else cursor
@@ -77,7 +77,7 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
         after_content = k + len(c) if k >= 0 else start
         if info.eot:
             e = text.find(info.eot, after_content)
-            if e < 0: raise TemplateError(f"message {i}: end-of-turn {info.eot!r} not found after the assistant content")
+            if e < 0: raise BadRow(f"message {i}: end-of-turn {info.eot!r} not found after the assistant content", kind='template_error')
             end = e + len(info.eot)
         else: end = after_content
         segs.append((start, end, i, 'assistant'))
