@@ -23,11 +23,18 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     for k, v in RAY_ENV.items(): os.environ.setdefault(k, v)
     import ray
     if ray.is_initialized(): return False
-    env = {'env_vars': {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0')}}
-    if address: ray.init(address=address, runtime_env=env, log_to_driver=True)
-    else:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
-        ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False,
-                 runtime_env=env, log_to_driver=True)
+    env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0')}
+    if address: ray.init(address=address, runtime_env={'env_vars': env}, log_to_driver=True); return True
+    # A local cluster's processes inherit the environment they start in: the workers get `env` without a runtime env,
+    # so no worker start waits on the runtime-env agent. The driver's own environment is restored right after.
+    before = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
+        ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False, log_to_driver=True)
+    finally:
+        for k, v in before.items():
+            if v is None: os.environ.pop(k, None)
+            else: os.environ[k] = v
     return True
 
 def free_port() -> int:
