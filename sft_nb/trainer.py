@@ -546,6 +546,8 @@ class SFTTrainer:
         self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
         for cb in self.callbacks:
             if isinstance(cb, JSONLTracker): cb.truncate(self.global_step)
+        for later in [p for p in self.checkpoints() if int(p.name.split('_')[1]) > self.global_step]:
+            shutil.rmtree(later)  # the future of the resumed step is rewritten, like the metrics: never mixed with it
         return self.global_step
 
     def export(self, path: str | Path | None = None) -> Path:

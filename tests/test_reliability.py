@@ -129,16 +129,20 @@ def test_run_dir_refused_resumed_overwritten_and_locked(tiny_path, tmp_path, ray
 
 
 def test_resumed_run_replaces_checkpoint_of_same_step(tiny_path, tmp_path, ray_session):
-    "Resume from step 1 with another LR: its step-2 checkpoint replaces the earlier run's (the old code kept the old one)."
+    """Resume from step 1 with another LR: the earlier run's later checkpoints go (as its metrics do), and the new step-2
+    checkpoint is this run's (the old code kept the earlier run's step 2 and let keep_last prune the new ones)."""
     run = tmp_path / 'run'
-    base = dict(train__num_steps=2, checkpoint__save_every=1)
+    base = dict(train__num_steps=3, checkpoint__save_every=1, checkpoint__keep_last=3)
     with SFTTrainer(run_cfg(tiny_path, run, **base), train_data=ROWS) as t: t.fit()
     step2 = lambda: json.loads((run / 'checkpoints' / 'step_000002' / 'trainer_state.json').read_text())['history'][-1]['lr']
     assert step2() == 1e-2
     with SFTTrainer(run_cfg(tiny_path, run, checkpoint__resume=str(run / 'checkpoints' / 'step_000001'), optim__lr=0.5, **base),
                     train_data=ROWS) as t:
-        assert t.fit()['lr'].tolist() == [1e-2, 0.5]
+        assert [p.name for p in t.checkpoints()] == ['step_000001']
+        assert t.fit(1)['lr'].tolist() == [1e-2, 0.5]
+        assert [p.name for p in t.checkpoints()] == ['step_000001', 'step_000002']
     assert step2() == 0.5 and not list((run / 'checkpoints').glob('.*step_*'))
+    assert _train_steps(run) == [1, 2]
 
 
 # ---- non-finite steps, final evaluation (Ray) --------------------------------------------------------------------
