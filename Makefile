@@ -1,10 +1,10 @@
-# Two entry points (see README): `make demo` and `make test`. Each builds .venv on first use.
+# Entry points (see README): `make demo`, `make lab` and `make test`. Each builds .venv on first use.
 SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv readme
+.PHONY: demo test venv readme lab
 venv: $(STAMP)
 
 $(STAMP): requirements.txt settings.ini setup.py
@@ -19,6 +19,13 @@ $(STAMP): requirements.txt settings.ini setup.py
 
 demo: $(STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m sft_nb.demo
+
+# JupyterLab from this environment (so the widget extensions are found) on the examples.
+# Remote machine: make lab LAB_ARGS="--no-browser --port 8888", then ssh -N -L 8888:localhost:8888 you@host
+LAB_ARGS ?=
+lab: $(STAMP)
+	HF_HUB_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false \
+	  $(VENV)/bin/jupyter lab --ServerApp.root_dir=examples $(if $(filter 0,$(shell id -u)),--allow-root) $(LAB_ARGS)
 
 test: $(STAMP)
 	bash tools/test.sh
