@@ -121,6 +121,9 @@ class TokenizeConfig:
     truncation: Literal['drop', 'keep_start'] = 'drop'  # over-long rows: drop them, or keep the first max_length tokens
     chat_template: str | None = None  # a Jinja template (text or file path) replacing the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
+    history: Literal['expand', 'final', 'error'] = 'expand'  # all_assistant on a template that rewrites earlier turns (Qwen3, QwQ): one example per assistant turn, the full render as it is, or refuse
+    train_on_reasoning: bool = True  # train the <think>…</think> block of trained assistant turns (False: seen, not trained)
+    train_on_tool_calls: bool = True  # train the tool-call part of trained assistant turns
     num_proc: int = 1  # processes for tokenization
     ray_shards: int = 0  # > 0: tokenize as this many Ray tasks over the cluster's CPUs (multi-node)
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb

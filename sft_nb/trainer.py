@@ -19,8 +19,8 @@ from .callbacks import Control, Callback, make_trackers, JSONLTracker
 from .workers import init_ray, WorkerGroup, WorkerError
 
 # %% auto #0
-__all__ = ['RUN_OUTPUTS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'TrainerBusy',
-           'NonFiniteLoss', 'RunDirBusy', 'run_outputs', 'RunLock', 'SFTTrainer']
+__all__ = ['RUN_OUTPUTS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split',
+           'TrainerBusy', 'NonFiniteLoss', 'RunDirBusy', 'run_outputs', 'RunLock', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
@@ -65,6 +65,15 @@ def synthetic_dataset(n_rows: int, length: int, vocab_size: int, seed: int = 0):
     mask = [0] + [1] * (length - 1)  # the first token has no prediction: never trained
     return Dataset.from_dict({'input_ids': ids.tolist(), 'loss_mask': [mask] * n_rows, 'length': [length] * n_rows,
                               'n_trained': [length - 1] * n_rows, 'index': list(range(n_rows))})
+
+# %% ../nbs/08_trainer.ipynb #707b30a2
+def heldout_split(groups: list, # per item: the source row it came from (examples of one row share it)
+                  fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    "Positions of the train and the held-out items; all items of one group land on the same side."
+    uniq = list(dict.fromkeys(groups))  # groups in order of first appearance
+    perm = np.random.default_rng(seed).permutation(len(uniq))
+    held = {uniq[j] for j in perm[:max(1, int(len(uniq) * fraction))]}
+    return [k for k, g in enumerate(groups) if g not in held], [k for k, g in enumerate(groups) if g in held]
 
 # %% ../nbs/08_trainer.ipynb #9819ee61
 class TrainerBusy(RuntimeError):
@@ -236,9 +245,13 @@ class SFTTrainer:
     def _tokenize(self, src):
         c = self.cfg
         fmt = src.format if isinstance(src, SourceConfig) else 'auto'
-        spec = TokenizeSpec(c.tokenize.mode, c.tokenize.max_length, c.tokenize.truncation, c.tokenize.chat_template,
-                            c.tokenize.chat_template_kwargs, fmt)
+        t = c.tokenize
+        spec = TokenizeSpec(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs, fmt,
+                            history=t.history, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
         if self.processor is not None:
+            if not (t.train_on_reasoning and t.train_on_tool_calls):  # the vision tokenizer trains whole assistant turns
+                raise ConfigError("tokenize.train_on_reasoning, tokenize.train_on_tool_calls: a vision-language model's rows train whole "
+                                  "assistant turns; masking reasoning or tool calls is not supported there (set both to true)")
             from sft_nb.vision import tokenize_vision_dataset
             return tokenize_vision_dataset(src, self.processor, spec, on_bad_row=c.data.on_bad_row, cache_dir=c.tokenize.cache_dir)
         return tokenize_dataset(src, self.tokenizer, spec, num_proc=c.tokenize.num_proc, on_bad_row=c.data.on_bad_row,
@@ -259,13 +272,10 @@ class SFTTrainer:
         rows = mix_indices([len(d) for d in self.train_sets], weights, c.data.seed)
         evals = self.eval_data if self.eval_data is not None else c.data.eval
         self.eval_sets = {name: self._tokenize(s)[0] for name, s in evals.items()}
-        if c.data.eval_fraction > 0:
-            perm = np.random.default_rng(c.data.seed).permutation(len(rows))
-            n_eval = max(1, int(len(rows) * c.data.eval_fraction))
-            held = sorted(perm[:n_eval].tolist())
-            self.heldout = [rows[i] for i in held]
-            keep = set(perm[n_eval:].tolist())
-            rows = [r for i, r in enumerate(rows) if i in keep]
+        if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
+            index = [np.asarray(ds['index'], dtype=np.int64) for ds in self.train_sets]
+            train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
+            self.heldout, rows = [rows[k] for k in held], [rows[k] for k in train]
         self.rows = rows  # (source, row) pairs
         if not rows: raise ConfigError("data.train: no usable rows after tokenization; see trainer.data_report")
         cols = [np.asarray(ds['length'], dtype=np.int64) for ds in self.train_sets]  # one column read per source

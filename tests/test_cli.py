@@ -29,6 +29,20 @@ def test_bad_parameter_fails_before_running(tmp_path):
     assert not (tmp_path / 'run' / 'train.ipynb').exists()  # no kernel was started
 
 
+def test_notebook_parameters_reach_the_config(tmp_path):
+    "The tokenize options of issue 14 and checkpoint.overwrite are notebook parameters, listed by papermill and put in the config."
+    names = ('history', 'train_on_reasoning', 'train_on_tool_calls', 'overwrite')
+    r = subprocess.run([str(Path(sys.executable).parent / 'papermill'), '--help-notebook', str(TRAIN_NB)], env=ENV, capture_output=True, text=True)
+    assert r.returncode == 0 and all(f'  {n}: ' in r.stdout for n in names), r.stdout
+    cells = nbformat.read(TRAIN_NB, as_version=4).cells
+    ns = {}
+    exec(next(c.source for c in cells if 'parameters' in c.metadata.get('tags', [])), ns)
+    ns.update(history='final', train_on_reasoning=False, train_on_tool_calls=False, overwrite=True, run_dir=str(tmp_path / 'run'))
+    exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)  # builds the config and an SFTTrainer (no Ray yet)
+    t, ck = ns['cfg'].tokenize, ns['cfg'].checkpoint
+    assert (t.history, t.train_on_reasoning, t.train_on_tool_calls, ck.overwrite) == ('final', False, False, True)
+
+
 def test_failing_notebook_names_the_cell(tmp_path):
     nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('x = 1', metadata={'tags': ['parameters']}),
                                          nbformat.v4.new_code_cell('y = x + 1'),

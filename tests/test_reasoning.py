@@ -9,6 +9,7 @@ The trained text is F[start:len(F)-len(S)] plus the end-of-turn special token S 
 Trained token runs, decoded, must equal these texts; nothing else may be trained; ids must equal apply_chat_template.
 """
 import json, re
+import numpy as np
 from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
@@ -207,3 +208,44 @@ def test_expanded_row_dropped_whole(templates):
 def test_bad_history_value(templates):
     tok, tpl, kw = templates['qwen3']
     with pytest.raises(ValueError, match="history: 'sometimes' is not allowed"): tokenize_turns(MULTI, tok, template=tpl, history='sometimes')
+
+
+def _trainer_data(tiny_path, tmp_path, rows, **tokenize):
+    "The trainer's tokenized train set and held-out split for a config, without starting Ray (only `_prepare_data`)."
+    from helpers import run_cfg
+    from sft_nb.trainer import SFTTrainer
+    over = {f'tokenize__{k}': v for k, v in {'chat_template': str(FIX / 'qwen3.jinja'), 'max_length': 1024,
+                                                 'cache_dir': str(tmp_path / 'cache'), **tokenize}.items()}
+    t = SFTTrainer(run_cfg(tiny_path, tmp_path / 'run', **over), train_data=rows)
+    t.tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    t._prepare_data()
+    return t
+
+
+@pytest.mark.parametrize('opts', [{}, {'history': 'final'}, {'train_on_reasoning': False}, {'train_on_tool_calls': False},
+                                  {'history': 'final', 'train_on_reasoning': False}], ids=str)
+def test_trainer_config_reaches_tokenization(tiny_path, tmp_path, opts):
+    "tokenize.history / train_on_reasoning / train_on_tool_calls in a trainer config give the examples tokenize_turns gives."
+    tok, tpl = AutoTokenizer.from_pretrained(tiny_path), (FIX / 'qwen3.jinja').read_text()
+    ds = _trainer_data(tiny_path, tmp_path, [{'messages': REASONING}, {'messages': AGENT}], **opts).train_sets[0]
+    want = [(i, e) for i, m in enumerate([REASONING, AGENT]) for e in tokenize_turns(m, tok, template=tpl, **opts)]
+    assert ds['index'] == [i for i, _ in want]
+    assert ds['input_ids'] == [e.input_ids for _, e in want] and ds['loss_mask'] == [e.loss_mask for _, e in want]
+    default = [e for m in [REASONING, AGENT] for e in tokenize_turns(m, tok, template=tpl)]
+    assert len(ds) == (2 if opts.get('history') == 'final' else 6)  # expand: one example per assistant turn (2 + 4)
+    if opts.get('train_on_reasoning') is False or opts.get('train_on_tool_calls') is False:
+        assert sum(ds['n_trained']) < sum(e.n_trained for e in default)  # the masked parts are seen, not trained
+
+
+def test_heldout_split_keeps_expanded_row_on_one_side(tiny_path, tmp_path):
+    "data.eval_fraction with history: expand draws source rows: a row's examples are all train or all held out."
+    rows = [{'messages': [{'role': 'user', 'content': f'Is {n} prime?'}, {'role': 'assistant', 'content': 'Let me see.'},
+                          {'role': 'user', 'content': 'Well?'}, {'role': 'assistant', 'content': f'{n} is odd.'}]} for n in range(1, 40, 2)]
+    t = _trainer_data(tiny_path, tmp_path, rows)
+    t.cfg.data.eval_fraction = 0.3
+    t._prepare_data()
+    index = np.asarray(t.train_sets[0]['index'])
+    assert len(t.train_sets[0]) == 2 * len(rows)  # qwen3 rewrites history: two examples per row
+    train, held = {int(index[i]) for _, i in t.rows}, {int(index[i]) for _, i in t.heldout}
+    assert not train & held, f"rows on both sides: {sorted(train & held)}"
+    assert len(held) == int(len(rows) * 0.3) and len(t.rows) + len(t.heldout) == 2 * len(rows)
