@@ -196,16 +196,18 @@ def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked)
 
-def _completion_example(row, tokenizer, max_length, truncation) -> Example:
-    "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained."
+def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
+    "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained (`mode='all'`: every token)."
     p, c = row['prompt'], row['completion']
     text = p + c
     enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
     ids, offsets = list(enc['input_ids']), [tuple(o) for o in enc['offset_mapping']]
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids.append(tokenizer.eos_token_id); offsets.append((len(text), len(text)))
-    spans = [(len(p), len(text) + 1, 1)]
-    mask = [int(e > len(p) or (s == e == len(text))) for s, e in offsets]
+    if mode == 'all': spans, mask = [(0, len(text) + 1, -1)], [1] * len(ids)  # as for messages rows: the prompt is trained too
+    else:
+        spans = [(len(p), len(text) + 1, 1)]
+        mask = [int(e > len(p) or (s == e == len(text))) for s, e in offsets]
     ids, mask, truncated = _finish(ids, mask, max_length, truncation)
     return Example(ids, mask, truncated, text, offsets[:len(ids)], spans)
 
@@ -280,7 +282,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
             if 'input_ids' in conv:
                 good.append((idx, Example(*_finish(conv['input_ids'], conv['loss_mask'], spec.max_length, spec.truncation))))
             elif 'prompt' in conv:
-                good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation)))
+                good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation, spec.mode)))
             else:
                 turns = [(msgs, mode, render(tokenizer, msgs, conv['tools'], template=spec.template, **spec.chat_template_kwargs))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
@@ -302,7 +304,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
     return good, bad
 
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 3  # bump when masking changes: old cache entries then miss
+ALGO_VERSION = 4  # bump when masking changes: old cache entries then miss (4: prompt/completion rows honour mode 'all')
 
 def _map_batch(batch, tokenizer, spec, fmt, indices):
     n = len(next(iter(batch.values())))
