@@ -34,6 +34,8 @@ def lab():
     env = {**os.environ, 'JUPYTERLAB_SETTINGS_DIR': str(home / 'settings'), 'JUPYTERLAB_WORKSPACES_DIR': str(home / 'workspaces')}
     notif = home / 'settings' / '@jupyterlab' / 'apputils-extension' / 'notification.jupyterlab-settings'
     notif.parent.mkdir(parents=True); notif.write_text('{"fetchNews": "false"}')  # no news toast over the widgets
+    auto = home / 'settings' / '@jupyterlab' / 'docmanager-extension' / 'plugin.jupyterlab-settings'
+    auto.parent.mkdir(parents=True); auto.write_text('{"autosave": false}')
     log = open(LAB_DIR / 'server.log', 'w')
     proc = subprocess.Popen([sys.executable, '-m', 'jupyter', 'lab', '--no-browser', '--ip=127.0.0.1', f'--port={port}',
                              f'--IdentityProvider.token={token}', f'--ServerApp.root_dir={LAB_DIR}', '--LabApp.news_url=None',
@@ -203,12 +205,12 @@ def test_trainer_panel_in_browser(lab, browser):
         _button(nb, 'Step').click()
         nb.page.wait_for_function(f"() => document.querySelector('.sft-nb-status').textContent.includes('step {k}/3000')", timeout=120_000)
         nb.page.wait_for_function('() => !document.querySelector(".sft-nb-panel button").disabled', timeout=60_000)
-    nb.page.wait_for_function("() => document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace').querySelectorAll('path.point').length === 2", timeout=30_000)
+    nb.page.wait_for_function("() => (document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')?.querySelectorAll('path.point').length ?? 0) === 2", timeout=30_000)
     assert _points(nb) == 2
 
     _button(nb, 'Fit').click()
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')", timeout=60_000)
-    nb.page.wait_for_function("() => document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace').querySelectorAll('path.point').length >= 12", timeout=120_000)
+    nb.page.wait_for_function("() => (document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')?.querySelectorAll('path.point').length ?? 0) >= 12", timeout=120_000)
     assert _button(nb, 'Step').is_disabled() and _button(nb, 'Fit').is_disabled() and not _button(nb, 'Stop').is_disabled()
     nb.shot('panel_mid_fit', panel)
 
@@ -223,7 +225,7 @@ def test_trainer_panel_in_browser(lab, browser):
     assert 'TrainerBusy' in err.inner_text() and 'trainer.fit() is running in another thread' in err.inner_text()
     assert 'fit running (from the panel)' in _status(nb)
     n_before = _points(nb)
-    nb.page.wait_for_function(f"() => document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace').querySelectorAll('path.point').length > {n_before}", timeout=60_000)
+    nb.page.wait_for_function(f"() => (document.querySelector('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')?.querySelectorAll('path.point').length ?? 0) > {n_before}", timeout=60_000)
 
     _button(nb, 'Stop').click()
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')", timeout=60_000)
