@@ -13,3 +13,12 @@ def run_cfg(model_path, run_dir, **overrides) -> dict:
         section, key = k.split('__')
         cfg.setdefault(section, {})[key] = v
     return cfg
+
+
+def trained_runs(ex, tok) -> list[str]:
+    "The decoded runs of consecutive trained tokens of an example."
+    runs, cur = [], []
+    for i, m in zip(ex.input_ids, ex.loss_mask):
+        if m: cur.append(i)
+        elif cur: runs.append(tok.decode(cur)); cur = []
+    return runs + ([tok.decode(cur)] if cur else [])

@@ -6,6 +6,7 @@ plus its end-of-turn token: exactly the text the trained tokens must decode to.
 """
 import json
 import pytest
+from helpers import trained_runs
 from transformers import AutoTokenizer
 from sft_nb.data import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
@@ -51,14 +52,6 @@ def oracle(tok, template, msgs, tools, mode):
         assert full.startswith(prefix), 'template is not append-only'
         out.append(full[len(prefix):].rstrip('\n'))
     return out
-
-
-def trained_runs(ex, tok):
-    runs, cur = [], []
-    for i, m in zip(ex.input_ids, ex.loss_mask):
-        if m: cur.append(i)
-        elif cur: runs.append(tok.decode(cur)); cur = []
-    return runs + ([tok.decode(cur)] if cur else [])
 
 
 @pytest.mark.parametrize('mode', ['all_assistant', 'last_assistant', 'all'])

@@ -12,6 +12,7 @@ import json, re
 import numpy as np
 from pathlib import Path
 import pytest
+from helpers import trained_runs
 from transformers import AutoTokenizer
 from sft_nb.data import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
@@ -114,14 +115,6 @@ def drop_parts(t, reasoning, tool_calls):
     if not tool_calls:  # the newline that separates an answer from the calls goes with the calls
         return [x for x in re.split(r'(?:(?<=[^\n])\n)?<tool_call>.*</tool_call>', t, flags=re.S) if x]
     return [t]
-
-
-def trained_runs(ex, tok):
-    runs, cur = [], []
-    for i, m in zip(ex.input_ids, ex.loss_mask):
-        if m: cur.append(i)
-        elif cur: runs.append(tok.decode(cur)); cur = []
-    return runs + ([tok.decode(cur)] if cur else [])
 
 
 def check(tok, tpl, kw, msgs, tools, ex, trained, reasoning=True, tool_calls=True):
