@@ -9,12 +9,23 @@ import torch
 
 # %% auto #0
 __all__ = ['VISION_KEYS', 'labels_for', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
-           'trained_targets', 'model_inputs', 'collate_vision']
+           'target_weights', 'trained_targets', 'model_inputs', 'collate_vision']
 
 # %% ../nbs/05_collate.ipynb #4c36b45c
 def _ids_mask(ex) -> tuple[list[int], list[int]]:
     if isinstance(ex, dict): return ex['input_ids'], ex['loss_mask']
     return ex.input_ids, ex.loss_mask
+
+def _weights(ex) -> list[float] | None:
+    "An example's per-token loss weights, or None when its loss_mask is the weight."
+    w = ex.get('loss_weights') if isinstance(ex, dict) else getattr(ex, 'loss_weights', None)
+    return w if w is not None and len(w) else None
+
+def _with_weights(wt, labels) -> dict:
+    "`loss_weights` [B, T] (0 wherever `labels` is -100) and their sum, when some example has fractional weights; else nothing."
+    if wt is None: return {}
+    wt[labels == -100] = 0
+    return {'loss_weights': wt, 'weight_sum': float(wt.double().sum())}
 
 def labels_for(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
     "Labels of one sequence: the id where trained, -100 elsewhere and always at position 0."
@@ -32,12 +43,15 @@ def collate_padded(examples: Sequence, # Examples or dicts with input_ids and lo
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)
     attn = torch.zeros((B, T), dtype=torch.long)
+    ws = [_weights(e) for e in examples]
+    wt = torch.zeros((B, T), dtype=torch.float32) if any(w is not None for w in ws) else None
     for b, (i, m) in enumerate(pairs):
         n = len(i)
         ids[b, :n] = torch.as_tensor(i); labels[b, :n] = torch.as_tensor(labels_for(i, m)); attn[b, :n] = 1
+        if wt is not None: wt[b, :n] = torch.as_tensor(m if ws[b] is None else ws[b], dtype=torch.float32)
     pos = torch.arange(T).expand(B, T).clone()
     return {'input_ids': ids, 'labels': labels, 'attention_mask': attn, 'position_ids': pos,
-            'n_trained': int((labels != -100).sum()), 'n_tokens': int(attn.sum())}
+            'n_trained': int((labels != -100).sum()), 'n_tokens': int(attn.sum())} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #a523aad2
 def block_causal_mask(seq_lens_rows: list[list[int]], T: int) -> torch.Tensor:
@@ -64,6 +78,7 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
                   ) -> dict:
     "Packed batch: input_ids, labels, position_ids [B, T], 4D block-diagonal `attention_mask`, `seq_lens`, `cu_seqlens`, `n_trained`."
     rows = [[_ids_mask(e) for e in bin_] for bin_ in bins]
+    ws = [[_weights(e) for e in bin_] for bin_ in bins]
     lens = [[len(i) for i, _ in r] for r in rows]
     T = max(capacity or 0, max(sum(l) for l in lens))
     if capacity is not None and max(sum(l) for l in lens) > capacity:
@@ -72,12 +87,14 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
     ids = torch.full((B, T), pad_id, dtype=torch.long)
     labels = torch.full((B, T), -100, dtype=torch.long)
     pos = torch.zeros((B, T), dtype=torch.long)
+    wt = torch.zeros((B, T), dtype=torch.float32) if any(w is not None for r in ws for w in r) else None
     for b, r in enumerate(rows):
         start = 0
-        for i, m in r:
+        for (i, m), w in zip(r, ws[b]):
             n = len(i)
             ids[b, start:start + n] = torch.as_tensor(i)
             labels[b, start:start + n] = torch.as_tensor(labels_for(i, m))
+            if wt is not None: wt[b, start:start + n] = torch.as_tensor(m if w is None else w, dtype=torch.float32)
             pos[b, start:start + n] = torch.arange(n)
             start += n
     mask = block_causal_mask(lens, T)
@@ -85,14 +102,23 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
     cu = torch.zeros(len(flat) + 1, dtype=torch.int32); cu[1:] = torch.cumsum(torch.as_tensor(flat), 0)
     return {'input_ids': ids, 'labels': labels, 'position_ids': pos,
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
-            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_tokens': sum(flat)}
+            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_tokens': sum(flat)} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #2520c07d
-def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, int]:
-    "Σ NLL over targets (labels shifted by one) and the number of targets."
+def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor | None = None, # `loss_weights` of the batch (fractional loss weights), aligned with labels
+                 ) -> tuple[torch.Tensor, int | float]:
+    "Σ NLL over targets (labels shifted by one) and the number of targets; with `weights`, Σ weight·NLL and Σ weight."
     tgt = labels[:, 1:].reshape(-1)
     lg = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    return torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction='sum'), int((tgt != -100).sum())
+    if weights is None: return torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction='sum'), int((tgt != -100).sum())
+    keep = tgt != -100
+    w = weights[:, 1:].reshape(-1)[keep]
+    return (torch.nn.functional.cross_entropy(lg[keep], tgt[keep], reduction='none') * w).sum(), float(w.sum())
+
+def target_weights(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    "The weights of the targets `trained_targets` selects, flat, in the same order."
+    return weights[:, 1:][labels[:, 1:] != -100]
 
 def trained_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Boolean [B, T] selection of the positions whose *next* token is trained, and those next tokens (flat, same order)."

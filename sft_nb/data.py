@@ -4,7 +4,7 @@
 
 # %% ../nbs/01_data.ipynb #c36f1e51
 from __future__ import annotations
-import hashlib, json, os
+import hashlib, json, math, numbers, os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -94,10 +94,12 @@ def normalize_message(m, i: int) -> dict:
     if role == 'tool':
         for k in ('name', 'tool_call_id'):
             if m.get(k) is not None: out[k] = m[k]
-    w = m.get('loss_weight', m.get('weight'))
-    if m.get('train') is False or (w is not None and float(w) == 0): out['train'] = False
-    elif w is not None and float(w) != 1:
-        raise BadRow(f"{where}: loss_weight must be 0 or 1, got {w!r}")
+    key = 'loss_weight' if 'loss_weight' in m else 'weight'
+    w = m.get(key)
+    if w is not None and not (isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0):
+        raise BadRow(f"{where}: {key} must be a finite number >= 0, got {w!r}")
+    if m.get('train') is False or (w is not None and w == 0): out['train'] = False
+    elif w is not None and w != 1: out['loss_weight'] = float(w)  # fractional: its tokens weigh w in the loss (see sft_nb.collate)
     return out
 
 # %% ../nbs/01_data.ipynb #21471508

@@ -33,6 +33,7 @@ class Example:
     segments: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, role) of every message located in `text`
     eot: str = ''  # the template's trained end-of-turn text
     masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls') kept out of training
+    loss_weights: list[float] | None = None  # per-token loss weight (0 where untrained) when a trained message has a fractional loss_weight; None: loss_mask is the weight
     @property
     def n_trained(self) -> int: return int(sum(self.loss_mask))
     @property
@@ -178,6 +179,18 @@ def _finish(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bo
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
+def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
+    "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
+    ws = {sp[2]: messages[sp[2]]['loss_weight'] for sp in spans if sp[2] >= 0 and 'loss_weight' in messages[sp[2]]}
+    if not ws: return None
+    out = np.asarray(mask, dtype=np.float32)
+    for w in set(ws.values()):
+        sub = [sp for sp in spans if ws.get(sp[2]) == w]
+        m = _mask_from_encoding(enc, sub, n_text) if offsets is None else None  # the same token rule as the mask
+        if m is None: m = mask_from_offsets(enc.offsets if offsets is None else offsets, sub)
+        out[np.asarray(m, dtype=bool) & (out > 0)] = w
+    return out.tolist()
+
 def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_offsets: bool = True,
                   history: str = 'error', train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair."
@@ -191,10 +204,11 @@ def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_
         if mask is None:
             offsets = enc.offsets if offsets is None else offsets
             mask = mask_from_offsets(offsets, spans)
+    weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = _finish(list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
-    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked)
+    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
 
 def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
     "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained (`mode='all'`: every token)."
@@ -304,7 +318,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
     return good, bad
 
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 4  # bump when masking changes: old cache entries then miss (4: prompt/completion rows honour mode 'all')
+ALGO_VERSION = 5  # bump when masking changes: old cache entries then miss (4: prompt/completion rows honour mode 'all'; 5: loss_weights)
 
 def _map_batch(batch, tokenizer, spec, fmt, indices):
     n = len(next(iter(batch.values())))
@@ -313,10 +327,11 @@ def _map_batch(batch, tokenizer, spec, fmt, indices):
     out = {k: [] for k in _features()}
     for idx, ex in good:
         for k, v in (('input_ids', ex.input_ids), ('loss_mask', ex.loss_mask), ('length', len(ex)), ('n_trained', ex.n_trained),
-                     ('eot_only', ex.eot_only_turns), ('index', idx), ('error_kind', ''), ('error', '')): out[k].append(v)
+                     ('eot_only', ex.eot_only_turns), ('index', idx), ('loss_weights', ex.loss_weights or []),
+                     ('error_kind', ''), ('error', '')): out[k].append(v)
     for idx, kind, msg in bad:
         for k, v in (('input_ids', []), ('loss_mask', []), ('length', 0), ('n_trained', 0), ('eot_only', 0), ('index', idx),
-                     ('error_kind', kind), ('error', msg)): out[k].append(v)
+                     ('loss_weights', []), ('error_kind', kind), ('error', msg)): out[k].append(v)
     order = np.argsort(out['index'], kind='stable')
     return {k: [v[i] for i in order] for k, v in out.items()}
 
@@ -324,7 +339,7 @@ def _features():
     import datasets
     return datasets.Features({'input_ids': datasets.List(datasets.Value('int32')), 'loss_mask': datasets.List(datasets.Value('int8')),
                               'length': datasets.Value('int32'), 'n_trained': datasets.Value('int32'), 'eot_only': datasets.Value('int32'),
-                              'index': datasets.Value('int64'),
+                              'index': datasets.Value('int64'), 'loss_weights': datasets.List(datasets.Value('float32')),
                               'error_kind': datasets.Value('string'), 'error': datasets.Value('string')})
 
 def _shard_task(cols: dict, start: int, tokenizer, spec, fmt, batch_size):
@@ -418,8 +433,8 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
                      batch_size: int = 256,
                      ray_shards: int = 0, # > 0: fan out over the connected Ray cluster's CPUs in this many tasks
                     ):
-    "Tokenize a whole source → (memory-mapped Dataset of input_ids/loss_mask/length/n_trained/index, DataReport)."
-    import datasets
+    "Tokenize a whole source → (memory-mapped Dataset of input_ids/loss_mask/length/n_trained/index[/loss_weights], DataReport)."
+    import datasets, pyarrow.compute as pc
     spec = spec or TokenizeSpec()
     if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto':
         spec = TokenizeSpec(**{**spec.__dict__, 'format': source.format})
@@ -449,6 +464,8 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
         kept = out.filter(lambda k: k == '', input_columns='error_kind', new_fingerprint=folder.name + 'k').remove_columns(['error_kind', 'error'])
         report.eot_only_turns = int(np.asarray(kept['eot_only'], dtype=np.int64).sum())
         kept = kept.remove_columns(['eot_only'])
+        if not pc.sum(pc.list_value_length(kept.data.column('loss_weights'))).as_py():
+            kept = kept.remove_columns(['loss_weights'])  # no fractional weight: loss_mask is the weight, the entry stays as it was
         lengths, trained = np.asarray(kept['length'], dtype=np.int64), np.asarray(kept['n_trained'], dtype=np.int64)
         report.n_kept, report.n_examples = len(np.unique(np.asarray(kept['index'], dtype=np.int64))), len(kept)
         report.n_tokens, report.n_trained = int(lengths.sum()), int(trained.sum())

@@ -66,7 +66,7 @@ def synthetic_dataset(n_rows: int, length: int, vocab_size: int, seed: int = 0):
     return Dataset.from_dict({'input_ids': ids.tolist(), 'loss_mask': [mask] * n_rows, 'length': [length] * n_rows,
                               'n_trained': [length - 1] * n_rows, 'index': list(range(n_rows))})
 
-# %% ../nbs/08_trainer.ipynb #707b30a2
+# %% ../nbs/08_trainer.ipynb #42afe797
 def heldout_split(groups: list, # per item: the source row it came from (examples of one row share it)
                   fraction: float, seed: int) -> tuple[list[int], list[int]]:
     "Positions of the train and the held-out items; all items of one group land on the same side."
@@ -86,6 +86,7 @@ def _row(ds, i: int) -> dict:
     "One tokenized row as the collator's input (with images when the dataset has them)."
     r = ds[i]
     out = {'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
+    if r.get('loss_weights'): out['loss_weights'] = r['loss_weights']  # fractional loss weights (see sft_nb.collate)
     if r.get('image_grid_thw'): out |= {'pixel_values': r['pixel_values'], 'image_grid_thw': r['image_grid_thw']}
     return out
 
@@ -272,6 +273,9 @@ class SFTTrainer:
         rows = mix_indices([len(d) for d in self.train_sets], weights, c.data.seed)
         evals = self.eval_data if self.eval_data is not None else c.data.eval
         self.eval_sets = {name: self._tokenize(s)[0] for name, s in evals.items()}
+        if c.placement.backend == 'megatron' and any('loss_weights' in ds.column_names for ds in self.train_sets + list(self.eval_sets.values())):
+            raise ConfigError("placement.backend: fractional loss_weight in the data (a message's loss_weight other than 0 or 1) is "
+                              "supported by the fsdp backend only; use placement.backend=fsdp, or loss_weight 0/1")
         if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
             index = [np.asarray(ds['index'], dtype=np.int64) for ds in self.train_sets]
             train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
@@ -347,7 +351,8 @@ class SFTTrainer:
         c = self.cfg
         per_rank = split_for_ranks(items, c.placement.dp_size, c.train.micro_batch_size)
         batches = [[self._collate(mb) for mb in mbs] for mbs in per_rank]
-        n_trained = sum(b.pop('n_trained') for mbs in batches for b in mbs)
+        counts = [(b.pop('n_trained'), b.pop('weight_sum', None)) for mbs in batches for b in mbs]
+        n_trained = sum(n if w is None else w for n, w in counts)  # with fractional loss weights: Σ weight, the loss's divisor
         n_tokens = sum(b.pop('n_tokens') for mbs in batches for b in mbs)
         return batches, n_trained, n_tokens
 
@@ -389,7 +394,7 @@ class SFTTrainer:
         self._prefetch(step + 1)  # collated in a thread while the workers run this step
         fb = self.group.call_per_rank('forward_backward', [(batches[d], n_trained) for d in self._dp_of_rank()])
         fb = [fb[self._dp_of_rank().index(d)] for d in range(len(batches))]  # count each replica once
-        loss = sum(r['nll_sum'] for r in fb) / max(1, n_trained)
+        loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
         om = self.group.call('optim_step', not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
         dt = time.perf_counter() - t0
         if lg.profile_step and step + 1 == lg.profile_step + lg.profile_steps - 1:
@@ -471,7 +476,8 @@ class SFTTrainer:
                         for mb in mbs] for mbs in per_rank]
             res = self.group.call_per_rank('eval_loss', [(batches[d],) for d in self._dp_of_rank()])
             res = [res[self._dp_of_rank().index(d)] for d in range(dp)]  # one result per data-parallel replica
-            out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / max(1, sum(r['n_tokens'] for r in res))
+            n = sum(r['n_tokens'] for r in res)  # Σ weight when the eval rows have fractional loss weights
+            out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
             out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))  # perplexity (capped: no overflow on a diverged run)
         if len(out) > 1:
             first = [k for k in out if k.endswith('_loss')][0]

@@ -88,6 +88,7 @@ def vision_conversation(row: dict, # a raw row: messages (or ShareGPT conversati
         parts = _parts(m.get('content') if isinstance(m, dict) else None, f"message {i}", refs, pending)
         text = ''.join(p.get('text', '') for p in parts) if isinstance(parts, list) else parts
         msg = normalize_message({**m, 'content': text} if isinstance(m, dict) else m, i)  # roles, tool calls, train flags
+        if 'loss_weight' in msg: raise BadRow(f"message {i}: a fractional loss_weight ({msg['loss_weight']}) is not supported in image rows (0 or 1)")
         if isinstance(parts, list): msg['content'] = parts
         msgs.append(msg)
     if pending: raise BadRow(f"the images column has {len(pending)} image(s) more than the messages reference")

@@ -11,6 +11,9 @@ from sft_nb.workers import WorkerError
 from helpers import run_cfg
 
 ROWS = identity_rows()['train']
+# fractional loss weights (issue 14 item 4); every 4th row keeps weight 1, so 0/1 rows share micro-batches with weighted ones
+WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
+         for k, r in enumerate(ROWS)]
 
 
 def make_cfg(tiny_path, run_dir, **kw):
@@ -26,9 +29,11 @@ def max_diff(a, b):
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.parametrize('weighted', [False, True], ids=['0/1 weights', 'fractional weights'])
 @pytest.mark.parametrize('packed', [False, True])
-def test_split_invariance(tiny_path, tmp_path, ray_session, packed):
-    "Same global batch as 1 rank × 8 micro-batches of 1, 1 × 1 of 8, and 2 ranks × 2 of 2: same loss, grad norm, weights."
+def test_split_invariance(tiny_path, tmp_path, ray_session, packed, weighted):
+    """Same global batch as 1 rank × 8 micro-batches of 1, 1 × 1 of 8, and 2 ranks × 2 of 2: same loss, grad norm, weights.
+    With fractional loss weights the loss is Σ weight·NLL ÷ Σ weight over the global batch, so the same holds."""
     # Adam's first update is lr·g/(|g|+eps): with eps=1e-8 it turns 1e-9 float noise in near-zero gradients
     # into ±lr weight noise. eps=1e-5 keeps the update linear in such gradients, so the weights compare the
     # gradients themselves (a per-micro-batch normalization bug still shows, in grad_norm and weights).
@@ -42,14 +47,33 @@ def test_split_invariance(tiny_path, tmp_path, ray_session, packed):
                   dict(train__micro_batch_size=1, placement__workers_per_node=2)]
     results = []
     for i, s in enumerate(splits):
-        with SFTTrainer(make_cfg(tiny_path, tmp_path / str(i), **extra, **s), train_data=ROWS) as t:
+        with SFTTrainer(make_cfg(tiny_path, tmp_path / str(i), **extra, **s), train_data=WROWS if weighted else ROWS) as t:
             m = t.step()
+            if weighted: assert 'loss_weights' in t.train_sets[0].column_names
             results.append((m['loss'], m['grad_norm'], m['n_trained'], weights(t)))
     (l0, g0, n0, w0) = results[0]
+    diffs = []
     for l, g, n, w in results[1:]:
-        assert n == n0
+        assert n == n0  # Σ weight with fractional weights (exact: the weights are binary fractions)
+        diffs.append((abs(l - l0), abs(g - g0), max_diff(w, w0)))
         assert abs(l - l0) <= 1e-5 and abs(g - g0) <= 1e-5 * max(1, g0)
         assert max_diff(w, w0) <= 1e-5
+    print(f"packed={packed} weighted={weighted}: max |Δloss|, |Δgrad_norm|, |Δweights| = {[max(d[k] for d in diffs) for k in range(3)]}")
+    if weighted and not packed:  # 8 rows of 1/4 weight 1, the rest 0.25/2.5/0.5: the divisor is Σ weight, not the count
+        with SFTTrainer(make_cfg(tiny_path, tmp_path / 'plain', **extra, **splits[0]), train_data=ROWS) as t: m1 = t.step()
+        assert m1['n_trained'] != n0 and abs(m1['loss'] - l0) > 1e-4
+
+
+def test_megatron_refuses_fractional_weights(tiny_path, tmp_path):
+    "The megatron backend trains 0/1 masks only: fractional loss weights stop the run before Ray starts, naming the field."
+    from transformers import AutoTokenizer
+    from sft_nb.config import ConfigError
+    t = SFTTrainer(make_cfg(tiny_path, tmp_path, placement__backend='megatron', tokenize__cache_dir=str(tmp_path / 'c')), train_data=WROWS)
+    t.tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    with pytest.raises(ConfigError, match='placement.backend: fractional loss_weight'): t._prepare_data()
+    t = SFTTrainer(make_cfg(tiny_path, tmp_path, placement__backend='megatron', tokenize__cache_dir=str(tmp_path / 'c')), train_data=ROWS)
+    t.tokenizer = AutoTokenizer.from_pretrained(tiny_path)
+    t._prepare_data()  # 0/1 weights: fine
 
 
 def test_exact_resume_and_fewer_workers(tiny_path, tmp_path, ray_session):

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
-from ..collate import token_nll_sum, trained_targets, model_inputs
+from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
 
 # %% auto #0
 __all__ = ['FSDPWorker']
@@ -86,13 +86,16 @@ class FSDPWorker(DistWorker):
         try: logits = self.model(**model_inputs(mb)).logits
         finally:
             if hook is not None: hook.remove()
-        if logits.dim() == 3: return token_nll_sum(logits, mb['labels'])  # the model did not go through its output embeddings
-        return torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='sum'), int(tgt.numel())
+        w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
+        if logits.dim() == 3: return token_nll_sum(logits, mb['labels'], w)  # the model did not go through its output embeddings
+        if w is None: return torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='sum'), int(tgt.numel())
+        wt = target_weights(mb['labels'], w)
+        return (torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='none') * wt).sum(), float(wt.sum())
 
-    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int) -> dict:
-        "Accumulate gradients of Σ NLL / n_tokens_global over this rank's micro-batches."
+    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int | float) -> dict:
+        "Accumulate gradients of Σ NLL / n_tokens_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
         self.model.train()
-        scale = (self.world_size if self.sharded else 1) / max(1, n_tokens_global)
+        scale = (self.world_size if self.sharded else 1) / (n_tokens_global if n_tokens_global > 0 else 1)
         nll, n = 0.0, 0
         for mb in micro_batches:
             s, k = self._nll(self._to_dev(mb))
