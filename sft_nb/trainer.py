@@ -273,9 +273,6 @@ class SFTTrainer:
         rows = mix_indices([len(d) for d in self.train_sets], weights, c.data.seed)
         evals = self.eval_data if self.eval_data is not None else c.data.eval
         self.eval_sets = {name: self._tokenize(s)[0] for name, s in evals.items()}
-        if c.placement.backend == 'megatron' and any('loss_weights' in ds.column_names for ds in self.train_sets + list(self.eval_sets.values())):
-            raise ConfigError("placement.backend: fractional loss_weight in the data (a message's loss_weight other than 0 or 1) is "
-                              "supported by the fsdp backend only; use placement.backend=fsdp, or loss_weight 0/1")
         if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
             index = [np.asarray(ds['index'], dtype=np.int64) for ds in self.train_sets]
             train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)

@@ -7,6 +7,8 @@ from helpers import run_cfg
 
 pytest.importorskip('megatron.core')
 ROWS = identity_rows()['train']
+WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
+         for k, r in enumerate(ROWS)]  # fractional loss weights (issue 14 item 4)
 STEPS = 5
 
 
@@ -84,8 +86,8 @@ def test_invalid_sizes(tiny_path, tmp_path):
                             placement__tensor_parallel=2), train_data=ROWS)
 
 
-def _losses(tiny_path, run_dir, **kw):
-    with SFTTrainer(make_cfg(tiny_path, run_dir, **kw), train_data=ROWS) as t:
+def _losses(tiny_path, run_dir, rows=ROWS, **kw):
+    with SFTTrainer(make_cfg(tiny_path, run_dir, **kw), train_data=rows) as t:
         h = t.fit()
         return h['loss'].tolist(), h['grad_norm'].tolist(), t.group.call('full_state')[0]
 
@@ -96,11 +98,12 @@ LAYOUTS = {'tp1': dict(placement__workers_per_node=1),
            'pp2': dict(placement__workers_per_node=2, placement__pipeline_parallel=2)}
 
 
+@pytest.mark.parametrize('weighted', [False, True], ids=['0/1 weights', 'fractional weights'])
 @pytest.mark.parametrize('packed', [False, True], ids=['padded', 'packed'])
-def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, packed):
-    "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4)."
-    extra = {}
-    if packed: extra = {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64,
+def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, packed, weighted):
+    "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4), also with fractional loss weights."
+    extra = {'rows': WROWS if weighted else ROWS}
+    if packed: extra |= {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64,
                         'train__global_batch_size': 4, 'train__micro_batch_size': 1}
     ref_loss, ref_gn, ref_w = _losses(tiny_path, tmp_path / 'fsdp', **extra)
     for name, lay in LAYOUTS.items():
@@ -108,7 +111,7 @@ def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, packed):
         dl = max(abs(a - b) for a, b in zip(loss, ref_loss))
         dg = max(abs(a - b) for a, b in zip(gn, ref_gn))
         dw = max(float((w[k] - ref_w[k]).abs().max()) for k in ref_w)
-        print(f'{"packed" if packed else "padded"} {name}: max|Δloss|={dl:.2e} max|Δgrad_norm|={dg:.2e} max|Δw|={dw:.2e}')
+        print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {name}: max|Δloss|={dl:.2e} max|Δgrad_norm|={dg:.2e} max|Δw|={dw:.2e}')
         assert len(loss) == STEPS and dl <= 1e-4 and dg <= 1e-4 and dw <= 1e-4, (name, loss, ref_loss)
 
 

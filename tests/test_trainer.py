@@ -47,9 +47,15 @@ def test_split_invariance(tiny_path, tmp_path, ray_session, packed, weighted):
                   dict(train__micro_batch_size=1, placement__workers_per_node=2)]
     results = []
     for i, s in enumerate(splits):
-        with SFTTrainer(make_cfg(tiny_path, tmp_path / str(i), **extra, **s), train_data=WROWS if weighted else ROWS) as t:
+        # eval: Σ weight·NLL ÷ Σ weight, so rows all weighted 2.5 evaluate exactly as the same rows unweighted
+        evals = {'plain': ROWS[:8], 'x2.5': [{'messages': [{**m, 'loss_weight': 2.5} for m in r['messages']]} for r in ROWS[:8]]}
+        with SFTTrainer(make_cfg(tiny_path, tmp_path / str(i), **extra, **s), train_data=WROWS if weighted else ROWS,
+                        eval_data=evals if weighted and i == 2 else None) as t:
             m = t.step()
             if weighted: assert 'loss_weights' in t.train_sets[0].column_names
+            if weighted and i == 2:
+                e = t.evaluate()
+                assert abs(e['x2.5_loss'] - e['plain_loss']) <= 1e-5, e
             results.append((m['loss'], m['grad_norm'], m['n_trained'], weights(t)))
     (l0, g0, n0, w0) = results[0]
     diffs = []
@@ -63,17 +69,6 @@ def test_split_invariance(tiny_path, tmp_path, ray_session, packed, weighted):
         with SFTTrainer(make_cfg(tiny_path, tmp_path / 'plain', **extra, **splits[0]), train_data=ROWS) as t: m1 = t.step()
         assert m1['n_trained'] != n0 and abs(m1['loss'] - l0) > 1e-4
 
-
-def test_megatron_refuses_fractional_weights(tiny_path, tmp_path):
-    "The megatron backend trains 0/1 masks only: fractional loss weights stop the run before Ray starts, naming the field."
-    from transformers import AutoTokenizer
-    from sft_nb.config import ConfigError
-    t = SFTTrainer(make_cfg(tiny_path, tmp_path, placement__backend='megatron', tokenize__cache_dir=str(tmp_path / 'c')), train_data=WROWS)
-    t.tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    with pytest.raises(ConfigError, match='placement.backend: fractional loss_weight'): t._prepare_data()
-    t = SFTTrainer(make_cfg(tiny_path, tmp_path, placement__backend='megatron', tokenize__cache_dir=str(tmp_path / 'c')), train_data=ROWS)
-    t.tokenizer = AutoTokenizer.from_pretrained(tiny_path)
-    t._prepare_data()  # 0/1 weights: fine
 
 
 def test_exact_resume_and_fewer_workers(tiny_path, tmp_path, ray_session):

@@ -73,15 +73,18 @@ def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
         allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :] & real[:, None, :, None]
         allowed = allowed | torch.eye(T, dtype=torch.bool)  # padding attends to itself
     target = torch.cat([labels[:, 1:], torch.full((B, 1), -100, dtype=labels.dtype)], 1)
+    w = mb.get('loss_weights')  # fractional loss weights (0 where untrained), shifted like the labels
+    weight = (target != -100).float() if w is None else torch.cat([w[:, 1:], torch.zeros(B, 1)], 1).float()
     if shape is not None and shape != (B, T):
         B2, T2 = shape
         ids = torch.nn.functional.pad(ids, (0, T2 - T, 0, B2 - B))
         target = torch.nn.functional.pad(target, (0, T2 - T, 0, B2 - B), value=-100)
+        weight = torch.nn.functional.pad(weight, (0, T2 - T, 0, B2 - B))
         a = torch.eye(T2, dtype=torch.bool).expand(B2, 1, T2, T2).clone()
         a[:B, :, :T, :T] = allowed
         allowed, B, T = a, B2, T2
     return {'input_ids': ids, 'position_ids': torch.arange(T).expand(B, T), 'attention_mask': ~allowed,
-            'labels': target.clamp(min=0), 'loss_mask': (target != -100).float()}
+            'labels': target.clamp(min=0), 'loss_mask': weight}
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9be5af10
 def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> int:
@@ -214,13 +217,14 @@ class MegatronWorker(DistWorker):
         out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
                                           num_microbatches=M, seq_length=T, micro_batch_size=B, forward_only=forward_only)
         nll = sum(float(o['nll_sum']) for o in out) if out else 0.0
-        n = sum(int(o['n']) for o in out) if out else 0
-        return self._replica_sum(nll), int(round(self._replica_sum(n))), out
+        n = self._replica_sum(sum(float(o['n']) for o in out) if out else 0.0)
+        weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
+        return self._replica_sum(nll), (n if weighted else int(round(n))), out
 
-    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int) -> dict:
-        "Accumulate gradients of Σ NLL / n_tokens_global over this replica's micro-batches (every rank reports the replica's sums)."
+    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int | float) -> dict:
+        "Accumulate gradients of Σ NLL / n_tokens_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
         self.model.train()
-        nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / max(1, n_tokens_global))
+        nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_tokens_global if n_tokens_global > 0 else 1))
         return {'nll_sum': nll, 'n_tokens': n}
 
     def optim_step(self, skip: bool = False) -> dict:
