@@ -101,6 +101,7 @@ class SourceConfig:
     def __post_init__(self):
         check_range('weight', self.weight, 0, lo_open=True); check_range('max_rows', self.max_rows, 1)
 
+# %% ../nbs/00_config.ipynb #1ff7427d
 @dataclass
 class DataConfig:
     "Where the conversations come from."
@@ -113,6 +114,7 @@ class DataConfig:
     def __post_init__(self):
         check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
 
+# %% ../nbs/00_config.ipynb #cd94391b
 @dataclass
 class TokenizeConfig:
     "How conversations become token ids and loss masks."
@@ -130,6 +132,7 @@ class TokenizeConfig:
     def __post_init__(self):
         check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
 
+# %% ../nbs/00_config.ipynb #8bb4bf13
 @dataclass
 class PackingConfig:
     "Sequence packing."
@@ -138,6 +141,7 @@ class PackingConfig:
     capacity: int | None = None  # tokens per packed row; None = tokenize.max_length
     def __post_init__(self): check_range('capacity', self.capacity, 2)
 
+# %% ../nbs/00_config.ipynb #462339d2
 @dataclass
 class ModelConfig:
     "The model to fine-tune."
@@ -154,6 +158,7 @@ class ModelConfig:
         check_range('lora_r', self.lora_r, 0); check_range('lora_alpha', self.lora_alpha, 0, lo_open=True)
         check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True)
 
+# %% ../nbs/00_config.ipynb #c0946b1d
 @dataclass
 class OptimConfig:
     "Optimizer and learning-rate schedule."
@@ -172,6 +177,7 @@ class OptimConfig:
         if len(self.betas) != 2: raise ConfigError(f"betas: expected two values, got {self.betas}")
         for i, b in enumerate(self.betas): check_range(f'betas[{i}]', b, 0, 1, hi_open=True)
 
+# %% ../nbs/00_config.ipynb #cb0df809
 @dataclass
 class TrainConfig:
     "The training loop."
@@ -195,6 +201,7 @@ class TrainConfig:
             if getattr(self, k) is not None and getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1")
         check_range('eval_every', self.eval_every, 0)
 
+# %% ../nbs/00_config.ipynb #68630c0d
 @dataclass
 class PlacementConfig:
     "Where the workers run."
@@ -222,6 +229,7 @@ class PlacementConfig:
         if mp > 1 and self.backend != 'megatron':
             raise ConfigError(f"tensor_parallel, pipeline_parallel: need backend 'megatron', got {self.backend!r}")
 
+# %% ../nbs/00_config.ipynb #aafee5f7
 @dataclass
 class CheckpointConfig:
     "Checkpoints, resume and export."
@@ -238,6 +246,7 @@ class CheckpointConfig:
         if self.resume is not None and self.overwrite:
             raise ConfigError("resume, overwrite: resuming keeps run_dir's outputs and overwrite deletes them; set one of them")
 
+# %% ../nbs/00_config.ipynb #62412b75
 @dataclass
 class LoggingConfig:
     "Metrics and progress."
@@ -252,6 +261,7 @@ class LoggingConfig:
         if self.profile_steps < 1: raise ConfigError(f"profile_steps: must be >= 1, got {self.profile_steps}")
         if self.profile_step < 0: raise ConfigError(f"profile_step: must be >= 0 (0 = off), got {self.profile_step}")
 
+# %% ../nbs/00_config.ipynb #3175609b
 @dataclass
 class SFTConfig:
     "A whole run: one field per concern."
