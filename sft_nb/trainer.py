@@ -4,76 +4,22 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import importlib, json, math, os, shutil, socket, threading, time
+import math, threading, time
 from contextlib import contextmanager
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from pathlib import Path
-import numpy as np
 import pandas as pd
-from .config import SFTConfig, SourceConfig, load_config, save_config, ConfigError
-from .data import DataReport, mix_indices
-from .tokenize import tokenize_dataset, TokenizeSpec
-from .collate import collate_padded, collate_packed
+from fastcore.basics import patch
+from .config import SFTConfig, load_config, save_config, ConfigError
+from .dataplan import DataPlan, split_for_ranks, Sampler, SequentialSampler, make_sampler, synthetic_dataset, heldout_split
+from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS
 from .callbacks import Control, Callback, make_trackers, JSONLTracker
 from .workers import init_ray, WorkerGroup, WorkerError
+from .backends import BackendGroup
 
 # %% auto #0
-__all__ = ['RUN_OUTPUTS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split',
-           'TrainerBusy', 'NonFiniteLoss', 'RunDirBusy', 'run_outputs', 'RunLock', 'SFTTrainer']
-
-# %% ../nbs/08_trainer.ipynb #3f655ebe
-def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
-    "Split a global batch into `dp` contiguous chunks of micro-batches; every rank gets the same micro-batch count."
-    per = math.ceil(len(items) / dp)
-    ranks = [items[r * per:(r + 1) * per] for r in range(dp)]
-    mbs = [[chunk[i:i + micro] for i in range(0, len(chunk), micro)] for chunk in ranks]
-    n = max(1, max(len(m) for m in mbs))
-    return [m + [[]] * (n - len(m)) for m in mbs]  # [] = dummy micro-batch
-
-# %% ../nbs/08_trainer.ipynb #7631f11e
-class Sampler:
-    "Random order, a new permutation each epoch. Subclass it (override `order`) and name it in `train.sampler` as 'module:Class'."
-    def __init__(self, n: int, seed: int): self.n, self.seed = n, seed
-    def order(self, epoch: int) -> list[int]:
-        "A permutation of range(n) that depends only on (n, seed, epoch)."
-        return np.random.default_rng(self.seed + epoch).permutation(self.n).tolist()
-
-class SequentialSampler(Sampler):
-    "Data order, every epoch."
-    def order(self, epoch: int) -> list[int]: return list(range(self.n))
-
-def make_sampler(spec: str, n: int, seed: int) -> Sampler:
-    "The sampler `train.sampler` names; a user class is imported and its order checked to be a permutation."
-    if spec == 'random': return Sampler(n, seed)
-    if spec == 'sequential': return SequentialSampler(n, seed)
-    mod, _, name = spec.partition(':')
-    try: cls = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e: raise ConfigError(f"train.sampler: cannot import {spec!r}: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Sampler)):  # checked before calling it: the name could be any callable
-        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.trainer.Sampler (got {type(cls).__name__} {cls!r})")
-    smp = cls(n, seed)
-    o = [int(i) for i in smp.order(0)]
-    if sorted(o) != list(range(n)): raise ConfigError(f"train.sampler: {spec}.order(0) is not a permutation of range({n})")
-    return smp
-
-# %% ../nbs/08_trainer.ipynb #3a8f2094
-def synthetic_dataset(n_rows: int, length: int, vocab_size: int, seed: int = 0):
-    "A tokenized-dataset lookalike of `n_rows` random-id rows of `length` tokens, all trained."
-    from datasets import Dataset
-    ids = np.random.default_rng(seed).integers(0, vocab_size, size=(n_rows, length))
-    mask = [0] + [1] * (length - 1)  # the first token has no prediction: never trained
-    return Dataset.from_dict({'input_ids': ids.tolist(), 'loss_mask': [mask] * n_rows, 'length': [length] * n_rows,
-                              'n_trained': [length - 1] * n_rows, 'index': list(range(n_rows))})
-
-# %% ../nbs/08_trainer.ipynb #42afe797
-def heldout_split(groups: list, # per item: the source row it came from (examples of one row share it)
-                  fraction: float, seed: int) -> tuple[list[int], list[int]]:
-    "Positions of the train and the held-out items; all items of one group land on the same side."
-    uniq = list(dict.fromkeys(groups))  # groups in order of first appearance
-    perm = np.random.default_rng(seed).permutation(len(uniq))
-    held = {uniq[j] for j in perm[:max(1, int(len(uniq) * fraction))]}
-    return [k for k, g in enumerate(groups) if g not in held], [k for k, g in enumerate(groups) if g in held]
+__all__ = ['TrainerBusy', 'NonFiniteLoss', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #9819ee61
 class TrainerBusy(RuntimeError):
@@ -82,63 +28,7 @@ class TrainerBusy(RuntimeError):
 class NonFiniteLoss(RuntimeError):
     "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
 
-def _row(ds, i: int) -> dict:
-    "One tokenized row as the collator's input (with images when the dataset has them)."
-    r = ds[i]
-    out = {'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
-    if r.get('loss_weights'): out['loss_weights'] = r['loss_weights']  # fractional loss weights (see sft_nb.collate)
-    if r.get('image_grid_thw'): out |= {'pixel_values': r['pixel_values'], 'image_grid_thw': r['image_grid_thw']}
-    return out
-
-# %% ../nbs/08_trainer.ipynb #413b51a0
-class RunDirBusy(RuntimeError):
-    "Another live trainer (in this or another process) holds the run folder's lock."
-
-RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'hf', 'tensorboard', 'profile', 'config.yaml')
-
-def run_outputs(run_dir) -> list[str]:
-    "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
-    return [n for n in RUN_OUTPUTS if (Path(run_dir) / n).exists()]
-
-def _proc_start(pid: int) -> str | None:
-    "Start time of process `pid` (Linux), which tells a live owner from a reused PID; None when gone or unknown."
-    try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]
-    except (OSError, IndexError): return None
-
-def _alive(pid: int, start: str | None) -> bool:
-    if Path('/proc/self/stat').exists(): return (s := _proc_start(pid)) is not None and start in (None, s)
-    try: os.kill(pid, 0); return True
-    except ProcessLookupError: return False
-    except PermissionError: return True
-
-# %% ../nbs/08_trainer.ipynb #c4553a11
-class RunLock:
-    "`run_dir/.lock`, created atomically with its owner's host, PID and start time; a lock whose process is gone is taken over."
-    def __init__(self, run_dir): self.path, self.held = Path(run_dir) / '.lock', False
-    def acquire(self) -> 'RunLock':
-        me = {'host': socket.gethostname(), 'pid': os.getpid(), 'start': _proc_start(os.getpid())}
-        tmp = self.path.with_name(f'.lock.{os.getpid()}.{threading.get_ident()}')
-        tmp.write_text(json.dumps(me))
-        try:
-            for _ in range(3):
-                try: os.link(tmp, self.path); self.held = True; return self  # atomic: the lock appears with its content
-                except FileExistsError: pass
-                try: other = json.loads(self.path.read_text())
-                except FileNotFoundError: continue
-                except ValueError: other = {}
-                who = f"PID {other.get('pid')} on {other.get('host')}"
-                if other.get('host', me['host']) != me['host']:
-                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}; if that run is over, delete {self.path}")
-                if other.get('pid') and _alive(other['pid'], other.get('start')):
-                    mine = ' (this process: another SFTTrainer on this run_dir; call its shutdown())' if other['pid'] == me['pid'] else ''
-                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}{mine}; wait for it or choose another run_dir")
-                self.path.unlink(missing_ok=True)  # its owner is gone (killed): stale
-            raise RunDirBusy(f"checkpoint.run_dir: could not take {self.path}")
-        finally: tmp.unlink(missing_ok=True)
-    def release(self):
-        if self.held: self.path.unlink(missing_ok=True); self.held = False
-
-# %% ../nbs/08_trainer.ipynb #b5921618
+# %% ../nbs/08_trainer.ipynb #316e5442
 class SFTTrainer:
     "Supervised fine-tuning driver: `setup()`, `step()`, `fit()`, `train()`, `evaluate()`, `save()`, `shutdown()`."
     def __init__(self, cfg: SFTConfig | dict | str | None = None, # config object, dict, or YAML path/text
@@ -150,15 +40,16 @@ class SFTTrainer:
         self.cfg = cfg if isinstance(cfg, SFTConfig) else load_config(cfg, overrides)
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
-        self.control, self.group, self.global_step, self.rows_history = Control(), None, 0, []
-        self.eval_history = []  # every evaluate() result, in order (a panel opened later draws them)
+        self.control, self.global_step, self.rows_history, self.callbacks = Control(), 0, [], []
+        self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
+        self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
+        self.group, self.workers, self.worker_cls = None, None, None  # WorkerGroup, its typed BackendGroup view, the backend
+        self.data = DataPlan(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
+        self.ckpt = Checkpointer(self.cfg.checkpoint)  # run folder claim and checkpoints
         self._pool, self._pending = None, {}  # background collation of the next step's batch
-        self.processor = None
-        self.run_dir = Path(self.cfg.checkpoint.run_dir)
         self._lock, self._owner, self.running = threading.Lock(), None, None  # one action at a time (see `_exclusive`)
-        self._run_lock, self._owns_run_dir, self._resuming = None, False, False  # one run per run_dir (see `RunLock`)
+        self._ray_started, self._resuming = False, False
 
-    # ---- one action at a time -------------------------------------------------------------------
     @contextmanager
     def _exclusive(self, action: str):
         "Run `action` alone: a call from another thread while one runs raises `TrainerBusy`; nested calls in one thread are fine."
@@ -180,259 +71,172 @@ class SFTTrainer:
         self.control.should_stop = True
         return True
 
-    # ---- build ---------------------------------------------------------------------------------
-    def setup(self) -> 'SFTTrainer':
-        "Tokenize, plan batches, start the workers, and resume if asked. Safe to call twice."
-        if self.group is not None: return self
-        with self._exclusive('setup'): return self._setup()
+    def _emit(self, event: str, *args):
+        for cb in self.callbacks: getattr(cb, event)(self, *args)
 
-    def _setup(self) -> 'SFTTrainer':
+    @property
+    def run_dir(self) -> Path: return self.ckpt.run_dir
+    @property
+    def ckpt_dir(self) -> Path: return self.ckpt.dir
+    def checkpoints(self) -> list[Path]:
+        "Complete checkpoints, oldest first."
+        return self.ckpt.checkpoints()
+    @property
+    def history(self) -> pd.DataFrame:
+        "Metrics of every step so far (loss, grad_norm, lr, tokens/s, trained tokens, epoch, step time)."
+        return pd.DataFrame(self.rows_history)
+
+for _n in ('train_sets', 'eval_sets', 'data_report', 'rows', 'heldout', 'lengths', 'capacity', 'pack_plan', 'items',
+           'steps_per_epoch', 'total_steps', 'sampler'):  # the data plan's, read on the trainer
+    setattr(SFTTrainer, _n, property(lambda self, n=_n: getattr(self.data, n), doc=f"`self.data.{_n}` (see `DataPlan`)"))
+
+# %% ../nbs/08_trainer.ipynb #226b0e83
+@patch
+def setup(self: SFTTrainer) -> SFTTrainer:
+    "Tokenize, plan batches, start the workers, and resume if asked. Safe to call twice."
+    if self.group is not None: return self
+    with self._exclusive('setup'):
         if self.group is not None: return self
         try: return self._setup_all()
         except BaseException:
             self._shutdown()  # a failed setup leaves no workers, no Ray it started, no lock
             raise
 
-    def _claim_run_dir(self):
-        "Lock run_dir; refuse one that holds another run's outputs unless the config resumes or overwrites it."
-        c = self.cfg.checkpoint
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        self._run_lock = RunLock(self.run_dir).acquire()
-        if self._owns_run_dir: return  # this trainer's own outputs (set up again after shutdown)
-        used = run_outputs(self.run_dir)
-        if used and not (c.resume or self._resuming):
-            if not c.overwrite:
-                raise ConfigError(f"checkpoint.run_dir: {self.run_dir} already holds a run ({', '.join(used)}); continue it with "
-                                  "checkpoint.resume=latest, start over with checkpoint.overwrite=true (deletes them), or choose another run_dir")
-            for n in used: shutil.rmtree(self.run_dir / n) if (self.run_dir / n).is_dir() else (self.run_dir / n).unlink()
-        self._owns_run_dir = True
+@patch
+def _load_tokenizer(self: SFTTrainer):
+    from transformers import AutoTokenizer
+    from sft_nb.models import check_model_path
+    from sft_nb.vlm_models import is_vlm, load_processor
+    path = check_model_path(self.cfg.model.path)
+    try:
+        self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot load {self.cfg.model.path!r}: {str(e).strip().splitlines()[0]}") from e
+    if self.tokenizer.pad_token_id is None: self.tokenizer.pad_token = self.tokenizer.eos_token
 
-    def _setup_all(self) -> 'SFTTrainer':
-        from transformers import AutoTokenizer
-        from sft_nb.models import check_model_path
-        c = self.cfg
-        self._claim_run_dir()  # what can be checked without Ray is checked before Ray starts
-        from sft_nb.vlm_models import is_vlm, load_processor
-        path = check_model_path(c.model.path)
-        try:
-            self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
-            self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"model.path: cannot load {c.model.path!r}: {str(e).strip().splitlines()[0]}") from e
-        if self.tokenizer.pad_token_id is None: self.tokenizer.pad_token = self.tokenizer.eos_token
-        ray_first = c.tokenize.ray_shards > 0  # tokenization as Ray tasks needs the cluster first
-        if ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
-        self._prepare_data()
-        self._plan()
-        resume = self._resume_path(c.checkpoint.resume) if c.checkpoint.resume else None
-        if not ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
-        self.callbacks = make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
-        from sft_nb.backends import get_backend
-        self.worker_cls = get_backend(c.placement.backend)
-        self.group = WorkerGroup(self.worker_cls, c.placement.num_nodes, c.placement.workers_per_node,
-                                 c.placement.strategy, c.placement.use_gpu, c.placement.cpus_per_worker,
-                                 init_kwargs=dict(model=asdict(c.model), optim=asdict(c.optim), total_steps=self.total_steps,
-                                                  seed=c.train.seed, use_gpu=c.placement.use_gpu, placement=asdict(c.placement)))
-        info = self.group.call('setup')[0]
-        if c.packing.enabled and not info['packable']:
-            self.shutdown()
-            raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
-                              "cannot separate; packing would leak across sequences. Set packing.enabled=false")
-        self.model_info = info
-        save_config(c, self.run_dir / 'config.yaml')
-        if c.checkpoint.resume: self._load(resume if resume is not None else c.checkpoint.resume)
-        return self
+@patch
+def _prepare_data(self: SFTTrainer) -> DataPlan:
+    "The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned)."
+    self.data = DataPlan(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data).prepare()
+    return self.data
 
-    def _tokenize(self, src):
-        c = self.cfg
-        fmt = src.format if isinstance(src, SourceConfig) else 'auto'
-        t = c.tokenize
-        spec = TokenizeSpec(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs, fmt,
-                            history=t.history, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
-        if self.processor is not None:
-            if not (t.train_on_reasoning and t.train_on_tool_calls):  # the vision tokenizer trains whole assistant turns
-                raise ConfigError("tokenize.train_on_reasoning, tokenize.train_on_tool_calls: a vision-language model's rows train whole "
-                                  "assistant turns; masking reasoning or tool calls is not supported there (set both to true)")
-            from sft_nb.vision import tokenize_vision_dataset
-            return tokenize_vision_dataset(src, self.processor, spec, on_bad_row=c.data.on_bad_row, cache_dir=c.tokenize.cache_dir)
-        return tokenize_dataset(src, self.tokenizer, spec, num_proc=c.tokenize.num_proc, on_bad_row=c.data.on_bad_row,
-                                cache_dir=c.tokenize.cache_dir, ray_shards=c.tokenize.ray_shards)
+# %% ../nbs/08_trainer.ipynb #ee7d81ec
+@patch
+def _setup_all(self: SFTTrainer) -> SFTTrainer:
+    c = self.cfg
+    self.ckpt.claim(resuming=self._resuming)  # what can be checked without Ray is checked before Ray starts
+    self._load_tokenizer()
+    ray_first = c.tokenize.ray_shards > 0  # tokenization as Ray tasks needs the cluster first
+    if ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
+    self._prepare_data().plan()
+    resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
+    if not ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
+    self.callbacks = make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
+    from sft_nb.backends import get_backend
+    self.worker_cls = get_backend(c.placement.backend)
+    self.group = WorkerGroup(self.worker_cls, c.placement.num_nodes, c.placement.workers_per_node,
+                             c.placement.strategy, c.placement.use_gpu, c.placement.cpus_per_worker,
+                             init_kwargs=dict(model=asdict(c.model), optim=asdict(c.optim), total_steps=self.total_steps,
+                                              seed=c.train.seed, use_gpu=c.placement.use_gpu, placement=asdict(c.placement)))
+    self.workers = BackendGroup(self.group, self.worker_cls, c.placement)
+    info = self.workers.setup()[0]
+    if c.packing.enabled and not info['packable']:
+        raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
+                          "cannot separate; packing would leak across sequences. Set packing.enabled=false")
+    self.model_info = info
+    save_config(c, self.run_dir / 'config.yaml')
+    if c.checkpoint.resume: self._load(resume if resume is not None else c.checkpoint.resume)
+    return self
 
-    def _prepare_data(self):
-        c = self.cfg
-        if c.data.synthetic_rows:
-            self.train_sets = [synthetic_dataset(c.data.synthetic_rows, c.tokenize.max_length, len(self.tokenizer), c.data.seed)]
-            self.data_report, weights = DataReport(n_rows=c.data.synthetic_rows, n_kept=c.data.synthetic_rows), [1.0]
-        else:
-            sources = [self.train_data] if self.train_data is not None else c.data.train
-            if not sources: raise ConfigError("data.train: no train source given")
-            tok = [self._tokenize(s) for s in sources]
-            self.train_sets = [ds for ds, _ in tok]
-            self.data_report = sum((r for _, r in tok), DataReport())
-            weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
-        rows = mix_indices([len(d) for d in self.train_sets], weights, c.data.seed)
-        evals = self.eval_data if self.eval_data is not None else c.data.eval
-        self.eval_sets = {name: self._tokenize(s)[0] for name, s in evals.items()}
-        if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
-            index = [np.asarray(ds['index'], dtype=np.int64) for ds in self.train_sets]
-            train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
-            self.heldout, rows = [rows[k] for k in held], [rows[k] for k in train]
-        self.rows = rows  # (source, row) pairs
-        if not rows: raise ConfigError("data.train: no usable rows after tokenization; see trainer.data_report")
-        cols = [np.asarray(ds['length'], dtype=np.int64) for ds in self.train_sets]  # one column read per source
-        self.lengths = np.array([cols[s][i] for s, i in rows], dtype=np.int64)
+# %% ../nbs/08_trainer.ipynb #ba7f3923
+@patch
+def global_batch(self: SFTTrainer, step: int) -> list:
+    "Items (row numbers, or bins of row numbers when packing) of optimizer step `step` (see `DataPlan.global_batch`)."
+    return self.data.global_batch(step)
+@patch
+def _rank_batches(self: SFTTrainer, items: list): return self.data.rank_batches(items)
+@patch
+def _example(self: SFTTrainer, k: int) -> dict: return self.data.example(k)
+@patch
+def _collate(self: SFTTrainer, mb: list) -> dict: return self.data.collate_items(mb)
 
-    def _plan(self):
-        c = self.cfg
-        if c.packing.enabled and any('image_grid_thw' in ds.column_names and any(len(g) for g in ds['image_grid_thw']) for ds in self.train_sets):
-            self.shutdown()
-            raise ConfigError("packing.enabled: image rows cannot be packed: Qwen2-VL-style models compute multi-dimensional "
-                              "(time/height/width) rotary positions per sequence from the whole row, so restarting position_ids "
-                              "per packed sequence does not reproduce them. Set packing.enabled=false")
-        if c.packing.enabled:
-            from sft_nb.packing import pack
-            self.capacity = c.packing.capacity or c.tokenize.max_length
-            # planned independently of the worker count: step s packs the same rows on 1 or N workers,
-            # which keeps losses identical across DP sizes and lets a run resume on another one
-            self.pack_plan = pack(self.lengths.tolist(), self.capacity, strategy=c.packing.strategy, dp=1, seed=c.train.seed)
-            self.items = [list(b) for b in self.pack_plan.bins]
-        else:
-            self.pack_plan, self.items = None, list(range(len(self.rows)))
-        self.steps_per_epoch = math.ceil(len(self.items) / c.train.global_batch_size)
-        self.sampler, self._orders = make_sampler(c.train.sampler, len(self.items), c.train.seed), {}
-        self.total_steps = c.train.num_steps or (c.train.num_epochs or 1) * self.steps_per_epoch
+@patch
+def _batches(self: SFTTrainer, step: int):
+    "This step's per-rank micro-batches: the prefetched ones when ready (a step's batch depends on the step only)."
+    f = self._pending.pop(step, None)
+    return f.result() if f is not None else self._rank_batches(self.global_batch(step))
 
-    def _example(self, k: int) -> dict:
-        s, i = self.rows[k]
-        return _row(self.train_sets[s], int(i))
+@patch
+def _prefetch(self: SFTTrainer, step: int):
+    if step >= self.total_steps: return
+    if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='sft_nb-collate')
+    self._pending = {step: self._pool.submit(self._rank_batches, self.global_batch(step))}
 
-    def global_batch(self, step: int) -> list:
-        "Items (row numbers, or bins of row numbers when packing) of optimizer step `step`."
-        epoch, k = divmod(step, self.steps_per_epoch)
-        if epoch not in self._orders: self._orders = {epoch: self.sampler.order(epoch)}  # one epoch's order at a time
-        gbs = self.cfg.train.global_batch_size
-        return [self.items[j] for j in self._orders[epoch][k * gbs:(k + 1) * gbs]]
-
-    def _collate(self, mb: list) -> dict:
-        pad = self.tokenizer.pad_token_id
-        if not mb:  # dummy: every rank joins every collective; nothing is trained or counted
-            if self.processor is not None and self.cfg.placement.dp_size > 1: return {**self._collate_rows([]), 'n_tokens': 0}
-            return {**collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad), 'n_tokens': 0}
-        if self.pack_plan is not None:
-            form = 'additive' if self.cfg.model.attn_implementation == 'eager' else 'bool'
-            b = collate_packed([[self._example(k) for k in bin_] for bin_ in mb], pad, self.capacity, mask_form=form)
-            b.pop('seq_lens'); b.pop('cu_seqlens')
-            return b
-        return self._collate_rows([self._example(k) for k in mb])
-
-    def _collate_rows(self, exs: list[dict]) -> dict:
-        if self.processor is not None:
-            from sft_nb.collate import collate_vision
-            ip, tok = self.processor.image_processor, self.tokenizer
-            patch = 3 * ip.temporal_patch_size * ip.patch_size ** 2
-            # With several workers, a micro-batch without images would leave the vision tower out of the backward on
-            # that rank only, and FSDP's gradient reduce-scatter would then differ in size between ranks (gloo aborts).
-            # One untrained row holding the smallest image (one merged patch) keeps every rank's graph the same.
-            dummy = self.cfg.placement.dp_size > 1 and not any(e.get('image_grid_thw') for e in exs)
-            if dummy:
-                m = ip.merge_size
-                ids = [tok.convert_tokens_to_ids(t) for t in ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>')]
-                exs = list(exs) + [{'input_ids': ids, 'loss_mask': [0, 0, 0], 'pixel_values': [[0.0] * patch] * (m * m),
-                                    'image_grid_thw': [[1, m, m]]}]
-            b = collate_vision(exs, tok.pad_token_id, self.processor.image_token_id, patch)
-            if dummy: b['n_tokens'] -= 3  # not real data: tokens/s counts the rows only
-            return b
-        return collate_padded(exs, self.tokenizer.pad_token_id)
-
-    def _rank_batches(self, items: list) -> tuple[list[list[dict]], int, int]:
-        c = self.cfg
-        per_rank = split_for_ranks(items, c.placement.dp_size, c.train.micro_batch_size)
-        batches = [[self._collate(mb) for mb in mbs] for mbs in per_rank]
-        counts = [(b.pop('n_trained'), b.pop('weight_sum', None)) for mbs in batches for b in mbs]
-        n_trained = sum(n if w is None else w for n, w in counts)  # with fractional loss weights: Σ weight, the loss's divisor
-        n_tokens = sum(b.pop('n_tokens') for mbs in batches for b in mbs)
-        return batches, n_trained, n_tokens
-
-    def _batches(self, step: int):
-        "This step's per-rank micro-batches: the prefetched ones when ready (a step's batch depends on the step only)."
-        f = self._pending.pop(step, None)
-        return f.result() if f is not None else self._rank_batches(self.global_batch(step))
-
-    def _prefetch(self, step: int):
-        if step >= self.total_steps: return
-        if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='sft_nb-collate')
-        self._pending = {step: self._pool.submit(self._rank_batches, self.global_batch(step))}
-
-    def _dp_of_rank(self) -> list[int]:
-        "Data-parallel replica of each rank (tensor/pipeline-parallel ranks of one replica share its batches)."
-        p = self.cfg.placement
-        f = getattr(self.worker_cls, 'dp_index', None)
-        return [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel) if f else r for r in range(p.world_size)]
-
-    # ---- run -----------------------------------------------------------------------------------
-    def _emit(self, event: str, *args):
-        for cb in self.callbacks: getattr(cb, event)(self, *args)
-
-    def step(self) -> dict:
-        "One optimizer step on the next global batch; returns its metrics."
-        with self._exclusive('step'): return self._step()
-
-    def _step(self) -> dict:
+# %% ../nbs/08_trainer.ipynb #dceabc03
+@patch
+def step(self: SFTTrainer) -> dict:
+    "One optimizer step on the next global batch; returns its metrics."
+    with self._exclusive('step'):
         self.setup()
         if self.global_step >= self.total_steps: raise RuntimeError(f"all {self.total_steps} steps are done")
-        step = self.global_step
-        epoch = step // self.steps_per_epoch
-        if step % self.steps_per_epoch == 0: self._emit('on_epoch_start', epoch)
+        step, lg = self.global_step, self.cfg.logging
+        if step % self.steps_per_epoch == 0: self._emit('on_epoch_start', step // self.steps_per_epoch)
         self._emit('on_step_start', step)
-        lg = self.cfg.logging
-        if step + 1 == lg.profile_step: self.group.call('profile', 'start', None, lg.profile_ranks)
+        if step + 1 == lg.profile_step: self.workers.profile('start', None, lg.profile_ranks)
         t0 = time.perf_counter()
-        batches, n_trained, n_tokens = self._batches(step)
+        batches, n_trained, n_real = self._batches(step)
         self._prefetch(step + 1)  # collated in a thread while the workers run this step
-        fb = self.group.call_per_rank('forward_backward', [(batches[d], n_trained) for d in self._dp_of_rank()])
-        fb = [fb[self._dp_of_rank().index(d)] for d in range(len(batches))]  # count each replica once
+        fb = self.workers.forward_backward(batches, n_trained)
         loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
-        om = self.group.call('optim_step', not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
+        om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
         dt = time.perf_counter() - t0
         if lg.profile_step and step + 1 == lg.profile_step + lg.profile_steps - 1:
             self.profile_dir = self.run_dir / 'profile' / f'steps_{lg.profile_step}-{step + 1}'
-            self.group.call('profile', 'stop', str(self.profile_dir), lg.profile_ranks)
+            self.workers.profile('stop', str(self.profile_dir), lg.profile_ranks)
         self.global_step += 1
         m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'],
-             'lr': om['lr'], 'n_trained': n_trained, 'n_tokens': n_tokens, 'tokens_per_s': n_tokens / dt,
+             'lr': om['lr'], 'n_trained': n_trained, 'n_tokens': n_real, 'tokens_per_s': n_real / dt,
              'epoch': step / self.steps_per_epoch, 'step_time': dt}
-        if not (math.isfinite(loss) and math.isfinite(om['grad_norm'])):
-            m['skipped'] = True
-            if self.cfg.train.on_nonfinite == 'stop':
-                self.rows_history.append(m); self._pending = {}
-                raise NonFiniteLoss(f"step {self.global_step}: loss {loss}, grad_norm {om['grad_norm']}: not finite; its update was not "
-                                    f"applied (the weights are those after step {self.global_step - 1}). Lower optim.lr, or set "
-                                    "train.on_nonfinite=skip to skip such steps")
-            import warnings; warnings.warn(f"step {self.global_step}: loss {loss}, grad_norm {om['grad_norm']}: not finite; update skipped")
-        self.rows_history.append(m)
-        self._emit('on_step_end', m)
-        if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
-        if self.global_step % self.steps_per_epoch == 0: self._emit('on_epoch_end', epoch)
-        c = self.cfg
-        if c.train.eval_every and self.global_step % c.train.eval_every == 0: self.control.should_evaluate = True
-        if c.checkpoint.save_every and self.global_step % c.checkpoint.save_every == 0: self.control.should_save = True
+        self._check_finite(m)
+        self._after_step(m, step // self.steps_per_epoch)
         return m
 
-    @property
-    def history(self) -> pd.DataFrame:
-        "Metrics of every step so far (loss, grad_norm, lr, tokens/s, trained tokens, epoch, step time)."
-        return pd.DataFrame(self.rows_history)
+# %% ../nbs/08_trainer.ipynb #6aa645b7
+@patch
+def _check_finite(self: SFTTrainer, m: dict):
+    "A non-finite loss or gradient norm: the step is marked skipped, and raises `NonFiniteLoss` under `on_nonfinite: stop`."
+    loss, gn = m['loss'], m['grad_norm']
+    if math.isfinite(loss) and math.isfinite(gn): return
+    m['skipped'] = True
+    if self.cfg.train.on_nonfinite == 'stop':
+        self.rows_history.append(m); self._pending = {}
+        raise NonFiniteLoss(f"step {self.global_step}: loss {loss}, grad_norm {gn}: not finite; its update was not "
+                            f"applied (the weights are those after step {self.global_step - 1}). Lower optim.lr, or set "
+                            "train.on_nonfinite=skip to skip such steps")
+    import warnings; warnings.warn(f"step {self.global_step}: loss {loss}, grad_norm {gn}: not finite; update skipped")
 
-    def fit(self, n_steps: int | None = None) -> pd.DataFrame:
-        "Run `n_steps` more steps (default: to the end), honouring stop/save/evaluate flags after each step."
-        with self._exclusive('fit'): return self._fit(n_steps)
+@patch
+def _after_step(self: SFTTrainer, m: dict, epoch: int):
+    "Record the step, run the callbacks, and raise the evaluate/save flags the config asks for."
+    c = self.cfg
+    self.rows_history.append(m)
+    self._emit('on_step_end', m)
+    if self.global_step % c.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
+    if self.global_step % self.steps_per_epoch == 0: self._emit('on_epoch_end', epoch)
+    if c.train.eval_every and self.global_step % c.train.eval_every == 0: self.control.should_evaluate = True
+    if c.checkpoint.save_every and self.global_step % c.checkpoint.save_every == 0: self.control.should_save = True
 
-    def _fit(self, n_steps: int | None = None) -> pd.DataFrame:
+# %% ../nbs/08_trainer.ipynb #156db0ba
+@patch
+def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
+    "Run `n_steps` more steps (default: to the end), honouring stop/save/evaluate flags after each step."
+    with self._exclusive('fit'):
         self.setup()
         end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
         self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
         self._emit('on_train_start')
-        if self.cfg.train.eval_before and self.global_step == 0 and getattr(self, 'last_eval', {}).get('step') != 0: self.evaluate()
+        if self.cfg.train.eval_before and self.global_step == 0 and self.last_eval.get('step') != 0: self.evaluate()
         while self.global_step < end:
             self.step()
             if self.control.should_evaluate: self.control.should_evaluate = False; self.evaluate()
@@ -441,39 +245,27 @@ class SFTTrainer:
         self._emit('on_train_end')
         return self.history
 
-    def train(self) -> pd.DataFrame:
-        "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
-        with self._exclusive('train'): return self._train()
-
-    def _train(self) -> pd.DataFrame:
+@patch
+def train(self: SFTTrainer) -> pd.DataFrame:
+    "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
+    with self._exclusive('train'):
         h = self.fit()
-        done = getattr(self, 'last_eval', {}).get('step') == self.global_step  # eval_every may have evaluated this step already
-        if (self.eval_sets or getattr(self, 'heldout', None)) and not done: self.evaluate()
+        done = self.last_eval.get('step') == self.global_step  # eval_every may have evaluated this step already
+        if (self.eval_sets or self.heldout) and not done: self.evaluate()
         self.save()
         if self.cfg.checkpoint.export_hf: self.export()
         return h
 
-    def _eval_rows(self):
-        sets = {n: [(ds, i) for i in range(len(ds))] for n, ds in self.eval_sets.items()}
-        if getattr(self, 'heldout', None): sets['heldout'] = [(self.train_sets[s], int(i)) for s, i in self.heldout]
-        return sets
-
-    def evaluate(self) -> dict:
-        "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
-        with self._exclusive('evaluate'): return self._evaluate()
-
-    def _evaluate(self) -> dict:
+# %% ../nbs/08_trainer.ipynb #05f58ca7
+@patch
+def evaluate(self: SFTTrainer) -> dict:
+    "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
+    with self._exclusive('evaluate'):
         self.setup()
-        pad, dp, micro = self.tokenizer.pad_token_id, self.cfg.placement.dp_size, max(1, self.cfg.train.micro_batch_size)
         out = {'step': self.global_step}
-        for name, rows in self._eval_rows().items():
-            exs = [_row(ds, i) for ds, i in rows]
-            per_rank = split_for_ranks(exs, dp, micro * 4)
-            batches = [[self._collate_rows(mb) if mb else collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
-                        for mb in mbs] for mbs in per_rank]
-            res = self.group.call_per_rank('eval_loss', [(batches[d],) for d in self._dp_of_rank()])
-            res = [res[self._dp_of_rank().index(d)] for d in range(dp)]  # one result per data-parallel replica
-            n = sum(r['n_tokens'] for r in res)  # Σ weight when the eval rows have fractional loss weights
+        for name, batches in self.data.eval_batches():
+            res = self.workers.eval_loss(batches)  # one result per data-parallel replica
+            n = sum(r['n_trained'] for r in res)  # Σ weight when the eval rows have fractional loss weights
             out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
             out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))  # perplexity (capped: no overflow on a diverged run)
         if len(out) > 1:
@@ -484,127 +276,91 @@ class SFTTrainer:
         self._emit('on_evaluate', out)
         return out
 
-    # ---- checkpoints ---------------------------------------------------------------------------
-    @property
-    def ckpt_dir(self) -> Path: return self.run_dir / 'checkpoints'
-
-    def save(self) -> Path:
-        "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
-        with self._exclusive('save'): return self._save()
-
-    def _save(self) -> Path:
+# %% ../nbs/08_trainer.ipynb #b0d8f1ff
+@patch
+def save(self: SFTTrainer) -> Path:
+    "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
+    with self._exclusive('save'):
         self.setup()
-        final = self.ckpt_dir / f'step_{self.global_step:06d}'
-        if getattr(self, '_saved_step', None) == self.global_step and (final / 'trainer_state.json').exists(): return final  # this trainer saved it
-        tmp = self.ckpt_dir / f'.tmp_step_{self.global_step:06d}'
-        if tmp.exists(): shutil.rmtree(tmp)
-        tmp.mkdir(parents=True)
-        self.group.call('save', str(tmp))
+        if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
         state = {'global_step': self.global_step, 'history': self.rows_history, 'total_steps': self.total_steps,
                  'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None, 'sampler': self.cfg.train.sampler}
-        (tmp / 'trainer_state.json').write_text(json.dumps(state))
-        old = self.ckpt_dir / f'.old_step_{self.global_step:06d}'  # a checkpoint of this step from before a resume: replaced
-        if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
-        os.rename(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        self._saved_step = self.global_step
-        marker = self.ckpt_dir / '.latest.tmp'  # the 'latest' marker is written last, atomically
-        marker.write_text(final.name); os.replace(marker, self.ckpt_dir / 'latest')
-        cks = self.checkpoints()
-        for old in cks[:max(0, len(cks) - self.cfg.checkpoint.keep_last)]: shutil.rmtree(old, ignore_errors=True)
+        final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
         self._emit('on_save', str(final))
         return final
 
-    def checkpoints(self) -> list[Path]:
-        "Complete checkpoints, oldest first."
-        return sorted(p for p in self.ckpt_dir.glob('step_*') if (p / 'trainer_state.json').exists())
+@patch
+def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
+    "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
+    with self._exclusive('load'): return self._load(path)
 
-    def load(self, path: str | Path = 'latest') -> int:
-        "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
-        with self._exclusive('load'): return self._load(path)
+# %% ../nbs/08_trainer.ipynb #d5d5b41b
+@patch
+def _load(self: SFTTrainer, path: str | Path = 'latest') -> int:
+    if self.group is None:  # an explicit load continues run_dir's run: setup must not refuse its outputs
+        self._resuming = True
+        try: self.setup()  # (setup itself calls _load when checkpoint.resume is set)
+        finally: self._resuming = False
+    path = self.ckpt.resolve(path, self.total_steps, self.cfg.train.sampler)
+    trackers = [cb for cb in self.callbacks if isinstance(cb, JSONLTracker)]
+    if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
+        for cb in trackers:
+            if self.global_step == 0: cb.truncate(0)
+        return 0
+    state = self.ckpt.state(path)
+    self.workers.load(str(path))
+    self.global_step, self.rows_history = state['global_step'], state['history']
+    self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
+    for cb in trackers: cb.truncate(self.global_step)
+    self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
+    return self.global_step
 
-    def _resume_path(self, spec: str | Path) -> Path | None:
-        "The checkpoint `spec` names, checked against this run without Ray; 'latest'/'auto' with no checkpoint yet: None."
-        if spec in ('latest', 'auto'):
-            marker = self.ckpt_dir / 'latest'
-            named = self.ckpt_dir / marker.read_text().strip() if marker.exists() else None
-            if named is not None and (named / 'trainer_state.json').exists(): spec = named
-            else:  # no marker (or it names a pruned folder): the newest complete checkpoint
-                cks = self.checkpoints()
-                if not cks: return None
-                spec = cks[-1]
-        path = Path(spec)
-        if not (path / 'trainer_state.json').exists(): raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint")
-        state = json.loads((path / 'trainer_state.json').read_text())
-        if state['total_steps'] != self.total_steps:
-            raise ConfigError(f"checkpoint.resume: the checkpoint's run has {state['total_steps']} steps, this config {self.total_steps}")
-        if state.get('sampler', 'random') != self.cfg.train.sampler:
-            raise ConfigError(f"train.sampler: the checkpoint's run used {state.get('sampler', 'random')!r}, this config "
-                              f"{self.cfg.train.sampler!r}; resuming would train on other rows than the run it continues")
-        return path
-
-    def _load(self, path: str | Path = 'latest') -> int:
-        if self.group is None:  # an explicit load continues run_dir's run: setup must not refuse its outputs
-            self._resuming = True
-            try: self.setup()  # (setup itself calls _load when checkpoint.resume is set)
-            finally: self._resuming = False
-        path = self._resume_path(path)
-        if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
-            for cb in self.callbacks:
-                if isinstance(cb, JSONLTracker) and self.global_step == 0: cb.truncate(0)
-            return 0
-        state = json.loads((path / 'trainer_state.json').read_text())
-        self.group.call('load', str(path))
-        self.global_step, self.rows_history = state['global_step'], state['history']
-        self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
-        for cb in self.callbacks:
-            if isinstance(cb, JSONLTracker): cb.truncate(self.global_step)
-        for later in [p for p in self.checkpoints() if int(p.name.split('_')[1]) > self.global_step]:
-            shutil.rmtree(later)  # the future of the resumed step is rewritten, like the metrics: never mixed with it
-        return self.global_step
-
-    def export(self, path: str | Path | None = None) -> Path:
-        "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
-        with self._exclusive('export'): return self._export(path)
-
-    def _export(self, path: str | Path | None = None) -> Path:
+# %% ../nbs/08_trainer.ipynb #a79c85aa
+@patch
+def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
+    "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
+    with self._exclusive('export'):
         self.setup()
         path = Path(path or self.run_dir / 'hf')
         from sft_nb.models import resolve_model_path
-        self.group.call('export_hf', str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
+        self.workers.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
         return path
 
-    def generate(self, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
-        "Greedy answers of the current model to chat prompts."
-        with self._exclusive('generate'): return self._generate(messages_list, max_new_tokens)
-
-    def _generate(self, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
+@patch
+def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
+    "Greedy answers of the current model to chat prompts."
+    with self._exclusive('generate'):
         self.setup()
         prompts = []
         for msgs in messages_list:
             ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
             prompts.append(list(ids['input_ids'] if hasattr(ids, 'keys') else ids))
-        outs = self.group.call('generate', prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
+        outs = self.workers.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
         return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
 
-    # ---- teardown ------------------------------------------------------------------------------
-    def shutdown(self):
-        "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
-        with self._exclusive('shutdown'): self._shutdown()
+# %% ../nbs/08_trainer.ipynb #64ca74af
+@patch
+def shutdown(self: SFTTrainer):
+    "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
+    with self._exclusive('shutdown'): self._shutdown()
 
-    def _shutdown(self):
-        for cb in getattr(self, 'callbacks', []): cb.close()
-        if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True); self._pool, self._pending = None, {}
-        if self.group is not None: self.group.shutdown(); self.group = None
-        if getattr(self, '_ray_started', False):
-            import ray
-            ray.shutdown(); self._ray_started = False
-        if self._run_lock is not None: self._run_lock.release(); self._run_lock = None
+@patch
+def _shutdown(self: SFTTrainer):
+    for cb in self.callbacks: cb.close()
+    if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True); self._pool, self._pending = None, {}
+    if self.group is not None: self.group.shutdown(); self.group, self.workers = None, None
+    if self._ray_started:
+        import ray
+        ray.shutdown(); self._ray_started = False
+    self.ckpt.release()
 
-    def __enter__(self): return self.setup()
-    def __exit__(self, *exc): self.shutdown()
-    def __del__(self):
-        try: self.group is not None and self.group.kill()
-        except Exception: pass
-        try: self._run_lock is not None and self._run_lock.release()
-        except Exception: pass
+@patch
+def __enter__(self: SFTTrainer): return self.setup()
+@patch
+def __exit__(self: SFTTrainer, *exc): self.shutdown()
+@patch
+def __del__(self: SFTTrainer):
+    try: self.group is not None and self.group.kill()
+    except Exception: pass
+    try: self.ckpt.release()
+    except Exception: pass

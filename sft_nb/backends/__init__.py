@@ -5,9 +5,10 @@
 # %% ../../nbs/07_backends.ipynb #3e18d00c
 from __future__ import annotations
 import importlib
+from typing import Protocol
 
 # %% auto #0
-__all__ = ['BACKENDS', 'get_backend']
+__all__ = ['BACKENDS', 'get_backend', 'Backend', 'BackendGroup']
 
 # %% ../../nbs/07_backends.ipynb #cbf76607
 BACKENDS = {'fsdp': 'sft_nb.backends.fsdp:FSDPWorker', 'megatron': 'sft_nb.backends.megatron:MegatronWorker'}
@@ -20,3 +21,47 @@ def get_backend(name: str):
     except ModuleNotFoundError as e:
         if e.name == mod: raise NotImplementedError(f"placement.backend: {name!r} is not available in this version of sft_nb") from None
         raise
+
+# %% ../../nbs/07_backends.ipynb #33a60694
+class Backend(Protocol):
+    "The worker methods the driver calls (each runs on every rank of a `WorkerGroup`)."
+    def setup(self) -> dict: "Build model and optimizer; {'packable': bool, 'n_params': int, ...}."
+    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
+        "Accumulate gradients of Σ NLL / n_trained_global; {'nll_sum', 'n_trained'}."
+    def optim_step(self, skip: bool = False) -> dict: "Apply (or drop, `skip`) the gradients; {'grad_norm', 'lr'}."
+    def eval_loss(self, micro_batches: list[dict]) -> dict: "No-grad {'nll_sum', 'n_trained'}."
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+        "Greedy continuations of token-id prompts."
+    def full_state(self) -> dict: "The full (unsharded) model state dict."
+    def save(self, path: str) -> bool: "Write this rank's shard of a checkpoint into folder `path`."
+    def load(self, path: str) -> int: "Load this rank's shard of checkpoint `path`."
+    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
+        "save_pretrained the model (rank 0 writes)."
+    def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
+    def shutdown(self): "Leave the process group."
+
+# %% ../../nbs/07_backends.ipynb #6a2168af
+class BackendGroup:
+    "The driver's typed view of a `WorkerGroup` of `Backend` workers."
+    def __init__(self, group, # a `WorkerGroup`
+                 worker_cls, placement): # the backend class; the run's `PlacementConfig`
+        p, f = placement, getattr(worker_cls, 'dp_index', None)  # megatron: tp/pp ranks share a replica
+        self.group = group
+        self.dp_of_rank = [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel) if f else r for r in range(p.world_size)]
+
+    def _per_replica(self, method: str, batches: list, *args) -> list:
+        res = self.group.call_per_rank(method, [(batches[d], *args) for d in self.dp_of_rank])
+        return [res[self.dp_of_rank.index(d)] for d in range(len(batches))]  # count each replica once
+
+    def forward_backward(self, batches: list[list[dict]], n_trained_global: int | float) -> list[dict]:
+        return self._per_replica('forward_backward', batches, n_trained_global)
+    def eval_loss(self, batches: list[list[dict]]) -> list[dict]: return self._per_replica('eval_loss', batches)
+    def setup(self) -> list[dict]: return self.group.call('setup')
+    def optim_step(self, skip: bool = False) -> list[dict]: return self.group.call('optim_step', skip)
+    def generate(self, prompts, max_new_tokens=32, eos_token_id=None) -> list: return self.group.call('generate', prompts, max_new_tokens, eos_token_id)
+    def full_state(self) -> list[dict]: return self.group.call('full_state')
+    def save(self, path: str) -> list: return self.group.call('save', path)
+    def load(self, path: str) -> list: return self.group.call('load', path)
+    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> list:
+        return self.group.call('export_hf', path, tokenizer_path, lora_export)
+    def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list: return self.group.call('profile', action, path, ranks)

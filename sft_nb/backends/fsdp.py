@@ -92,16 +92,16 @@ class FSDPWorker(DistWorker):
         wt = target_weights(mb['labels'], w)
         return (torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='none') * wt).sum(), float(wt.sum())
 
-    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int | float) -> dict:
-        "Accumulate gradients of Σ NLL / n_tokens_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
+    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
+        "Accumulate gradients of Σ NLL / n_trained_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
         self.model.train()
-        scale = (self.world_size if self.sharded else 1) / (n_tokens_global if n_tokens_global > 0 else 1)
+        scale = (self.world_size if self.sharded else 1) / (n_trained_global if n_trained_global > 0 else 1)
         nll, n = 0.0, 0
         for mb in micro_batches:
             s, k = self._nll(self._to_dev(mb))
             (s * scale).backward()
             nll += float(s.detach()); n += k
-        return {'nll_sum': nll, 'n_tokens': n}
+        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
 
     def optim_step(self, skip: bool = False) -> dict:
         "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
@@ -126,7 +126,7 @@ class FSDPWorker(DistWorker):
             for mb in micro_batches:
                 s, k = self._nll(self._to_dev(mb))
                 nll += float(s); n += k
-        return {'nll_sum': nll, 'n_tokens': n}
+        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
         "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."

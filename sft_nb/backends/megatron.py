@@ -221,11 +221,11 @@ class MegatronWorker(DistWorker):
         weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
         return self._replica_sum(nll), (n if weighted else int(round(n))), out
 
-    def forward_backward(self, micro_batches: list[dict], n_tokens_global: int | float) -> dict:
-        "Accumulate gradients of Σ NLL / n_tokens_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
+    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
+        "Accumulate gradients of Σ NLL / n_trained_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
         self.model.train()
-        nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_tokens_global if n_tokens_global > 0 else 1))
-        return {'nll_sum': nll, 'n_tokens': n}
+        nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_trained_global if n_trained_global > 0 else 1))
+        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
 
     def optim_step(self, skip: bool = False) -> dict:
         "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
@@ -250,7 +250,7 @@ class MegatronWorker(DistWorker):
         import torch
         self.model.eval()
         with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
-        return {'nll_sum': nll, 'n_tokens': n}
+        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
 
     def logits(self, input_ids) -> 'torch.Tensor | None':
         "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
