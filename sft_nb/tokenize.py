@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_tokenize.ipynb #a20d99cd
 from __future__ import annotations
-import dataclasses, hashlib, json, os, shutil
+import dataclasses, gc, hashlib, json, os, shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
@@ -60,6 +60,7 @@ def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: s
     # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
     return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
 
+# %% ../nbs/02_tokenize.ipynb #3eeceb24
 def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:
     "Walk the rendered `text` once: `(start, end, message index, role)` of each message's content (assistant: content + end-of-turn)."
     segs, cursor = [], 0
@@ -89,6 +90,7 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
         cursor = end
     return segs
 
+# %% ../nbs/02_tokenize.ipynb #94e74851
 def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: str,
                     segments: list | None = None, # `locate_messages` output, when the caller already has it
                     history: str = 'error', # 'final' trains every turn as the full render shows it; see `tokenize_turns` for 'expand'
@@ -184,6 +186,7 @@ def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[in
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
+# %% ../nbs/02_tokenize.ipynb #f2ce589a
 def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
     "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
     ws = {sp[2]: messages[sp[2]]['loss_weight'] for sp in spans if sp[2] >= 0 and 'loss_weight' in messages[sp[2]]}
@@ -215,6 +218,7 @@ def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
 
+# %% ../nbs/02_tokenize.ipynb #d33747de
 def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
     "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained (`mode='all'`: every token)."
     p, c = row['prompt'], row['completion']
@@ -375,23 +379,25 @@ def example_features(renderer: Renderer):
                               'index': V('int64'), 'loss_weights': L(V('float32')), **renderer.features()})
 
 def _flat_list(seqs: list, dtype, n: int):
-    "A list<dtype> Arrow array from Python/numpy sequences: one flat buffer + offsets, no per-element Python objects."
+    "A list<dtype> Arrow array from Python/numpy sequences (one flat buffer + offsets, no per-element Python objects) → (array, offsets, flat)."
     import pyarrow as pa
     from itertools import chain
     offs = np.zeros(n + 1, np.int64)
     np.cumsum(np.fromiter((len(s) for s in seqs), np.int64, n), out=offs[1:])
     flat = np.fromiter(chain.from_iterable(seqs), dtype, int(offs[-1]))
-    return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat))
+    return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat)), offs, flat
 
 def example_batch(good: list, renderer: Renderer, schema):
-    "`[(index, Example)]` → one Arrow record batch of `schema`."
+    "`[(index, Example)]` → one Arrow record batch of `schema`; lengths and trained counts come from the flat arrays."
     import pyarrow as pa
     n, exs = len(good), [e for _, e in good]
-    lens = np.fromiter((len(e.input_ids) for e in exs), np.int32, n)
-    cols = {'input_ids': _flat_list([e.input_ids for e in exs], np.int32, n), 'loss_mask': _flat_list([e.loss_mask for e in exs], np.int8, n),
-            'length': pa.array(lens), 'n_trained': pa.array(np.fromiter((e.n_trained for e in exs), np.int32, n)),
+    ids, offs, _ = _flat_list([e.input_ids for e in exs], np.int32, n)
+    mask, _, flat_mask = _flat_list([e.loss_mask for e in exs], np.int8, n)
+    csum = np.concatenate([[0], np.cumsum(flat_mask, dtype=np.int64)])
+    cols = {'input_ids': ids, 'loss_mask': mask, 'length': pa.array(np.diff(offs).astype(np.int32)),
+            'n_trained': pa.array((csum[offs[1:]] - csum[offs[:-1]]).astype(np.int32)),
             'index': pa.array(np.fromiter((i for i, _ in good), np.int64, n)),
-            'loss_weights': _flat_list([e.loss_weights or () for e in exs], np.float32, n)}
+            'loss_weights': _flat_list([e.loss_weights or () for e in exs], np.float32, n)[0]}
     for k, v in renderer.columns(exs).items(): cols[k] = pa.array(v, type=schema.field(k).type)
     return pa.RecordBatch.from_arrays([cols[f.name].cast(f.type) for f in schema], schema=schema)
 
@@ -400,7 +406,9 @@ def source_slice(raw, start: int, stop: int) -> list[dict]:
     "Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts; JSON-stored rows parsed once."
     import pyarrow as pa
     table = raw if isinstance(raw, pa.Table) else raw.data.table
-    return [row_dict(r) for r in table.slice(start, stop - start).to_pylist()]
+    part = table.slice(start, stop - start)
+    if part.column_names == ['_json']: return [row_dict({'_json': s}) for s in part.column('_json').to_pylist()]  # no struct → dict conversion
+    return [row_dict(r) for r in part.to_pylist()]
 
 def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a list of row dicts
                   start: int, stop: int, renderer: Renderer, fmt: str, batch_size: int,
@@ -410,22 +418,27 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
     "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
     import pyarrow as pa
     schema = example_features(renderer).arrow_schema
-    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_tokens': 0, 'n_trained': 0, 'max_length': 0, 'n_weights': 0}
+    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_tokens': 0, 'n_trained': 0, 'max_length': 0}
     sink = pa.OSFile(str(path), 'wb') if path is not None else pa.BufferOutputStream()
-    w = pa.ipc.new_stream(sink, schema)
+    w, gc_on = pa.ipc.new_stream(sink, schema), gc.isenabled()
     try:
         for s in range(start, stop, batch_size):
+            gc.disable()  # a batch makes ~10^5 short-lived lists and no cycles worth chasing: collector passes cost ~8% (bench/tokenize.py)
             e = min(stop, s + batch_size)
             rows = raw[s:e] if isinstance(raw, list) else source_slice(raw, s, e)
             good, bad = renderer.render_rows(rows, list(range(offset + s, offset + e)), fmt)
+            b = example_batch(good, renderer, schema)
             st['bad'] += sorted(bad, key=lambda b: b[0])
-            lens = [len(x) for _, x in good]
-            st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good)
-            st['n_kept'] += len({i for i, _ in good}); st['n_tokens'] += sum(lens)
-            st['n_trained'] += sum(x.n_trained for _, x in good); st['max_length'] = max([st['max_length'], *lens])
-            st['n_weights'] += sum(x.loss_weights is not None for _, x in good)
-            w.write_batch(example_batch(good, renderer, schema))
-    finally: w.close()
+            st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})
+            lens = b.column('length').to_numpy()
+            st['n_tokens'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
+            st['max_length'] = max(st['max_length'], int(lens.max(initial=0)))
+            w.write_batch(b)
+            del rows, good, b
+            if gc_on: gc.enable()  # between batches the collector runs as usual: memory stays bounded by one batch
+    finally:
+        w.close()
+        if gc_on: gc.enable()
     if path is None: return st, pa.ipc.open_stream(sink.getvalue()).read_all()
     sink.close()
     return st, None
@@ -531,6 +544,7 @@ def load_entry(folder: Path, verify: bool = True): # verify=False: the entry thi
         return open_parts(folder / 'data'), DataReport(**rep)
     except Exception: return None
 
+# %% ../nbs/02_tokenize.ipynb #ecb0ec91
 def commit_entry(tmp: Path, folder: Path, report: DataReport):
     "Finish an entry built in `tmp` (parts under tmp/data): report, then the manifest last, then one rename into place."
     (tmp / 'report.json').write_text(json.dumps(report.to_dict()))

@@ -128,6 +128,7 @@ def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tu
     ranges = [(shift(s), shift(s) + n * L) for s, n in zip(starts, counts)]
     return ''.join(out) + text[prev:], [(shift(s), shift(e), *rest) for s, e, *rest in spans], ranges
 
+# %% ../nbs/02c_vision.ipynb #7112d8c8
 def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision_conversation`
                     processor, # a Qwen2-VL-style processor (tokenizer + image_processor + chat_template)
                     *, mode: str = 'all_assistant', max_length: int | None = None, truncation: str = 'keep_start',
