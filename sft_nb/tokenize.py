@@ -17,7 +17,7 @@ from .templates import TemplateError, TemplateInfo, template_info, template_key,
 __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans',
            'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
            'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
-           'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
+           'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
            'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts', 'load_entry',
            'commit_entry', 'tokenize_dataset']
 
@@ -464,23 +464,29 @@ def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_
         with mp.get_context('fork').Pool(len(bounds) - 1) as pool: return pool.map(_forked_part, range(len(bounds) - 1))
     finally: _FORKED = None
 
-def _ray_part(rows, start: int, renderer, fmt: str, batch_size: int):
-    "One Ray task: rows arrive as an Arrow table (or a list) through the object store; the part goes back the same way."
+# %% ../nbs/02_tokenize.ipynb #a1ef975e
+def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
+             folder: str | None = None, name: str = '', # where the part goes when this node sees `folder`
+            ):
+    "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write."
+    if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
     return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
 
 def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: int) -> list[dict]:
-    "Fan tokenization out over the connected Ray cluster's CPUs; the driver writes the parts in shard order."
+    "Fan tokenization out over the connected Ray cluster's CPUs as `n_shards` tasks; parts keep the shard order."
     import ray, pyarrow as pa
     from tqdm.auto import tqdm
     if not ray.is_initialized(): raise RuntimeError("ray_shards > 0 needs a connected Ray cluster (sft_nb.workers.init_ray)")
-    task, r_ref = ray.remote(num_cpus=1)(_ray_part), ray.put(renderer)
+    task, r_ref = ray.remote(num_cpus=1)(ray_part), ray.put(renderer)
     bounds = np.linspace(0, len(raw), n_shards + 1).astype(int)
-    refs = [task.remote(raw[a:b] if isinstance(raw, list) else raw.data.table.slice(a, b - a), int(a), r_ref, fmt, batch_size)
-            for a, b in zip(bounds, bounds[1:]) if b > a]
+    shards = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    refs = [task.remote(raw[a:b] if isinstance(raw, list) else raw.data.table.slice(a, b - a), a, r_ref, fmt, batch_size,
+                        str(folder), part_name(k, len(shards))) for k, (a, b) in enumerate(shards)]
     stats = []
     for k, ref in enumerate(tqdm(refs, desc=f'tokenize on Ray ({n_shards} shards)')):
         st, table = ray.get(ref)
-        with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
+        if table is not None:  # that node could not see the folder
+            with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
         stats.append(st)
     return stats
 

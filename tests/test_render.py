@@ -49,6 +49,14 @@ def test_image_rows_parallel_and_ray_equal_serial(proc, image_source, tmp_path):
     try:
         on_ray, rep_ray = tokenize_dataset(str(src), proc, spec, use_cache=False, batch_size=4, ray_shards=2)
         assert on_ray.to_dict() == serial.to_dict() and rep_ray == rep
+        ray_cached, rep_rc = tokenize_dataset(str(src), proc, spec, cache_dir=tmp_path / 'cache_ray', ray_shards=2)
+        assert ray_cached.to_dict() == serial.to_dict() and rep_rc == rep
+        # a task on a node that sees the cache folder writes its part there itself: nothing comes back through the driver
+        from sft_nb.tokenize import ray_part, part_name
+        rows = json.loads(src.read_text())[:3]
+        out = tmp_path / 'parts'; out.mkdir()
+        st, table = ray.get(ray.remote(ray_part).remote(rows, 0, make_renderer(proc, spec, src.parent), 'messages', 2, str(out), part_name(0, 1)))
+        assert table is None and st['n_kept'] == 3 and (out / part_name(0, 1)).stat().st_size > 0
     finally:
         if started: ray.shutdown()
 
