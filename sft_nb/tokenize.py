@@ -18,8 +18,8 @@ __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'locat
            'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
            'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
            'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
-           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts', 'load_entry',
-           'commit_entry', 'tokenize_dataset']
+           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'SourceFallback', 'JsonlRows', 'stream_source',
+           'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -405,6 +405,7 @@ def example_batch(good: list, renderer: Renderer, schema):
 def source_slice(raw, start: int, stop: int) -> list[dict]:
     "Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts; JSON-stored rows parsed once."
     import pyarrow as pa
+    if isinstance(raw, JsonlRows): return raw.rows(start, stop)
     table = raw if isinstance(raw, pa.Table) else raw.data.table
     part = table.slice(start, stop - start)
     if part.column_names == ['_json']: return [row_dict({'_json': s}) for s in part.column('_json').to_pylist()]  # no struct → dict conversion
@@ -480,7 +481,9 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
     task, r_ref = ray.remote(num_cpus=1)(ray_part), ray.put(renderer)
     bounds = np.linspace(0, len(raw), n_shards + 1).astype(int)
     shards = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
-    refs = [task.remote(raw[a:b] if isinstance(raw, list) else raw.data.table.slice(a, b - a), a, r_ref, fmt, batch_size,
+    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else pa.table({'_json': raw.lines(a, b)}) if isinstance(raw, JsonlRows)
+                         else raw.data.table.slice(a, b - a))
+    refs = [task.remote(rows(a, b), a, r_ref, fmt, batch_size,
                         str(folder), part_name(k, len(shards))) for k, (a, b) in enumerate(shards)]
     stats = []
     for k, ref in enumerate(tqdm(refs, desc=f'tokenize on Ray ({n_shards} shards)')):
@@ -505,6 +508,46 @@ def file_fingerprint(source) -> str | None:
     path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
     return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '')
+
+# %% ../nbs/02_tokenize.ipynb #57bcc675
+class SourceFallback(Exception):
+    "A streamed line that JSON cannot read: the source goes through `sft_nb.data.load_source` instead, which decides what it means."
+
+class JsonlRows:
+    "A local JSONL file as rows without loading it: start/end bytes of its non-blank lines (16 bytes a row); each batch read and parsed once."
+    def __init__(self, path, max_rows: int | None = None):
+        self.path, nl, pos = str(path), [], 0
+        with open(path, 'rb') as f:
+            while chunk := f.read(1 << 24):
+                nl.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos); pos += len(chunk)
+        nl = np.concatenate(nl) if nl else np.zeros(0, np.int64)
+        starts, ends = np.concatenate([[0], nl + 1]), np.concatenate([nl, [pos]])
+        keep = ends - starts > 0
+        with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
+            for k in np.flatnonzero(keep & (ends - starts <= 16)):
+                f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
+        self.starts, self.ends = starts[keep][:max_rows], ends[keep][:max_rows]
+    def __len__(self): return len(self.starts)
+    def lines(self, s: int, e: int) -> list[str]:
+        if e <= s: return []
+        with open(self.path, 'rb') as f:
+            f.seek(int(self.starts[s])); buf = f.read(int(self.ends[e - 1] - self.starts[s]))
+        base = int(self.starts[s])
+        try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
+        except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
+    def rows(self, s: int, e: int) -> list:
+        try: return [json.loads(l) for l in self.lines(s, e)]
+        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
+    def __iter__(self):
+        for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
+    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})
+
+def stream_source(source) -> JsonlRows | None:
+    "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
+    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
+    rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
+    return rows if len(rows) else None  # an empty file: the data stage names it
 
 # %% ../nbs/02_tokenize.ipynb #b600947f
 def _manifest(folder: Path, digests: bool = True) -> dict:
@@ -595,6 +638,11 @@ def _in_memory(folder: Path):
     ds = open_parts(folder)
     return datasets.Dataset(datasets.table.InMemoryTable(ds.data.table.combine_chunks()), info=ds.info)
 
+def _columns(raw) -> list[str]:
+    "Column names of a source: a list of rows, a streamed JSONL file, or a Dataset."
+    if isinstance(raw, list): return sorted({k for r in raw[:20] if isinstance(r, dict) for k in r})
+    return raw.columns() if isinstance(raw, JsonlRows) else source_columns(raw)
+
 # %% ../nbs/02_tokenize.ipynb #63f716ef
 def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or datasets.Dataset
                      tokenizer, # fast HF tokenizer, a vision-language processor (image rows), or a Renderer
@@ -620,9 +668,10 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     folder = cache_root(cache_dir or spec.cache_dir) / key
     hit = load_entry(folder) if use_cache else None
     if hit is not None: return _raise_first(*hit, on_bad_row)
-    if raw is None: raw = load_source(source)
-    if not in_memory and raw._indices is not None: raw = raw.flatten_indices()
-    fmt = spec.format if spec.format != 'auto' else detect_format(source_columns(raw) if not in_memory else sorted({k for r in raw[:20] for k in r}))
+    if raw is None: raw = stream_source(source) or load_source(source)
+    if getattr(raw, '_indices', None) is not None: raw = raw.flatten_indices()
+    try: fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
+    except SourceFallback: raw = load_source(source); fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
     renderer.check(fmt)
     root = folder.parent if use_cache else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
@@ -630,7 +679,11 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     try:
         (tmp / 'data').mkdir()
         run = ray_parts if ray_shards > 0 else write_parts
-        stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+        try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+        except SourceFallback:  # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
+            raw = load_source(source)
+            for f in (tmp / 'data').iterdir(): f.unlink()
+            stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
         index_parts(tmp / 'data', example_features(renderer), key[:16])
         report = _report(len(raw), stats)
         if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
