@@ -26,6 +26,20 @@ times loading the entry with its size + xxh3-128 digest check, without it, the c
 `tokenize_dataset` cache hit (which also reads and fingerprints the source file). Files are warm in the page cache.
 
     HF_HUB_OFFLINE=1 python bench/tokenize.py --verify-rows 100000
+
+`--rows N` is the scale mode (issue 16): N alpaca-style rows generated from the shared demo set (each instruction made
+unique) are written as JSONL; then, each in its own subprocess (so peak RSS is honest), best of `--repeats`:
+  limit        `apply_chat_template` per row + one `encode_batch` over all texts (conversations parsed before the clock
+               starts); above 200,000 rows in chunks of 100,000 so that the limit itself fits in memory
+  ours         `tokenize_dataset(path, tok, TokenizeSpec(max_length=4096), batch_size=1024)` into a fresh cache folder:
+               reads and parses the file, renders, tokenizes, masks, writes the Arrow cache entry (num_proc 1 and 2)
+  cache hit    the same call again (fingerprint the file, verify the entry, memory-map it)
+SmolLM2-135M-Instruct's tokenizer and its own template, mode all_assistant. It prints rows/s (wall and per CPU-second,
+the latter insensitive to other load on a shared machine) and peak RSS side by side, the ratio to the limit, and the
+num_proc 1 -> 2 scaling.
+
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --methods ours cache_hit
 """
 # This file is named tokenize.py: drop its folder from sys.path before anything imports the stdlib `tokenize`.
 import sys
@@ -37,7 +51,7 @@ import os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
 os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
-import argparse, datetime, importlib.metadata as md, logging, platform, random, tempfile, time, types, warnings
+import argparse, datetime, importlib.metadata as md, logging, platform, random, shutil, tempfile, time, types, warnings
 
 ROOT = _HERE.parent
 SHARED = next((p / 'shared' for p in ROOT.parents if (p / 'shared' / 'datasets').exists()), Path('/work/shared'))
@@ -155,7 +169,13 @@ def main():
     ap.add_argument('--skip-trl', action='store_true')
     ap.add_argument('--profile', choices=MODES, help='only cProfile tokenize_rows on the tool-calling set in this mode')
     ap.add_argument('--verify-rows', type=int, default=0, help='only measure the cache content check on a cache of this many rows')
+    ap.add_argument('--rows', type=int, default=0, help='scale mode: this many generated alpaca-style rows, ours vs the limit')
+    ap.add_argument('--methods', nargs='*', default=list(SCALE_METHODS), help='scale mode: which methods')
+    ap.add_argument('--workdir', default=None, help='scale mode: where the generated source and cache go (default: a temp dir)')
+    ap.add_argument('--child', help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.child: return _scale_child(a)
+    if a.rows: return _scale(a)
 
     import datasets, transformers
     from transformers import AutoTokenizer
@@ -279,6 +299,81 @@ def main():
     _report(results, notes, checks)
     print(f"\n# load average at end {_load()} (the machine has {os.cpu_count()} cores; other work on it slows every method)")
 
+
+SCALE_METHODS = ('limit', 'ours', 'ours_np2', 'cache_hit')
+
+def _scale_source(n: int, folder: Path) -> Path:
+    "n alpaca-style rows as JSONL: the demo rows repeated, each instruction made unique (so no two rows render alike)."
+    import json
+    path = folder / f'alpaca_{n}.jsonl'
+    if path.exists(): return path
+    demo = json.loads(DATASETS['alpaca'].read_text())
+    with open(path.with_suffix('.tmp'), 'w') as f:
+        for k in range(n):
+            r = demo[k % len(demo)]
+            f.write(json.dumps({**r, 'instruction': f"{r['instruction']} (#{k})"}, ensure_ascii=False) + '\n')
+    path.with_suffix('.tmp').rename(path)
+    return path
+
+def _scale_child(a):
+    "One measurement in this (fresh) process; prints one JSON line."
+    import json, resource
+    from transformers import AutoTokenizer
+    from sft_nb.models import smollm2_instruct
+    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
+    import datasets; datasets.disable_progress_bars()
+    method, src, cache = a.child, Path(a.workdir) / f'alpaca_{a.rows}.jsonl', Path(a.workdir) / 'cache'
+    tok = AutoTokenizer.from_pretrained(smollm2_instruct())
+    if method == 'limit':
+        from sft_nb.data import normalize_row
+        convs = [normalize_row(json.loads(l), 'alpaca') for l in open(src)]
+        chunk = len(convs) if len(convs) <= 200_000 else 100_000
+        t0, c0, n_tok = time.perf_counter(), time.process_time(), 0
+        for s in range(0, len(convs), chunk):
+            texts = [tok.apply_chat_template(c['messages'], tools=c['tools'], tokenize=False) for c in convs[s:s + chunk]]
+            out = [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+            n_tok += sum(map(len, out)); del texts, out
+    else:
+        if method in ('ours', 'ours_np2'): shutil.rmtree(cache, ignore_errors=True)
+        t0, c0 = time.perf_counter(), time.process_time()
+        ds, rep = tokenize_dataset(str(src), tok, TokenizeSpec(max_length=4096), batch_size=1024, cache_dir=str(cache),
+                                   num_proc=2 if method == 'ours_np2' else 1)
+        n_tok = rep.n_tokens
+    wall = time.perf_counter() - t0
+    me, ch = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = time.process_time() - c0 + ch.ru_utime + ch.ru_stime
+    print(json.dumps({'method': method, 'wall': wall, 'cpu': cpu, 'rss': me.ru_maxrss / 2**20, 'child_rss': ch.ru_maxrss / 2**20, 'tokens': n_tok}))
+
+def _scale(a):
+    "Scale mode: every method in its own subprocess, rounds of all methods, best of --repeats."
+    import json, subprocess
+    work = Path(a.workdir or tempfile.mkdtemp(prefix='sft_nb_scale_'))
+    work.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter(); src = _scale_source(a.rows, work)
+    print(f"## scale: {a.rows:,} rows ({src.stat().st_size / 2**20:,.0f} MiB JSONL, generated in {time.perf_counter() - t0:.0f} s) in {work}; "
+          f"methods {' '.join(a.methods)}; load average {_load()}", flush=True)
+    best = {}
+    for rnd in range(a.repeats):
+        for m in a.methods:
+            cmd = [sys.executable, str(Path(__file__).resolve()), '--child', m, '--rows', str(a.rows), '--workdir', str(work)]
+            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'TOKENIZERS_PARALLELISM': 'false'})
+            if r.returncode: print(r.stderr[-3000:]); raise SystemExit(f"{m} failed")
+            res = json.loads(r.stdout.strip().splitlines()[-1])
+            print(f"  round {rnd + 1} {m:10s} {res['wall']:8.1f} s wall {a.rows / res['wall']:8,.0f} rows/s | {res['cpu']:8.1f} s cpu "
+                  f"{a.rows / res['cpu']:8,.0f} rows/cpu-s | peak RSS {res['rss']:.2f} GiB (workers {res['child_rss']:.2f}) | load {_load()}", flush=True)
+            if m not in best or res['wall'] < best[m]['wall']: best[m] = {**res, 'cpu': min(res['cpu'], best.get(m, res)['cpu'])}
+    lim = best.get('limit')
+    print(f"\n## {a.rows:,} rows, best of {a.repeats}\n\n| method | rows/s | rows/cpu-s | peak RSS GiB | % of limit (wall) | % of limit (cpu) |\n|---|---:|---:|---:|---:|---:|")
+    for m, r in best.items():
+        pw = f"{100 * lim['wall'] / r['wall']:.0f}%" if lim else '-'
+        pc = f"{100 * lim['cpu'] / r['cpu']:.0f}%" if lim else '-'
+        rss = r['rss'] + (r['child_rss'] if m == 'ours_np2' else 0)
+        print(f"| {m} | {a.rows / r['wall']:,.0f} | {a.rows / r['cpu']:,.0f} | {rss:.2f} | {pw} | {pc} |")
+    if 'ours' in best and 'ours_np2' in best:
+        sp = best['ours']['wall'] / best['ours_np2']['wall']
+        print(f"\nnum_proc 1 -> 2: {sp:.2f}x wall ({100 * sp / 2:.0f}% per-core efficiency); "
+              f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {os.cpu_count()}")
+    if 'cache_hit' in best: print(f"cache hit: {best['cache_hit']['wall']:.2f} s")
 
 def _profile(tok, template, mode, name=TOOL_SET, top=25):
     "cProfile of `tokenize_rows` (batches of 256, warm) on one dataset: where our time goes."

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #6913556c
 from __future__ import annotations
-import dataclasses, difflib, math, types, typing
+import dataclasses, difflib, functools, math, types, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Literal, Any, get_args, get_origin
@@ -117,12 +117,13 @@ class DataConfig:
 # %% ../nbs/00_config.ipynb #cd94391b
 @dataclass
 class TokenizeConfig:
-    "How conversations become token ids and loss masks."
+    "How conversations become token ids and loss masks (also the spec `sft_nb.tokenize` keys its cache on: `TokenizeSpec` is this class)."
     mode: Literal['all_assistant', 'last_assistant', 'all', 'completion_only'] = 'all_assistant'  # which tokens are trained
-    max_length: int = 2048  # longest row in tokens
+    max_length: int = 2048  # longest row in tokens (library calls may pass None: no limit)
     truncation: Literal['drop', 'keep_start'] = 'drop'  # over-long rows: drop them, or keep the first max_length tokens
     chat_template: str | None = None  # a Jinja template (text or file path) replacing the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
+    format: Literal['auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'pretokenized'] = 'auto'  # row format of sources whose own `format` is auto
     history: Literal['expand', 'final', 'error'] = 'expand'  # all_assistant on a template that rewrites earlier turns (Qwen3, QwQ): one example per assistant turn, the full render as it is, or refuse
     train_on_reasoning: bool = True  # train the <think>…</think> block of trained assistant turns (False: seen, not trained)
     train_on_tool_calls: bool = True  # train the tool-call part of trained assistant turns
@@ -131,6 +132,17 @@ class TokenizeConfig:
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
     def __post_init__(self):
         check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
+    @property
+    def template(self) -> str | None:
+        "`chat_template` under the name tokenization code has always used."
+        return self.chat_template
+
+_tokenize_init = TokenizeConfig.__init__
+@functools.wraps(_tokenize_init)
+def _init_with_template(self, *args, template=None, **kw):
+    if template is not None: kw['chat_template'] = template  # TokenizeSpec(template=...) as before the two types merged
+    _tokenize_init(self, *args, **kw)
+TokenizeConfig.__init__ = _init_with_template
 
 # %% ../nbs/00_config.ipynb #8bb4bf13
 @dataclass

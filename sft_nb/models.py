@@ -4,33 +4,18 @@
 
 # %% ../nbs/06_models.ipynb #09fe99cd
 from __future__ import annotations
-import hashlib, importlib.util, json, os, random, shutil, tempfile
+import importlib.util, os, random
 from pathlib import Path
+from .paths import sft_nb_home, atomic_build
+from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'sft_nb_home', 'build_tiny_tokenizer', 'tiny_model_config',
-           'tiny_chat_model', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
+           'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
+           'check_model_path']
 
 # %% ../nbs/06_models.ipynb #572cb52f
-def sft_nb_home() -> Path:
-    "Root folder for caches (models, tokenized datasets)."
-    return Path(os.environ.get('SFT_NB_HOME', Path.home() / '.cache' / 'sft_nb'))
-
-def _atomic_build(dst: Path, build) -> Path:
-    "Run `build(tmp_dir)` and move the result to `dst` in one rename; reuse `dst` when it is complete."
-    dst = Path(dst)
-    if (dst / '.complete').exists(): return dst
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f'.{dst.name}.tmp'))
-    try:
-        build(tmp)
-        (tmp / '.complete').write_text('ok')
-        if dst.exists(): shutil.rmtree(dst)  # an incomplete earlier build
-        try: os.rename(tmp, dst)
-        except OSError:  # a concurrent builder won the race; its copy is equally good
-            if not (dst / '.complete').exists(): raise
-    finally: shutil.rmtree(tmp, ignore_errors=True)
-    return dst
+_atomic_build = atomic_build  # the name other modules used before it moved to sft_nb.paths
 
 # %% ../nbs/06_models.ipynb #721e0bd0
 CHATML_TEMPLATE = (
@@ -92,7 +77,34 @@ def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the s
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
         model.save_pretrained(tmp); tok.save_pretrained(tmp)
-    return _atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-chatml-v{TINY_VERSION}-s{seed}', build)
+    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-chatml-v{TINY_VERSION}-s{seed}', build)
+
+# %% ../nbs/06_models.ipynb #18f50c31
+def build_tiny_processor(min_pixels: int = 28 * 28 * 4, # smallest image area after resizing (4 merged tokens)
+                         max_pixels: int = 28 * 28 * 16, # largest image area (16 merged tokens)
+                        ):
+    "The tiny BPE tokenizer + Qwen2-VL special tokens + Qwen2-VL template + a small-image PIL image processor."
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    tok = build_tiny_tokenizer()
+    tok.add_special_tokens({'additional_special_tokens': ['<|im_start|>', '<|im_end|>', *VISION_SPECIAL]})
+    tok.chat_template = QWEN2_VL_TEMPLATE
+    ip = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
+    return processor_class()(image_processor=ip, tokenizer=tok, chat_template=QWEN2_VL_TEMPLATE)
+
+# %% ../nbs/06_models.ipynb #dab5e4f7
+def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared cache
+             seed: int = 0, # weight init seed
+            ) -> Path:
+    "Build (once) and return the folder of the tiny Qwen2-VL model + processor."
+    import torch
+    from transformers import Qwen2VLForConditionalGeneration
+    def build(tmp):
+        proc = build_tiny_processor()
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float()
+        model.generation_config.eos_token_id = model.generation_config.pad_token_id = proc.tokenizer.eos_token_id
+        model.save_pretrained(tmp); proc.tokenizer.save_pretrained(tmp); proc.image_processor.save_pretrained(tmp)
+    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', build)
 
 # %% ../nbs/06_models.ipynb #3dbb5b55
 def _smollm2_gguf() -> Path:
@@ -115,7 +127,7 @@ def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the 
         if hasattr(model.config, 'quantization_config'): del model.config.quantization_config
         if getattr(model, 'hf_quantizer', None) is not None: model.hf_quantizer = None
         model.save_pretrained(tmp); tok.save_pretrained(tmp)
-    return _atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / 'SmolLM2-135M-Instruct', build)
+    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / 'SmolLM2-135M-Instruct', build)
 
 def smollm2_chat_template() -> str:
     "SmolLM2-135M-Instruct's own chat template, read from the GGUF metadata (no model load)."
@@ -127,7 +139,6 @@ def resolve_model_path(path: str) -> str:
     "'tiny', 'tiny-vlm' and 'smollm2' name the offline models; anything else (folder or hub id) passes through."
     if path == 'tiny': return str(tiny_chat_model())
     if path == 'tiny-vlm':
-        from sft_nb.vlm_models import tiny_vlm  # the tiny Qwen2-VL (nbs/06b_vlm_models)
         return str(tiny_vlm())
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
     return path

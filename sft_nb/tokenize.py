@@ -4,18 +4,22 @@
 
 # %% ../nbs/02_tokenize.ipynb #a20d99cd
 from __future__ import annotations
-import hashlib, json, os, shutil, tempfile
+import dataclasses, gc, hashlib, json, os, shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
-from .config import SourceConfig
+from .config import SourceConfig, TokenizeConfig
 from .data import BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .paths import sft_nb_home, file_digest
 from .templates import TemplateError, TemplateInfo, template_info, template_key, render, load_template, chat_ids
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans', 'mask_from_offsets', 'turn_parts',
-           'trained_parts', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'TokenizeSpec', 'tokenize_rows',
-           'cache_root', 'cache_key', 'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans',
+           'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
+           'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
+           'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
+           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'SourceFallback', 'JsonlRows', 'stream_source',
+           'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -56,6 +60,7 @@ def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: s
     # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
     return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
 
+# %% ../nbs/02_tokenize.ipynb #3eeceb24
 def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:
     "Walk the rendered `text` once: `(start, end, message index, role)` of each message's content (assistant: content + end-of-turn)."
     segs, cursor = [], 0
@@ -85,6 +90,7 @@ def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list
         cursor = end
     return segs
 
+# %% ../nbs/02_tokenize.ipynb #94e74851
 def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: str,
                     segments: list | None = None, # `locate_messages` output, when the caller already has it
                     history: str = 'error', # 'final' trains every turn as the full render shows it; see `tokenize_turns` for 'expand'
@@ -146,7 +152,7 @@ def trained_parts(text, spans, messages, eot, train_on_reasoning: bool = True, t
     return keep, masked
 
 # %% ../nbs/02_tokenize.ipynb #aef8eff8
-def _encode(tokenizer, texts: list[str]):
+def encode_texts(tokenizer, texts: list[str]):
     "Batched fast tokenization without special tokens (as apply_chat_template does): [(ids, offsets)]."
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     if backend is not None:
@@ -171,7 +177,8 @@ def _mask_from_encoding(enc, spans, n_text: int) -> list[int] | None:
         mask[a:b + 1 if c == b else max(b + 1, c)] = 1  # a token straddling `e` overlaps the span too
     return mask.tolist()
 
-def _finish(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
+def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
+    "Apply `max_length` (cut or `BadRow` too_long) and refuse a row with no trained token left."
     truncated = False
     if max_length is not None and len(ids) > max_length:
         if truncation == 'drop': raise BadRow(f"{len(ids)} tokens > max_length {max_length}", kind='too_long')
@@ -179,6 +186,7 @@ def _finish(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bo
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
+# %% ../nbs/02_tokenize.ipynb #f2ce589a
 def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
     "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
     ws = {sp[2]: messages[sp[2]]['loss_weight'] for sp in spans if sp[2] >= 0 and 'loss_weight' in messages[sp[2]]}
@@ -205,11 +213,12 @@ def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_
             offsets = enc.offsets if offsets is None else offsets
             mask = mask_from_offsets(offsets, spans)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
-    ids, mask, truncated = _finish(list(ids), mask, max_length, truncation)
+    ids, mask, truncated = finish_tokens(list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
 
+# %% ../nbs/02_tokenize.ipynb #d33747de
 def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
     "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained (`mode='all'`: every token)."
     p, c = row['prompt'], row['completion']
@@ -222,7 +231,7 @@ def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'com
     else:
         spans = [(len(p), len(text) + 1, 1)]
         mask = [int(e > len(p) or (s == e == len(text))) for s, e in offsets]
-    ids, mask, truncated = _finish(ids, mask, max_length, truncation)
+    ids, mask, truncated = finish_tokens(ids, mask, max_length, truncation)
     return Example(ids, mask, truncated, text, offsets[:len(ids)], spans)
 
 def tokenize_conversation(messages: list[dict], # OpenAI-style messages
@@ -245,7 +254,7 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     except TemplateError: raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
     encs = _encodings(tokenizer, [text])
-    return _chat_example(text, encs[0] if encs is not None else _encode(tokenizer, [text])[0], conv['messages'], info, mode,
+    return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
                          max_length, truncation, True, history, train_on_reasoning, train_on_tool_calls)
 
 # %% ../nbs/02_tokenize.ipynb #be107368
@@ -269,32 +278,21 @@ def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistan
     return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, history)]
 
 # %% ../nbs/02_tokenize.ipynb #b1a70d78
-@dataclass
-class TokenizeSpec:
-    "Everything that decides a tokenized row (and therefore the cache key)."
-    mode: str = 'all_assistant'
-    max_length: int | None = 2048
-    truncation: str = 'drop'
-    template: str | None = None
-    chat_template_kwargs: dict = field(default_factory=dict)
-    format: str = 'auto'
-    history: str = 'expand'  # all_assistant on a history-rewriting template: expand | final | error
-    train_on_reasoning: bool = True  # train the <think>…</think> block of a trained turn
-    train_on_tool_calls: bool = True  # train the tool-call part of a trained turn
+TokenizeSpec = TokenizeConfig  # one tokenize config type: the YAML `tokenize:` section is the spec the cache keys on
 
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
                  ):
     "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`)."
     indices = list(range(len(rows))) if indices is None else indices
-    if spec.template is not None and '{' not in spec.template: spec = TokenizeSpec(**{**spec.__dict__, 'template': load_template(spec.template)})
+    if spec.template is not None and '{' not in spec.template: spec = dataclasses.replace(spec, chat_template=load_template(spec.template))
     info = template_info(tokenizer, spec.template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
     good, bad, chats = [], [], []
     for idx, row in zip(indices, rows):
         try:
             conv = normalize_row(row, fmt)
             if 'input_ids' in conv:
-                good.append((idx, Example(*_finish(conv['input_ids'], conv['loss_mask'], spec.max_length, spec.truncation))))
+                good.append((idx, Example(*finish_tokens(conv['input_ids'], conv['loss_mask'], spec.max_length, spec.truncation))))
             elif 'prompt' in conv:
                 good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation, spec.mode)))
             else:
@@ -306,7 +304,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
         except Exception as e: bad.append((idx, 'template_error', f"chat template error: {e}"))
     texts = [t for *_, t in chats]
     encs = _encodings(tokenizer, texts)
-    if encs is None: encs = _encode(tokenizer, texts)
+    if encs is None: encs = encode_texts(tokenizer, texts)
     failed = set()
     for (idx, msgs, mode, text), enc in zip(chats, encs):
         if idx in failed: continue
@@ -317,58 +315,186 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
     good.sort(key=lambda g: g[0])
     return good, bad
 
+# %% ../nbs/02_tokenize.ipynb #9f57cc52
+class Renderer:
+    "The seam between raw rows and tokens: one per kind of model input. `tokenize_dataset` owns all the rest."
+    registry: list = []  # subclasses, newest first: `make_renderer` asks each whether it takes an object
+    def __init_subclass__(cls, **kw):
+        super().__init_subclass__(**kw); Renderer.registry.insert(0, cls)
+    @classmethod
+    def accepts(cls, obj) -> bool: return False  # can this renderer work with `obj` (a tokenizer, a processor, ...)?
+    tokenizer = None  # the text tokenizer (pad id, cache key)
+    template: str | None = None  # the chat template text rows are rendered with (cache key)
+    needs_rows_for_key: bool = False  # True when the rows reference content (image files) that the cache key must hash
+    def check(self, fmt: str): pass  # fail fast, once, before the first batch (e.g. a template that cannot be probed)
+    def render_rows(self, rows: list[dict], indices: list[int], fmt: str) -> tuple[list, list]:
+        "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`); a row is kept whole or dropped whole."
+        raise NotImplementedError
+    def features(self) -> dict: return {}  # extra Arrow columns (name → datasets feature) this renderer stores
+    def columns(self, examples: list) -> dict: return {}  # the values of those columns for `examples`
+    def fingerprint(self) -> str: return ''  # what else decides the examples (beyond the tokenizer, template and spec)
+    def source_fingerprint(self, raw) -> str: return ''  # content the rows only reference (image files)
+    def collate(self, examples: list, batch: dict) -> dict: return batch  # add the extra columns to a padded batch
+    def dummy(self) -> dict:
+        "An untrained row that exercises every parameter (a rank with no data still runs the whole graph)."
+        pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
+        return {'input_ids': [pad, pad], 'loss_mask': [0, 0]}
+    def render(self, row: dict, fmt: str = 'messages') -> Example:
+        "One row → its (first) Example; a bad row raises `BadRow`."
+        good, bad = self.render_rows([row], [0], fmt)
+        if bad: raise BadRow(bad[0][2], kind=bad[0][1])
+        return good[0][1]
+
+# %% ../nbs/02_tokenize.ipynb #6eea935a
+class ChatRenderer(Renderer):
+    "Text rows through a tokenizer's chat template (or `spec.template`): `tokenize_rows`, one Rust encode per batch."
+    def __init__(self, tokenizer, spec: TokenizeSpec, base_dir=None):
+        self.tokenizer, self.spec, self.template = tokenizer, spec, spec.template
+    @classmethod
+    def accepts(cls, obj) -> bool: return not hasattr(obj, 'image_processor')
+    def check(self, fmt: str):
+        if fmt != 'pretokenized': template_info(self.tokenizer, self.spec.template, self.spec.chat_template_kwargs)
+    def render_rows(self, rows, indices, fmt):
+        return tokenize_rows(rows, self.tokenizer, self.spec, fmt, indices, keep_offsets=False)
+
+def make_renderer(obj, # a tokenizer, a processor (`import sft_nb.vision` registers its renderer) or a Renderer
+                  spec: TokenizeSpec | None = None, base_dir=None, # folder relative image paths resolve against
+                 ) -> Renderer:
+    "The renderer for `obj`: the newest registered class that accepts it."
+    if isinstance(obj, Renderer): return obj
+    spec = spec or TokenizeSpec()
+    for cls in Renderer.registry:
+        if cls.accepts(obj): return cls(obj, spec, base_dir)
+    raise TypeError(f"no renderer takes a {type(obj).__name__}; for a vision-language processor `import sft_nb.vision` "
+                    "(it registers ProcessorRenderer)")
+
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 5  # bump when masking changes: old cache entries then miss (4: prompt/completion rows honour mode 'all'; 5: loss_weights)
+ALGO_VERSION = 6  # bump when stored examples change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam)
 
-def _map_batch(batch, tokenizer, spec, fmt, indices):
-    n = len(next(iter(batch.values())))
-    rows = [row_dict({k: batch[k][j] for k in batch}) for j in range(n)]
-    good, bad = tokenize_rows(rows, tokenizer, spec, fmt, indices, keep_offsets=False)
-    out = {k: [] for k in _features()}
-    for idx, ex in good:
-        for k, v in (('input_ids', ex.input_ids), ('loss_mask', ex.loss_mask), ('length', len(ex)), ('n_trained', ex.n_trained),
-                     ('eot_only', ex.eot_only_turns), ('index', idx), ('loss_weights', ex.loss_weights or []),
-                     ('error_kind', ''), ('error', '')): out[k].append(v)
-    for idx, kind, msg in bad:
-        for k, v in (('input_ids', []), ('loss_mask', []), ('length', 0), ('n_trained', 0), ('eot_only', 0), ('index', idx),
-                     ('loss_weights', []), ('error_kind', kind), ('error', msg)): out[k].append(v)
-    order = np.argsort(out['index'], kind='stable')
-    return {k: [v[i] for i in order] for k, v in out.items()}
-
-def _features():
+def example_features(renderer: Renderer):
+    "The stored schema: the base columns every row has, then the renderer's extra columns."
     import datasets
-    return datasets.Features({'input_ids': datasets.List(datasets.Value('int32')), 'loss_mask': datasets.List(datasets.Value('int8')),
-                              'length': datasets.Value('int32'), 'n_trained': datasets.Value('int32'), 'eot_only': datasets.Value('int32'),
-                              'index': datasets.Value('int64'), 'loss_weights': datasets.List(datasets.Value('float32')),
-                              'error_kind': datasets.Value('string'), 'error': datasets.Value('string')})
+    L, V = datasets.List, datasets.Value
+    return datasets.Features({'input_ids': L(V('int32')), 'loss_mask': L(V('int8')), 'length': V('int32'), 'n_trained': V('int32'),
+                              'index': V('int64'), 'loss_weights': L(V('float32')), **renderer.features()})
 
-def _shard_task(cols: dict, start: int, tokenizer, spec, fmt, batch_size):
-    "Tokenize rows `start...` of a shard (runs as a Ray task on any node; rows arrive through the object store)."
-    n = len(next(iter(cols.values())))
-    out = {k: [] for k in _features()}
-    for s in range(0, n, batch_size):
-        r = _map_batch({k: v[s:s + batch_size] for k, v in cols.items()}, tokenizer, spec, fmt,
-                       list(range(start + s, start + min(n, s + batch_size))))
-        for k in out: out[k] += r[k]
-    return out
+def _flat_list(seqs: list, dtype, n: int):
+    "A list<dtype> Arrow array from Python/numpy sequences (one flat buffer + offsets, no per-element Python objects) → (array, offsets, flat)."
+    import pyarrow as pa
+    from itertools import chain
+    offs = np.zeros(n + 1, np.int64)
+    np.cumsum(np.fromiter((len(s) for s in seqs), np.int64, n), out=offs[1:])
+    flat = np.fromiter(chain.from_iterable(seqs), dtype, int(offs[-1]))
+    return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat)), offs, flat
 
-def _ray_map(raw, tokenizer, spec, fmt, n_shards: int, batch_size: int):
-    "Fan tokenization out over the Ray cluster; shards come back in order, so the result equals the local one."
-    import ray, datasets
+def example_batch(good: list, renderer: Renderer, schema):
+    "`[(index, Example)]` → one Arrow record batch of `schema`; lengths and trained counts come from the flat arrays."
+    import pyarrow as pa
+    n, exs = len(good), [e for _, e in good]
+    ids, offs, _ = _flat_list([e.input_ids for e in exs], np.int32, n)
+    mask, _, flat_mask = _flat_list([e.loss_mask for e in exs], np.int8, n)
+    csum = np.concatenate([[0], np.cumsum(flat_mask, dtype=np.int64)])
+    cols = {'input_ids': ids, 'loss_mask': mask, 'length': pa.array(np.diff(offs).astype(np.int32)),
+            'n_trained': pa.array((csum[offs[1:]] - csum[offs[:-1]]).astype(np.int32)),
+            'index': pa.array(np.fromiter((i for i, _ in good), np.int64, n)),
+            'loss_weights': _flat_list([e.loss_weights or () for e in exs], np.float32, n)[0]}
+    for k, v in renderer.columns(exs).items(): cols[k] = pa.array(v, type=schema.field(k).type)
+    return pa.RecordBatch.from_arrays([cols[f.name].cast(f.type) for f in schema], schema=schema)
+
+# %% ../nbs/02_tokenize.ipynb #2813713a
+def source_slice(raw, start: int, stop: int) -> list[dict]:
+    "Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts; JSON-stored rows parsed once."
+    import pyarrow as pa
+    if isinstance(raw, JsonlRows): return raw.rows(start, stop)
+    table = raw if isinstance(raw, pa.Table) else raw.data.table
+    part = table.slice(start, stop - start)
+    if part.column_names == ['_json']: return [row_dict({'_json': s}) for s in part.column('_json').to_pylist()]  # no struct → dict conversion
+    return [row_dict(r) for r in part.to_pylist()]
+
+def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a list of row dicts
+                  start: int, stop: int, renderer: Renderer, fmt: str, batch_size: int,
+                  path: str | Path | None = None, # write the part here (an Arrow stream file); None: return it as a Table
+                  offset: int = 0, # source index of row 0 of `raw` (a shard sent to a Ray task)
+                 ):
+    "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
+    import pyarrow as pa
+    schema = example_features(renderer).arrow_schema
+    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_tokens': 0, 'n_trained': 0, 'max_length': 0}
+    sink = pa.OSFile(str(path), 'wb') if path is not None else pa.BufferOutputStream()
+    w, gc_on = pa.ipc.new_stream(sink, schema), gc.isenabled()
+    try:
+        for s in range(start, stop, batch_size):
+            gc.disable()  # a batch makes ~10^5 short-lived lists and no cycles worth chasing: collector passes cost ~8% (bench/tokenize.py)
+            e = min(stop, s + batch_size)
+            rows = raw[s:e] if isinstance(raw, list) else source_slice(raw, s, e)
+            good, bad = renderer.render_rows(rows, list(range(offset + s, offset + e)), fmt)
+            b = example_batch(good, renderer, schema)
+            st['bad'] += sorted(bad, key=lambda b: b[0])
+            st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})
+            lens = b.column('length').to_numpy()
+            st['n_tokens'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
+            st['max_length'] = max(st['max_length'], int(lens.max(initial=0)))
+            w.write_batch(b)
+            del rows, good, b
+            if gc_on: gc.enable()  # between batches the collector runs as usual: memory stays bounded by one batch
+    finally:
+        w.close()
+        if gc_on: gc.enable()
+    if path is None: return st, pa.ipc.open_stream(sink.getvalue()).read_all()
+    sink.close()
+    return st, None
+
+# %% ../nbs/02_tokenize.ipynb #592bbf4a
+def part_name(k: int, n: int) -> str: return f'data-{k:05d}-of-{n:05d}.arrow'  # as `save_to_disk` names its shards
+
+_FORKED = None  # (raw, renderer, fmt, batch_size, bounds, folder) handed to forked workers without pickling the source
+
+def _forked_part(k: int):
+    raw, renderer, fmt, batch_size, bounds, folder = _FORKED
+    return tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size, Path(folder) / part_name(k, len(bounds) - 1))[0]
+
+def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_size: int = 256) -> list[dict]:
+    "Tokenize the whole source into `folder/data-*.arrow`: one contiguous shard per process (forked: the source is shared, not copied)."
+    global _FORKED
+    n = len(raw)
+    bounds = np.linspace(0, n, max(1, min(num_proc, n)) + 1).astype(int).tolist()
+    if len(bounds) == 2: return [tokenize_part(raw, 0, n, renderer, fmt, batch_size, folder / part_name(0, 1))[0]]
+    import multiprocessing as mp
+    _FORKED = (raw, renderer, fmt, batch_size, bounds, str(folder))
+    try:
+        with mp.get_context('fork').Pool(len(bounds) - 1) as pool: return pool.map(_forked_part, range(len(bounds) - 1))
+    finally: _FORKED = None
+
+# %% ../nbs/02_tokenize.ipynb #a1ef975e
+def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
+             folder: str | None = None, name: str = '', # where the part goes when this node sees `folder`
+            ):
+    "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write."
+    if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
+    return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
+
+def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: int) -> list[dict]:
+    "Fan tokenization out over the connected Ray cluster's CPUs as `n_shards` tasks; parts keep the shard order."
+    import ray, pyarrow as pa
     from tqdm.auto import tqdm
     if not ray.is_initialized(): raise RuntimeError("ray_shards > 0 needs a connected Ray cluster (sft_nb.workers.init_ray)")
-    task, tok_ref = ray.remote(num_cpus=1)(_shard_task), ray.put(tokenizer)
+    task, r_ref = ray.remote(num_cpus=1)(ray_part), ray.put(renderer)
     bounds = np.linspace(0, len(raw), n_shards + 1).astype(int)
-    refs = [task.remote(raw.select(range(a, b)).to_dict(), int(a), tok_ref, spec, fmt, batch_size) for a, b in zip(bounds, bounds[1:]) if b > a]
-    with tqdm(total=len(refs), desc=f'tokenize on Ray ({spec.mode})') as bar:
-        pending = list(refs)
-        while pending:
-            done, pending = ray.wait(pending, num_returns=1); bar.update(len(done))
-    parts = ray.get(refs)
-    return datasets.Dataset.from_dict({k: [v for p in parts for v in p[k]] for k in _features()}, features=_features())
+    shards = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
+    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else pa.table({'_json': raw.lines(a, b)}) if isinstance(raw, JsonlRows)
+                         else raw.data.table.slice(a, b - a))
+    refs = [task.remote(rows(a, b), a, r_ref, fmt, batch_size,
+                        str(folder), part_name(k, len(shards))) for k, (a, b) in enumerate(shards)]
+    stats = []
+    for k, ref in enumerate(tqdm(refs, desc=f'tokenize on Ray ({n_shards} shards)')):
+        st, table = ray.get(ref)
+        if table is not None:  # that node could not see the folder
+            with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
+        stats.append(st)
+    return stats
 
+# %% ../nbs/02_tokenize.ipynb #ef1077a4
 def cache_root(cache_dir: str | None = None) -> Path:
-    from sft_nb.models import sft_nb_home
     return Path(cache_dir) if cache_dir else sft_nb_home() / 'tokenized'
 
 def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) -> str:
@@ -377,17 +503,56 @@ def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) ->
              spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
-def _digest(path: Path) -> str:
-    "xxh3-128 of a file's bytes: datasets already depends on xxhash, and it hashes at memory speed (see bench/tokenize.py)."
-    import xxhash
-    h = xxhash.xxh3_128()
-    with open(path, 'rb') as f:
-        while chunk := f.read(1 << 24): h.update(chunk)
-    return h.hexdigest()
+def file_fingerprint(source) -> str | None:
+    "The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it; None otherwise."
+    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
+    return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '')
 
+# %% ../nbs/02_tokenize.ipynb #57bcc675
+class SourceFallback(Exception):
+    "A streamed line that JSON cannot read: the source goes through `sft_nb.data.load_source` instead, which decides what it means."
+
+class JsonlRows:
+    "A local JSONL file as rows without loading it: start/end bytes of its non-blank lines (16 bytes a row); each batch read and parsed once."
+    def __init__(self, path, max_rows: int | None = None):
+        self.path, nl, pos = str(path), [], 0
+        with open(path, 'rb') as f:
+            while chunk := f.read(1 << 24):
+                nl.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos); pos += len(chunk)
+        nl = np.concatenate(nl) if nl else np.zeros(0, np.int64)
+        starts, ends = np.concatenate([[0], nl + 1]), np.concatenate([nl, [pos]])
+        keep = ends - starts > 0
+        with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
+            for k in np.flatnonzero(keep & (ends - starts <= 16)):
+                f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
+        self.starts, self.ends = starts[keep][:max_rows], ends[keep][:max_rows]
+    def __len__(self): return len(self.starts)
+    def lines(self, s: int, e: int) -> list[str]:
+        if e <= s: return []
+        with open(self.path, 'rb') as f:
+            f.seek(int(self.starts[s])); buf = f.read(int(self.ends[e - 1] - self.starts[s]))
+        base = int(self.starts[s])
+        try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
+        except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
+    def rows(self, s: int, e: int) -> list:
+        try: return [json.loads(l) for l in self.lines(s, e)]
+        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
+    def __iter__(self):
+        for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
+    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})
+
+def stream_source(source) -> JsonlRows | None:
+    "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
+    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
+    rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
+    return rows if len(rows) else None  # an empty file: the data stage names it
+
+# %% ../nbs/02_tokenize.ipynb #b600947f
 def _manifest(folder: Path, digests: bool = True) -> dict:
     "{file: [size, content digest]} of a cache entry (the digest is computed only when asked)."
-    return {str(p.relative_to(folder)): [p.stat().st_size, _digest(p) if digests else None]
+    return {str(p.relative_to(folder)): [p.stat().st_size, file_digest(p) if digests else None]
             for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'MANIFEST.json'}
 
 def _verify(folder: Path, recorded: dict) -> str:
@@ -396,11 +561,27 @@ def _verify(folder: Path, recorded: dict) -> str:
     if not isinstance(recorded, dict) or sizes.keys() != recorded.keys(): return 'file list'
     for name, (size, _) in sizes.items():  # cheap size check first; a truncated file never gets hashed
         if not isinstance(recorded[name], list) or recorded[name][0] != size: return name
-    return next((n for n in sizes if _digest(folder / n) != recorded[n][1]), '')
+    return next((n for n in sizes if file_digest(folder / n) != recorded[n][1]), '')
 
-def _load_entry(folder: Path, verify: bool = True): # verify=False: the entry this process just wrote
+def index_parts(folder: Path, features, fingerprint: str):
+    "Write what `datasets.load_from_disk` reads next to the parts (state.json, dataset_info.json): the folder is a saved Dataset."
+    files = sorted(p.name for p in Path(folder).glob('data-*.arrow'))
+    (folder / 'state.json').write_text(json.dumps({'_data_files': [{'filename': f} for f in files], '_fingerprint': fingerprint,
+        '_format_columns': None, '_format_kwargs': {}, '_format_type': None, '_output_all_columns': False, '_split': None}, indent=2))
+    (folder / 'dataset_info.json').write_text(json.dumps({'citation': '', 'description': '', 'features': features.to_dict(),
+                                                          'homepage': '', 'license': ''}, indent=2))
+
+def open_parts(folder: Path):
+    "The memory-mapped Dataset of a parts folder; `loss_weights` dropped when no row has fractional weights."
+    import datasets, pyarrow.compute as pc
+    ds = datasets.load_from_disk(str(folder))
+    if not pc.sum(pc.list_value_length(ds.data.column('loss_weights'))).as_py():
+        ds = ds.remove_columns(['loss_weights'])  # 0/1 rows: loss_mask is the weight, no column (as before weights existed)
+    return ds
+
+def load_entry(folder: Path, verify: bool = True): # verify=False: the entry this process just wrote
     "A complete cache entry → (Dataset, DataReport); anything incomplete or altered → None (altered: with a warning)."
-    import datasets, warnings
+    import warnings
     m = folder / 'MANIFEST.json'
     try:
         if not m.exists(): return None
@@ -409,74 +590,103 @@ def _load_entry(folder: Path, verify: bool = True): # verify=False: the entry th
             return None
         rep = json.loads((folder / 'report.json').read_text())
         rep['bad_rows'] = [tuple(b) for b in rep['bad_rows']]
-        return datasets.load_from_disk(str(folder / 'data')), DataReport(**rep)
+        return open_parts(folder / 'data'), DataReport(**rep)
     except Exception: return None
 
-def _write_entry(folder: Path, ds, report: DataReport):
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f'.{folder.name}.tmp'))
-    try:
-        ds.save_to_disk(str(tmp / 'data'))
-        (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
-        (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
-        if folder.exists(): shutil.rmtree(folder)  # a corrupt entry we decided to rebuild
-        os.rename(tmp, folder)
-    finally: shutil.rmtree(tmp, ignore_errors=True)
+# %% ../nbs/02_tokenize.ipynb #ecb0ec91
+def commit_entry(tmp: Path, folder: Path, report: DataReport):
+    "Finish an entry built in `tmp` (parts under tmp/data): report, then the manifest last, then one rename into place."
+    (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
+    (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
+    if folder.exists(): shutil.rmtree(folder)  # a corrupt entry we decided to rebuild
+    os.rename(tmp, folder)
 
-def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or datasets.Dataset
-                     tokenizer, # fast HF tokenizer
-                     spec: TokenizeSpec | None = None, # mode, max_length, truncation, template, kwargs, format
-                     *, num_proc: int = 1, # processes for tokenization
-                     on_bad_row: str = 'skip', # 'skip' reports bad rows; 'raise' stops at the first
-                     cache_dir: str | None = None, # cache root; None = ~/.cache/sft_nb/tokenized
-                     use_cache: bool = True,
-                     batch_size: int = 256,
-                     ray_shards: int = 0, # > 0: fan out over the connected Ray cluster's CPUs in this many tasks
-                    ):
-    "Tokenize a whole source → (memory-mapped Dataset of input_ids/loss_mask/length/n_trained/index[/loss_weights], DataReport)."
-    import datasets, pyarrow.compute as pc
+_load_entry = load_entry  # the names bench/tokenize.py used
+
+# %% ../nbs/02_tokenize.ipynb #fe6580df
+def _report(n_rows: int, stats: list[dict]) -> DataReport:
+    rep = DataReport(n_rows=n_rows)
+    for st in stats:
+        for idx, kind, msg in st['bad']: rep.drop(idx, kind, msg)
+        rep.n_kept += st['n_kept']; rep.n_examples += st['n_examples']; rep.n_tokens += st['n_tokens']
+        rep.n_trained += st['n_trained']; rep.eot_only_turns += st['eot_only']; rep.max_length = max(rep.max_length, st['max_length'])
+    return rep
+
+def _prepare(source, spec: TokenizeSpec | None) -> TokenizeSpec:
     spec = spec or TokenizeSpec()
-    if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto':
-        spec = TokenizeSpec(**{**spec.__dict__, 'format': source.format})
-    spec = TokenizeSpec(**{**spec.__dict__, 'template': load_template(spec.template)})
-    raw = load_source(source)
-    fmt = spec.format if spec.format != 'auto' else detect_format(source_columns(raw))
-    folder = cache_root(cache_dir) / cache_key(source_fingerprint(source, raw), tokenizer, spec, fmt)
-    hit = _load_entry(folder) if use_cache else None
-    if hit is None:
-        if fmt != 'pretokenized': template_info(tokenizer, spec.template, spec.chat_template_kwargs)  # fail fast, once
-        if ray_shards > 0: out = _ray_map(raw, tokenizer, spec, fmt, ray_shards, batch_size)
-        else:
-            raw_i = raw.add_column('_row', list(range(len(raw))))
-            def fn(batch):
-                idx = batch.pop('_row')
-                return _map_batch(batch, tokenizer, spec, fmt, idx)
-            out = raw_i.map(fn, batched=True, batch_size=batch_size, num_proc=num_proc if num_proc > 1 else None,
-                            remove_columns=raw_i.column_names, features=_features(), desc=f'tokenize ({spec.mode})',
-                            load_from_cache_file=False, keep_in_memory=True,
-                            new_fingerprint=folder.name)  # our key: saves datasets hashing the tokenizer-holding fn
-        report = DataReport(n_rows=len(raw))
-        bars_were_on = datasets.utils.logging.is_progress_bar_enabled()
-        datasets.disable_progress_bars()  # the bookkeeping below is instant; only the map above shows progress
-        errs = out.select_columns(['index', 'error_kind', 'error']).filter(lambda k: k != '', input_columns='error_kind',
-                                                                           new_fingerprint=folder.name + 'e')
-        for idx, kind, msg in zip(errs['index'], errs['error_kind'], errs['error']): report.drop(idx, kind, msg)
-        kept = out.filter(lambda k: k == '', input_columns='error_kind', new_fingerprint=folder.name + 'k').remove_columns(['error_kind', 'error'])
-        report.eot_only_turns = int(np.asarray(kept['eot_only'], dtype=np.int64).sum())
-        kept = kept.remove_columns(['eot_only'])
-        if not pc.sum(pc.list_value_length(kept.data.column('loss_weights'))).as_py():
-            kept = kept.remove_columns(['loss_weights'])  # no fractional weight: loss_mask is the weight, the entry stays as it was
-        lengths, trained = np.asarray(kept['length'], dtype=np.int64), np.asarray(kept['n_trained'], dtype=np.int64)
-        report.n_kept, report.n_examples = len(np.unique(np.asarray(kept['index'], dtype=np.int64))), len(kept)
-        report.n_tokens, report.n_trained = int(lengths.sum()), int(trained.sum())
-        report.max_length = int(lengths.max()) if len(lengths) else 0
-        if use_cache:
-            _write_entry(folder, kept, report)
-            hit = _load_entry(folder, verify=False)
-        else: hit = (kept, report)
-        if bars_were_on: datasets.enable_progress_bars()
-    ds, report = hit
+    if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto': spec = dataclasses.replace(spec, format=source.format)
+    return dataclasses.replace(spec, chat_template=load_template(spec.template))
+
+def _base_dir(source) -> Path | None:
+    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    return Path(path).expanduser().parent if path and not path.startswith('sft_nb:') else None
+
+def _raise_first(ds, report, on_bad_row):
     if on_bad_row == 'raise' and report.bad_rows:
         idx, kind, msg = report.bad_rows[0]
         raise BadRow(msg, kind=kind, index=idx)
     return ds, report
+
+def _rows_fingerprint(rows: list) -> str | None:
+    "Content key of a list source; None when a row holds something JSON cannot write (PIL images): then no cache."
+    try: return hashlib.sha256(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+    except (TypeError, ValueError): return None
+
+def _in_memory(folder: Path):
+    "The parts of `folder` as an in-memory Dataset (the folder is about to go: use_cache=False)."
+    import datasets
+    ds = open_parts(folder)
+    return datasets.Dataset(datasets.table.InMemoryTable(ds.data.table.combine_chunks()), info=ds.info)
+
+def _columns(raw) -> list[str]:
+    "Column names of a source: a list of rows, a streamed JSONL file, or a Dataset."
+    if isinstance(raw, list): return sorted({k for r in raw[:20] if isinstance(r, dict) for k in r})
+    return raw.columns() if isinstance(raw, JsonlRows) else source_columns(raw)
+
+# %% ../nbs/02_tokenize.ipynb #63f716ef
+def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or datasets.Dataset
+                     tokenizer, # fast HF tokenizer, a vision-language processor (image rows), or a Renderer
+                     spec: TokenizeSpec | None = None, # mode, max_length, truncation, template, kwargs, format
+                     *, num_proc: int | None = None, # processes for tokenization (None: spec.num_proc)
+                     on_bad_row: str = 'skip', # 'skip' reports bad rows; 'raise' stops at the first
+                     cache_dir: str | None = None, # cache root; None: spec.cache_dir, else ~/.cache/sft_nb/tokenized
+                     use_cache: bool = True,
+                     batch_size: int = 256,
+                     ray_shards: int | None = None, # > 0: fan out over the connected Ray cluster in this many tasks (None: spec.ray_shards)
+                    ):
+    "Tokenize a whole source → (memory-mapped Dataset of input_ids/loss_mask/length/n_trained/index[/loss_weights][/extras], DataReport)."
+    import tempfile
+    spec = _prepare(source, spec)
+    num_proc, ray_shards = num_proc or spec.num_proc, spec.ray_shards if ray_shards is None else ray_shards
+    renderer = make_renderer(tokenizer, spec, _base_dir(source))
+    in_memory = isinstance(source, list)  # rows may hold objects Arrow cannot store (PIL images): tokenized from the list itself
+    raw, fp = (source, _rows_fingerprint(source)) if in_memory else (None, file_fingerprint(source))
+    if raw is None and (fp is None or renderer.needs_rows_for_key): raw = load_source(source)  # a local file's cache hit parses nothing
+    if fp is None: fp, use_cache = (source_fingerprint(source, raw), use_cache) if not in_memory else ('', False)
+    if renderer.needs_rows_for_key and use_cache: fp += renderer.source_fingerprint(raw)
+    key = cache_key(fp + renderer.fingerprint(), renderer.tokenizer, dataclasses.replace(spec, chat_template=renderer.template), spec.format)
+    folder = cache_root(cache_dir or spec.cache_dir) / key
+    hit = load_entry(folder) if use_cache else None
+    if hit is not None: return _raise_first(*hit, on_bad_row)
+    if raw is None: raw = stream_source(source) or load_source(source)
+    if getattr(raw, '_indices', None) is not None: raw = raw.flatten_indices()
+    try: fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
+    except SourceFallback: raw = load_source(source); fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
+    renderer.check(fmt)
+    root = folder.parent if use_cache else Path(tempfile.gettempdir())
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f'.{key}.tmp'))
+    try:
+        (tmp / 'data').mkdir()
+        run = ray_parts if ray_shards > 0 else write_parts
+        try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+        except SourceFallback:  # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
+            raw = load_source(source)
+            for f in (tmp / 'data').iterdir(): f.unlink()
+            stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+        index_parts(tmp / 'data', example_features(renderer), key[:16])
+        report = _report(len(raw), stats)
+        if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
+        commit_entry(tmp, folder, report)
+    finally: shutil.rmtree(tmp, ignore_errors=True)
+    return _raise_first(*load_entry(folder, verify=False), on_bad_row)

@@ -8,14 +8,15 @@ import base64, hashlib, io, json, re
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
-from .config import SourceConfig
-from .data import BadRow, DataReport, normalize_message, detect_format, load_source, source_columns, source_fingerprint, row_dict, SHAREGPT_ROLES
-from .templates import TemplateError, template_info, template_key
-from .tokenize import Example, TokenizeSpec, assistant_spans, locate_messages, mask_from_offsets, _encode, _finish, cache_root, cache_key, _load_entry, _write_entry
+from fastcore.basics import patch
+from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
+from .templates import TemplateError, template_info, load_template
+from .tokenize import (Example, TokenizeSpec, Renderer, assistant_spans, locate_messages, mask_from_offsets, trained_parts,
+                             encode_texts, finish_tokens, tokenize_dataset)
 
 # %% auto #0
 __all__ = ['IMAGE_MARKER', 'load_image', 'vision_conversation', 'VisionExample', 'image_placeholder', 'expand_placeholders',
-           'tokenize_vision', 'tokenize_vision_rows', 'tokenize_vision_dataset']
+           'tokenize_vision', 'tokenize_vision_rows', 'ProcessorRenderer', 'tokenize_vision_dataset']
 
 # %% ../nbs/02c_vision.ipynb #44cf4b7b
 IMAGE_MARKER = '<image>'
@@ -78,7 +79,7 @@ def _parts(content, where: str, images: list, pending: list) -> list[dict] | str
 def vision_conversation(row: dict, # a raw row: messages (or ShareGPT conversations) + optional images column
                         base_dir: str | Path | None = None, # folder for relative image paths
                        ) -> dict:
-    "Raw row → `{'messages', 'images'}` (PIL, RGB) with image parts in the messages; bad rows raise `BadRow`."
+    "Raw row → `{'messages', 'images', 'tools'}` (PIL, RGB) with image parts in the messages; bad rows raise `BadRow`."
     turns = row.get('messages')
     if turns is None and isinstance(row.get('conversations'), list):
         turns = [{'role': SHAREGPT_ROLES.get(t.get('from'), t.get('from')), 'content': t.get('value')} for t in row['conversations']]
@@ -93,7 +94,7 @@ def vision_conversation(row: dict, # a raw row: messages (or ShareGPT conversati
         msgs.append(msg)
     if pending: raise BadRow(f"the images column has {len(pending)} image(s) more than the messages reference")
     if row.get('system') and msgs[0]['role'] != 'system': msgs.insert(0, {'role': 'system', 'content': str(row['system'])})
-    return {'messages': msgs, 'images': [load_image(r, base_dir) for r in refs]}
+    return {'messages': msgs, 'images': [load_image(r, base_dir) for r in refs], 'tools': normalize_tools(row.get('tools'))}
 
 # %% ../nbs/02c_vision.ipynb #f8fe2436
 @dataclass
@@ -104,10 +105,11 @@ class VisionExample(Example):
     image_tokens: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each image's placeholder
     images: list = field(default_factory=list)  # the PIL images (for views)
 
-def image_placeholder(processor) -> str:
+def image_placeholder(processor, template: str | None = None) -> str:
     "The text the processor's template renders for one image part (e.g. `<|vision_start|><|image_pad|><|vision_end|>`)."
     a, b = 'qzxBEFORE', 'qzxAFTER'
-    t = processor.apply_chat_template([{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}], tokenize=False)
+    t = processor.apply_chat_template([{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}],
+                                      chat_template=template, tokenize=False)
     return t[t.index(a) + len(a):t.index(b)]
 
 def _flat(messages, placeholder: str) -> list[dict]:
@@ -126,29 +128,38 @@ def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tu
     ranges = [(shift(s), shift(s) + n * L) for s, n in zip(starts, counts)]
     return ''.join(out) + text[prev:], [(shift(s), shift(e), *rest) for s, e, *rest in spans], ranges
 
-def tokenize_vision(conv: dict, # {'messages', 'images'} from `vision_conversation`
+# %% ../nbs/02c_vision.ipynb #7112d8c8
+def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision_conversation`
                     processor, # a Qwen2-VL-style processor (tokenizer + image_processor + chat_template)
                     *, mode: str = 'all_assistant', max_length: int | None = None, truncation: str = 'keep_start',
-                    chat_template_kwargs: dict | None = None) -> VisionExample:
+                    chat_template_kwargs: dict | None = None,
+                    template: str | None = None, # a chat template replacing the processor's (text, not a path)
+                    train_on_reasoning: bool = True, train_on_tool_calls: bool = True, # as for text rows (see `trained_parts`)
+                    history: str = 'error', # 'final': train every turn as the full render shows it, on a history-rewriting template
+                   ) -> VisionExample:
     "Render once, expand image placeholders, tokenize once: ids equal `processor.apply_chat_template(..., tokenize=True)`."
-    kw, tok, msgs, images = chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images']
-    flat = _flat(msgs, image_placeholder(processor))
-    info = template_info(tok, processor.chat_template, kw)
-    try: text = processor.apply_chat_template(msgs, tokenize=False, **kw)
+    kw, tok, msgs, images, tools = chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images'], conv.get('tools')
+    template = template or processor.chat_template
+    ph = image_placeholder(processor, template)
+    flat = _flat(msgs, ph)
+    info = template_info(tok, template, kw)
+    try: text = processor.apply_chat_template(msgs, chat_template=template, tools=tools, tokenize=False, **kw)
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
-    spans = assistant_spans(text, flat, info, mode) if mode != 'all' else [(0, len(text), -1)]
+    spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(
+        text, assistant_spans(text, flat, info, mode, history=history), flat, info.eot, train_on_reasoning, train_on_tool_calls)
     pv, grid = None, []
     if images:
         out = processor.image_processor(images=images, return_tensors='np')
         pv, grid = np.asarray(out['pixel_values'], dtype=np.float32), np.asarray(out['image_grid_thw']).tolist()
     counts = [int(np.prod(g)) // processor.image_processor.merge_size ** 2 for g in grid]
     text_x, spans_x, ranges = expand_placeholders(text, processor.image_token, counts, spans)
-    ids, offsets = _encode(tok, [text_x])[0]
+    ids, offsets = encode_texts(tok, [text_x])[0]
     off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
     mask = np.asarray(mask_from_offsets(offsets, spans_x), dtype=np.int8)
     segs = locate_messages(text, flat, info)
     _, segs_x, _ = expand_placeholders(text, processor.image_token, counts, segs)
-    img_tok, ph = [], image_placeholder(processor)
+    _, masked_x, _ = expand_placeholders(text, processor.image_token, counts, masked)
+    img_tok = []
     pre = ph.index(processor.image_token); post = len(ph) - pre - len(processor.image_token)
     for s, e in ranges:  # the whole placeholder (<|vision_start|> … <|vision_end|>) is input, never a target
         inside = np.nonzero((off[:, 0] < e + post) & (off[:, 1] > s - pre))[0]
@@ -157,28 +168,24 @@ def tokenize_vision(conv: dict, # {'messages', 'images'} from `vision_conversati
     if max_length is not None and len(ids) > max_length and truncation != 'drop':
         cut = [k for k, (s, e) in enumerate(img_tok) if e > max_length]
         if cut: raise BadRow(f"{len(ids)} tokens > max_length {max_length}: truncating would cut through image {cut[0]}", kind='truncated_image')
-    ids, mask, truncated = _finish(list(ids), mask.tolist(), max_length, truncation)
-    return VisionExample(ids, mask, truncated, text_x, [tuple(o) for o in offsets[:len(ids)]], spans_x, segs_x, info.eot,
+    ids, mask, truncated = finish_tokens(list(ids), mask.tolist(), max_length, truncation)
+    return VisionExample(ids, mask, truncated, text_x, [tuple(o) for o in offsets[:len(ids)]], spans_x, segs_x, info.eot, masked_x,
                          pixel_values=pv, image_grid_thw=grid, image_tokens=img_tok, images=list(images))
 
 # %% ../nbs/02c_vision.ipynb #d60795fe
 def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeSpec, base_dir=None, indices: list[int] | None = None):
     "Raw rows (text or image) → (`[(index, VisionExample)]`, `[(index, kind, reason)]`)."
     good, bad = [], []
+    kw = dict(mode=spec.mode, max_length=spec.max_length, truncation=spec.truncation, chat_template_kwargs=spec.chat_template_kwargs,
+              template=load_template(spec.template), train_on_reasoning=spec.train_on_reasoning,
+              train_on_tool_calls=spec.train_on_tool_calls, history='final' if spec.history == 'final' else 'error')
     for idx, row in zip(range(len(rows)) if indices is None else indices, rows):
-        try: good.append((idx, tokenize_vision(vision_conversation(row, base_dir), processor, mode=spec.mode, max_length=spec.max_length,
-                                               truncation=spec.truncation, chat_template_kwargs=spec.chat_template_kwargs)))
+        try: good.append((idx, tokenize_vision(vision_conversation(row, base_dir), processor, **kw)))
         except BadRow as e: bad.append((idx, e.kind, e.reason))
         except TemplateError: raise
     return good, bad
 
-def _vision_features():
-    import datasets
-    return datasets.Features({'input_ids': datasets.List(datasets.Value('int32')), 'loss_mask': datasets.List(datasets.Value('int8')),
-                              'length': datasets.Value('int32'), 'n_trained': datasets.Value('int32'), 'index': datasets.Value('int64'),
-                              'pixel_values': datasets.List(datasets.Value('float32')),
-                              'image_grid_thw': datasets.List(datasets.List(datasets.Value('int32')))})
-
+# %% ../nbs/02c_vision.ipynb #512ddab5
 def _image_fingerprint(rows, base_dir) -> str:
     h = hashlib.sha256()
     for r in rows:
@@ -188,47 +195,71 @@ def _image_fingerprint(rows, base_dir) -> str:
             h.update(p.read_bytes() if p is not None and p.is_file() else str(ref).encode())
     return h.hexdigest()
 
+class ProcessorRenderer(Renderer):
+    "Image (and text) rows through a vision-language processor: `tokenize_vision_rows` behind the `Renderer` seam."
+    needs_rows_for_key = True  # the cache key hashes the image files the rows reference
+    def __init__(self, processor, spec: TokenizeSpec, base_dir=None):
+        self.processor, self.spec, self.base_dir, self.tokenizer = processor, spec, base_dir, processor.tokenizer
+        self.template = load_template(spec.template) or processor.chat_template
+    @classmethod
+    def accepts(cls, obj) -> bool: return hasattr(obj, 'image_processor') and hasattr(obj, 'tokenizer')
+    def check(self, fmt: str):
+        if fmt not in ('messages', 'sharegpt'): raise BadRow(f"image rows need the messages or sharegpt format, not {fmt!r}")
+        template_info(self.tokenizer, self.template, self.spec.chat_template_kwargs)
+    def render_rows(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir, indices)
+    def features(self) -> dict:
+        import datasets
+        return {'pixel_values': datasets.List(datasets.Value('float32')), 'image_grid_thw': datasets.List(datasets.List(datasets.Value('int32')))}
+    def columns(self, examples) -> dict:
+        import pyarrow as pa
+        pv = [e.pixel_values.reshape(-1) if e.pixel_values is not None else np.zeros(0, np.float32) for e in examples]
+        offs = np.concatenate([[0], np.cumsum([len(p) for p in pv])]).astype(np.int32)
+        flat = np.concatenate(pv) if pv else np.zeros(0, np.float32)
+        return {'pixel_values': pa.ListArray.from_arrays(pa.array(offs), pa.array(flat)), 'image_grid_thw': [e.image_grid_thw for e in examples]}
+    def fingerprint(self) -> str:
+        ip = json.dumps(self.processor.image_processor.to_dict(), sort_keys=True, default=str)
+        return 'vision:' + hashlib.sha256(ip.encode()).hexdigest()
+    def source_fingerprint(self, raw) -> str: return _image_fingerprint([row_dict(r) for r in raw] if not isinstance(raw, list) else raw, self.base_dir)
+
+# %% ../nbs/02c_vision.ipynb #d6740f28
+@patch
+def patch_dim(self: ProcessorRenderer) -> int:
+    "Floats per flattened patch (channels × temporal patch × patch²), as the image processor writes pixel_values."
+    ip = self.processor.image_processor
+    return 3 * ip.temporal_patch_size * ip.patch_size ** 2
+
+@patch
+def collate(self: ProcessorRenderer, examples: list, batch: dict) -> dict:
+    "A padded batch + the image columns: mm_token_type_ids, concatenated pixel_values [Σ patches, patch_dim], image_grid_thw; no position_ids (the model computes its multimodal ones)."
+    import torch
+    batch = {k: v for k, v in batch.items() if k != 'position_ids'}
+    batch['mm_token_type_ids'] = (batch['input_ids'] == self.processor.image_token_id).long()
+    pv = [torch.as_tensor(np.asarray(e['pixel_values'], dtype=np.float32)) for e in examples if len(e.get('image_grid_thw') or [])]
+    if pv:
+        batch['pixel_values'] = torch.cat([p.reshape(-1, self.patch_dim()) for p in pv])
+        batch['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
+    return batch
+
+@patch
+def dummy(self: ProcessorRenderer) -> dict:
+    "An untrained row holding the smallest image the image processor makes, its placeholder rendered and expanded by the processor."
+    from PIL import Image
+    ip = self.processor.image_processor
+    side = ip.patch_size * ip.merge_size
+    out = ip(images=[Image.new('RGB', (side, side))], return_tensors='np')
+    grid = np.asarray(out['image_grid_thw']).tolist()
+    ph = image_placeholder(self.processor, self.template)
+    text, _, _ = expand_placeholders(ph, self.processor.image_token, [int(np.prod(grid[0])) // ip.merge_size ** 2], [])
+    ids = encode_texts(self.tokenizer, [text])[0][0]
+    return {'input_ids': list(ids), 'loss_mask': [0] * len(ids),
+            'pixel_values': np.asarray(out['pixel_values'], dtype=np.float32).reshape(-1).tolist(), 'image_grid_thw': grid}
+
+# %% ../nbs/02c_vision.ipynb #ab8f99ee
 def tokenize_vision_dataset(source, # a SourceConfig, path, list of dicts or datasets.Dataset (images relative to the file)
                             processor, # Qwen2-VL-style processor
                             spec: TokenizeSpec | None = None,
-                            *, on_bad_row: str = 'skip', cache_dir: str | None = None, use_cache: bool = True):
-    "Tokenize a source of image and text rows → (memory-mapped Dataset with pixel_values/image_grid_thw, DataReport)."
-    import datasets
-    spec = spec or TokenizeSpec()
-    path = source.path if isinstance(source, SourceConfig) else (str(source) if isinstance(source, (str, Path)) else None)
-    base_dir = Path(path).expanduser().parent if path and not path.startswith('sft_nb:') else None
-    if isinstance(source, list): raw_rows, fp, use_cache = source, None, False  # may hold PIL images: no Arrow, no cache
-    else:
-        raw = load_source(source)
-        raw_rows = [row_dict(r) for r in raw]
-        fp = source_fingerprint(source, raw)
-    fmt = spec.format if spec.format != 'auto' else detect_format(source_columns(datasets.Dataset.from_dict({'_json': [json.dumps(raw_rows[0], default=str)]})) if raw_rows else ['messages'])
-    if fmt not in ('messages', 'sharegpt'): raise BadRow(f"image rows need the messages or sharegpt format, not {fmt!r}")
-    folder = None
-    if use_cache:
-        ip = json.dumps(processor.image_processor.to_dict(), sort_keys=True, default=str)
-        key = cache_key(fp + _image_fingerprint(raw_rows, base_dir) + hashlib.sha256(ip.encode()).hexdigest(), processor.tokenizer,
-                        TokenizeSpec(**{**spec.__dict__, 'template': processor.chat_template}), 'vision-' + fmt)
-        folder = cache_root(cache_dir) / key
-        hit = _load_entry(folder)
-        if hit is not None: return _raise_first(*hit, on_bad_row)
-    good, bad = tokenize_vision_rows(raw_rows, processor, spec, base_dir)
-    cols = {'input_ids': [e.input_ids for _, e in good], 'loss_mask': [e.loss_mask for _, e in good], 'length': [len(e) for _, e in good],
-            'n_trained': [e.n_trained for _, e in good], 'index': [i for i, _ in good],
-            'pixel_values': [e.pixel_values.reshape(-1) if e.pixel_values is not None else np.zeros(0, np.float32) for _, e in good],
-            'image_grid_thw': [e.image_grid_thw for _, e in good]}
-    ds = datasets.Dataset.from_dict(cols, features=_vision_features())
-    report = DataReport(n_rows=len(raw_rows))
-    for idx, kind, msg in bad: report.drop(idx, kind, msg)
-    report.n_kept, report.n_tokens, report.n_trained = len(ds), int(sum(cols['length'])), int(sum(cols['n_trained']))
-    report.max_length = max(cols['length'], default=0)
-    if folder is not None:
-        _write_entry(folder, ds, report)
-        ds, report = _load_entry(folder)
-    return _raise_first(ds, report, on_bad_row)
-
-def _raise_first(ds, report, on_bad_row):
-    if on_bad_row == 'raise' and report.bad_rows:
-        idx, kind, msg = report.bad_rows[0]
-        raise BadRow(msg, kind=kind, index=idx)
-    return ds, report
+                            *, on_bad_row: str = 'skip', cache_dir: str | None = None, use_cache: bool = True,
+                            num_proc: int | None = None, ray_shards: int | None = None, batch_size: int = 64):
+    "Tokenize a source of image and text rows → (memory-mapped Dataset with pixel_values/image_grid_thw, DataReport): `tokenize_dataset` with the processor."
+    return tokenize_dataset(source, processor, spec, on_bad_row=on_bad_row, cache_dir=cache_dir, use_cache=use_cache,
+                            num_proc=num_proc, ray_shards=ray_shards, batch_size=batch_size)

@@ -6,11 +6,10 @@
 from __future__ import annotations
 import json
 from pathlib import Path
-from .models import build_tiny_tokenizer, sft_nb_home, _atomic_build
 
 # %% auto #0
-__all__ = ['QWEN2_VL_TEMPLATE', 'VISION_SPECIAL', 'TINY_VLM_VERSION', 'is_vlm', 'load_processor', 'build_tiny_processor',
-           'tiny_vlm_config', 'tiny_vlm']
+__all__ = ['QWEN2_VL_TEMPLATE', 'VISION_SPECIAL', 'TINY_VLM_VERSION', 'processor_class', 'is_vlm', 'load_processor',
+           'tiny_vlm_config']
 
 # %% ../nbs/06b_vlm_models.ipynb #4552d4c0
 QWEN2_VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat template (images only), default system prompt included
@@ -25,7 +24,8 @@ QWEN2_VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat template (images only), defaul
 VISION_SPECIAL = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>']
 TINY_VLM_VERSION = 1  # bump when the recipe changes: the cache key includes it
 
-def _processor_cls():
+def processor_class():
+    "The torchvision-free Qwen2-VL processor class (built on first use: transformers is imported lazily)."
     from transformers import Qwen2VLProcessor
     from transformers.processing_utils import ProcessorMixin
     class ImageProcessorQwen2VL(Qwen2VLProcessor):
@@ -49,18 +49,7 @@ def load_processor(path: str | Path, # model folder with tokenizer files and pre
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
     tok = AutoTokenizer.from_pretrained(path)
     ip = Qwen2VLImageProcessorPil.from_pretrained(path)
-    return _processor_cls()(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template or QWEN2_VL_TEMPLATE)
-
-def build_tiny_processor(min_pixels: int = 28 * 28 * 4, # smallest image area after resizing (4 merged tokens)
-                         max_pixels: int = 28 * 28 * 16, # largest image area (16 merged tokens)
-                        ):
-    "The tiny BPE tokenizer + Qwen2-VL special tokens + Qwen2-VL template + a small-image PIL image processor."
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    tok = build_tiny_tokenizer()
-    tok.add_special_tokens({'additional_special_tokens': ['<|im_start|>', '<|im_end|>', *VISION_SPECIAL]})
-    tok.chat_template = QWEN2_VL_TEMPLATE
-    ip = Qwen2VLImageProcessorPil(min_pixels=min_pixels, max_pixels=max_pixels)
-    return _processor_cls()(image_processor=ip, tokenizer=tok, chat_template=QWEN2_VL_TEMPLATE)
+    return processor_class()(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template or QWEN2_VL_TEMPLATE)
 
 # %% ../nbs/06b_vlm_models.ipynb #eb640c32
 def tiny_vlm_config(tok, # the processor's tokenizer
@@ -79,17 +68,3 @@ def tiny_vlm_config(tok, # the processor's tokenizer
     vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
                   spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)
-
-def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared cache
-             seed: int = 0, # weight init seed
-            ) -> Path:
-    "Build (once) and return the folder of the tiny Qwen2-VL model + processor."
-    import torch
-    from transformers import Qwen2VLForConditionalGeneration
-    def build(tmp):
-        proc = build_tiny_processor()
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float()
-        model.generation_config.eos_token_id = model.generation_config.pad_token_id = proc.tokenizer.eos_token_id
-        model.save_pretrained(tmp); proc.tokenizer.save_pretrained(tmp); proc.image_processor.save_pretrained(tmp)
-    return _atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', build)
