@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from fastcore.basics import patch
 from .config import SourceConfig, DataConfig
 
 # %% auto #0
@@ -190,6 +191,11 @@ def normalize_row(row: dict, fmt: str,
     return {'messages': msgs, 'tools': normalize_tools(row.get('tools'))}
 
 # %% ../nbs/01_data.ipynb #c79a1e79
+def _first(rows: list[int], n: int = 5) -> str:
+    "'rows 3, 7, 9, … (12 in all)': the first few indices and the count."
+    more = f", … ({len(rows)} in all)" if len(rows) > n else ''
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:n]))}{more}"
+
 @dataclass
 class DataReport:
     "Counts of kept and dropped rows (by reason) and token statistics for one source or split."
@@ -202,6 +208,7 @@ class DataReport:
     max_length: int = 0
     eot_only_turns: int = 0  # trained assistant turns whose template rendered nothing but the end-of-turn (e.g. tool calls dropped)
     n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
+    eot_only_rows: list[int] = field(default_factory=list)  # row indices behind eot_only_turns (first 1000), when the tokenizer gives them
     def drop(self, index: int, kind: str, msg: str):
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
@@ -210,19 +217,30 @@ class DataReport:
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_tokens': self.n_tokens,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
-                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows]}
+                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows)}
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_tokens + o.n_tokens, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
-                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples)
+                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000])
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
         warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
-                "drops their content, e.g. tool calls; see lint_template)") if self.eot_only_turns else ''
+                "drops their content, e.g. tool calls; see lint_template)" + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')
+                ) if self.eot_only_turns else ''
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_tokens:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{warn}")
+
+# %% ../nbs/01_data.ipynb #a1d0e01a
+@patch
+def bad_rows_summary(self: DataReport, n: int = 5) -> str:
+    "Dropped rows per reason: count, first `n` indices, and the first message, e.g. `bad_json: 2 (rows 1, 4; row 1: f.jsonl: line 2 …)`."
+    out = []
+    for kind, count in sorted(self.dropped.items()):
+        rows = [b for b in self.bad_rows if b[1] == kind]
+        out.append(f"{kind}: {count} ({_first([b[0] for b in rows], n)}; row {rows[0][0]}: {rows[0][2]})" if rows else f"{kind}: {count}")
+    return '; '.join(out) or 'no bad rows'
 
 # %% ../nbs/01_data.ipynb #a1d0e004
 def new_digest(algo: str = 'sha256'):
