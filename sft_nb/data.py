@@ -341,12 +341,23 @@ def _null_choice(src, null_content) -> str:
     if choice not in NULL_CONTENT: raise ValueError(f"null_content: {choice!r} is not allowed; use one of {', '.join(NULL_CONTENT)}")
     return choice
 
+def _null_turn(m) -> bool: return isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls')
+
 def _fill_null_content(row: dict) -> dict:
-    "Assistant turns with `content: null` and no tool calls get content '' (trained as empty turns, by explicit choice)."
+    "A copy of `row` whose assistant turns with `content: null` and no tool calls have content '' (trained as empty turns)."
+    out = row
     for key in ('messages', 'prompt', 'completion'):
-        for m in row.get(key) if isinstance(row.get(key), list) else []:
-            if isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls'): m['content'] = ''
-    return row
+        msgs = row.get(key)
+        if isinstance(msgs, list) and any(map(_null_turn, msgs)):
+            out = out if out is not row else dict(row)  # the caller's rows stay as they are
+            out[key] = [{**m, 'content': ''} if _null_turn(m) else m for m in msgs]
+    return out
+
+def _fill_dataset(ds):
+    "`_fill_null_content` over a Dataset, JSON-stored (`_json`) or typed."
+    if ds.column_names == ['_json']:
+        return ds.map(lambda r: {'_json': json.dumps(_fill_null_content(json.loads(r['_json'])), ensure_ascii=False)})
+    return ds.map(_fill_null_content)
 
 def _load_json(p: Path, fill: bool = False):
     "JSON/JSONL rows kept as one JSON string per row (Arrow cannot type heterogeneous tool schemas), read in one pass."
@@ -370,7 +381,7 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
     "Read one source into a `datasets.Dataset`; unreadable JSONL lines become marked bad rows (see `normalize_row`)."
     import datasets
     fill = _null_choice(src, null_content) == 'empty'
-    if isinstance(src, datasets.Dataset): return src.map(_fill_null_content) if fill else src
+    if isinstance(src, datasets.Dataset): return _fill_dataset(src) if fill else src
     if isinstance(src, list):
         if not all(isinstance(r, dict) for r in src): raise BadRow("a list source must hold dicts (one per row)")
         # rows are heterogeneous (tool schemas, tool_calls): keep each row as one JSON string column
@@ -399,7 +410,7 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
         raise FileNotFoundError(f"data source {cfg.path!r} does not exist")
     else: ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
     if len(ds) == 0: raise BadRow(f"{p if p.exists() else cfg.path}: no rows (split {cfg.split!r})", kind='empty_source')
-    if fill and ds.column_names != ['_json']: ds = ds.map(_fill_null_content)
+    if fill and ds.column_names != ['_json']: ds = _fill_dataset(ds)  # JSON files were filled while reading
     if cfg.max_rows is not None: ds = ds.select(range(min(cfg.max_rows, len(ds))))
     return ds
 
