@@ -328,6 +328,8 @@ def iter_json_rows(path, # a .json (list or lines) or .jsonl file
                    digest=None, # a hasher from `new_digest`: fed every byte of the file as it is read
                   ):
     "Stream a JSON/JSONL file once: lists of `(row index, row dict | BadRow)`; bad lines are rows, not failures."
+    # `digest` is complete once the iterator is exhausted; a file without rows raises BadRow(kind='empty_source') at the end
+    if batch_rows < 1: raise ValueError(f"batch_rows: must be >= 1, got {batch_rows}")
     batch = []
     for i, (_, _, row) in enumerate(_json_records(Path(path), digest)):
         batch.append((i, row))
