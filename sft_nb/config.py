@@ -111,8 +111,14 @@ class DataConfig:
     eval_fraction: float = 0.0  # hold out this fraction of train rows as eval set 'heldout'
     seed: int = 0  # seed for mixing, shuffling and the held-out split
     synthetic_rows: int = 0  # > 0: ignore the sources and train on this many rows of random ids at tokenize.max_length (throughput runs)
+    mix_stop: Literal['all_exhausted', 'first_exhausted'] = 'all_exhausted'  # several train sources: mix until every source is used up (smaller ones repeat, by weight) or until the first one is (the others are cut, with a warning); as datasets.interleave_datasets
+    null_content: Literal['bad_row', 'empty'] = 'bad_row'  # an assistant turn with content null and no tool calls: a bad row (kind empty_assistant), or trained as an empty turn
     def __post_init__(self):
         check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
+        for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')), ('null_content', ('bad_row', 'empty'))):
+            if getattr(self, name) not in allowed: raise ConfigError(f"{name}: {getattr(self, name)!r} is not allowed; allowed values: {', '.join(map(repr, allowed))}")
+        for src in [*self.train, *self.eval.values()]:  # sft_nb.data.load_source reads it from each source
+            if isinstance(src, SourceConfig): src.null_content = self.null_content
 
 # %% ../nbs/00_config.ipynb #cd94391b
 @dataclass

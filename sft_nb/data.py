@@ -4,17 +4,19 @@
 
 # %% ../nbs/01_data.ipynb #c36f1e51
 from __future__ import annotations
-import hashlib, json, math, numbers, os
+import codecs, hashlib, json, math, numbers, os, re, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from fastcore.basics import patch
 from .config import SourceConfig, DataConfig
 
 # %% auto #0
-__all__ = ['ROLES', 'SHAREGPT_ROLES', 'FORMATS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'normalize_message',
-           'detect_format', 'normalize_row', 'DataReport', 'load_source', 'row_dict', 'source_columns',
-           'source_fingerprint', 'mix_indices']
+__all__ = ['ROLES', 'SHAREGPT_ROLES', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
+           'normalize_tools', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
+           'file_digest', 'iter_json_rows', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint',
+           'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -79,7 +81,12 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
         out.append({'type': 'function', 'function': fn})
     return out
 
-def normalize_message(m, i: int) -> dict:
+# %% ../nbs/01_data.ipynb #a1d0e017
+NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: null` and no tool calls becomes
+
+def normalize_message(m, i: int,
+                      null_content: str = 'empty', # assistant `content: null` without tool calls: 'bad_row' or 'empty' ('' text)
+                     ) -> dict:
     "One OpenAI-style message → canonical form (raises `BadRow` naming message `i`)."
     where = f"message {i}"
     if not isinstance(m, dict): raise BadRow(f"{where}: expected an object, got {type(m).__name__}")
@@ -91,6 +98,10 @@ def normalize_message(m, i: int) -> dict:
         if role != 'assistant': raise BadRow(f"{where}: tool_calls on a {role!r} message")
         out['tool_calls'] = normalize_tool_calls(m['tool_calls'], f"{where}.tool_calls")
     if m.get('reasoning_content'): out['reasoning_content'] = _text(m['reasoning_content'], f"{where}.reasoning_content")
+    if role == 'assistant' and m.get('content') is None and not out.get('tool_calls') and not out.get('reasoning_content') \
+            and null_content != 'empty':
+        raise BadRow(f"{where}: assistant content is null (no text, no tool calls); set data.null_content='empty' "
+                     "(or load_source(..., null_content='empty')) to train it as an empty turn", kind='empty_assistant')
     if role == 'tool':
         for k in ('name', 'tool_call_id'):
             if m.get(k) is not None: out[k] = m[k]
@@ -138,8 +149,13 @@ def _sharegpt(turns) -> list[dict]:
                                            'role': SHAREGPT_ROLES[frm], 'content': value}, i))
     return msgs
 
-def normalize_row(row: dict, fmt: str) -> dict:
+BAD_ROW_KEY = '__sft_nb_bad_row__'  # a row the reader could not read is stored as {BAD_ROW_KEY: {'kind', 'reason', 'line'}}
+
+def normalize_row(row: dict, fmt: str,
+                  null_content: str = 'bad_row', # assistant `content: null` without tool calls: a bad row, or 'empty' ('' text)
+                 ) -> dict:
     "One raw row in format `fmt` → canonical conversation (or prompt/completion, or pretokenized) dict."
+    if BAD_ROW_KEY in row: raise BadRow(row[BAD_ROW_KEY]['reason'], kind=row[BAD_ROW_KEY]['kind'])  # the reader's verdict
     if fmt == 'pretokenized':
         ids = row.get('input_ids')
         if not isinstance(ids, list) or not ids: raise BadRow("input_ids: expected a non-empty list of ints")
@@ -150,7 +166,7 @@ def normalize_row(row: dict, fmt: str) -> dict:
     if fmt == 'prompt_completion':
         p, c = row.get('prompt'), row.get('completion')
         if isinstance(p, list) and isinstance(c, list):  # conversational prompt/completion
-            return {'messages': [normalize_message(m, i) for i, m in enumerate(p + c)], 'tools': normalize_tools(row.get('tools'))}
+            return {'messages': [normalize_message(m, i, null_content) for i, m in enumerate(p + c)], 'tools': normalize_tools(row.get('tools'))}
         if not isinstance(p, str) or not isinstance(c, str): raise BadRow("prompt/completion: expected two strings")
         return {'prompt': p, 'completion': c}
     if fmt == 'alpaca':
@@ -166,7 +182,7 @@ def normalize_row(row: dict, fmt: str) -> dict:
     elif fmt == 'messages':
         ms = row.get('messages')
         if not isinstance(ms, list): raise BadRow(f"messages: expected a list, got {type(ms).__name__}")
-        msgs = [normalize_message(m, i) for i, m in enumerate(ms)]
+        msgs = [normalize_message(m, i, null_content) for i, m in enumerate(ms)]
     else: raise BadRow(f"unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
     if row.get('system'):
         if msgs and msgs[0]['role'] == 'system': raise BadRow("both a 'system' column and a system message")
@@ -175,6 +191,11 @@ def normalize_row(row: dict, fmt: str) -> dict:
     return {'messages': msgs, 'tools': normalize_tools(row.get('tools'))}
 
 # %% ../nbs/01_data.ipynb #c79a1e79
+def _first(rows: list[int], n: int = 5) -> str:
+    "'rows 3, 7, 9, … (12 in all)': the first few indices and the count."
+    more = f", … ({len(rows)} in all)" if len(rows) > n else ''
+    return f"row{'s' if len(rows) > 1 else ''} {', '.join(map(str, rows[:n]))}{more}"
+
 @dataclass
 class DataReport:
     "Counts of kept and dropped rows (by reason) and token statistics for one source or split."
@@ -187,6 +208,7 @@ class DataReport:
     max_length: int = 0
     eot_only_turns: int = 0  # trained assistant turns whose template rendered nothing but the end-of-turn (e.g. tool calls dropped)
     n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
+    eot_only_rows: list[int] = field(default_factory=list)  # row indices behind eot_only_turns (first 1000), when the tokenizer gives them
     def drop(self, index: int, kind: str, msg: str):
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
@@ -195,31 +217,178 @@ class DataReport:
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_tokens': self.n_tokens,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
-                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows]}
+                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows)}
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_tokens + o.n_tokens, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
-                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples)
+                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000])
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
         warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
-                "drops their content, e.g. tool calls; see lint_template)") if self.eot_only_turns else ''
+                "drops their content, e.g. tool calls; see lint_template)" + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')
+                ) if self.eot_only_turns else ''
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_tokens:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{warn}")
 
+# %% ../nbs/01_data.ipynb #a1d0e01a
+@patch
+def bad_rows_summary(self: DataReport, n: int = 5) -> str:
+    "Dropped rows per reason: count, first `n` indices, and the first message, e.g. `bad_json: 2 (rows 1, 4; row 1: f.jsonl: line 2 …)`."
+    out = []
+    for kind, count in sorted(self.dropped.items()):
+        rows = [b for b in self.bad_rows if b[1] == kind]
+        out.append(f"{kind}: {count} ({_first([b[0] for b in rows], n)}; row {rows[0][0]}: {rows[0][2]})" if rows else f"{kind}: {count}")
+    return '; '.join(out) or 'no bad rows'
+
+# %% ../nbs/01_data.ipynb #a1d0e004
+def new_digest(algo: str = 'sha256'):
+    "A streaming hasher: 'sha256' (what the tokenization cache keys use) or 'xxh3' (xxhash's 128-bit xxh3, much faster)."
+    if algo == 'sha256': return hashlib.sha256()
+    if algo == 'xxh3':
+        import xxhash
+        return xxhash.xxh3_128()
+    raise ValueError(f"algo: {algo!r} is not allowed; use 'sha256' or 'xxh3'")
+
+def file_digest(path, # any file
+                algo: str = 'sha256', # 'sha256' or 'xxh3'
+               ) -> str:
+    "Hex digest of a file's bytes, read in 1 MiB chunks; the same digest `iter_json_rows(path, digest=new_digest(algo))` leaves."
+    h = new_digest(algo)
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
+    return h.hexdigest()
+
+# %% ../nbs/01_data.ipynb #a1d0e007
+def _line_records(f, p: Path, digest=None):
+    "JSONL: `(line, text, row | BadRow)` per non-blank line."
+    for n, raw in enumerate(f, 1):
+        if digest is not None: digest.update(raw)
+        if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
+        if not raw.strip(): continue
+        try: text = raw.decode('utf-8').strip()
+        except UnicodeDecodeError as e:
+            yield n, None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)",
+                                  kind='bad_encoding')
+            continue
+        try: row = json.loads(text)
+        except json.JSONDecodeError as e:
+            yield n, None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
+            continue
+        if isinstance(row, dict): yield n, text, row
+        else: yield n, None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
+
+# %% ../nbs/01_data.ipynb #a1d0e009
+_UNDECODABLE = re.compile('[\udc80-\udcff]')  # bytes that were not UTF-8, kept by errors='surrogateescape'
+
+def _array_records(f, p: Path, digest=None):
+    "A JSON list: `(line, text, row | BadRow)` per element."
+    data = f.read()
+    if digest is not None: digest.update(data)
+    if data.startswith(codecs.BOM_UTF8): data = data[len(codecs.BOM_UTF8):]
+    try: text, lossy = data.decode('utf-8'), False
+    except UnicodeDecodeError: text, lossy = data.decode('utf-8', 'surrogateescape'), True
+    dec, ws = json.JSONDecoder(), re.compile(r'\s*')
+    i, line, seen = ws.match(text, text.index('[') + 1).end(), 1, 0
+    while not text.startswith(']', i):
+        line += text.count('\n', seen, i); seen = i
+        try: row, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be read past a "
+                         "broken element (in JSONL a broken line is one bad row)", kind='bad_json') from None
+        if lossy and _UNDECODABLE.search(text, i, j):
+            yield line, None, BadRow(f"{p}: line {line}: the row is not valid UTF-8", kind='bad_encoding')
+        elif not isinstance(row, dict): yield line, None, BadRow(f"{p}: line {line}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
+        else: yield line, text[i:j], row
+        i = ws.match(text, j).end()
+        if text.startswith(',', i): i = ws.match(text, i + 1).end()
+        elif not text.startswith(']', i):
+            line += text.count('\n', seen, i)
+            raise BadRow(f"{p}: line {line}: expected ',' or ']' after a row", kind='bad_json')
+
+# %% ../nbs/01_data.ipynb #a1d0e00a
+def _json_records(p: Path, digest=None):
+    "`(line, text, row | BadRow)` for every row of a .json/.jsonl file; raises `BadRow` naming the file when it has no rows."
+    with open(p, 'rb') as f:
+        head = b''
+        while not head.lstrip(codecs.BOM_UTF8 + b' \t\r\n') and (chunk := f.read(1 << 16)): head += chunk
+        f.seek(0)
+        array = p.suffix.lower() != '.jsonl' and head.lstrip(codecs.BOM_UTF8 + b' \t\r\n').startswith(b'[')
+        n = 0
+        for rec in (_array_records if array else _line_records)(f, p, digest):
+            n += 1
+            yield rec
+    if n == 0:
+        raise BadRow(f"{p}: " + ("an empty JSON list (no rows)" if array else "an empty file (no rows)" if not head else
+                                 "holds only blank lines (no rows)"), kind='empty_source')
+
+def iter_json_rows(path, # a .json (list or lines) or .jsonl file
+                   batch_rows: int = 1024, # rows per yielded batch
+                   digest=None, # a hasher from `new_digest`: fed every byte of the file as it is read
+                  ):
+    "Stream a JSON/JSONL file once: lists of `(row index, row dict | BadRow)`; bad lines are rows, not failures."
+    # `digest` is complete once the iterator is exhausted; a file without rows raises BadRow(kind='empty_source') at the end
+    if batch_rows < 1: raise ValueError(f"batch_rows: must be >= 1, got {batch_rows}")
+    batch = []
+    for i, (_, _, row) in enumerate(_json_records(Path(path), digest)):
+        batch.append((i, row))
+        if len(batch) == batch_rows: yield batch; batch = []
+    if batch: yield batch
+
+# %% ../nbs/01_data.ipynb #a1d0e00d
+def _null_choice(src, null_content) -> str:
+    "The null-content choice: the argument, else the source's (stamped by `DataConfig.null_content`), else 'bad_row'."
+    choice = null_content or getattr(src, 'null_content', None) or 'bad_row'
+    if choice not in NULL_CONTENT: raise ValueError(f"null_content: {choice!r} is not allowed; use one of {', '.join(NULL_CONTENT)}")
+    return choice
+
+def _null_turn(m) -> bool: return isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls')
+
+def _fill_null_content(row: dict) -> dict:
+    "A copy of `row` whose assistant turns with `content: null` and no tool calls have content '' (trained as empty turns)."
+    out = row
+    for key in ('messages', 'prompt', 'completion'):
+        msgs = row.get(key)
+        if isinstance(msgs, list) and any(map(_null_turn, msgs)):
+            out = out if out is not row else dict(row)  # the caller's rows stay as they are
+            out[key] = [{**m, 'content': ''} if _null_turn(m) else m for m in msgs]
+    return out
+
+def _fill_dataset(ds):
+    "`_fill_null_content` over a Dataset, JSON-stored (`_json`) or typed."
+    if ds.column_names == ['_json']:
+        return ds.map(lambda r: {'_json': json.dumps(_fill_null_content(json.loads(r['_json'])), ensure_ascii=False)})
+    return ds.map(_fill_null_content)
+
+def _load_json(p: Path, fill: bool = False):
+    "JSON/JSONL rows kept as one JSON string per row (Arrow cannot type heterogeneous tool schemas), read in one pass."
+    import datasets, pyarrow as pa
+    from datasets.table import InMemoryTable
+    digest, chunks, texts = new_digest(), [], []
+    for line, text, row in _json_records(p, digest):
+        if isinstance(row, BadRow): text = json.dumps({BAD_ROW_KEY: {'kind': row.kind, 'reason': row.reason, 'line': line}}, ensure_ascii=False)
+        elif fill: text = json.dumps(_fill_null_content(row), ensure_ascii=False)
+        texts.append(text)
+        if len(texts) == 8192: chunks.append(pa.array(texts, pa.string())); texts = []  # record batches, not one Python list
+    table = pa.Table.from_arrays([pa.chunked_array(chunks + [pa.array(texts, pa.string())])], names=['_json'])
+    fp = digest.hexdigest() if not fill else hashlib.sha256(f"{digest.hexdigest()}/null_content=empty".encode()).hexdigest()
+    return datasets.Dataset(InMemoryTable(table), fingerprint=fp)  # the file's sha256: no second read to fingerprint it
+
 # %% ../nbs/01_data.ipynb #10daeb69
 def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a list of dicts, or a Dataset
-                split: str = 'train'):
-    "Read one source into a `datasets.Dataset`."
+                split: str = 'train',
+                null_content: str | None = None, # 'empty': assistant `content: null` → '' (trained); None = the source's data.null_content, else bad rows
+               ):
+    "Read one source into a `datasets.Dataset`; unreadable JSONL lines become marked bad rows (see `normalize_row`)."
     import datasets
-    if isinstance(src, datasets.Dataset): return src
+    fill = _null_choice(src, null_content) == 'empty'
+    if isinstance(src, datasets.Dataset): return _fill_dataset(src) if fill else src
     if isinstance(src, list):
         if not all(isinstance(r, dict) for r in src): raise BadRow("a list source must hold dicts (one per row)")
         # rows are heterogeneous (tool schemas, tool_calls): keep each row as one JSON string column
-        return datasets.Dataset.from_dict({'_json': [json.dumps(r, ensure_ascii=False) for r in src]})
-    if type(src).__name__ == 'DataFrame': return load_source(src.to_dict('records'))
+        return datasets.Dataset.from_dict({'_json': [json.dumps(_fill_null_content(r) if fill else r, ensure_ascii=False) for r in src]})
+    if type(src).__name__ == 'DataFrame': return load_source(src.to_dict('records'), null_content=null_content)
     cfg = src if isinstance(src, SourceConfig) else SourceConfig(path=str(src), split=split)
     if cfg.path.startswith('sft_nb:'): return _builtin(cfg)
     p = Path(cfg.path).expanduser()
@@ -230,14 +399,20 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
         ds = datasets.load_from_disk(str(p))[cfg.split]
     elif p.is_file():
         suffix = p.suffix.lower()
-        if suffix in ('.json', '.jsonl'): ds = _load_json(p)
-        elif suffix == '.parquet': ds = datasets.Dataset.from_parquet(str(p))
+        if suffix in ('.json', '.jsonl'): ds = _load_json(p, fill)
+        elif suffix == '.parquet':
+            import pyarrow.parquet as pq
+            if pq.ParquetFile(p).metadata.num_rows == 0: raise BadRow(f"{p}: no rows", kind='empty_source')  # datasets fails obscurely
+            ds = datasets.Dataset.from_parquet(str(p))
         elif suffix == '.arrow': ds = datasets.Dataset.from_file(str(p))
         else: raise BadRow(f"{p}: unsupported file type {suffix!r} (use .json, .jsonl, .parquet, .arrow or a save_to_disk folder)")
+    elif p.is_dir() and not any(p.iterdir()): raise BadRow(f"{p}: an empty folder (no rows)", kind='empty_source')
     elif p.exists(): raise BadRow(f"{p}: a folder that is neither a save_to_disk dataset nor a dataset dict")
     elif str(cfg.path).startswith(('.', '/', '~')) or Path(cfg.path).suffix in ('.json', '.jsonl', '.parquet', '.arrow'):
         raise FileNotFoundError(f"data source {cfg.path!r} does not exist")
     else: ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
+    if len(ds) == 0: raise BadRow(f"{p if p.exists() else cfg.path}: no rows (split {cfg.split!r})", kind='empty_source')
+    if fill and ds.column_names != ['_json']: ds = _fill_dataset(ds)  # JSON files were filled while reading
     if cfg.max_rows is not None: ds = ds.select(range(min(cfg.max_rows, len(ds))))
     return ds
 
@@ -247,33 +422,23 @@ def _builtin(cfg: SourceConfig):
     if cfg.path != 'sft_nb:identity': raise BadRow(f"unknown built-in source {cfg.path!r}; available: sft_nb:identity")
     rows = identity_rows()
     if cfg.split not in rows: raise BadRow(f"sft_nb:identity has splits {list(rows)}, not {cfg.split!r}")
-    return load_source(rows[cfg.split][:cfg.max_rows])
-
-def _load_json(p: Path):
-    "JSON/JSONL rows kept as one JSON string per row: Arrow cannot type heterogeneous tool schemas."
-    import datasets
-    text = p.read_text(encoding='utf-8')
-    if p.suffix.lower() == '.jsonl' or not text.lstrip().startswith('['):
-        lines = [l for l in text.splitlines() if l.strip()]
-        for i, l in enumerate(lines):
-            try: json.loads(l)
-            except json.JSONDecodeError as e: raise BadRow(f"{p}: line {i + 1} is not valid JSON ({e.msg})") from None
-        return datasets.Dataset.from_dict({'_json': lines})
-    rows = json.loads(text)
-    if not isinstance(rows, list): raise BadRow(f"{p}: expected a JSON list of rows")
-    return datasets.Dataset.from_dict({'_json': [json.dumps(r, ensure_ascii=False) for r in rows]})
+    return load_source(rows[cfg.split][:cfg.max_rows], null_content=_null_choice(cfg, None))
 
 def row_dict(ds_row: dict) -> dict:
     "A dataset row as the original dict (undoing the one-JSON-column storage of list/JSON sources)."
-    return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row
+    return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row  # a reader's bad row: {BAD_ROW_KEY: ...}
 
 def source_columns(ds) -> list[str]:
     "Column names of a source, looking inside JSON-stored rows."
     if ds.column_names == ['_json']:
-        cols = set()
-        for r in ds.select(range(min(20, len(ds))))['_json']:
-            r = json.loads(r)
-            if isinstance(r, dict): cols |= set(r)
+        cols, bad, n = set(), [], 0
+        for k in range(0, len(ds), 1000):  # the first 20 readable rows (bad lines carry no columns)
+            for j, r in enumerate(ds.select(range(k, min(k + 1000, len(ds))))['_json'], k):
+                r = json.loads(r)
+                if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
+                elif isinstance(r, dict): cols |= set(r); n += 1
+                if n == 20: return sorted(cols)
+        if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
         return sorted(cols)
     return ds.column_names
 
@@ -286,18 +451,63 @@ def source_fingerprint(src, ds) -> str:
         with open(p, 'rb') as f:
             for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
         extra = f"{src.max_rows}" if isinstance(src, SourceConfig) else ''
+        if _null_choice(src, None) == 'empty': extra += '/null_content=empty'  # the rows differ: so must the key
         return h.hexdigest() + extra
     return ds._fingerprint
 
-# %% ../nbs/01_data.ipynb #61bd36df
-def mix_indices(sizes: list[int], weights: list[float], seed: int = 0) -> list[tuple[int, int]]:
-    "Interleave sources by weight: `(source, row)` pairs until the first source is exhausted."
+# %% ../nbs/01_data.ipynb #a1d0e012
+def mix_counts(pairs: list[tuple[int, int]], # `(source, row)` pairs, e.g. from `mix_indices`
+               sizes: list[int], # rows per source
+               names: list[str] | None = None,
+              ) -> list[dict]:
+    "Per source: `n_rows` it has, `n_used` distinct rows in `pairs`, `n_cut` rows never used, `n_examples` pairs per epoch."
     import numpy as np
-    if len(sizes) == 1: return [(0, i) for i in range(sizes[0])]
-    rng = np.random.default_rng(seed)
-    p = np.asarray(weights, float) / sum(weights)
-    pos, out = [0] * len(sizes), []
-    while True:
-        s = int(rng.choice(len(sizes), p=p))
-        if pos[s] >= sizes[s]: return out
-        out.append((s, pos[s])); pos[s] += 1
+    a = np.asarray(pairs, np.int64).reshape(-1, 2)
+    out = []
+    for s, n in enumerate(sizes):
+        rows = a[a[:, 0] == s, 1]
+        used = len(np.unique(rows))
+        out.append({'source': names[s] if names else s, 'n_rows': n, 'n_used': used, 'n_cut': n - used, 'n_examples': len(rows)})
+    return out
+
+# %% ../nbs/01_data.ipynb #a1d0e010
+def _mix_draws(n, p, seed: int, stop: str):
+    "Source of each draw: `rng.choice` in blocks of 1000 (the RNG stream of `datasets.interleave_datasets`), cut where `stop` says."
+    import numpy as np
+    rng, blocks, counts = np.random.default_rng(seed), [], np.zeros(len(n), np.int64)
+    while not ((counts >= n).all() if stop == 'all_exhausted' else (counts >= n).any()):
+        blocks.append(rng.choice(len(n), size=1000, p=p)); counts += np.bincount(blocks[-1], minlength=len(n))
+    draws = np.concatenate(blocks)
+    ends = [np.flatnonzero(draws == k)[n[k] - 1] for k in range(len(n)) if counts[k] >= n[k]]  # draw that exhausts source k
+    return draws[:(max(ends) if stop == 'all_exhausted' else min(ends)) + 1]
+
+# %% ../nbs/01_data.ipynb #61bd36df
+MIX_STOPS = ('all_exhausted', 'first_exhausted')
+
+def mix_indices(sizes: list[int], # rows (examples) per source
+                weights: list[float], # mixing weights (> 0)
+                seed: int = 0,
+                stop: str = 'all_exhausted', # 'all_exhausted' (small sources repeat) | 'first_exhausted' (large ones are cut, with a warning)
+                names: list[str] | None = None, # source names for the warnings
+               ) -> list[tuple[int, int]]:
+    "Interleave sources by weight: `(source, row)` pairs, as `datasets.interleave_datasets(probabilities, seed, stopping_strategy=stop)`."
+    import numpy as np
+    if stop not in MIX_STOPS: raise ValueError(f"stop: {stop!r} is not allowed; use one of {', '.join(MIX_STOPS)}")
+    names = names or [f"source {s}" for s in range(len(sizes))]
+    if len(weights) != len(sizes) or not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ValueError(f"weights: expected {len(sizes)} finite numbers > 0, got {weights}")
+    live = [s for s, n in enumerate(sizes) if n > 0]
+    if len(live) < len(sizes): warnings.warn(f"mix: {', '.join(names[s] for s in range(len(sizes)) if s not in live)} "
+                                             "has no rows; mixing the others", stacklevel=2)
+    if len(live) <= 1: return [(s, i) for s in live for i in range(sizes[s])]
+    n, p = np.asarray([sizes[s] for s in live]), np.asarray([weights[s] for s in live], float)
+    draws = _mix_draws(n, p / p.sum(), seed, stop)
+    rows = np.empty(len(draws), np.int64)
+    for k in range(len(live)):  # the k-th draw of a source gives its row k mod size (wrap-around = oversampling)
+        pos = np.flatnonzero(draws == k); rows[pos] = np.arange(len(pos)) % n[k]
+    out = [(live[k], r) for k, r in zip(draws.tolist(), rows.tolist())]
+    cut = [(names[s], c['n_cut'], c['n_rows']) for s, c in enumerate(mix_counts(out, sizes)) if c['n_cut']]
+    if cut: warnings.warn(f"mix_indices(stop={stop!r}): " + '; '.join(f"{nm} cut: {k} of {t} rows unused" for nm, k, t in cut)
+                          + " (another source ran out first); stop='all_exhausted' (data.mix_stop) uses every row", stacklevel=2)
+    return out
+
