@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from fastcore.basics import patch
 from .collate import token_nll_sum
 
 # %% auto #0
@@ -112,8 +113,6 @@ class TrainedHead:
         return self.loss
 
 # %% ../nbs/06c_loss.ipynb #1e62c246
-from fastcore.basics import patch
-
 @patch
 def __enter__(self: TrainedHead):
     if self.head is None: return self
