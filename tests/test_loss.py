@@ -169,3 +169,18 @@ def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
     real = torch.zeros(mb['input_ids'].shape, dtype=torch.bool)
     for b, lens in enumerate(mb['seq_lens']): real[b, :sum(lens)] = True
     assert float((out['flex_attention'] - out['sdpa'])[real].abs().max()) <= 1e-5
+
+
+def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
+    """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `_to_dev`)
+    evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward)."""
+    mb = batches(tiny_tok, True)['packed']
+    worker.loss_chunk = 2048
+    ref = worker.eval_loss([mb])
+    try:
+        worker.attn = 'flex_attention'; worker.model.set_attn_implementation('flex_attention')
+        assert type(worker._to_dev(mb)['attention_mask']).__name__ == 'BlockMask'
+        out = worker.eval_loss([mb])
+    finally:
+        worker.attn = 'sdpa'; worker.model.set_attn_implementation('sdpa')
+    assert out['n_tokens'] == ref['n_tokens'] and abs(out['nll_sum'] - ref['nll_sum']) <= 1e-5 * ref['nll_sum']
