@@ -4,7 +4,8 @@
     python bench/train.py                       # CPU: SmolLM2-135M-Instruct (6 steps) and the tiny model (30 steps × 3)
     python bench/train.py --models tiny --repeats-tiny 5 --json /tmp/train.json
     python bench/train.py --profile --models smollm2   # torch.profiler of one padded step: our worker code vs TRL
-    python bench/train.py --gpu [--peak-tflops 989]    # CUDA: SmolLM2 in bf16, ours packed vs padded, tokens/s and MFU
+    python bench/train.py --gpu [--peak-tflops 989]    # CUDA: SmolLM2 bf16, ours vs TRL × packed/padded × mixed/uniform data
+    python bench/train.py --gpu --dry-run              # the same code path on CPU with the tiny model (a smoke test)
 
 What is compared (CPU):
 - rows: `alpaca_en_demo.json` tokenized by sft_nb (all assistant turns trained, rows over max_length dropped); TRL
@@ -57,14 +58,14 @@ def log(*a): print(*a, file=sys.stderr, flush=True)
 
 # ---------------------------------------------------------------------------------------------------------------------
 # data: the rows sft_nb keeps, and the same rows as `messages` for TRL
-def prepare(folder, max_length):
+def prepare(folder, max_length, path=DATA):
     from transformers import AutoTokenizer
     from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
     from sft_nb.data import load_source, row_dict, normalize_row
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(folder)
-    ds, rep = tokenize_dataset(DATA, tok, TokenizeSpec(mode='all_assistant', max_length=max_length, truncation='drop'))
-    raw = load_source(DATA)
+    ds, rep = tokenize_dataset(path, tok, TokenizeSpec(mode='all_assistant', max_length=max_length, truncation='drop'))
+    raw = load_source(path)
     keep = [int(i) for i in ds['index']]
     messages = {i: normalize_row(row_dict(raw[i]), 'alpaca')['messages'] for i in keep}
     ours = {i: (list(r['input_ids']), list(r['loss_mask'])) for i, r in zip(keep, ds.select_columns(['input_ids', 'loss_mask']))}
@@ -124,14 +125,14 @@ def proc_cpu(pid):
 
 class Ours:
     "sft_nb's SFTTrainer, driven one `step()` at a time (its Ray worker does the compute)."
-    def __init__(self, folder, packed, args, use_gpu=False):
+    def __init__(self, folder, packed, args, use_gpu=False, data_path=DATA):
         import ray
         from sft_nb.trainer import SFTTrainer
         from sft_nb.callbacks import Callback
         self.name, self.args = 'ours packed' if packed else 'ours padded', args
         self.tmp = tempfile.TemporaryDirectory(prefix='sftnb_bench_')
         cfg = {'model': {'path': str(folder), **({'dtype': 'bfloat16'} if use_gpu else {})},
-               'data': {'train': [{'path': DATA}]},
+               'data': {'train': [{'path': data_path}]},
                'tokenize': {'max_length': args.max_length, 'mode': 'all_assistant'},
                'packing': {'enabled': packed, 'capacity': args.max_length},
                'optim': {'lr': args.lr, 'schedule': 'constant'},
@@ -144,6 +145,8 @@ class Ours:
         self.positions = ([len(b) * t.capacity for b in order] if packed else
                           [len(b) * max(int(t.lengths[k]) for k in b) for b in order])  # tokens incl. padding
         self.rows = None if packed else [[orig[t.rows[k][1]] for k in b] for b in order]  # original row ids of each step
+        flat = [[k for it in b for k in (it if isinstance(it, (list, tuple)) else [it])] for b in order]
+        self.attn_pairs = [sum(int(t.lengths[k]) * (int(t.lengths[k]) + 1) // 2 for k in b) for b in flat]  # causal (query, key) pairs
         pid = ray.get(t.group.actors[0].__ray_call__.remote(lambda self: os.getpid()))
         self.niceness, self.pid = os.getpriority(os.PRIO_PROCESS, pid), pid
         self.cpu, self.collate_s = [], []
@@ -164,11 +167,14 @@ class Ours:
         ray.get(self.t.group.actors[0].__ray_call__.remote(lambda self_: __import__('ctypes').CDLL('libc.so.6').malloc_trim(0)))
 
     def result(self):
+        import ray
         h = self.t.history
+        mem = ray.get(self.t.group.actors[0].__ray_call__.remote(
+            lambda self_: __import__('torch').cuda.max_memory_allocated() / 2**30 if __import__('torch').cuda.is_available() else None))
         return summarize(self.name, h['loss'].tolist(), h['n_tokens'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),
                          self.positions, h['step_time'].tolist(), cpu_times=self.cpu,
                          extra={'n_params': self.t.model_info['n_params'], 'collate_time': self.collate_s, 'worker_niceness': self.niceness,
-                                'worker_peak_rss_gb': peak_rss_gb(self.pid)})
+                                'worker_peak_rss_gb': peak_rss_gb(self.pid), 'attn_pairs': self.attn_pairs, 'gpu_peak_gb': mem})
 
     def close(self):
         self.t.shutdown(); self.tmp.cleanup()
@@ -176,7 +182,7 @@ class Ours:
 
 class TRL:
     "TRL's SFTTrainer.train() in a thread that runs one optimizer step each time `step()` hands it the turn."
-    def __init__(self, folder, packed, args, data, rows=None):
+    def __init__(self, folder, packed, args, data, rows=None, use_gpu=False):
         import threading, torch, trl
         from datasets import Dataset
         from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -187,7 +193,9 @@ class TRL:
         tok.chat_template = data['template']
         ids = data['keep'] if packed else [i for b in rows for i in b]  # packed: TRL packs and shuffles; padded: our batches, in order
         ds = Dataset.from_list([{'messages': data['messages'][i]} for i in ids])
-        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation='sdpa')
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, attn_implementation=trl_attn(use_gpu))
+        if use_gpu: torch.cuda.reset_peak_memory_stats()
+        self.use_gpu = use_gpu
         self.turn, self.done = threading.Semaphore(0), threading.Semaphore(0)
         self.step_s, self.wall_s, self.cpu, self.losses, self.stats, self.error, self.closing = [], [], [], [], [], None, False
         me = self
@@ -216,7 +224,7 @@ class TRL:
                             weight_decay=0.0, adam_beta1=0.9, adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0,  # = sft_nb's optim defaults
                             max_length=args.max_length, packing=packed, assistant_only_loss=True,
                             gradient_checkpointing=False,  # TRL defaults to True; sft_nb does not checkpoint
-                            report_to=[], use_cpu=True, bf16=False, fp16=False, logging_steps=1, save_strategy='no',
+                            report_to=[], use_cpu=not use_gpu, bf16=use_gpu, fp16=False, logging_steps=1, save_strategy='no',
                             eval_strategy='no', dataloader_num_workers=0, seed=0, disable_tqdm=True,
                             train_sampling_strategy='random' if packed else 'sequential')
         tr = self.tr = Trainer(model=model, args=cfg, train_dataset=ds, processing_class=tok, callbacks=[Timer()])
@@ -230,7 +238,7 @@ class TRL:
         def counting(examples):  # real tokens (no padding), trained tokens, positions of each batch
             b = collate(examples)
             real = int(b['attention_mask'].sum()) if 'attention_mask' in b else int(b['input_ids'].numel())
-            self.stats.append((real, int((b['labels'][:, 1:] != -100).sum()), int(b['input_ids'].numel())))
+            self.stats.append((real, int((b['labels'][:, 1:] != -100).sum()), int(b['input_ids'].numel()), attn_pairs_of(b)))
             return b
         tr.data_collator = counting
         self.thread = threading.Thread(target=self._run, daemon=True)
@@ -247,8 +255,11 @@ class TRL:
 
     def result(self):
         n = self.args.n_steps
+        import torch
+        mem = torch.cuda.max_memory_allocated() / 2**30 if self.use_gpu else None
         return summarize(self.name, self.losses[:n], [s[0] for s in self.stats[:n]], [s[1] for s in self.stats[:n]],
-                         [s[2] for s in self.stats[:n]], self.step_s[:n], self.wall_s[:n], self.cpu[:n], extra={'token_check': self.check})
+                         [s[2] for s in self.stats[:n]], self.step_s[:n], self.wall_s[:n], self.cpu[:n],
+                         extra={'token_check': self.check, 'attn_pairs': [s[3] for s in self.stats[:n]], 'gpu_peak_gb': mem})
 
     def close(self):
         self.closing = True; self.turn.release(); self.thread.join(timeout=900); self.tmp.cleanup()
@@ -417,31 +428,131 @@ def cpu_main(args):
     if args.json: Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 
-def gpu_main(args):
-    "SmolLM2 in bf16 on one CUDA GPU: ours packed vs padded, tokens/s and model FLOPs utilization."
-    import torch
-    if not torch.cuda.is_available(): raise SystemExit("--gpu needs a CUDA GPU (torch.cuda.is_available() is False)")
-    from sft_nb.models import smollm2_instruct
-    folder = smollm2_instruct()
-    args.n_steps = args.steps_gpu
-    peak = args.peak_tflops * 1e12
-    print(f"GPU: {torch.cuda.get_device_name(0)}; peak bf16 dense {args.peak_tflops} TFLOP/s; versions {versions()}")
-    print("| model | method | dtype | steps | batch | tokens/s | MFU (6·N·tokens/s ÷ peak) | final loss | mean loss |\n|---|---|---|---|---|---|---|---|---|")
-    res = {}
-    for packed in (False, True):  # one after the other: each worker takes the GPU
-        st = Ours(folder, packed, args, use_gpu=True)
+# ---------------------------------------------------------------------------------------------------------------------
+# GPU: tokens/s, MFU and memory, ours vs TRL, packed vs padded, mixed- and uniform-length data
+PEAK_BF16_TFLOPS = [  # dense bf16 tensor-core peak (no sparsity), by a substring of torch.cuda.get_device_name(); first match wins
+    ('H100 PCIe', 756.0), ('H100 NVL', 835.0), ('H200', 989.0), ('H100', 989.0), ('GH200', 989.0), ('B200', 2250.0),
+    ('A100', 312.0), ('L40S', 362.0), ('A10G', 125.0), ('A10', 125.0), ('L4', 121.0), ('RTX 4090', 165.0), ('RTX 3090', 71.0)]
+
+
+def peak_tflops(device_name, override=None):
+    "The GPU's dense bf16 peak in TFLOP/s: `override`, else the table entry matching the device name (None if unknown)."
+    if override: return override
+    return next((v for k, v in PEAK_BF16_TFLOPS if k in device_name), None)
+
+
+def trl_attn(use_gpu):
+    "TRL's attention: flash_attention_2 on GPU when flash-attn is installed (what TRL recommends for packing), sdpa otherwise."
+    if use_gpu:
         try:
-            for _ in range(args.n_steps): st.step()
-            r = st.result()
-        finally: st.close()
-        res[r['method']] = r
-        mfu = 6 * r['n_params'] * r['tokens_per_s'] / peak
-        print(f"| smollm2 | {r['method']} | bf16 | {r['steps']} | {args.batch} | {r['tokens_per_s']:,.0f} | {mfu:.2%} | "
-              f"{r['final_loss']:.4f} | {r['mean_loss']:.4f} |", flush=True)
-    x = res['ours packed']['tokens_per_s'] / res['ours padded']['tokens_per_s']
-    print(f"- ours packed / ours padded = {x:.2f}× (target ≥ 1.5×): {'MET' if x >= 1.5 else 'NOT MET'}; "
-          f"N = {res['ours packed']['n_params']:,} parameters; MFU counts 6·N FLOPs per token (no attention FLOPs)")
-    if args.json: Path(args.json).write_text(json.dumps(res, indent=1, default=str))
+            import flash_attn  # noqa: F401
+            return 'flash_attention_2'
+        except ImportError: pass
+    return 'sdpa'
+
+
+def attn_pairs_of(b):
+    "Causal (query, key) pairs of a collated batch: per document from restarting position_ids (packed), else per row's real tokens."
+    import torch
+    if 'position_ids' in b and 'attention_mask' not in b:  # padding-free packing: documents restart at position 0
+        pos = b['position_ids'].reshape(-1)
+        starts = torch.nonzero(pos == 0).flatten().tolist() + [pos.numel()]
+        return sum((e - s_) * (e - s_ + 1) // 2 for s_, e in zip(starts, starts[1:]))
+    real = b['attention_mask'].sum(-1) if 'attention_mask' in b else torch.full((b['input_ids'].shape[0],), b['input_ids'].shape[1])
+    return int(sum(int(n) * (int(n) + 1) // 2 for n in real))
+
+
+def flops(cfg, n_params, tokens, pairs):
+    """Model FLOPs of a training step (forward + backward = 3 × forward): 6·N per token (N = all parameters; tied embeddings
+    counted once, as the LM head's matmul) + attention 12·L·d per causal (query, key) pair (QKᵀ and AV: 2·2·d per pair, × 3)."""
+    d = cfg.num_attention_heads * (getattr(cfg, 'head_dim', None) or cfg.hidden_size // cfg.num_attention_heads)
+    return 6 * n_params * tokens + 12 * cfg.num_hidden_layers * d * pairs
+
+
+WORDS = ('time year people way day man thing woman life child world school state family student group country problem hand '
+         'part place case week company system program question work government number night point home water room mother '
+         'area money story fact month lot right study book eye job word business issue side kind head house service friend').split()
+
+
+def uniform_rows(folder, max_length, n=256, seed=0):
+    "Alpaca-format rows of (nearly) one length (≈ 75% of max_length): packing cannot gain anything on them. Returns a JSON path."
+    import random
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(folder)
+    rng = random.Random(seed)
+    def n_tokens(k):  # tokens of a row whose answer has k words (the chat template's system prompt included)
+        r = random.Random(k)
+        msgs = [{'role': 'user', 'content': 'List words 100.'}, {'role': 'assistant', 'content': ' '.join(r.choice(WORDS) for _ in range(k))}]
+        return len(tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)['input_ids'])
+    k = 8
+    for _ in range(4): k = max(1, int(k * 0.75 * max_length / n_tokens(k)))  # aim at 75% of max_length (rows vary by a few %)
+    rows = [{'instruction': f'List words {i}.', 'input': '', 'output': ' '.join(rng.choice(WORDS) for _ in range(k))} for i in range(n)]
+    log(f"uniform rows: {k} words per answer, ≈ {n_tokens(k)} tokens per row (max_length {max_length})")
+    path = Path(tempfile.gettempdir()) / f'sftnb_bench_uniform_{Path(folder).name}_{max_length}_{n}.json'
+    path.write_text(json.dumps(rows))
+    return str(path)
+
+
+def gpu_main(args):
+    """One GPU (or, with --dry-run, the CPU and the tiny model): for mixed-length (alpaca) and uniform-length data, ours padded /
+    packed and TRL padded / packed (when trl is installed), one method at a time, same rows, batch, max_length and optimizer."""
+    import torch
+    from transformers import AutoConfig
+    from sft_nb.models import smollm2_instruct, tiny_chat_model
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available(): raise SystemExit("--gpu needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run runs the code path on CPU")
+    folder = tiny_chat_model() if dry else smollm2_instruct()
+    use_gpu = not dry
+    args.n_steps = args.steps_gpu if not dry else 3
+    name = torch.cuda.get_device_name(0) if use_gpu else 'CPU (dry run)'
+    peak = peak_tflops(name, args.peak_tflops) if use_gpu else None
+    mcfg = AutoConfig.from_pretrained(folder)
+    from transformers import AutoModelForCausalLM
+    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())  # tied embeddings once
+    v = versions()
+    print(f"device: {name}; peak bf16 dense: {f'{peak} TFLOP/s' if peak else 'unknown (pass --peak-tflops)'}; versions {v}; "
+          f"{'bf16 compute, fp32 master weights' if use_gpu else 'fp32'}; batch {args.batch}, max_length {args.max_length}, {args.n_steps} steps")
+    methods = [m for m in METHODS if m in args.methods.split(',')]
+    if v['trl'] == 'not installed':
+        skipped = [m for m in methods if m.startswith('trl')]
+        methods = [m for m in methods if not m.startswith('trl')]
+        if skipped: print(f"- trl is not installed here: {', '.join(skipped)} skipped (they run where `import trl` works)")
+    header = ("| data | method | steps | batch | tokens/s | vs TRL same layout | MFU | model TFLOP/s | peak GPU mem (GiB) | real/positions | "
+              "final loss | mean loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
+    lines, out = [], {'device': name, 'peak_tflops': peak, 'versions': v, 'args': vars(args), 'runs': {}}
+    for data_name in args.datasets.split(','):
+        path = DATA if data_name == 'mixed' else uniform_rows(folder, args.max_length)
+        data = prepare(folder, args.max_length, path)
+        log(f"[{data_name}] {data['report']}")
+        res, ours_padded = {}, None
+        for m in methods:
+            if m == 'trl padded' and ours_padded is None: log("trl padded needs ours padded (it replays its batches): skipped"); continue
+            log(f"[{data_name}] {m}: {args.n_steps} steps")
+            if use_gpu: torch.cuda.empty_cache()
+            st = (Ours(folder, m.endswith('packed'), args, use_gpu=use_gpu, data_path=path) if m.startswith('ours') else
+                  TRL(folder, m.endswith('packed'), args, data, ours_padded, use_gpu=use_gpu))
+            try:
+                for _ in range(args.n_steps): st.step()
+                r = res[m] = st.result()
+                if m == 'ours padded': ours_padded = st.rows
+            finally: st.close(); gc.collect(); trim()
+            st_ = sum(r['step_time'][1:])
+            r['model_tflops_per_s'] = flops(mcfg, n_params, sum(r['n_tokens'][1:]), sum(r['attn_pairs'][1:])) / st_ / 1e12 if st_ else float('nan')
+            r['mfu'] = r['model_tflops_per_s'] / peak if peak else None
+        for m, r in res.items():
+            other = 'trl ' + m.split()[1] if m.startswith('ours') else None
+            vs = f"{r['tokens_per_s'] / res[other]['tokens_per_s']:.2f}×" if other in res else '–'
+            mem = f"{r['gpu_peak_gb']:.2f}" if r.get('gpu_peak_gb') is not None else '–'
+            mfu = f"{r['mfu']:.1%}" if r.get('mfu') is not None else '–'
+            lines.append(f"| {data_name} | {m} | {r['steps']} | {args.batch} | {r['tokens_per_s']:,.0f} | {vs} | {mfu} | "
+                         f"{r['model_tflops_per_s']:.3g} | {mem} | {r['padding_efficiency']:.0%} | {r['final_loss']:.4f} | {r['mean_loss']:.4f} |")
+        if 'ours packed' in res and 'ours padded' in res:
+            lines.append(f"| {data_name} | ours packed / ours padded | | | {res['ours packed']['tokens_per_s'] / res['ours padded']['tokens_per_s']:.2f}× | | | | | | | |")
+        out['runs'][data_name] = res
+    print('\n'.join([header] + lines), flush=True)
+    print("- tokens/s: real (non-padding) tokens over steps 2..N; MFU = model FLOPs/s ÷ peak, model FLOPs = 6·N·tokens + "
+          "12·L·d·(causal query-key pairs within documents) (`flops`); memory: torch.cuda.max_memory_allocated of the process")
+    if args.json: Path(args.json).write_text(json.dumps(out, indent=1, default=str))
 
 
 def profile_main(args):
@@ -521,8 +632,10 @@ def main():
     p.add_argument('--repeats-smollm2', type=int, default=1, help='run every SmolLM2 method this many times (alternating order); medians are reported')
     p.add_argument('--repeats-tiny', type=int, default=3, help='the same for the tiny model')
     p.add_argument('--json', default=None, help='write every per-step number here')
-    p.add_argument('--gpu', action='store_true', help='CUDA: SmolLM2 bf16, ours packed vs padded, tokens/s and MFU')
-    p.add_argument('--peak-tflops', type=float, default=989.0, help='peak dense bf16 TFLOP/s of the GPU (989: H100/H200 SXM)')
+    p.add_argument('--gpu', action='store_true', help='CUDA: SmolLM2 bf16, ours vs TRL, packed vs padded, mixed/uniform data: tokens/s, MFU, memory')
+    p.add_argument('--dry-run', action='store_true', help='with --gpu: run the GPU code path on CPU with the tiny model (3 steps, fp32)')
+    p.add_argument('--datasets', default='mixed,uniform', help='--gpu: comma list of mixed (alpaca lengths), uniform (one length)')
+    p.add_argument('--peak-tflops', type=float, default=None, help='peak dense bf16 TFLOP/s of the GPU (default: looked up by device name)')
     p.add_argument('--interleave', choices=('auto', 'all', 'pairs'), default='auto',
                    help="all: the 4 methods step by step together; pairs: ours/TRL padded, then ours/TRL packed (less memory); "
                         "auto: pairs for smollm2 (4 fp32 copies with Adam and activations do not fit in 24 GB), all for tiny")

@@ -165,16 +165,17 @@ class ModelConfig:
     "The model to fine-tune."
     path: str = 'tiny'  # 'tiny', 'smollm2', a local HF folder or a hub id
     dtype: Literal['float32', 'bfloat16'] = 'float32'  # parameter dtype (bf16 mixed precision on GPU only)
-    attn_implementation: Literal['sdpa', 'eager', 'flash_attention_2'] = 'sdpa'  # attention kernel
+    attn_implementation: Literal['auto', 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'] = 'auto'  # attention kernel; auto: sdpa + dense mask on CPU, flex_attention + document block mask on CUDA
     gradient_checkpointing: bool = False  # recompute activations in backward
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout
     lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps
+    loss_chunk: int = 2048  # trained tokens per chunk of the LM head + cross-entropy (forward and backward); 0 = all at once
     def __post_init__(self):
         if not self.path.strip(): raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")
         check_range('lora_r', self.lora_r, 0); check_range('lora_alpha', self.lora_alpha, 0, lo_open=True)
-        check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True)
+        check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True); check_range('loss_chunk', self.loss_chunk, 0)
 
 # %% ../nbs/00_config.ipynb #c0946b1d
 @dataclass

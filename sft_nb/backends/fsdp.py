@@ -10,6 +10,7 @@ import numpy as np
 from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
+from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 
 # %% auto #0
 __all__ = ['FSDPWorker']
@@ -42,7 +43,9 @@ class FSDPWorker(DistWorker):
         torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
         self.path = resolve_model_path(self.mcfg['path'])
         dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
-        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.mcfg['attn_implementation'])
+        self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type)  # auto: sdpa on CPU, flex on CUDA
+        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
+        self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
         if getattr(model.config, 'layer_types', None) and any(t not in ('full_attention', 'sliding_attention') for t in model.config.layer_types):
             self.packable = False  # linear-attention / hybrid layers ignore attention masks
         else: self.packable = True
@@ -73,24 +76,18 @@ class FSDPWorker(DistWorker):
 
     def _to_dev(self, mb):
         import torch
+        if self.attn == 'flex_attention' and 'position_ids' in mb:  # a packed row's dense mask never goes to the GPU
+            mb = attention_inputs({**mb, 'position_ids': mb['position_ids'].to(self.device)}, self.attn)
         return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
     def _nll(self, mb: dict):
-        "Σ NLL and target count of one micro-batch; the LM head runs only at positions whose next token is trained."
-        import torch
+        "Σ NLL and target count of one micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."
         sel, tgt = trained_targets(mb['labels'])
-        head = self.model.get_output_embeddings()
-        def only_trained(module, args):  # [B, T, H] hidden states → [n_trained, H]
-            return (args[0][sel],) + args[1:] if args[0].shape[:2] == sel.shape else None
-        hook = head.register_forward_pre_hook(only_trained) if head is not None else None
-        try: logits = self.model(**model_inputs(mb)).logits
-        finally:
-            if hook is not None: hook.remove()
         w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
-        if logits.dim() == 3: return token_nll_sum(logits, mb['labels'], w)  # the model did not go through its output embeddings
-        if w is None: return torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='sum'), int(tgt.numel())
-        wt = target_weights(mb['labels'], w)
-        return (torch.nn.functional.cross_entropy(logits.float(), tgt, reduction='none') * wt).sum(), float(wt.sum())
+        wt = None if w is None else target_weights(mb['labels'], w)
+        with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head:
+            out = self.model(**model_inputs(mb)).logits
+        return head.nll(out, mb['labels'], w)
 
     def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
         "Accumulate gradients of Σ NLL / n_trained_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."

@@ -10,11 +10,12 @@ import numpy as np
 from ..config import ConfigError
 from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
+from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 
 # %% auto #0
 __all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'mcore_batch', 'megatron_dp_index', 'load_shard',
-           'MegatronWorker']
+           'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
 def load_hf_state(path: str) -> dict:
@@ -102,6 +103,32 @@ def load_shard(f, device='cpu') -> dict:
         raise ValueError(f"checkpoint.resume: {f} holds more than tensors and plain data; refused (loading it could run code): "
                          f"{str(e).splitlines()[0]}") from None
 
+# %% ../../nbs/07b_backends.megatron.ipynb #63ba1a46
+class DeferredHead:
+    "Context manager: megatron's output layer returns its input hidden states, so the last stage's `GPTModel` returns [B, S, H]."
+    def __init__(self, model): self.layer = getattr(model, 'output_layer', None) if getattr(model, 'post_process', False) else None
+    def __enter__(self):
+        if self.layer is not None: self.layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+        return self
+    def __exit__(self, *exc):
+        if self.layer is not None: del self.layer.forward
+
+def vocab_parallel_token_nll(model, # the last stage's GPTModel
+                             hidden, # [B, S, H] from a forward under `DeferredHead`
+                             labels, # [B, S] shifted targets (megatron layout, as `mcore_batch` makes them)
+                             keep, # [B, S] bool: positions with a non-zero loss weight
+                             chunk: int, # tokens per chunk
+                            ):
+    "Per-token NLL [B, S] (0 where not kept): the output layer + vocab-parallel cross-entropy, `chunk` kept tokens at a time."
+    import torch
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    def token_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1
+        logits, _ = model.output_layer(hc[:, None], weight=weight)
+        return vocab_parallel_cross_entropy(logits.float(), tc[:, None])[:, 0]
+    nll = chunked_token_nll(hidden[keep], token_nll, labels[keep], chunk)
+    return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).index_put((keep,), nll)
+
 # %% ../../nbs/07b_backends.megatron.ipynb #6524bc71
 class MegatronWorker(DistWorker):
     "megatron-core training worker (one per rank): TP × PP model-parallel shards, DP = world / (TP × PP)."
@@ -144,6 +171,7 @@ class MegatronWorker(DistWorker):
             from sft_nb.backends.megatron_compat import seed_model_parallel_rng
             seed_model_parallel_rng(self.seed, self.tp_rank)
         self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16')
+        self.loss_chunk = self.mcfg.get('loss_chunk', 0)
         local = hf_to_mcore(load_hf_state(self.path), self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
         missing, unexpected = self.model.load_state_dict(local, strict=False)
         missing = [k for k in missing if not k.endswith('_extra_state')]
@@ -208,7 +236,10 @@ class MegatronWorker(DistWorker):
 
         def forward_step(data_iterator, model):
             b = next(data_iterator)
-            out = model(b['input_ids'], b['position_ids'], b['attention_mask'], labels=b['labels'])
+            if self.loss_chunk > 0 and getattr(model, 'post_process', False):  # the head + CE chunked over trained tokens
+                with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b['attention_mask'])
+                out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
+            else: out = model(b['input_ids'], b['position_ids'], b['attention_mask'], labels=b['labels'])
             def loss_func(per_token):
                 s = (per_token.float() * b['loss_mask']).sum()
                 return s * (scale * M), {'nll_sum': s.detach(), 'n': b['loss_mask'].sum().detach()}

@@ -1,0 +1,114 @@
+"""SFTTrainer on CUDA: bf16 FSDP2 with fp32 master weights, packed = padded, split invariance, exact resume, nccl with 2 Ray
+workers (needs 2 GPUs), Megatron TP=1 vs FSDP, chunked loss = one-shot loss through a whole step. Tolerances: README.md."""
+import os
+import pytest
+import torch
+# SFT_NB_GPU_TESTS_ON_CPU=1 runs what can run on CPU (fp32, gloo) to check the tests themselves; not a GPU result
+ON_CPU = os.environ.get('SFT_NB_GPU_TESTS_ON_CPU') == '1' and not torch.cuda.is_available()
+if not torch.cuda.is_available() and not ON_CPU: pytest.skip('needs CUDA', allow_module_level=True)
+needs_cuda = pytest.mark.skipif(ON_CPU, reason='needs CUDA (CPU smoke run)')
+from sft_nb.demo_data import identity_rows
+from sft_nb.trainer import SFTTrainer
+from helpers import run_cfg
+
+ROWS = identity_rows()['train']
+WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
+         for k, r in enumerate(ROWS)]
+N_GPU = torch.cuda.device_count()
+LR = 1e-3
+BF16 = dict(loss=2e-2, grad_norm=5e-2, weight=2 * LR)  # see README.md
+PACKED = {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64}
+
+
+def gpu_cfg(tiny_path, run_dir, bf16=True, **kw):
+    return run_cfg(tiny_path, run_dir, **{'placement__use_gpu': not ON_CPU, 'placement__cpus_per_worker': 1, 'optim__max_grad_norm': 0.0,
+                                          'optim__lr': LR, 'optim__eps': 1e-5, **({'model__dtype': 'bfloat16'} if bf16 else {}), **kw})
+
+
+def one_step(cfg, rows=ROWS, steps=1):
+    with SFTTrainer(cfg, train_data=rows) as t:
+        ms = [t.step() for _ in range(steps)]
+        import ray
+        info = ray.get(t.group.actors[0].__ray_call__.remote(lambda w: {'attn': w.attn, 'loss_chunk': w.loss_chunk,
+                                                                       'dtypes': sorted({str(p.dtype) for p in w.model.parameters()})}))
+        return ms, t.group.call('full_state')[0], info
+
+
+def close(a, b, tol):
+    (ma, wa), (mb, wb) = a, b
+    dl, dg = abs(ma['loss'] - mb['loss']), abs(ma['grad_norm'] - mb['grad_norm']) / max(1e-8, mb['grad_norm'])
+    dw = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wb)
+    print(f"|Δloss| {dl:.2e}, rel |Δgrad_norm| {dg:.2e}, max |Δw| {dw:.2e}")
+    return dl <= tol['loss'] and dg <= tol['grad_norm'] and dw <= tol['weight'], (dl, dg, dw)
+
+
+def test_bf16_fsdp2_keeps_fp32_master_weights(tiny_path, tmp_path, ray_session):
+    "bf16 compute, fp32 parameters and AdamW state; the loss goes down over 5 steps; auto attention picks flex_attention."
+    ms, state, info = one_step(gpu_cfg(tiny_path, tmp_path, train__num_steps=5), steps=5)
+    assert all(v.dtype == torch.float32 for v in state.values()) and info['dtypes'] == ['torch.float32']  # master weights
+    assert info['attn'] == ('sdpa' if ON_CPU else 'flex_attention') and ms[-1]['loss'] < ms[0]['loss']
+
+
+@pytest.mark.parametrize('weighted', [False, True])
+def test_bf16_packed_equals_padded(tiny_path, tmp_path, ray_session, weighted):
+    "The same 8 rows, padded in one micro-batch vs packed: one step, bf16 tolerance."
+    rows = (WROWS if weighted else ROWS)[:8]
+    a = one_step(gpu_cfg(tiny_path, tmp_path / 'pad', train__micro_batch_size=8), rows)
+    b = one_step(gpu_cfg(tiny_path, tmp_path / 'pack', **PACKED, train__global_batch_size=8, train__micro_batch_size=8), rows)
+    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), BF16)
+    assert ok, d
+
+
+def test_bf16_split_invariance(tiny_path, tmp_path, ray_session):
+    "1 × 8 rows vs 8 × 1 row micro-batches: bf16 tolerance (fp32 gradient accumulation and reduction)."
+    a = one_step(gpu_cfg(tiny_path, tmp_path / 'a', train__micro_batch_size=8))
+    b = one_step(gpu_cfg(tiny_path, tmp_path / 'b', train__micro_batch_size=1))
+    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), BF16)
+    assert ok, d
+
+
+def test_fp32_chunked_loss_equals_one_shot(tiny_path, tmp_path, ray_session):
+    "fp32 on CUDA, packed rows with fractional weights: loss_chunk 7 vs 0 (off), one step: ≤ 1e-5 (TF32 is off by default)."
+    kw = dict(bf16=False, **PACKED, train__global_batch_size=4, train__micro_batch_size=1)
+    a = one_step(gpu_cfg(tiny_path, tmp_path / 'off', model__loss_chunk=0, **kw), WROWS)
+    b = one_step(gpu_cfg(tiny_path, tmp_path / 'on', model__loss_chunk=7, **kw), WROWS)
+    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), dict(loss=1e-5, grad_norm=1e-5, weight=1e-5))
+    assert ok, d
+
+
+def test_bf16_resume_exact(tiny_path, tmp_path, ray_session):
+    "4 steps straight == 2 steps, save, resume in a new trainer, 2 more."
+    base = dict(train__num_steps=4, optim__schedule='cosine')
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'full', **base), train_data=ROWS) as t:
+        full = t.fit()['loss'].tolist()
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'half', **base), train_data=ROWS) as t:
+        t.fit(2); ck = t.save()
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'half', checkpoint__resume=str(ck), **base), train_data=ROWS) as t:
+        resumed = t.fit()['loss'].tolist()
+    print(full, resumed)
+    assert max(abs(a - b) for a, b in zip(resumed[-2:], full[2:])) <= 1e-3
+
+
+@pytest.mark.skipif(N_GPU < 2 and not ON_CPU, reason='needs 2 GPUs')
+def test_nccl_two_workers_equal_one(tiny_path, tmp_path, ray_session):
+    "2 Ray workers (one GPU each, nccl, FSDP2 sharded) vs 1 worker, bf16, packed: one step."
+    a = one_step(gpu_cfg(tiny_path, tmp_path / 'one', **PACKED, train__global_batch_size=4, train__micro_batch_size=2))
+    b = one_step(gpu_cfg(tiny_path, tmp_path / 'two', **PACKED, train__global_batch_size=4, train__micro_batch_size=1,
+                         placement__workers_per_node=2))
+    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), BF16)
+    assert ok, d
+
+
+def test_megatron_tp1_matches_fsdp(tiny_path, tmp_path, ray_session):
+    "fp32 on CUDA, 3 steps: Megatron TP=1 (its chunked vocab-parallel loss) vs FSDP: losses, grad norms, weights ≤ 1e-4."
+    pytest.importorskip('megatron.core')
+    kw = dict(bf16=False, train__num_steps=3, train__micro_batch_size=2)
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'fsdp', **kw), train_data=ROWS) as t:
+        h0, w0 = t.fit(), t.group.call('full_state')[0]
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'mcore', placement__backend='megatron', model__loss_chunk=5, **kw), train_data=ROWS) as t:
+        h1, w1 = t.fit(), t.group.call('full_state')[0]
+    dl = max(abs(a - b) for a, b in zip(h0['loss'], h1['loss']))
+    dg = max(abs(a - b) for a, b in zip(h0['grad_norm'], h1['grad_norm']))
+    dw = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
+    print(f"megatron vs fsdp on CUDA: {dl:.2e} {dg:.2e} {dw:.2e}")
+    assert dl <= 1e-4 and dg <= 1e-4 and dw <= 1e-4

@@ -1,0 +1,186 @@
+"""Chunked LM head + cross-entropy (`model.loss_chunk`, sft_nb.loss) equals the one-shot loss: the Function on its own, the
+FSDP worker's gradients (tied head, LoRA-wrapped head, weights, packed), a whole trainer step on 2 FSDP2 ranks, and
+megatron's chunked vocab-parallel loss against FSDP. FlexAttention's forward on packed rows equals the dense-mask path."""
+from dataclasses import asdict
+import pytest
+import torch
+import torch.nn.functional as F
+from sft_nb.config import ModelConfig, OptimConfig, ConfigError
+from sft_nb.collate import collate_padded, collate_packed
+from sft_nb.demo_data import identity_rows
+from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, attention_inputs
+from sft_nb.trainer import SFTTrainer
+from helpers import run_cfg
+
+ROWS = identity_rows()['train']
+WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
+         for k, r in enumerate(ROWS)]
+TOL = 1e-6  # fp32: only the order of the sums differs
+
+
+def test_config():
+    m = ModelConfig()
+    assert m.attn_implementation == 'auto' and m.loss_chunk > 0
+    assert resolve_attn_implementation(m.attn_implementation, 'cpu') == 'sdpa'  # CPU keeps sdpa + the dense mask
+    with pytest.raises(ConfigError, match='loss_chunk'): ModelConfig(loss_chunk=-1)
+
+
+@pytest.mark.parametrize('chunk', [1, 8, 37, 100, 0])
+@pytest.mark.parametrize('weighted', [False, True])
+def test_linear_nll_equals_cross_entropy(chunk, weighted):
+    "37 tokens (not a multiple of 8), with and without fractional weights: loss and the gradients of h, W, b."
+    torch.manual_seed(1)
+    h, W, b = torch.randn(37, 24), torch.randn(91, 24), torch.randn(91)
+    t, w = torch.randint(0, 91, (37,)), (torch.rand(37) * 3 if weighted else None)
+    def run(fn):
+        xs = [x.clone().requires_grad_() for x in (h, W, b)]
+        loss = fn(*xs); loss.backward()
+        return float(loss), [x.grad for x in xs]
+    def ref(h, W, b):
+        nll = F.cross_entropy(F.linear(h, W, b), t, reduction='none')
+        return nll.sum() if w is None else (nll * w).sum()
+    l0, g0 = run(ref)
+    l1, g1 = run(lambda h, W, b: linear_nll(h, W, t, w, b, chunk=chunk))
+    assert abs(l1 - l0) <= TOL * abs(l0)
+    for a, c in zip(g0, g1): assert float((a - c).abs().max()) <= TOL * max(1.0, float(a.abs().max()))
+    with torch.no_grad(): assert abs(float(linear_nll(h, W, t, w, b, chunk=chunk)) - l0) <= TOL * abs(l0)  # eval: no saved state needed
+
+
+def test_no_trained_token_keeps_graph():
+    h, W = torch.randn(0, 8, requires_grad=True), torch.randn(10, 8, requires_grad=True)
+    loss = linear_nll(h, W, torch.zeros(0, dtype=torch.long), chunk=4)
+    loss.backward()
+    assert float(loss) == 0 and float(W.grad.abs().sum()) == 0
+
+
+@pytest.fixture(scope='module')
+def worker(tiny_path):
+    "One in-process FSDP worker (1-rank gloo group); tests switch its `loss_chunk`."
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.workers import free_port
+    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(OptimConfig(lr=1e-3)), total_steps=3)
+    w.init_dist('127.0.0.1', free_port())
+    w.setup()
+    yield w
+    w.shutdown()
+
+
+def batches(tok, weighted):
+    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
+    ds, _ = tokenize_dataset((WROWS if weighted else ROWS)[:6], tok, TokenizeSpec(max_length=64))
+    exs = [dict(r) for r in ds]
+    return {'padded': collate_padded(exs, tok.pad_token_id), 'packed': collate_packed([exs[:3], exs[3:]], tok.pad_token_id)}
+
+
+def grads_of(w, mb, chunk):
+    w.loss_chunk = chunk
+    w.opt.zero_grad(set_to_none=True)
+    r = w.forward_backward([mb], mb.get('weight_sum', mb['n_trained']))  # the training scale: gradients of the mean loss
+    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
+    w.opt.zero_grad(set_to_none=True)
+    return r, g
+
+
+@pytest.mark.parametrize('weighted', [False, True])
+def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
+    "The FSDP worker (tied head): Σ NLL, the count and every parameter's gradient, chunks of 5 and 7 tokens vs 0 (off)."
+    assert worker.model.get_output_embeddings().weight is worker.model.get_input_embeddings().weight  # tied
+    for name, mb in batches(tiny_tok, weighted).items():
+        assert ('loss_weights' in mb) == weighted
+        r0, g0 = grads_of(worker, mb, 0)
+        for chunk in (5, 7):
+            r1, g1 = grads_of(worker, mb, chunk)
+            assert r1['n_tokens'] == r0['n_tokens'] and r0['n_tokens'] % chunk != 0
+            assert abs(r1['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum'], (name, r0, r1)
+            assert g1.keys() == g0.keys()
+            d = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
+            assert d <= TOL, (name, chunk, d)
+        with torch.no_grad():
+            worker.loss_chunk = 5
+            assert abs(worker.eval_loss([mb])['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum']
+
+
+def test_lora_wrapped_head(tiny_path, tiny_tok):
+    "LoRA on lm_head too: the head is a peft wrapper, not an nn.Linear, so each chunk is checkpointed; same gradients."
+    from transformers import AutoModelForCausalLM
+    from peft import LoraConfig, get_peft_model
+    from sft_nb.collate import trained_targets, target_weights, model_inputs
+    from sft_nb.loss import TrainedHead
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32),
+                           LoraConfig(r=4, target_modules=['q_proj', 'lm_head'], init_lora_weights=False))
+    head = model.get_output_embeddings()
+    assert not isinstance(head, torch.nn.Linear)
+    mb = batches(tiny_tok, True)['packed']
+    sel, tgt = trained_targets(mb['labels'])
+    wt = target_weights(mb['labels'], mb['loss_weights'])
+    def run(chunk):
+        model.zero_grad()
+        with TrainedHead(head, sel, tgt, wt, chunk) as th: s, n = th.nll(model(**model_inputs(mb)).logits, mb['labels'], mb['loss_weights'])
+        (s / n).backward()  # the training scale: gradients of the mean loss
+        return float(s), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    (s0, g0), (s1, g1) = run(0), run(6)
+    assert any('lm_head' in k for k in g0) and g0.keys() == g1.keys()
+    assert abs(s1 - s0) <= TOL * s0 and max(float((g1[k] - g0[k]).abs().max()) for k in g0) <= TOL
+
+
+def _step(tiny_path, run_dir, **kw):
+    cfg = run_cfg(tiny_path, run_dir, **{'optim__max_grad_norm': 0.0, 'optim__lr': 1e-3, 'optim__eps': 1e-5, 'packing__enabled': True,
+                                         'packing__capacity': 128, 'tokenize__max_length': 64, 'train__global_batch_size': 4,
+                                         'train__micro_batch_size': 1, 'placement__workers_per_node': 2, **kw})
+    with SFTTrainer(cfg, train_data=WROWS) as t:
+        m = t.step()
+        return m, t.group.call('full_state')[0]
+
+
+def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, ray_session):
+    "One step on 2 FSDP2 ranks (sharded head), packed rows with fractional weights: loss, grad norm and every weight."
+    m0, w0 = _step(tiny_path, tmp_path / 'off', model__loss_chunk=0)
+    m1, w1 = _step(tiny_path, tmp_path / 'on', model__loss_chunk=7)
+    assert m0['n_trained'] == m1['n_trained']
+    assert abs(m1['loss'] - m0['loss']) <= TOL * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= TOL * m0['grad_norm']
+    d = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
+    print(f"chunked vs one-shot: |Δloss| {abs(m1['loss'] - m0['loss']):.1e}, |Δgrad_norm| {abs(m1['grad_norm'] - m0['grad_norm']):.1e}, max |Δw| {d:.1e}")
+    assert d <= TOL
+
+
+@pytest.mark.parametrize('layout', ['tp1', 'tp2'])
+def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, ray_session, layout):
+    "Megatron with its chunked vocab-parallel loss (chunks of 7 trained tokens) == FSDP with the one-shot loss, one step."
+    pytest.importorskip('megatron.core')
+    m0, w0 = _step(tiny_path, tmp_path / 'fsdp', model__loss_chunk=0)
+    lay = {'placement__tensor_parallel': 2} if layout == 'tp2' else {'placement__workers_per_node': 1, 'train__micro_batch_size': 2}
+    m1, w1 = _step(tiny_path, tmp_path / layout, model__loss_chunk=7, placement__backend='megatron', **lay)
+    assert abs(m1['loss'] - m0['loss']) <= 1e-5 and abs(m1['grad_norm'] - m0['grad_norm']) <= 1e-5 * max(1, m0['grad_norm'])
+    assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) <= 1e-5  # the Megatron == FSDP tolerance of test_megatron is 1e-4
+
+
+def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
+    """FlexAttention + document BlockMask vs sdpa + the collator's dense [B, 1, T, T] mask: the same logits at every real
+    token of packed rows (forward only: FlexAttention has no CPU backward; transformers compiles it, ~20 s)."""
+    from transformers import AutoModelForCausalLM
+    from sft_nb.collate import model_inputs
+    mb = batches(tiny_tok, False)['packed']
+    out = {}
+    for impl in ('sdpa', 'flex_attention'):
+        model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation=impl).eval()
+        with torch.no_grad(): out[impl] = model(**model_inputs(attention_inputs(mb, impl))).logits
+    assert not isinstance(attention_inputs(mb, 'flex_attention')['attention_mask'], torch.Tensor)
+    real = torch.zeros(mb['input_ids'].shape, dtype=torch.bool)
+    for b, lens in enumerate(mb['seq_lens']): real[b, :sum(lens)] = True
+    assert float((out['flex_attention'] - out['sdpa'])[real].abs().max()) <= 1e-5
+
+
+def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
+    """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `_to_dev`)
+    evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward)."""
+    mb = batches(tiny_tok, True)['packed']
+    worker.loss_chunk = 2048
+    ref = worker.eval_loss([mb])
+    try:
+        worker.attn = 'flex_attention'; worker.model.set_attn_implementation('flex_attention')
+        assert type(worker._to_dev(mb)['attention_mask']).__name__ == 'BlockMask'
+        out = worker.eval_loss([mb])
+    finally:
+        worker.attn = 'sdpa'; worker.model.set_attn_implementation('sdpa')
+    assert out['n_tokens'] == ref['n_tokens'] and abs(out['nll_sum'] - ref['nll_sum']) <= 1e-5 * ref['nll_sum']
