@@ -16,7 +16,7 @@ from .trainer import SFTTrainer, TrainerBusy, split_for_ranks
 
 # %% auto #0
 __all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'dp_of_rank', 'example_key', 'loss_table',
-           'lens_sources', 'inspector_for', 'RankedRows']
+           'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows']
 
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
@@ -179,6 +179,14 @@ def rank_rows(self: SFTTrainer, split: str = 'train', # 'train', 'heldout', or a
     df = loss_table(self.token_losses(split, **kw), self.tokenizer)
     df = df.sort_values(f'{by}_loss', ascending=False, kind='stable', na_position='last').reset_index(drop=True)
     return df if k is None else df.head(k)
+
+# %% ../nbs/08c_lens.ipynb #d4ecfa3d
+def print_hardest(trainer_or_table, split: str = 'heldout', label: str = '', k: int = 3) -> pd.DataFrame:
+    "Print the `k` hardest rows of `split` (index, mean token loss, a snippet of the trained text); returns their table."
+    df = trainer_or_table if isinstance(trainer_or_table, pd.DataFrame) else trainer_or_table.rank_rows(split, k=k)
+    print(f"{k} hardest {split} rows{' ' + label if label else ''} (mean token loss):")
+    for _, r in df.head(k).iterrows(): print(f"  row {r['index']:>4}  {r.mean_loss:7.4f}  {r.snippet!r}")
+    return df.head(k)
 
 # %% ../nbs/08c_lens.ipynb #95c1e47b
 def lens_sources(trainer, split: str = 'train') -> dict:
