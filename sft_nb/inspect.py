@@ -315,7 +315,7 @@ class Inspector:
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
         self.scorer, self.k, self.losses, self.first_losses = trainer, k, [], {}
-        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now',
+        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now', style={'button_width': 'auto'},
                                          layout=W.Layout(display='' if trainer is not None else 'none'))
         self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]),
                               W.HBox([self.history, self.reasoning, self.tool_calls]), self.kwargs, self.loss_view, self.html])
@@ -379,14 +379,16 @@ class Inspector:
         display(self.widget)
 
 # %% ../nbs/03_inspect.ipynb #50f14fb9
-def inspect_main(argv: list[str] | None = None) -> int:
-    "CLI entry: print one row's tokens and loss mask; returns the exit status (1: the row would not be trained, 2: no such row)."
+def inspect_main(argv: list[str] | None = None,
+                 run_loader=None, # `--run`: RUN_DIR → (scorer with `token_losses`, the run's tokenize settings); `sft-nb inspect` passes `sft_nb.lens.run_scorer`
+                ) -> int:
+    "CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the exit status (1: the row would not be trained, 2: no such row)."
     p = argparse.ArgumentParser(prog='sft-nb inspect', description='Show the tokens and loss mask of one dataset row.')
     p.add_argument('data', help='dataset: .json/.jsonl/.parquet/.arrow file, save_to_disk folder or hub name')
     p.add_argument('--row', type=int, default=0, help='row index')
-    p.add_argument('--model', default='tiny', help="tokenizer: 'tiny', 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
-    p.add_argument('--mode', default='all_assistant', choices=MODES, help='masking mode')
-    p.add_argument('--history', default='expand', choices=HISTORY, help='all_assistant on a template that rewrites earlier turns')
+    p.add_argument('--model', default=None, help="tokenizer: 'tiny' (default), 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
+    p.add_argument('--mode', default=None, choices=MODES, help='masking mode (default all_assistant)')
+    p.add_argument('--history', default=None, choices=HISTORY, help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
     p.add_argument('--template', default=None, help='chat template (.jinja path) replacing the tokenizer\'s')
@@ -396,7 +398,16 @@ def inspect_main(argv: list[str] | None = None) -> int:
     p.add_argument('--format', default='auto', help='source format (auto-detected by default)')
     p.add_argument('--view', default='tokens', choices=('tokens', 'text'))
     p.add_argument('--color', default='always', choices=('always', 'never'), help="'never' prints ⟦trained⟧ runs as plain text")
+    p.add_argument('--run', default=None, help="a run folder: shade trained tokens by the loss of its exported (hf/) or latest checkpointed model, "
+                   "with its tokenizer and tokenize settings (the options above still override them)")
+    p.add_argument('--top-k', type=int, default=3, help='with --run: alternatives shown per token')
+    p.add_argument('--html', default=None, help='also write the rendering to this HTML file')
     a = p.parse_args(argv)
+    scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
+    a.model, a.mode, a.history = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.history or run.get('history') or 'expand'
+    a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
+    if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
+    a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
     tokenizer, template = load_tokenizer(a.model, a.template, a.family)
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
@@ -408,6 +419,16 @@ def inspect_main(argv: list[str] | None = None) -> int:
     if not exs:
         print(f'{head}: not trained — {err}'); return 1
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
-    for k, ex in enumerate(exs):
-        sys.stdout.write(render_example(ex, tokenizer, form, a.view, head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '')) + '\n')
+    losses = scorer.token_losses(exs, k=a.top_k) if scorer is not None else [None] * len(exs)
+    heads = [head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '') for k in range(len(exs))]
+    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(render_example(ex, tokenizer, form, a.view, h, lo) + '\n')
+    if a.html:
+        body = ''.join(render_example(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
+        Path(a.html).write_text(f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(head)}</title></head><body>{body}</body></html>')
+        print(f'wrote {a.html}', file=sys.stderr)
     return 0
+
+def _run_settings(a, run_loader) -> tuple:
+    "`--run`: the run's scorer and settings, from `run_loader` (which lives above this module: it loads a trained model)."
+    if run_loader is None: raise ValueError("--run: scoring a run needs `sft-nb inspect` (sft_nb.cli), which can load its model")
+    return run_loader(a.run)

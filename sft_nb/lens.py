@@ -16,7 +16,8 @@ from .trainer import SFTTrainer, TrainerBusy, split_for_ranks
 
 # %% auto #0
 __all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'dp_of_rank', 'example_key', 'loss_table',
-           'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows']
+           'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses', 'trained_token_stats_np',
+           'run_model_state', 'RunScorer', 'run_scorer']
 
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
@@ -216,7 +217,7 @@ class RankedRows:
         self.table = trainer.rank_rows(split, by=by, k=k)
         self.inspector = inspector or inspector_for(trainer, split)
         self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']} · {by} {r[f'{by}_loss']:.3f}",
-                                 tooltip=r.snippet, layout=W.Layout(width='auto')) for n, r in self.table.iterrows()]
+                                 tooltip=r.snippet, layout=W.Layout(width='auto', height='auto')) for n, r in self.table.iterrows()]
         for n, b in enumerate(self.buttons): b.on_click(lambda _, n=n: self.open(n))
         self.status = W.HTML(f"<b>{len(self.table)} hardest {split} rows by {by} token loss</b> (step {trainer.global_step}); "
                              "click one to open it in the inspector")
@@ -235,3 +236,83 @@ class RankedRows:
     def _ipython_display_(self):
         from IPython.display import display
         display(self.widget)
+
+# %% ../nbs/08c_lens.ipynb #6ee861a7
+def hf_token_losses(model, examples: list, k: int = 3) -> list[dict]:
+    "Per example (alone, no padding): the NLL of every trained token and the top-k alternatives, from a HF causal LM forward."
+    import torch
+    out = []
+    for e in examples:
+        e = _as_example(e)
+        ids, mask = e['input_ids'], e['loss_mask']
+        with torch.no_grad(): lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+        pos = [p for p in range(1, len(ids)) if mask[p]]
+        st = trained_token_stats_np(lp[[p - 1 for p in pos]], [ids[p] for p in pos], k)
+        out += _per_example(st, [e], k)
+    return out
+
+def trained_token_stats_np(logprobs, targets: list[int], k: int) -> dict:
+    import torch
+    top_p, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
+    return {'nll': (-logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0]).numpy(), 'top_ids': top_ids.numpy(), 'top_p': top_p.exp().numpy()}
+
+# %% ../nbs/08c_lens.ipynb #919a173e
+def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:
+    "The latest checkpoint's full HF-named model state and its step (FSDP or megatron shards); (None, 0) without one."
+    import json, torch
+    from pathlib import Path
+    ck = Path(run_dir) / 'checkpoints'
+    name = (ck / 'latest').read_text().strip() if (ck / 'latest').exists() else None
+    path = ck / name if name else None
+    if path is None or not (path / 'trainer_state.json').exists(): return None, 0
+    step = json.loads((path / 'trainer_state.json').read_text())['global_step']
+    shards = sorted(path.glob('megatron_tp*_pp*.pt'))
+    if shards:
+        from transformers import AutoConfig
+        from sft_nb.backends.megatron import load_shard
+        from sft_nb.backends.megatron_convert import mcore_to_hf
+        from sft_nb.models import resolve_model_path
+        parts = {(int(f.stem.split('_tp')[1][:2]), int(f.stem.split('_pp')[1][:2])): load_shard(f)['model'] for f in shards}
+        return mcore_to_hf(parts, AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))), step
+    return path, step  # an FSDP (torch.distributed.checkpoint) folder: read into the model by `RunScorer`
+
+# %% ../nbs/08c_lens.ipynb #660ea663
+class RunScorer:
+    "Token losses of a run folder's trained model (and, as `before_nll`, of its base model), computed in this process."
+    def __init__(self, run_dir):
+        import torch
+        from pathlib import Path
+        from transformers import AutoModelForCausalLM
+        from sft_nb.config import load_config
+        from sft_nb.models import resolve_model_path
+        self.run_dir = Path(run_dir)
+        if not (self.run_dir / 'config.yaml').exists(): raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
+        self.cfg = load_config(str(self.run_dir / 'config.yaml'))
+        self.base_path = str(resolve_model_path(self.cfg.model.path))
+        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+        self.base, hf = load(self.base_path), self.run_dir / 'hf'
+        if (hf / 'config.json').exists(): self.model, self.model_path, self.step = load(str(hf)), str(hf), None
+        else:
+            state, self.step = run_model_state(self.run_dir, self.cfg)
+            if state is None: raise FileNotFoundError(f"--run: {run_dir} has no exported model (hf/) and no complete checkpoint")
+            if self.cfg.model.lora_r > 0: raise ValueError(f"--run: {run_dir} is a LoRA run without an export; run trainer.export() first")
+            self.model, self.model_path = load(self.base_path), self.base_path
+            if isinstance(state, dict): self.model.load_state_dict(state)
+            else:
+                import torch.distributed.checkpoint as dcp
+                sd = {'model': self.model.state_dict()}
+                dcp.load(sd, checkpoint_id=str(state))
+                self.model.load_state_dict(sd['model'])
+
+    def token_losses(self, examples: list, k: int = 3, **_) -> list[dict]:
+        "`hf_token_losses` of the trained model, with the base model's as `before_nll` (step 0)."
+        now, base = hf_token_losses(self.model, examples, k), hf_token_losses(self.base, examples, k)
+        return [{**r, 'step': self.step, 'before_step': 0, 'before_nll': b['nll']} for r, b in zip(now, base)]
+
+# %% ../nbs/08c_lens.ipynb #faba7207
+def run_scorer(run_dir) -> tuple[RunScorer, dict]:
+    "`sft-nb inspect --run`: the run's scorer and the settings its rows were tokenized with (its tokenizer first)."
+    s = RunScorer(run_dir)
+    t = s.cfg.tokenize
+    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'history': t.history,
+               'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning, 'train_on_tool_calls': t.train_on_tool_calls}
