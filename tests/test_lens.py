@@ -100,3 +100,48 @@ def test_megatron_equals_fsdp(tiny_path, tmp_path, ray_session):
         same_top = all((a['top_ids'][~np.isnan(a['nll'])] == b['top_ids'][~np.isnan(b['nll'])]).all() for a, b in zip(out['fsdp'][0], out[name][0]))
         print(f'{name}: padded {gaps[0]:.2e} packed {gaps[1]:.2e} same top-k ids: {same_top}')
         assert max(gaps) <= 1e-5, name
+
+
+def _score_run(run_dir, exs):
+    from sft_nb.lens import RunScorer
+    return RunScorer(run_dir).token_losses(exs)
+
+
+def test_inspect_run_cli(tiny_path, tmp_path, ray_session):
+    "`sft-nb inspect DATA --run RUN_DIR --html`: the run's exported model, or its checkpoint, scores the row exactly as the workers did."
+    import json, shutil, subprocess, sys
+    data = tmp_path / 'rows.jsonl'
+    data.write_text('\n'.join(json.dumps(r) for r in TRAIN))
+    run = tmp_path / 'run'
+    with SFTTrainer(cfg(tiny_path, run, checkpoint__export_hf=True), train_data=str(data)) as t:
+        t.train()
+        exs = [{'input_ids': e['input_ids'], 'loss_mask': e['loss_mask']} for e in t.token_losses('train', indices=[0, 1, 2])]
+        ref = t.token_losses(exs)
+    from_hf = _score_run(run, exs)
+    shutil.rmtree(run / 'hf')
+    from_ckpt = _score_run(run, exs)
+    print(f'run scorer vs workers: hf export {max_gap(ref, from_hf):.2e}, checkpoint {max_gap(ref, from_ckpt):.2e}')
+    assert max_gap(ref, from_hf) <= 1e-5 and max_gap(ref, from_ckpt) <= 1e-5
+    assert all(r['step'] == 2 and r['before_step'] == 0 for r in from_ckpt)
+    page = tmp_path / 'row.html'
+    p = subprocess.run([sys.executable, '-m', 'sft_nb.cli', 'inspect', str(data), '--row', '0', '--run', str(run), '--html', str(page),
+                        '--color', 'never'], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 'loss mean' in p.stdout and '(step 2)' in p.stdout
+    h = page.read_text()
+    assert h.count(' loss" style=') == sum(exs[0]['loss_mask'][1:]) and 'class="loss-legend"' in h
+    bad = subprocess.run([sys.executable, '-m', 'sft_nb.cli', 'inspect', str(data), '--run', str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and 'has no config.yaml (not a run folder)' in bad.stderr
+
+
+def test_inspect_run_megatron_checkpoint(tiny_path, tmp_path, ray_session):
+    "A megatron run's checkpoint shards (TP=2) read back into the HF model score like its workers."
+    pytest.importorskip('megatron.core')
+    run = tmp_path / 'run'
+    with SFTTrainer(cfg(tiny_path, run, placement__backend='megatron', placement__workers_per_node=2, placement__tensor_parallel=2),
+                    train_data=TRAIN) as t:
+        t.fit(); t.save()
+        ref = t.token_losses('train', indices=[0, 1, 2])
+    got = _score_run(run, ref)
+    print(f'megatron checkpoint vs workers: {max_gap(ref, got):.2e}')
+    assert max_gap(ref, got) <= 1e-5
