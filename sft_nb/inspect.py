@@ -360,15 +360,6 @@ class Inspector:
                     for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
             self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
 
-    def score(self, examples: list) -> list[dict]:
-        "Loss mode: the scorer's `token_losses` of `examples`, each with the losses of its first scoring (`before_nll`) for the diff view."
-        res = [dict(r) for r in self.scorer.token_losses(examples, k=self.k)]
-        for ex, r in zip(examples, res):
-            if r.get('before_nll') is None:  # a scorer that keeps no baseline: this inspector keeps the first one it saw
-                first = self.first_losses.setdefault((tuple(ex.input_ids), tuple(ex.loss_mask)), (r.get('step'), r['nll']))
-                r['before_step'], r['before_nll'] = first
-        return res
-
     def snapshot(self):
         "The current rendering as static HTML (survives nbconvert and GitHub, where live widgets don't)."
         from IPython.display import HTML
@@ -377,6 +368,19 @@ class Inspector:
     def _ipython_display_(self):
         from IPython.display import display
         display(self.widget)
+
+# %% ../nbs/03_inspect.ipynb #1f279a8b
+from fastcore.basics import patch
+
+@patch
+def score(self: Inspector, examples: list) -> list[dict]:
+    "Loss mode: the scorer's `token_losses` of `examples`, each with the losses of its first scoring (`before_nll`) for the diff view."
+    res = [dict(r) for r in self.scorer.token_losses(examples, k=self.k)]
+    for ex, r in zip(examples, res):
+        if r.get('before_nll') is None:  # a scorer that keeps no baseline: this inspector keeps the first one it saw
+            first = self.first_losses.setdefault((tuple(ex.input_ids), tuple(ex.loss_mask)), (r.get('step'), r['nll']))
+            r['before_step'], r['before_nll'] = first
+    return res
 
 # %% ../nbs/03_inspect.ipynb #50f14fb9
 def inspect_main(argv: list[str] | None = None,
