@@ -103,6 +103,9 @@ def _cmd_train(a):
 
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
+    if '--run' in rest or any(r.startswith('--run=') for r in rest):  # loss mode: the run's model is loaded here (above the inspector)
+        from sft_nb.lens import run_scorer
+        return inspect_main(rest, run_loader=run_scorer)
     return inspect_main(rest)
 
 def _cmd_pack(a, rest):

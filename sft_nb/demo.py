@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse, sys, tempfile, time
 from .demo_data import identity_rows, DEMO_NAME
 from .trainer import SFTTrainer
+from .lens import print_hardest
 
 # %% auto #0
 __all__ = ['demo_config', 'run_demo', 'main']
@@ -33,13 +34,17 @@ def run_demo(model: str = 'smollm2', epochs: int = 3, cpus: int = 2, run_dir: st
         before_loss = t.evaluate()['heldout_loss']
         before = t.generate([question], max_new_tokens=40)[0]
         print(f"\nbefore training  held-out eval loss {before_loss:.4f}\n  Q: {question[-1]['content']}\n  A: {before}\n", flush=True)
+        hard_before = print_hardest(t, 'heldout', 'before training')
         h = t.fit()
         after_loss = t.evaluate()['heldout_loss']
         after = t.generate([question], max_new_tokens=40)[0]
+        hard_after = t.rank_rows('heldout', k=3)
     print('\ntrain loss by step: ' + ' '.join(f"{l:.3f}" for l in h.loss))
     print(f"\nafter training   held-out eval loss {after_loss:.4f}  (before {before_loss:.4f})\n  Q: {question[-1]['content']}\n  A: {after}")
+    print_hardest(hard_after, 'heldout', 'after training')
     print(f"\ndone in {time.time() - t0:.0f} s; eval loss {'went down' if after_loss < before_loss else 'DID NOT go down'}")
-    return {'before_loss': before_loss, 'after_loss': after_loss, 'before': before, 'after': after, 'seconds': time.time() - t0}
+    return {'before_loss': before_loss, 'after_loss': after_loss, 'before': before, 'after': after, 'seconds': time.time() - t0,
+            'hardest_before': hard_before, 'hardest_after': hard_after}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description='sft_nb demo: a real SFT run on the embedded identity data')

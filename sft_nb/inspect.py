@@ -13,8 +13,9 @@ from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load
 from .tokenize import HISTORY, MODES, Example, TokenizeSpec, tokenize_conversation, tokenize_rows
 
 # %% auto #0
-__all__ = ['COLORS', 'ROLE_COLORS', 'TokenRow', 'char_roles', 'token_rows', 'summary', 'ImageChip', 'render_example',
-           'inspect_examples', 'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
+__all__ = ['COLORS', 'ROLE_COLORS', 'LOSS_SCALE', 'DELTA_SCALE', 'TokenRow', 'char_roles', 'token_rows', 'summary', 'ImageChip',
+           'render_example', 'scale_color', 'loss_title', 'loss_summary', 'loss_legend_html', 'inspect_examples',
+           'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
@@ -122,6 +123,8 @@ def render_example(ex: Example, # a tokenized row
                    form: str = 'html', # 'html' | 'ansi' | 'text'
                    view: str = 'tokens', # 'tokens' (one chip per token) | 'text' (the rendered text, by character)
                    header: str = '', # prefix of the summary line (e.g. 'row 3')
+                   losses: dict | None = None, # loss mode: one `token_losses` result for this row (see "Loss mode")
+                   loss_view: str = 'now', # loss mode: 'now' (shade by loss) | 'diff' (shade by the change since the first scoring)
                   ) -> str:
     "The row drawn as token chips (or coloured text) in HTML, ANSI or plain text, with a summary line."
     if form not in ('html', 'ansi', 'text'): raise ValueError(f"form: {form!r} is not allowed; allowed values: html, ansi, text")
@@ -129,7 +132,7 @@ def render_example(ex: Example, # a tokenized row
     if view not in ('tokens', 'text'): raise ValueError(f"view: {view!r} is not allowed; allowed values: tokens, text")
     if view == 'text' and ex.text and ex.offsets: cells = [(t, tr, role, None) for t, tr, role in _runs(ex)]
     else: cells = _with_images([(r.piece or '◦', r.trained, r.role, r) for r in token_rows(ex, tokenizer)], ex)
-    head, NL = _head(ex, header), '\n'
+    head, NL = _head(ex, header) + (loss_summary(losses, loss_view) if losses else ''), '\n'
     if form == 'html':
         out = []
         for t, trained, role, r in cells:
@@ -141,10 +144,15 @@ def render_example(ex: Example, # a tokenized row
             style = f'background:{COLORS["trained" if trained else "masked"]};border-color:{ROLE_COLORS[role]}'
             cls = f'{"y" if trained else "n"} r-{role}'
             if r is None: out.append(f'<span class="c {cls}" style="{style}">{html.escape(t)}</span>'); continue
-            title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}')
+            lt = loss_title(losses, r.pos, tokenizer) if losses and trained else ''
+            if lt:  # loss mode: the fill is the token's loss (or its change), on one scale the legend shows
+                bg = _loss_bg(losses, r.pos, loss_view)
+                style, cls = f'background:{bg};color:{_ink(bg)};border-color:{ROLE_COLORS[role]}', cls + ' loss'
+            title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}' + lt)
             shown = html.escape(t.replace(NL, '↵'))
             out.append(f'<span class="k {cls}" style="{style}" title="{title}">{shown}</span>' + '<br>' * t.count(NL))
-        return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{_legend_html()}</div><div>{"".join(out)}</div></div>'
+        legend = _legend_html() + (loss_legend_html(loss_view) if losses else '')
+        return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div><div>{"".join(out)}</div></div>'
     cells = [(f'[image {r.k}: {r.end - r.start} tokens]', tr, role, r) if isinstance(r, ImageChip) else (t, tr, role, r)
              for t, tr, role, r in cells]
     if form == 'text':
@@ -155,13 +163,70 @@ def render_example(ex: Example, # a tokenized row
         return head + NL + ''.join(body) + ('⟧' if open_ else '')
     body = []
     for k, (t, trained, role, r) in enumerate(cells):
-        bg = _rgb(_shade(COLORS['trained' if trained else 'masked'], .85 if k % 2 and r else 1.0))
+        fill = _loss_bg(losses, r.pos, loss_view) if losses and trained and isinstance(r, TokenRow) and loss_title(losses, r.pos) else None
+        bg = _rgb(_shade(fill or COLORS['trained' if trained else 'masked'], .85 if k % 2 and r else 1.0))
         fg = _rgb(ROLE_COLORS[role])
         on = f'\x1b[48;2;{bg[0]};{bg[1]};{bg[2]}m\x1b[38;2;{fg[0]};{fg[1]};{fg[2]}m'
         lines = t.split(NL)
         for j, line in enumerate(lines):  # reset before each newline so colour never bleeds into the margin
             body.append(f'{on}{line}\x1b[0m' if j == len(lines) - 1 else f'{on}{line}{"↵" if r else ""}\x1b[0m{NL}')
     return head + '\n' + ''.join(body)
+
+# %% ../nbs/03_inspect.ipynb #a52baa74
+LOSS_SCALE = ((0, '#ffffcc'), (2, '#fed976'), (4, '#fd8d3c'), (6, '#e31a1c'), (8, '#800026'))  # nats → fill (YlOrRd)
+DELTA_SCALE = ((-4, '#2166ac'), (-1, '#92c5de'), (0, '#f7f7f7'), (1, '#f4a582'), (4, '#b2182b'))  # Δ nats: easier → harder
+
+def scale_color(x: float, scale=LOSS_SCALE) -> str:
+    "The colour of `x` on a piecewise-linear scale of (value, colour) stops (clipped at both ends)."
+    x = min(max(float(x), scale[0][0]), scale[-1][0])
+    for (a, ca), (b, cb) in zip(scale, scale[1:]):
+        if x <= b:
+            f = (x - a) / (b - a)
+            return '#' + ''.join(f'{round(u + (v - u) * f):02x}' for u, v in zip(_rgb(ca), _rgb(cb)))
+    return scale[-1][1]
+
+def _ink(bg: str) -> str:
+    "Black or white text, whichever reads on `bg`."
+    r, g, b = _rgb(bg)
+    return '#000' if .299 * r + .587 * g + .114 * b > 140 else '#fff'
+
+def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
+    now = float(losses['nll'][pos])
+    if view == 'diff' and losses.get('before_nll') is not None: return scale_color(now - float(losses['before_nll'][pos]), DELTA_SCALE)
+    return scale_color(now)
+
+# %% ../nbs/03_inspect.ipynb #77be2660
+def loss_title(losses: dict, pos: int, tokenizer=None) -> str:
+    "Hover text of a scored token: its loss, the change since its first scoring, the top-k alternatives ('' where not scored)."
+    import math
+    v = float(losses['nll'][pos])
+    if math.isnan(v): return ''
+    out = f' | loss {v:.3f}'
+    b = losses.get('before_nll')
+    if b is not None and not math.isnan(float(b[pos])): out += f' (first {float(b[pos]):.3f}, Δ {v - float(b[pos]):+.3f})'
+    ids = [int(i) for i in losses['top_ids'][pos]]
+    names = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
+    return out + ' | top: ' + ', '.join(f'{n!r} {float(p):.0%}' for n, p in zip(names, losses['top_p'][pos]))
+
+def loss_summary(losses: dict, view: str = 'now') -> str:
+    "The loss part of a row's summary line: mean and max over its trained tokens (and the change in the diff view)."
+    import numpy as np
+    v = np.asarray(losses['nll'], dtype=float); v = v[~np.isnan(v)]
+    if not len(v): return ' · no trained token scored'
+    s = f" · loss mean {v.mean():.3f} max {v.max():.3f}" + (f" (step {losses['step']})" if losses.get('step') is not None else '')
+    b = losses.get('before_nll')
+    if view == 'diff' and b is not None:
+        bb = np.asarray(b, dtype=float); bb = bb[~np.isnan(bb)]
+        s += f" · first scored{' at step ' + str(losses['before_step']) if losses.get('before_step') is not None else ''}: mean {bb.mean():.3f}"
+    return s
+
+def loss_legend_html(view: str = 'now') -> str:
+    "The legend of the loss fill: swatches along the scale."
+    if view == 'diff':
+        items, label = [(x, scale_color(x, DELTA_SCALE), f'{x:+d}') for x in (-4, -2, -1, 0, 1, 2, 4)], 'Δ loss since first scored (nats): easier ← → harder'
+    else: items, label = [(x, scale_color(x), f'{x}' + ('+' if x == 8 else '')) for x in range(0, 9)], 'loss (nats)'
+    sw = ''.join(f'<span class="k" style="background:{c};color:{_ink(c)};border-color:transparent">{t}</span>' for _, c, t in items)
+    return f'<div class="loss-legend" data-view="{view}">{label} {sw}</div>'
 
 # %% ../nbs/03_inspect.ipynb #c99d6ef4
 def _base_dir(source) -> Path | None:
@@ -228,6 +293,8 @@ class Inspector:
                  row: int = 0, # first row shown
                  format: str = 'auto', # source format; 'auto' detects it
                  view: str = 'tokens', # 'tokens' | 'text'
+                 trainer=None, # loss mode: anything with `token_losses(examples, k=...)` (an `SFTTrainer`, a `sft_nb.lens.RunScorer`)
+                 k: int = 3, # loss mode: alternatives shown per token
                 ):
         import ipywidgets as W
         self.tokenizer, self.template, self.format, self._loaded = tokenizer, load_template(template), format, {}
@@ -247,10 +314,14 @@ class Inspector:
         self.max_length = W.IntText(value=max_length or 0, description='max_length', layout=W.Layout(width='180px'))
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
+        self.scorer, self.k, self.losses, self.first_losses = trainer, k, [], {}
+        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now', style={'button_width': 'auto'},
+                                         layout=W.Layout(display='' if trainer is not None else 'none'))
         self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]),
-                              W.HBox([self.history, self.reasoning, self.tool_calls]), self.kwargs, self.html])
+                              W.HBox([self.history, self.reasoning, self.tool_calls]), self.kwargs, self.loss_view, self.html])
+        self.widget.add_class('sft-nb-inspector')
         self._load(); self.row.value = min(row, self.row.max)
-        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.history, self.reasoning, self.tool_calls): w.observe(lambda _: self.update(), names='value')
+        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.history, self.reasoning, self.tool_calls, self.loss_view): w.observe(lambda _: self.update(), names='value')
         self.source.observe(lambda _: (self._load(), self.update()), names='value')
         self.update()
 
@@ -277,14 +348,16 @@ class Inspector:
                                                           self.base_dirs.get(self.source.value))
         except ValueError as e: self.examples, self.error = [], f'template kwargs: {e}'
         self.example = self.examples[0] if self.examples else None
+        self.losses = self.score(self.examples) if self.scorer is not None and self.examples else [None] * len(self.examples)
         head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
+        lv = self.loss_view.value
         if self.example is None:
             self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-        elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head)
+        elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
         else:  # history='expand': the examples of one row side by side, one column per trained turn
             n = len(self.examples)
-            cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}")}</div>'
-                    for k, ex in enumerate(self.examples)]
+            cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
+                    for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
             self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
 
     def snapshot(self):
@@ -296,15 +369,30 @@ class Inspector:
         from IPython.display import display
         display(self.widget)
 
+# %% ../nbs/03_inspect.ipynb #1f279a8b
+from fastcore.basics import patch
+
+@patch
+def score(self: Inspector, examples: list) -> list[dict]:
+    "Loss mode: the scorer's `token_losses` of `examples`, each with the losses of its first scoring (`before_nll`) for the diff view."
+    res = [dict(r) for r in self.scorer.token_losses(examples, k=self.k)]
+    for ex, r in zip(examples, res):
+        if r.get('before_nll') is None:  # a scorer that keeps no baseline: this inspector keeps the first one it saw
+            first = self.first_losses.setdefault((tuple(ex.input_ids), tuple(ex.loss_mask)), (r.get('step'), r['nll']))
+            r['before_step'], r['before_nll'] = first
+    return res
+
 # %% ../nbs/03_inspect.ipynb #50f14fb9
-def inspect_main(argv: list[str] | None = None) -> int:
-    "CLI entry: print one row's tokens and loss mask; returns the exit status (1: the row would not be trained, 2: no such row)."
+def inspect_main(argv: list[str] | None = None,
+                 run_loader=None, # `--run`: RUN_DIR → (scorer with `token_losses`, the run's tokenize settings); `sft-nb inspect` passes `sft_nb.lens.run_scorer`
+                ) -> int:
+    "CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the exit status (1: the row would not be trained, 2: no such row)."
     p = argparse.ArgumentParser(prog='sft-nb inspect', description='Show the tokens and loss mask of one dataset row.')
     p.add_argument('data', help='dataset: .json/.jsonl/.parquet/.arrow file, save_to_disk folder or hub name')
     p.add_argument('--row', type=int, default=0, help='row index')
-    p.add_argument('--model', default='tiny', help="tokenizer: 'tiny', 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
-    p.add_argument('--mode', default='all_assistant', choices=MODES, help='masking mode')
-    p.add_argument('--history', default='expand', choices=HISTORY, help='all_assistant on a template that rewrites earlier turns')
+    p.add_argument('--model', default=None, help="tokenizer: 'tiny' (default), 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
+    p.add_argument('--mode', default=None, choices=MODES, help='masking mode (default all_assistant)')
+    p.add_argument('--history', default=None, choices=HISTORY, help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
     p.add_argument('--template', default=None, help='chat template (.jinja path) replacing the tokenizer\'s')
@@ -314,7 +402,16 @@ def inspect_main(argv: list[str] | None = None) -> int:
     p.add_argument('--format', default='auto', help='source format (auto-detected by default)')
     p.add_argument('--view', default='tokens', choices=('tokens', 'text'))
     p.add_argument('--color', default='always', choices=('always', 'never'), help="'never' prints ⟦trained⟧ runs as plain text")
+    p.add_argument('--run', default=None, help="a run folder: shade trained tokens by the loss of its exported (hf/) or latest checkpointed model, "
+                   "with its tokenizer and tokenize settings (the options above still override them)")
+    p.add_argument('--top-k', type=int, default=3, help='with --run: alternatives shown per token')
+    p.add_argument('--html', default=None, help='also write the rendering to this HTML file')
     a = p.parse_args(argv)
+    scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
+    a.model, a.mode, a.history = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.history or run.get('history') or 'expand'
+    a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
+    if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
+    a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
     tokenizer, template = load_tokenizer(a.model, a.template, a.family)
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
@@ -326,6 +423,16 @@ def inspect_main(argv: list[str] | None = None) -> int:
     if not exs:
         print(f'{head}: not trained — {err}'); return 1
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
-    for k, ex in enumerate(exs):
-        sys.stdout.write(render_example(ex, tokenizer, form, a.view, head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '')) + '\n')
+    losses = scorer.token_losses(exs, k=a.top_k) if scorer is not None else [None] * len(exs)
+    heads = [head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '') for k in range(len(exs))]
+    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(render_example(ex, tokenizer, form, a.view, h, lo) + '\n')
+    if a.html:
+        body = ''.join(render_example(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
+        Path(a.html).write_text(f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(head)}</title></head><body>{body}</body></html>')
+        print(f'wrote {a.html}', file=sys.stderr)
     return 0
+
+def _run_settings(a, run_loader) -> tuple:
+    "`--run`: the run's scorer and settings, from `run_loader` (which lives above this module: it loads a trained model)."
+    if run_loader is None: raise ValueError("--run: scoring a run needs `sft-nb inspect` (sft_nb.cli), which can load its model")
+    return run_loader(a.run)

@@ -13,7 +13,7 @@ from ..collate import token_nll_sum, trained_targets, target_weights, model_inpu
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 
 # %% auto #0
-__all__ = ['FSDPWorker']
+__all__ = ['FSDPWorker', 'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
 def _model_cls(path):
@@ -185,3 +185,38 @@ class FSDPWorker(DistWorker):
             if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
                 import shutil; shutil.copy(Path(self.path, 'preprocessor_config.json'), path)
         return True
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed
+from fastcore.basics import patch
+
+def trained_token_stats(logits, # [n, V] logits at the positions whose next token is trained
+                        targets, # [n] the trained next tokens
+                        k: int = 3, # alternatives kept per position
+                       ) -> dict:
+    "NLL of each target and the `k` most likely tokens (ids, probabilities), as NumPy arrays."
+    import torch
+    lp = torch.log_softmax(logits.float(), -1)
+    top_p, top_ids = lp.topk(min(k, lp.shape[-1]), -1)
+    return {'nll': (-lp.gather(1, targets[:, None].long())[:, 0]).cpu().numpy(),
+            'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+
+@patch
+def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
+    "Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered)."
+    import torch
+    self.model.eval()
+    out = []
+    with torch.no_grad():
+        for mb in micro_batches:
+            mb = self._to_dev(mb)
+            sel, tgt = trained_targets(mb['labels'])
+            head = self.model.get_output_embeddings()
+            def only_trained(module, args):  # [B, T, H] hidden states → [n_trained, H]
+                return (args[0][sel],) + args[1:] if args[0].shape[:2] == sel.shape else None
+            hook = head.register_forward_pre_hook(only_trained) if head is not None else None
+            try: logits = self.model(**model_inputs(mb)).logits
+            finally:
+                if hook is not None: hook.remove()
+            if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
+            out.append(trained_token_stats(logits, tgt, k))
+    return out

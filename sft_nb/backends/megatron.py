@@ -373,3 +373,33 @@ class MegatronWorker(DistWorker):
         from megatron.core import parallel_state as ps
         if ps.model_parallel_is_initialized(): ps.destroy_model_parallel()
         return super().shutdown()
+
+# %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
+from fastcore.basics import patch
+from ..collate import trained_targets
+from .fsdp import trained_token_stats
+
+@patch
+def token_losses(self: MegatronWorker, micro_batches: list[dict], k: int = 3) -> list[dict] | None:
+    "Per micro-batch: `trained_token_stats` at its trained targets (on the last pipeline stage; None on the others)."
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    self.model.eval()
+    B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
+    shape = (B, T) if self.pp > 1 else None  # stages exchange tensors of one shape
+    batches = [{n: v.to(self.device) for n, v in mcore_batch(mb, shape).items()} for mb in micro_batches]
+    sels = [trained_targets(mb['labels']) for mb in micro_batches]
+    def forward_step(data_iterator, model):
+        j = next(data_iterator)
+        b, (sel, tgt) = batches[j], sels[j]
+        out = model(b['input_ids'], b['position_ids'], b['attention_mask'])
+        def stats(lg):
+            lg = gather_from_tensor_model_parallel_region(lg)[:sel.shape[0], :sel.shape[1]][sel.to(lg.device)]
+            return lg.sum() * 0, trained_token_stats(lg, tgt.to(lg.device), k)
+        return out, stats
+    with torch.no_grad():
+        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(len(batches))), model=[self.model],
+                                          num_microbatches=len(batches), seq_length=shape[1] if shape else T,
+                                          micro_batch_size=shape[0] if shape else B, forward_only=True)
+    return list(out) if out else None

@@ -1,0 +1,55 @@
+"""The loss lens in a real JupyterLab + headless Chromium (the harness of tests/test_browser.py): examples/lens.ipynb
+trains a few steps on the tiny model and lists the hardest rows; a click on one opens it in the inspector in loss
+mode (chips shaded by loss, a legend), and the "before training → now" toggle shades the change. Screenshots:
+`build/browser/lens_*.png`."""
+from __future__ import annotations
+import re
+from test_browser import Notebook, browser, lab  # noqa: F401  (the fixtures and the page helper of the workbench tests)
+import pytest
+
+pytestmark = pytest.mark.timeout(900)
+
+
+def _inspector_html(nb) -> str:
+    return nb.page.locator('.sft-nb-ranked .sft-nb-inspector .widget-html').first.inner_html()
+
+
+def test_ranked_rows_open_in_loss_mode(lab, browser):
+    nb = Notebook(browser, lab, 'lens.ipynb')
+    nb.run_all()
+    ranked = nb.page.locator('.sft-nb-ranked')
+    buttons = ranked.locator('button.jupyter-button', has_text=re.compile(r'^#\d+ '))
+    assert buttons.count() == 10, buttons.all_inner_texts()
+    text = buttons.nth(3).inner_text()
+    m = re.match(r'#4 (\S+) row (\d+) · mean (\d+\.\d+)', text)
+    assert m, text
+    source, row, mean = m.group(1), int(m.group(2)), m.group(3)
+    before = _inspector_html(nb)
+    buttons.nth(3).click()
+    nb.page.wait_for_function(f'''() => {{ const h = document.querySelector('.sft-nb-ranked .sft-nb-inspector .widget-html');
+        return h && h.textContent.includes('{source} row {row} ·') && h.textContent.includes('loss mean {mean}'); }}''', timeout=120_000)
+    assert nb.page.locator('.sft-nb-ranked .sft-nb-inspector .widget-slider .widget-readout').first.inner_text().strip() == str(row)
+    html_now = _inspector_html(nb)
+    assert html_now != before
+    chips = ranked.locator('.sft-nb-inspector .sftnb span.k.loss')
+    n_loss = chips.count()
+    assert n_loss > 5, n_loss
+    # every loss chip is filled from the scale (not the plain trained green) and says its loss and top guesses on hover
+    title = chips.first.get_attribute('title')
+    assert re.search(r'\| loss \d+\.\d{3} \(first \d+\.\d{3}, Δ [+-]\d+\.\d{3}\) \| top: ', title), title
+    fills = set(chips.evaluate_all('els => els.map(e => getComputedStyle(e).backgroundColor)'))
+    assert 'rgb(123, 211, 137)' not in fills and len(fills) > 1, fills
+    legend = ranked.locator('.sft-nb-inspector .loss-legend')
+    assert legend.count() == 1 and legend.is_visible() and 'loss (nats)' in legend.inner_text()
+    ranked.scroll_into_view_if_needed(); nb.shot('lens_ranked_loss', ranked)
+
+    ranked.locator('.sft-nb-inspector .widget-toggle-buttons button', has_text='before training → now').click()
+    nb.page.wait_for_function('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="diff"]')''', timeout=60_000)
+    h = ranked.locator('.sft-nb-inspector .widget-html').first.inner_text()
+    assert 'first scored at step 0' in h and 'easier' in h, h[:500]
+    assert ranked.locator('.sft-nb-inspector .sftnb span.k.loss').count() == n_loss
+    nb.shot('lens_ranked_diff', ranked)
+    nb.check_clean()
+    cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
+    cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
+    nb.close()

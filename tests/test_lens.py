@@ -1,0 +1,147 @@
+"""The loss lens (issue 18): per-token losses from the workers equal a plain Hugging Face forward of the same weights,
+padded == packed, 2 ranks == 1 rank, megatron == FSDP; rows ranked by loss; bad input named."""
+import numpy as np
+import pytest
+import torch
+from sft_nb.demo_data import identity_rows
+from sft_nb.trainer import SFTTrainer
+import sft_nb.lens  # noqa: F401  (adds token_losses / rank_rows to SFTTrainer)
+from helpers import run_cfg
+
+ROWS = identity_rows()
+TRAIN, EVAL = ROWS['train'], ROWS['eval']
+
+
+def cfg(tiny_path, run_dir, **kw):
+    return run_cfg(tiny_path, run_dir, **{'optim__lr': 1e-3, 'train__micro_batch_size': 2, 'train__num_steps': 2, **kw})
+
+
+def hf_token_nll(model, ids: list[int], mask: list[int]) -> np.ndarray:
+    "A plain HF forward of one row alone: the NLL of each trained token (NaN elsewhere)."
+    with torch.no_grad(): lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
+    return np.array([-float(lp[p - 1, ids[p]]) if p and mask[p] else np.nan for p in range(len(ids))])
+
+
+def max_gap(a: list[dict], b: list[dict]) -> float:
+    assert len(a) == len(b) and all(x['input_ids'] == y['input_ids'] for x, y in zip(a, b))
+    assert all(np.array_equal(np.isnan(x['nll']), np.isnan(y['nll'])) for x, y in zip(a, b))
+    return max(float(np.nanmax(np.abs(x['nll'] - y['nll']))) for x, y in zip(a, b))
+
+
+def test_exact_vs_hf_forward_padded_and_packed(tiny_path, tmp_path, ray_session):
+    "After 2 steps: every trained token's NLL and the top-k equal a plain HF forward of the trained weights (≤1e-5); packed == padded."
+    from transformers import AutoModelForCausalLM
+    with SFTTrainer(cfg(tiny_path, tmp_path), train_data=TRAIN, eval_data={'q': EVAL}) as t:
+        t.fit()
+        padded = t.token_losses('q', k=4)
+        packed = t.token_losses('q', k=4, packed=True, micro_batch_size=5)  # several rows per packed row
+        trained = t.token_losses('train', indices=list(range(12)), packed=True)
+        state = t.group.call('full_state')[0]
+    hf = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+    hf.load_state_dict(state)
+    gap, n = 0.0, 0
+    for r in padded + trained:
+        ref = hf_token_nll(hf, r['input_ids'], r['loss_mask'])
+        assert np.array_equal(np.isnan(ref), np.isnan(r['nll']))
+        gap = max(gap, float(np.nanmax(np.abs(ref - r['nll'])))); n += int((~np.isnan(ref)).sum())
+    print(f'{n} trained tokens: max |token_losses - HF forward| = {gap:.2e}; packed vs padded {max_gap(padded, packed):.2e}')
+    assert gap <= 1e-5 and max_gap(padded, packed) <= 1e-5
+    r = padded[0]
+    with torch.no_grad(): probs = torch.softmax(hf(torch.tensor([r['input_ids']])).logits[0].float(), -1)
+    p = int(np.flatnonzero(~np.isnan(r['nll']))[0])
+    top = probs[p - 1].topk(4)
+    assert r['top_ids'][p].tolist() == top.indices.tolist() and np.allclose(r['top_p'][p], top.values.numpy(), atol=1e-6)
+    assert r['step'] == 2 and r['before_step'] == 2  # first scored now
+
+
+def test_two_ranks_equal_one(tiny_path, tmp_path, ray_session):
+    "FSDP over 2 ranks (an odd row count: one rank gets a dummy micro-batch) gives the 1-rank losses."
+    out = {}
+    for w in (1, 2):
+        with SFTTrainer(cfg(tiny_path, tmp_path / str(w), placement__workers_per_node=w), train_data=TRAIN) as t:
+            out[w] = t.token_losses('train', indices=list(range(11)), micro_batch_size=2)
+    print(f'2 ranks vs 1: max gap {max_gap(out[1], out[2]):.2e}')
+    assert max_gap(out[1], out[2]) <= 1e-5
+
+
+def test_rank_rows_order_and_first_scoring(tiny_path, tmp_path, ray_session):
+    with SFTTrainer(cfg(tiny_path, tmp_path, **{'data__eval_fraction': 0.2}), train_data=TRAIN) as t:
+        res = t.token_losses('heldout')
+        for by in ('mean', 'sum', 'max'):
+            df = t.rank_rows('heldout', by=by, k=None)
+            assert df[f'{by}_loss'].is_monotonic_decreasing and len(df) == len(res), by
+            top = res[int(df.position.iloc[0])]
+            v = top['nll'][~np.isnan(top['nll'])]
+            assert abs({'mean': v.mean(), 'sum': v.sum(), 'max': v.max()}[by] - df[f'{by}_loss'].iloc[0]) <= 1e-5
+            assert df.n_trained.iloc[0] == sum(top['loss_mask'][1:]) and df.length.iloc[0] == len(top['input_ids'])
+        assert len(t.rank_rows('heldout', k=3)) == 3
+        t.fit()
+        after = t.token_losses('heldout')
+        assert all(a['before_step'] == 0 and a['step'] == 2 and np.allclose(a['before_nll'], b['nll'], equal_nan=True)
+                   for a, b in zip(after, res))
+        with pytest.raises(ValueError, match="by: 'median' is not allowed"): t.rank_rows(by='median')
+        with pytest.raises(ValueError, match="'dev' is not a split of this trainer"): t.token_losses('dev')
+        with pytest.raises(ValueError, match='row 1 would not be trained'):
+            t.token_losses([EVAL[0], {'messages': [{'role': 'user', 'content': 'no answer'}]}])
+
+
+def test_megatron_equals_fsdp(tiny_path, tmp_path, ray_session):
+    "The megatron backend (TP=1; TP=2; PP=2) gives the FSDP per-token losses and alternatives."
+    pytest.importorskip('megatron.core')
+    layouts = {'fsdp': {}, 'mcore_tp1': dict(placement__backend='megatron'),
+               'mcore_tp2': dict(placement__backend='megatron', placement__workers_per_node=2, placement__tensor_parallel=2),
+               'mcore_pp2': dict(placement__backend='megatron', placement__workers_per_node=2, placement__pipeline_parallel=2)}
+    out = {}
+    for name, lay in layouts.items():
+        with SFTTrainer(cfg(tiny_path, tmp_path / name, **lay), train_data=TRAIN, eval_data={'q': EVAL}) as t:
+            out[name] = (t.token_losses('q', micro_batch_size=3), t.token_losses('q', packed=True, micro_batch_size=3))
+    for name in layouts:
+        gaps = [max_gap(out['fsdp'][0], out[name][j]) for j in (0, 1)]
+        same_top = all((a['top_ids'][~np.isnan(a['nll'])] == b['top_ids'][~np.isnan(b['nll'])]).all() for a, b in zip(out['fsdp'][0], out[name][0]))
+        print(f'{name}: padded {gaps[0]:.2e} packed {gaps[1]:.2e} same top-k ids: {same_top}')
+        assert max(gaps) <= 1e-5, name
+
+
+def _score_run(run_dir, exs):
+    from sft_nb.lens import RunScorer
+    return RunScorer(run_dir).token_losses(exs)
+
+
+def test_inspect_run_cli(tiny_path, tmp_path, ray_session):
+    "`sft-nb inspect DATA --run RUN_DIR --html`: the run's exported model, or its checkpoint, scores the row exactly as the workers did."
+    import json, shutil, subprocess, sys
+    data = tmp_path / 'rows.jsonl'
+    data.write_text('\n'.join(json.dumps(r) for r in TRAIN))
+    run = tmp_path / 'run'
+    with SFTTrainer(cfg(tiny_path, run, checkpoint__export_hf=True), train_data=str(data)) as t:
+        t.train()
+        exs = [{'input_ids': e['input_ids'], 'loss_mask': e['loss_mask']} for e in t.token_losses('train', indices=[0, 1, 2])]
+        ref = t.token_losses(exs)
+    from_hf = _score_run(run, exs)
+    shutil.rmtree(run / 'hf')
+    from_ckpt = _score_run(run, exs)
+    print(f'run scorer vs workers: hf export {max_gap(ref, from_hf):.2e}, checkpoint {max_gap(ref, from_ckpt):.2e}')
+    assert max_gap(ref, from_hf) <= 1e-5 and max_gap(ref, from_ckpt) <= 1e-5
+    assert all(r['step'] == 2 and r['before_step'] == 0 for r in from_ckpt)
+    page = tmp_path / 'row.html'
+    p = subprocess.run([sys.executable, '-m', 'sft_nb.cli', 'inspect', str(data), '--row', '0', '--run', str(run), '--html', str(page),
+                        '--color', 'never'], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert 'loss mean' in p.stdout and '(step 2)' in p.stdout
+    h = page.read_text()
+    assert h.count(' loss" style=') == sum(exs[0]['loss_mask'][1:]) and 'class="loss-legend"' in h
+    bad = subprocess.run([sys.executable, '-m', 'sft_nb.cli', 'inspect', str(data), '--run', str(tmp_path)], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and 'has no config.yaml (not a run folder)' in bad.stderr
+
+
+def test_inspect_run_megatron_checkpoint(tiny_path, tmp_path, ray_session):
+    "A megatron run's checkpoint shards (TP=2) read back into the HF model score like its workers."
+    pytest.importorskip('megatron.core')
+    run = tmp_path / 'run'
+    with SFTTrainer(cfg(tiny_path, run, placement__backend='megatron', placement__workers_per_node=2, placement__tensor_parallel=2),
+                    train_data=TRAIN) as t:
+        t.fit(); t.save()
+        ref = t.token_losses('train', indices=[0, 1, 2])
+    got = _score_run(run, ref)
+    print(f'megatron checkpoint vs workers: {max_gap(ref, got):.2e}')
+    assert max_gap(ref, got) <= 1e-5
