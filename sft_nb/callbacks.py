@@ -171,7 +171,9 @@ def data_prompts(trainer, n: int) -> tuple[str | None, list[dict]]:
                 fmt = getattr(src, 'format', 'auto')
                 loaded[id(src)] = raw, detect_format(source_columns(raw)) if fmt == 'auto' else fmt
             raw, fmt = loaded[id(src)]
-            try: conv = normalize_row(row_dict(raw[row]), fmt)
+            r = row_dict(raw[row])
+            if r.get('images') or r.get('image'): continue  # an image row: its prompt needs the image (generate takes text)
+            try: conv = normalize_row(r, fmt)
             except BadRow: continue
             if not _text_chat(conv): continue
             msgs, ref = split_answer(conv['messages'])
