@@ -83,7 +83,7 @@ class Comparison:
     def __init__(self, runs: dict[str, dict]):
         self.runs, self.fig = runs, compare_fig(runs)
         diff = config_diff({n: r['config'] for n, r in runs.items()})
-        metrics = pd.DataFrame({n: final_metrics(r) for n, r in runs.items()})
+        metrics = pd.DataFrame({n: final_metrics(r) for n, r in runs.items()}, dtype=object)  # steps stay ints
         self.table = pd.concat([diff, metrics]) if len(diff) else metrics
         self.table.index.name = 'config key / metric'
 
