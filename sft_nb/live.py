@@ -158,7 +158,7 @@ def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
 class TrainerPanel(Callback):
     "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
-        self.trainer, self.fit_steps, self.thread, self.state = trainer, fit_steps, None, 'idle'
+        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
         self.plot, self.log = LivePlot(trainer), PanelLog()
         for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
             if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
@@ -223,7 +223,9 @@ def start(self, name: str, fn):
 @patch_to(TrainerPanel)
 def stop(self):
     "Stop a running fit after its current step (nothing happens when idle)."
-    if self.trainer.request_stop(): self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + 1}\n')
+    if self.trainer.request_stop():
+        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
+        self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
     self.refresh()
 
 @patch_to(TrainerPanel)
@@ -235,9 +237,11 @@ def wait(self, timeout: float | None = None):
 
 # %% ../nbs/08b_live.ipynb #6450a894
 @patch_to(TrainerPanel)
-def on_train_start(self, trainer): self.refresh()
+def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
 @patch_to(TrainerPanel)
-def on_step_end(self, trainer, metrics): self.refresh()
+def on_step_start(self, trainer, step): self.in_step = True
+@patch_to(TrainerPanel)
+def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
 @patch_to(TrainerPanel)
 def on_train_end(self, trainer): self.refresh()
 @patch_to(TrainerPanel)
