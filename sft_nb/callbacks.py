@@ -10,7 +10,7 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['Control', 'Callback', 'EarlyStopping', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker',
-           'MLflowTracker', 'make_trackers']
+           'MLflowTracker', 'make_trackers', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -120,10 +120,95 @@ class MLflowTracker(Callback):
     on_evaluate = on_log
     def close(self): self.mlflow.end_run()
 
+# %% ../nbs/08a_callbacks.ipynb #5cd1e2ee
 def make_trackers(names: list[str], run_dir: str | Path, project: str = 'sft_nb', config: dict | None = None) -> list[Callback]:
-    "Trackers named in `logging.trackers`."
+    "Trackers named in `logging.trackers`, and a `SamplesCallback` when `config` (the run's, as a dict) has `eval.samples`."
     run_dir = Path(run_dir)
     make = {'console': lambda: ConsoleTracker(), 'jsonl': lambda: JSONLTracker(run_dir / 'metrics.jsonl'),
             'tensorboard': lambda: TensorBoardTracker(run_dir / 'tensorboard'),
             'wandb': lambda: WandbTracker(project, config or {}), 'mlflow': lambda: MLflowTracker(project, config or {})}
-    return [make[n]() for n in names]
+    ev = (config or {}).get('eval') or {}
+    samples = [SamplesCallback(run_dir / 'samples.jsonl', ev['samples'], ev.get('max_new_tokens', 64))] if ev.get('samples') else []
+    return [make[n]() for n in names] + samples
+
+# %% ../nbs/08a_callbacks.ipynb #584ed4ab
+def split_answer(messages: list[dict]) -> tuple[list[dict], str | None]:
+    "A conversation → (the messages before its last assistant turn, that turn's text); no assistant turn: (messages, None)."
+    last = max((k for k, m in enumerate(messages) if m.get('role') == 'assistant'), default=None)
+    return (messages, None) if last is None else (messages[:last], messages[last].get('content'))
+
+def prompt_messages(prompt) -> list[dict]:
+    "A prompt as chat messages: a string is one user message."
+    return [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
+
+# %% ../nbs/08a_callbacks.ipynb #0df184c6
+def _text_chat(conv: dict) -> bool:
+    return bool(conv.get('messages')) and all(isinstance(m.get('content'), str) for m in conv['messages'])
+
+def _candidates(trainer):
+    "(set name, [(source, tokenized dataset, example)]) in order of preference: first eval set, held-out rows, train rows."
+    evals = trainer.eval_data if trainer.eval_data is not None else trainer.cfg.data.eval
+    train = [trainer.train_data] if trainer.train_data is not None else trainer.cfg.data.train
+    if evals:
+        name = next(iter(evals)); ds = trainer.eval_sets[name]
+        yield name, [(evals[name], ds, i) for i in range(len(ds))]
+    if getattr(trainer, 'heldout', None): yield 'heldout', [(train[s], trainer.train_sets[s], int(i)) for s, i in trainer.heldout]
+    yield 'train', [(train[s], trainer.train_sets[s], int(i)) for s, i in trainer.rows]
+
+def data_prompts(trainer, n: int) -> tuple[str | None, list[dict]]:
+    "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'reference', 'row'}]); (None, []) when none has any."
+    from sft_nb.data import load_source, source_columns, detect_format, normalize_row, row_dict, BadRow
+    if trainer.cfg.data.synthetic_rows: return None, []
+    loaded = {}
+    for name, items in _candidates(trainer):
+        out, seen = [], set()
+        for src, ds, i in items:
+            row = int(ds[i]['index'])
+            if (id(src), row) in seen: continue
+            seen.add((id(src), row))
+            if id(src) not in loaded:
+                raw = load_source(src)
+                fmt = getattr(src, 'format', 'auto')
+                loaded[id(src)] = raw, detect_format(source_columns(raw)) if fmt == 'auto' else fmt
+            raw, fmt = loaded[id(src)]
+            r = row_dict(raw[row])
+            if r.get('images') or r.get('image'): continue  # an image row: its prompt needs the image (generate takes text)
+            try: conv = normalize_row(r, fmt)
+            except BadRow: continue
+            if not _text_chat(conv): continue
+            msgs, ref = split_answer(conv['messages'])
+            if msgs: out.append({'messages': msgs, 'reference': ref, 'row': row})
+            if len(out) == n: break
+        if out: return name, out
+    return None, []
+
+# %% ../nbs/08a_callbacks.ipynb #7cbf630f
+class SamplesCallback(JSONLTracker):
+    "At every evaluation, greedy answers to fixed prompts: appended to `path` (samples.jsonl) and kept in `samples`."
+    def __init__(self, path: str | Path, samples: int | list = 4, # a number of data rows, or a list of prompts
+                 max_new_tokens: int = 64):
+        super().__init__(path)
+        self.spec, self.max_new_tokens = samples, max_new_tokens
+        self.prompts, self.samples = None, []  # prompts are chosen at the first evaluation
+
+    def choose(self, trainer) -> list[dict]:
+        "The prompts: `eval.samples` as given, or that many rows of the trainer's data."
+        if isinstance(self.spec, int):
+            name, found = data_prompts(trainer, self.spec)
+            return [{'eval': name, **p} for p in found]
+        return [{'eval': 'prompts', 'messages': prompt_messages(p), 'reference': None, 'row': None} for p in self.spec]
+
+    def on_log(self, trainer, metrics): pass  # samples only: the metrics go to metrics.jsonl
+    def on_evaluate(self, trainer, metrics):
+        if self.prompts is None:
+            self.prompts = self.choose(trainer)
+            if self.path.exists(): self.samples = [json.loads(l) for l in self.path.read_text().splitlines() if l]  # a resumed run's
+        trainer.samples = self.samples
+        if not self.prompts: return
+        answers = trainer.generate([p['messages'] for p in self.prompts], self.max_new_tokens)
+        prev = {s['prompt_id']: s['answer'] for s in self.samples}  # the latest answer to each prompt
+        for k, (p, a) in enumerate(zip(self.prompts, answers)):
+            rec = {'step': metrics['step'], 'eval': p['eval'], 'prompt_id': k, 'row': p['row'], 'prompt': p['messages'][-1]['content'],
+                   'answer': a, 'previous': prev.get(k), 'reference': p['reference']}
+            if len(p['messages']) > 1: rec['messages'] = p['messages']
+            self.samples.append(rec); self._write(rec)

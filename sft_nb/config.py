@@ -14,7 +14,7 @@ from fastcore.docments import docments
 # %% auto #0
 __all__ = ['ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig', 'TokenizeConfig',
            'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig', 'CheckpointConfig',
-           'LoggingConfig', 'SFTConfig', 'parse_overrides', 'to_dict', 'load_config', 'save_config']
+           'LoggingConfig', 'EvalConfig', 'SFTConfig', 'parse_overrides', 'to_dict', 'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
 class ConfigError(ValueError):
@@ -280,6 +280,22 @@ class LoggingConfig:
         if self.profile_steps < 1: raise ConfigError(f"profile_steps: must be >= 1, got {self.profile_steps}")
         if self.profile_step < 0: raise ConfigError(f"profile_step: must be >= 0 (0 = off), got {self.profile_step}")
 
+# %% ../nbs/00_config.ipynb #3ba039de
+@dataclass
+class EvalConfig:
+    "Generation samples at every evaluation."
+    samples: int | list[str | list[dict[str, Any]]] = 4  # prompts answered at each eval: N rows of the first eval set (else held-out, else train rows), a list of prompts (strings or message lists), or 0 = off
+    max_new_tokens: int = 64  # greedy decoding: at most this many new tokens per answer
+    def __post_init__(self):
+        check_range('max_new_tokens', self.max_new_tokens, 1)
+        if isinstance(self.samples, int): return check_range('samples', self.samples, 0)
+        for i, p in enumerate(self.samples):
+            if isinstance(p, str): continue
+            if not p: raise ConfigError(f"samples[{i}]: an empty message list")
+            for j, m in enumerate(p):
+                if not isinstance(m.get('role'), str) or not isinstance(m.get('content'), str):
+                    raise ConfigError(f"samples[{i}][{j}]: a message needs a string 'role' and 'content', got {m!r}")
+
 # %% ../nbs/00_config.ipynb #3175609b
 @dataclass
 class SFTConfig:
@@ -293,6 +309,7 @@ class SFTConfig:
     placement: PlacementConfig = field(default_factory=PlacementConfig)  # workers and backend
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # logging
+    eval: EvalConfig = field(default_factory=EvalConfig)  # generation samples at every evaluation
     def __post_init__(self):
         t, dp = self.train, self.placement.dp_size
         if t.global_batch_size % (t.micro_batch_size * dp):

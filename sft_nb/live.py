@@ -12,7 +12,8 @@ from fastcore.basics import patch_to
 from .callbacks import Callback
 
 # %% auto #0
-__all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'TrainerPanel']
+__all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
+           'samples_text', 'TrainerPanel']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -90,11 +91,74 @@ class PanelLog:
             elif msg: out.append(f'<div>{html.escape(msg)}</div>')
         self.widget.value = '<div class="sft-nb-log-text" style="font-family:monospace;font-size:12px;white-space:pre-wrap">' + ''.join(out) + "</div>"
 
+# %% ../nbs/08b_live.ipynb #1e19c9e4
+def word_diff(old: str | None, new: str) -> list[tuple[str, str]]:
+    "`new` against `old`, word by word: [(op, text)] with op '=' (kept), '+' (inserted) or '-' (removed); no `old`: all kept."
+    import difflib, re
+    if old is None: return [('=', new)] if new else []
+    a, b = re.split(r'(\s+)', old), re.split(r'(\s+)', new)  # words and the whitespace between them
+    ops = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    spans = []  # a change, the blank between words and the next change read as one change: [-a bot.-]{+Quill <3+}
+    for k, (op, i1, i2, j1, j2) in enumerate(ops):
+        blank = op == 'equal' and not ''.join(a[i1:i2]).strip() and 0 < k < len(ops) - 1
+        if spans and spans[-1][0] != 'equal' and (op != 'equal' or blank): spans[-1] = ('replace', spans[-1][1], i2, spans[-1][3], j2)
+        else: spans.append((op, i1, i2, j1, j2))
+    out = []
+    for op, i1, i2, j1, j2 in spans:
+        if op == 'equal': out.append(('=', ''.join(b[j1:j2])))
+        if op in ('delete', 'replace'): out.append(('-', ''.join(a[i1:i2])))
+        if op in ('insert', 'replace'): out.append(('+', ''.join(b[j1:j2])))
+    return [(op, t) for op, t in out if t]
+
+# %% ../nbs/08b_live.ipynb #8f5c6e88
+_INS, _DEL = 'background:#c8f0c8;text-decoration:none', 'background:#f7c6c6;color:#8b0000'
+
+def diff_html(old: str | None, new: str) -> str:
+    "The new answer as HTML with its word diff against `old` (`<ins>` green, `<del>` red)."
+    tag = {'=': '{}', '+': f'<ins style="{_INS}">{{}}</ins>', '-': f'<del style="{_DEL}">{{}}</del>'}
+    return ''.join(tag[op].format(html.escape(t)) for op, t in word_diff(old, new))
+
+def eval_groups(samples: list[dict]) -> list[list[dict]]:
+    "Records grouped by evaluation, oldest first (a group starts at each new step, or when the prompts start over)."
+    groups = []
+    for s in samples:
+        g = groups[-1] if groups else None
+        if g is None or s['step'] != g[-1]['step'] or s['prompt_id'] <= g[-1]['prompt_id']: groups.append([s])
+        else: g.append(s)
+    return groups
+
+# %% ../nbs/08b_live.ipynb #af6ef28e
+def samples_html(samples: list[dict], max_evals: int = 5) -> str:
+    "The last `max_evals` evaluations' samples, newest first, each answer diffed against the previous one."
+    if not samples: return ''
+    out = []
+    for g in eval_groups(samples)[::-1][:max_evals]:
+        rows = ''.join(
+            f'<tr class="sft-nb-sample"><td style="vertical-align:top;padding:2px 8px 2px 0;color:#555" title="{html.escape(s.get("reference") or "")}">'
+            f'{html.escape(s["prompt"])}</td><td style="vertical-align:top;padding:2px 0;white-space:pre-wrap">'
+            f'{diff_html(s.get("previous"), s["answer"]) or "<i>(empty answer)</i>"}</td></tr>' for s in g)
+        out.append(f'<div class="sft-nb-samples-eval"><b>samples at step {g[0]["step"]}</b> <span style="color:#777">({html.escape(str(g[0]["eval"]))}; '
+                   f'marked against the previous evaluation; hover a prompt for the reference answer)</span>'
+                   f'<table style="border-collapse:collapse;font-size:12px;text-align:left">{rows}</table></div>')
+    return '<div style="font-family:monospace;font-size:12px;max-height:320px;overflow:auto">' + ''.join(out) + '</div>'
+
+def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
+    "The samples as plain text, oldest evaluation first; changes against the previous answer as [-removed-]{+inserted+}."
+    mark = {'=': '{}', '+': '{{+{}+}}', '-': '[-{}-]'}
+    out = []
+    for g in eval_groups(samples)[-max_evals if max_evals else 0:]:
+        out.append(f"samples at step {g[0]['step']} ({g[0]['eval']}):")
+        for s in g:
+            out.append(f"  Q: {s['prompt']}\n  A: {s['answer']}")
+            if s.get('previous') is not None and s['previous'] != s['answer']:
+                out.append('     ' + ''.join(mark[op].format(t) for op, t in word_diff(s['previous'], s['answer'])))
+    return '\n'.join(out)
+
 # %% ../nbs/08b_live.ipynb #21525d35
 class TrainerPanel(Callback):
-    "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart and an output area for a trainer."
+    "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
-        self.trainer, self.fit_steps, self.thread, self.state = trainer, fit_steps, None, 'idle'
+        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
         self.plot, self.log = LivePlot(trainer), PanelLog()
         for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
             if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
@@ -109,8 +173,9 @@ class TrainerPanel(Callback):
         self.save_button.on_click(lambda _: self.start('save', self.trainer.save))
         self.stop_button.on_click(lambda _: self.stop())
         buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button]
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.plot.fig, self.log.widget])
-        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log')): w.add_class(c)
+        self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.plot.fig, self.samples, self.log.widget])
+        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples')): w.add_class(c)
         self.refresh()
 
 # %% ../nbs/08b_live.ipynb #ce9cb95f
@@ -158,7 +223,9 @@ def start(self, name: str, fn):
 @patch_to(TrainerPanel)
 def stop(self):
     "Stop a running fit after its current step (nothing happens when idle)."
-    if self.trainer.request_stop(): self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + 1}\n')
+    if self.trainer.request_stop():
+        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
+        self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
     self.refresh()
 
 @patch_to(TrainerPanel)
@@ -170,14 +237,17 @@ def wait(self, timeout: float | None = None):
 
 # %% ../nbs/08b_live.ipynb #6450a894
 @patch_to(TrainerPanel)
-def on_train_start(self, trainer): self.refresh()
+def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
 @patch_to(TrainerPanel)
-def on_step_end(self, trainer, metrics): self.refresh()
+def on_step_start(self, trainer, step): self.in_step = True
+@patch_to(TrainerPanel)
+def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
 @patch_to(TrainerPanel)
 def on_train_end(self, trainer): self.refresh()
 @patch_to(TrainerPanel)
 def on_evaluate(self, trainer, metrics):
     self.log.write(f"eval at step {metrics['step']}: " + '  '.join(f'{k}={v:.4f}' for k, v in metrics.items() if k != 'step') + '\n')
+    self.samples.value = samples_html(getattr(trainer, 'samples', []))  # the SamplesCallback ran before the panel
     self.refresh()
 @patch_to(TrainerPanel)
 def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')
