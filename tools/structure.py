@@ -135,8 +135,8 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str, int, int]]:
-    "`(notebook, cell number, lines)` of every exported cell over `limit` lines."
+def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str, str, int]]:
+    "`(notebook, cell, lines)` of every exported cell over `limit` lines; cell = its 0-based position and id."
     out = []
     for nb in sorted((root / 'nbs').rglob('*.ipynb')):
         if '.ipynb_checkpoints' in nb.parts: continue
@@ -146,7 +146,7 @@ def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str
             directives = [m.group(1) for l in lines if (m := _DIRECTIVE.match(l))]
             if not EXPORT_DIRECTIVES & set(directives): continue
             n = sum(1 for l in lines if not _DIRECTIVE.match(l))
-            if n > limit: out.append((str(nb.relative_to(root)), i, n))
+            if n > limit: out.append((str(nb.relative_to(root)), f"{i}" + (f" (id {c['id']})" if c.get('id') else ''), n))
     return out
 
 
