@@ -20,7 +20,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
 sys.path.insert(0, str(ROOT))
-from sft_nb.packing import MBS_MAX_ROWS, STRATEGIES, lower_bound, pack  # noqa: E402
+from sft_nb.packing import MIN_SLACK_MAX_ROWS, STRATEGIES, lower_bound, pack  # noqa: E402
 
 
 def skyrl_style_ffd(lengths, capacity):
@@ -115,12 +115,12 @@ def main():
                                  note=f'O(n·bins): ~{sky_s * (len(lens) / len(sample)) ** 2 / 3600:.0f} h extrapolated to all rows'))
             else: row('skyrl-style ffd', len(sky), sky_s)
             for s in STRATEGIES:
-                if s == 'mbs' and len(lens) > MBS_MAX_ROWS: continue
+                if s == 'min_slack' and len(lens) > MIN_SLACK_MAX_ROWS: continue
                 plan, secs = timed(lambda: pack(lens, cap, s, truncation='truncate'), 3)
                 row(f'sft_nb {s}', len(plan), secs)
                 if s == 'bfd' and big:
                     checks.append((f'{len(lens):,} lengths @ {cap}: BFD plan < 2 s on one core', secs < 2, f'{secs:.2f} s (median of 3)'))
-                if s in ('bfd', 'mbs') and not big:
+                if s in ('bfd', 'min_slack') and not big:
                     l2 = martello_toth_l2(lens, cap)
                     note = f'; no packing can meet it: the L2 bound is {l2} > {1.01 * lb:.1f}' if l2 > 1.01 * lb else f' (L2 bound {l2})'
                     checks.append((f'{name} @ {cap}: {s.upper()} bins ≤ 1.01 × lower bound', len(plan) <= 1.01 * lb,
@@ -162,7 +162,7 @@ the same), so every method packs the same tokens. Lower bound = max(ceil(Σ len 
   3 runs, including building the `PackPlan`. The per-global-batch row plans each 1024 consecutive rows on its own
   for 8 data-parallel ranks.
 - *time / TRL* = plan time ÷ TRL's default-run time on the same lengths and capacity in this run.
-- `sft_nb mbs` (minimum bin slack) is skipped on the synthetic set: its cost grows with rows × bins (`MBS_MAX_ROWS`).
+- `sft_nb min_slack` (minimum bin slack, formerly `mbs`) is skipped on the synthetic set: its cost grows with rows × bins (`MIN_SLACK_MAX_ROWS`).
 - The 1% target is stated against max(ceil(Σ len / capacity), #rows > capacity/2). Where a verdict says no packing
   can meet it, the Martello–Toth L2 bound (also a lower bound on any packing) is above 1.01 × that bound.
 - The machine is a shared 2-core VM; plan times of separate runs vary by about ±30%.

@@ -155,9 +155,14 @@ TokenizeConfig.__init__ = _init_with_template
 class PackingConfig:
     "Sequence packing."
     enabled: bool = False  # pack rows into bins of `capacity` tokens instead of padding
-    strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'mbs'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing)
+    strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'min_slack', 'mbs'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing); 'mbs' is the deprecated name of 'min_slack'
     capacity: int | None = None  # tokens per packed row; None = tokenize.max_length
-    def __post_init__(self): check_range('capacity', self.capacity, 2)
+    def __post_init__(self):
+        check_range('capacity', self.capacity, 2)
+        if self.strategy == 'mbs':  # the old name of min_slack ('mbs' also reads as micro-batches)
+            import warnings
+            warnings.warn("packing.strategy: 'mbs' is deprecated; use 'min_slack'", DeprecationWarning, stacklevel=3)
+            self.strategy = 'min_slack'
 
 # %% ../nbs/00_config.ipynb #462339d2
 @dataclass

@@ -9,6 +9,7 @@ import numpy as np
 import pandas as pd
 from .data import DataReport
 from .inspect import COLORS
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['row_lengths', 'lengths_fig', 'DatasetReport', 'dataset_report']
@@ -66,27 +67,32 @@ class DatasetReport:
         self.dropped = pd.DataFrame(report.bad_rows[:n_dropped], columns=['row', 'reason', 'message'])
         self.fig = lengths_fig(self.lengths, max_length)
 
-    def text(self, width: int = 40, nbins: int = 10) -> str:
-        "Summary, text histogram, drops and dropped rows."
-        lines = [str(self.report)]
-        x = self.lengths.tokens.dropna().astype(int).to_numpy()
-        if len(x):
-            lines.append('tokens per example (kept, and dropped rows for length)' + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
-            edges = np.linspace(0, max(int(x.max()), self.max_length or 0) + 1, nbins + 1).astype(int)
-            counts, _ = np.histogram(x, edges)
-            for lo, hi, n in zip(edges[:-1], edges[1:], counts):
-                cut = '|' if self.max_length and lo <= self.max_length < hi else ' '
-                lines.append(f'{lo:>7}-{hi - 1:<7}{cut}{"#" * round(n * width / max(1, counts.max())):<{width}} {n}')
-        if len(self.drops): lines += ['dropped:'] + [f'  {r}: {n}' for r, n in self.drops.itertuples(index=False)]
-        lines += [f'  row {i} ({k}): {m}' for i, k, m in self.dropped.itertuples(index=False)]
-        return '\n'.join(lines)
+# %% ../nbs/03c_datareport.ipynb #8af31256
+@patch
+def text(self: DatasetReport, width: int = 40, nbins: int = 10) -> str:
+    "Summary, text histogram, drops and dropped rows."
+    lines = [str(self.report)]
+    x = self.lengths.tokens.dropna().astype(int).to_numpy()
+    if len(x):
+        lines.append('tokens per example (kept, and dropped rows for length)' + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
+        edges = np.linspace(0, max(int(x.max()), self.max_length or 0) + 1, nbins + 1).astype(int)
+        counts, _ = np.histogram(x, edges)
+        for lo, hi, n in zip(edges[:-1], edges[1:], counts):
+            cut = '|' if self.max_length and lo <= self.max_length < hi else ' '
+            lines.append(f'{lo:>7}-{hi - 1:<7}{cut}{"#" * round(n * width / max(1, counts.max())):<{width}} {n}')
+    if len(self.drops): lines += ['dropped:'] + [f'  {r}: {n}' for r, n in self.drops.itertuples(index=False)]
+    lines += [f'  row {i} ({k}): {m}' for i, k, m in self.dropped.itertuples(index=False)]
+    return '\n'.join(lines)
 
-    def _ipython_display_(self):
-        from IPython.display import HTML, display
-        display(HTML(f'<b>{html.escape(str(self.report))}</b>'))
-        display(self.fig)
-        if len(self.drops): display(self.drops, self.dropped)
+# %% ../nbs/03c_datareport.ipynb #47654eee
+@patch
+def _ipython_display_(self: DatasetReport):
+    from IPython.display import HTML, display
+    display(HTML(f'<b>{html.escape(str(self.report))}</b>'))
+    display(self.fig)
+    if len(self.drops): display(self.drops, self.dropped)
 
+# %% ../nbs/03c_datareport.ipynb #6545264a
 def dataset_report(source, # anything `tokenize_dataset` reads
                    tokenizer, spec=None, # TokenizeSpec (mode, max_length, template, ...)
                    n_dropped: int = 5, **kwargs, # passed to tokenize_dataset (cache_dir, num_proc, ...)

@@ -33,6 +33,7 @@ STRATEGY = {'expand': 'one example per assistant turn, the render up to that tur
             'final': 'one example, the full render, each assistant turn trained as it appears there',
             'error': 'all_assistant refuses multi-turn rows (use last_assistant)'}
 
+# %% ../nbs/03a_lint.ipynb #76c9923a
 def _conversation(sample, i: int) -> dict:
     "A sample (a message list, or a row in any supported format) → `{'messages', 'tools'}`."
     row = {'messages': sample} if isinstance(sample, list) else sample
@@ -40,6 +41,7 @@ def _conversation(sample, i: int) -> dict:
     try: return normalize_row(row, detect_format(row.keys()))
     except BadRow as e: raise BadRow(f'sample {i}: {e.reason}', index=i) from None
 
+# %% ../nbs/03a_lint.ipynb #6e96fec9
 @contextmanager
 def _clock(when: datetime):
     "Make the templates' `strftime_now` see `when` (transformers reads the module-level `datetime`)."
@@ -146,6 +148,7 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                      'sample': i, 'example': example, 'meaning': meaning})
     return pd.DataFrame(rows).astype({'sample': 'Int64'})
 
+# %% ../nbs/03a_lint.ipynb #5512c21f
 def failed(lint: pd.DataFrame) -> set[str]:
     "The checks a lint table failed."
     return set(lint.check[lint.status == 'fail'])

@@ -4,27 +4,22 @@
 
 # %% ../nbs/04_packing.ipynb #c5888b72
 from __future__ import annotations
-import bisect, gc
+import bisect, gc, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field, fields
 from typing import Sequence
 import numpy as np
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['STRATEGIES', 'MBS_MAX_ROWS', 'PLANNERS', 'lower_bound', 'plan_bins', 'PackPlan', 'pack', 'bin_examples']
+__all__ = ['STRATEGIES', 'STRATEGY_ALIASES', 'MIN_SLACK_MAX_ROWS', 'MBS_MAX_ROWS', 'PLANNERS', 'clip_lengths', 'lower_bound',
+           'planner_name', 'plan_bins', 'PackPlan', 'pack', 'bin_examples']
 
-# %% ../nbs/04_packing.ipynb #6647c3f8
-STRATEGIES = ('bfd', 'ffd', 'balanced', 'greedy', 'mbs')
-MBS_MAX_ROWS = 20_000  # above this `simulate` skips mbs (its cost grows ~ rows × bins)
-
-def lower_bound(lengths: Sequence[int], # tokens per row
-                capacity: int, # tokens per packed row
-               ) -> int:
-    "Fewest bins any packing can use (rows longer than `capacity` count as cut to it)."
-    lens = np.minimum(np.asarray(lengths, dtype=np.int64), capacity)
-    return max(-(-int(lens.sum()) // capacity), int((lens > capacity / 2).sum())) if len(lens) else 0
-
-def _lengths(lengths, capacity: int, truncation: str) -> tuple[np.ndarray, list[int]]:
+# %% ../nbs/04_packing.ipynb #21bbf4ad
+def clip_lengths(lengths: Sequence[int], # tokens per row
+                 capacity: int, # tokens per packed row
+                 truncation: str = 'error', # rows longer than capacity: 'error' names them, 'truncate' cuts them
+                ) -> tuple[np.ndarray, list[int]]:
     "Validated lengths cut to `capacity`, and the rows that were cut."
     if int(capacity) < 1: raise ValueError(f"capacity must be >= 1, got {capacity}")
     if truncation not in ('error', 'truncate'): raise ValueError(f"truncation must be 'error' or 'truncate', got {truncation!r}")
@@ -38,7 +33,15 @@ def _lengths(lengths, capacity: int, truncation: str) -> tuple[np.ndarray, list[
                          f"{long[:10].tolist()}{' ...' if len(long) > 10 else ''}); use truncation='truncate' or a larger capacity")
     return np.minimum(lens, capacity), long.tolist()
 
-# %% ../nbs/04_packing.ipynb #aaed82e3
+# %% ../nbs/04_packing.ipynb #b174955f
+def lower_bound(lengths: Sequence[int], # tokens per row
+                capacity: int, # tokens per packed row
+               ) -> int:
+    "Fewest bins any packing can use (rows longer than `capacity` count as cut to it)."
+    lens = np.minimum(np.asarray(lengths, dtype=np.int64), capacity)
+    return max(-(-int(lens.sum()) // capacity), int((lens > capacity / 2).sum())) if len(lens) else 0
+
+# %% ../nbs/04_packing.ipynb #cd71d27d
 def _runs(lens: np.ndarray):
     "Rows longest first (ties by index) and the runs of equal length as (length, start, count)."
     order = np.argsort(-lens, kind='stable')
@@ -46,6 +49,7 @@ def _runs(lens: np.ndarray):
     starts = np.flatnonzero(np.r_[True, sl[1:] != sl[:-1]]) if len(sl) else np.zeros(0, np.int64)
     return order, zip(sl[starts].tolist(), starts.tolist(), np.diff(np.r_[starts, len(sl)]).tolist())
 
+# %% ../nbs/04_packing.ipynb #ba495032
 def _bfd_runs(lens: np.ndarray, capacity: int, dp: int = 1):
     order, runs = _runs(lens)
     cnt = np.zeros(capacity + 1, np.int64)     # open bins per remaining space
@@ -91,6 +95,7 @@ def _bfd_runs(lens: np.ndarray, capacity: int, dp: int = 1):
         where[s:s + k] = np.repeat(np.asarray(ids, np.int64), np.repeat(per, nper))
     return order, where, n_bins
 
+# %% ../nbs/04_packing.ipynb #16821829
 def _bfd_rows(lens: np.ndarray, capacity: int, dp: int = 1):
     order = np.argsort(-lens, kind='stable')
     rooms, where, n_bins = [], [], 0  # rooms: sorted (free space, bin) of open bins
@@ -106,6 +111,7 @@ def _bfd(lens: np.ndarray, capacity: int, dp: int = 1):
     # row by row is faster for a global batch; runs win once the sorted list of rooms gets long
     return (_bfd_rows if len(lens) <= 32768 else _bfd_runs)(lens, capacity)
 
+# %% ../nbs/04_packing.ipynb #cdc7fd93
 def _ffd_runs(lens: np.ndarray, capacity: int, dp: int = 1):
     order, runs = _runs(lens)
     room = np.zeros(len(lens), np.int64)
@@ -130,6 +136,7 @@ def _ffd_runs(lens: np.ndarray, capacity: int, dp: int = 1):
         where[s:s + k] = np.repeat(np.concatenate(ids), np.concatenate(take))
     return order, where, n_bins
 
+# %% ../nbs/04_packing.ipynb #15515d93
 def _ffd_rows(lens: np.ndarray, capacity: int, dp: int = 1):
     order = np.argsort(-lens, kind='stable')
     size = 1 << max(1, (len(lens) - 1).bit_length())
@@ -146,6 +153,7 @@ def _ffd_rows(lens: np.ndarray, capacity: int, dp: int = 1):
 def _ffd(lens: np.ndarray, capacity: int, dp: int = 1):
     return (_ffd_rows if len(lens) <= 4096 else _ffd_runs)(lens, capacity)
 
+# %% ../nbs/04_packing.ipynb #a242fabd
 def _balanced(lens: np.ndarray, capacity: int, dp: int = 1):
     best = _bfd(lens, capacity)
     k = -(-best[2] // dp) * dp
@@ -157,6 +165,7 @@ def _balanced(lens: np.ndarray, capacity: int, dp: int = 1):
         else: lo, step = mid + 1, step * 2
     return best
 
+# %% ../nbs/04_packing.ipynb #f796ad6b
 def _greedy(lens: np.ndarray, capacity: int, dp: int = 1):
     cum = np.r_[0, np.cumsum(lens)].tolist()
     where = np.empty(len(lens), np.int64)
@@ -166,7 +175,8 @@ def _greedy(lens: np.ndarray, capacity: int, dp: int = 1):
         where[i:j] = b; b += 1; i = j
     return np.arange(len(lens)), where, b
 
-def _mbs(lens: np.ndarray, capacity: int, dp: int = 1):
+# %% ../nbs/04_packing.ipynb #c02a1235
+def _min_slack(lens: np.ndarray, capacity: int, dp: int = 1):
     L = lens.tolist()
     rem = np.argsort(-lens, kind='stable').tolist()  # unplaced rows, longest first
     placed, where, b = [], [], 0
@@ -187,8 +197,21 @@ def _mbs(lens: np.ndarray, capacity: int, dp: int = 1):
         for k in chosen: del rem[k]  # descending, so earlier indices stay valid
     return np.asarray(placed, np.int64), np.asarray(where, np.int64), b
 
-PLANNERS = {'bfd': _bfd, 'ffd': _ffd, 'balanced': _balanced, 'greedy': _greedy, 'mbs': _mbs}
+# %% ../nbs/04_packing.ipynb #40f067c3
+STRATEGIES = ('bfd', 'ffd', 'balanced', 'greedy', 'min_slack')
+STRATEGY_ALIASES = {'mbs': 'min_slack'}  # old names, still accepted ('mbs' also reads as micro-batches)
+MIN_SLACK_MAX_ROWS = 20_000  # above this `simulate` skips min_slack (its cost grows ~ rows × bins)
+MBS_MAX_ROWS = MIN_SLACK_MAX_ROWS  # deprecated name
+PLANNERS = {'bfd': _bfd, 'ffd': _ffd, 'balanced': _balanced, 'greedy': _greedy, 'min_slack': _min_slack}
 
+def planner_name(strategy: str) -> str:
+    "The planner's current name: an old name (`'mbs'`) is accepted with a `DeprecationWarning`."
+    if strategy in STRATEGY_ALIASES:
+        warnings.warn(f"strategy {strategy!r} is deprecated; use {STRATEGY_ALIASES[strategy]!r}", DeprecationWarning, stacklevel=3)
+        return STRATEGY_ALIASES[strategy]
+    return strategy
+
+# %% ../nbs/04_packing.ipynb #51fcf953
 def _to_bins(order, where, n_bins, lens, offset=0) -> tuple[list[list[int]], list[int]]:
     "Row indices (+ offset) per bin in placement order, and tokens per bin."
     perm = np.argsort(where, kind='stable')
@@ -199,7 +222,8 @@ def _to_bins(order, where, n_bins, lens, offset=0) -> tuple[list[list[int]], lis
 
 def plan_bins(lengths, capacity: int, strategy: str = 'bfd') -> list[list[int]]:
     "Bins of row indices from one planner, before data-parallel arrangement (rows must fit)."
-    lens, _ = _lengths(lengths, capacity, 'error')
+    strategy = planner_name(strategy)
+    lens, _ = clip_lengths(lengths, capacity, 'error')
     return _to_bins(*PLANNERS[strategy](lens, capacity), lens)[0]
 
 # %% ../nbs/04_packing.ipynb #6f499a70
@@ -224,13 +248,13 @@ def _arrange(tokens: list, dp: int, rng, shuffle: bool = True) -> np.ndarray:
     rounds[1::2] = rounds[1::2, ::-1]
     return rounds[rng.permutation(len(rounds))].ravel()
 
-# %% ../nbs/04_packing.ipynb #bc904605
+# %% ../nbs/04_packing.ipynb #72ebc199
 @dataclass
 class PackPlan:
     "Which rows share each packed row (bin), in training order; JSON-serializable for checkpoints."
     bins: list[list[int]]  # row indices per bin; rank r of dp trains bins[r::dp]
     capacity: int  # tokens per packed row
-    strategy: str  # planner that made it: bfd, ffd, balanced, greedy, mbs
+    strategy: str  # planner that made it: bfd, ffd, balanced, greedy, min_slack
     dp: int = 1  # data-parallel size the bin count is a multiple of
     seed: int = 0  # seed of the bin order
     tokens: list[int] = field(default_factory=list)  # tokens per bin (after truncation)
@@ -255,32 +279,41 @@ class PackPlan:
     @classmethod
     def from_dict(cls, d: dict) -> PackPlan: return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
-    def _dp(self, dp):
-        dp = dp or self.dp
-        if len(self.bins) % dp: raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
-        return dp
-    def shard(self, rank: int, dp: int | None = None) -> list[list[int]]:
-        "Rank `rank`'s bins (every dp-th bin), balanced by tokens when dp is the planned dp."
-        dp = self._dp(dp)
-        if not 0 <= rank < dp: raise ValueError(f"rank must be in [0, {dp}), got {rank}")
-        return self.bins[rank::dp]
-    def rank_tokens(self, dp: int | None = None) -> list[int]:
-        "Tokens per rank over the whole plan."
-        dp = self._dp(dp)
-        return [sum(self.tokens[r::dp]) for r in range(dp)]
-    def global_batches(self, bins_per_step: int | None = None, # bins per optimizer step (multiple of dp); None for per-batch plans
-                       rank: int | None = None, # only this rank's bins of each step
-                      ) -> list[list[list[int]]]:
-        "Bins grouped into global batches (optimizer steps); the last one may be shorter."
-        if self.steps is not None:
-            if bins_per_step is not None: raise ValueError("bins_per_step: this plan was made per global batch; its steps are fixed")
-            cuts = self.steps + [len(self.bins)]
-        else:
-            if not bins_per_step or bins_per_step % self.dp:
-                raise ValueError(f"bins_per_step must be a positive multiple of dp={self.dp}, got {bins_per_step}")
-            cuts = list(range(0, len(self.bins), bins_per_step)) + [len(self.bins)]
-        out = [self.bins[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-        return out if rank is None else [s[rank::self.dp] for s in out]
+# %% ../nbs/04_packing.ipynb #a6ccf9ea
+@patch
+def _dp(self: PackPlan, dp):
+    dp = dp or self.dp
+    if len(self.bins) % dp: raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
+    return dp
+
+@patch
+def shard(self: PackPlan, rank: int, dp: int | None = None) -> list[list[int]]:
+    "Rank `rank`'s bins (every dp-th bin), balanced by tokens when dp is the planned dp."
+    dp = self._dp(dp)
+    if not 0 <= rank < dp: raise ValueError(f"rank must be in [0, {dp}), got {rank}")
+    return self.bins[rank::dp]
+
+@patch
+def rank_tokens(self: PackPlan, dp: int | None = None) -> list[int]:
+    "Tokens per rank over the whole plan."
+    dp = self._dp(dp)
+    return [sum(self.tokens[r::dp]) for r in range(dp)]
+
+# %% ../nbs/04_packing.ipynb #0d03deee
+@patch
+def global_batches(self: PackPlan, bins_per_step: int | None = None, # bins per optimizer step (multiple of dp); None for per-batch plans
+                   rank: int | None = None, # only this rank's bins of each step
+                  ) -> list[list[list[int]]]:
+    "Bins grouped into global batches (optimizer steps); the last one may be shorter."
+    if self.steps is not None:
+        if bins_per_step is not None: raise ValueError("bins_per_step: this plan was made per global batch; its steps are fixed")
+        cuts = self.steps + [len(self.bins)]
+    else:
+        if not bins_per_step or bins_per_step % self.dp:
+            raise ValueError(f"bins_per_step must be a positive multiple of dp={self.dp}, got {bins_per_step}")
+        cuts = list(range(0, len(self.bins), bins_per_step)) + [len(self.bins)]
+    out = [self.bins[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
+    return out if rank is None else [s[rank::self.dp] for s in out]
 
 # %% ../nbs/04_packing.ipynb #1bd6ded6
 @contextmanager
@@ -293,17 +326,18 @@ def _gc_paused():
 
 def pack(lengths: Sequence[int], # tokens per row (e.g. the `length` column of a tokenized dataset)
          capacity: int, # tokens per packed row
-         strategy: str = 'bfd', # bfd | ffd | balanced | greedy | mbs
+         strategy: str = 'bfd', # bfd | ffd | balanced | greedy | min_slack ('mbs': deprecated alias)
          dp: int = 1, # data-parallel size: the bin count is a multiple of it
          seed: int = 0, # seed of the bin order (same seed, same plan)
          truncation: str = 'error', # rows longer than capacity: 'error' names them, 'truncate' cuts them
          rows_per_step: int | None = None, # plan each global batch of this many consecutive rows on its own
         ) -> PackPlan:
     "Plan the whole dataset (or each global batch) into bins of at most `capacity` tokens."
+    strategy = planner_name(strategy)
     if strategy not in PLANNERS: raise ValueError(f"strategy: unknown {strategy!r}; choose one of {list(PLANNERS)}")
     if int(dp) < 1: raise ValueError(f"dp must be >= 1, got {dp}")
     if rows_per_step is not None and int(rows_per_step) < 1: raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
-    lens, truncated = _lengths(lengths, capacity, truncation)
+    lens, truncated = clip_lengths(lengths, capacity, truncation)
     rng = np.random.default_rng(seed)
     step = int(rows_per_step or max(len(lens), 1))
     bins, tokens, starts, lb = [], [], [], 0

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 import numpy as np
-from .packing import MBS_MAX_ROWS, STRATEGIES, PackPlan, _lengths, lower_bound, pack
+from .packing import MIN_SLACK_MAX_ROWS, STRATEGIES, STRATEGY_ALIASES, PackPlan, clip_lengths, lower_bound, pack
 
 # %% auto #0
 __all__ = ['PALETTE', 'padded_area', 'simulate', 'plan_fig', 'plan_text', 'PackingSimulator', 'pack_main']
@@ -24,15 +24,15 @@ def padded_area(lengths: Sequence[int], batch_size: int, capacity: int | None = 
 
 def simulate(lengths: Sequence[int], # tokens per row
              capacity: int, # tokens per packed row
-             strategies: Sequence[str] | None = None, # planners to compare; None = all (mbs only up to MBS_MAX_ROWS rows)
+             strategies: Sequence[str] | None = None, # planners to compare; None = all (min_slack only up to MIN_SLACK_MAX_ROWS rows)
              dp: int = 1, # data-parallel size
              batch_size: int = 8, # rows per padded batch (the baseline)
              truncation: str = 'truncate', # rows longer than capacity
             ):
     "One row per planner (plus the padded baseline): bins, bound, efficiency, padding, padding saved, plan time."
     import pandas as pd
-    lens, truncated = _lengths(lengths, capacity, truncation)
-    if strategies is None: strategies = [s for s in STRATEGIES if s != 'mbs' or len(lens) <= MBS_MAX_ROWS]
+    lens, truncated = clip_lengths(lengths, capacity, truncation)
+    if strategies is None: strategies = [s for s in STRATEGIES if s != 'min_slack' or len(lens) <= MIN_SLACK_MAX_ROWS]
     n_tok, lb = int(lens.sum()), lower_bound(lens, capacity)
     pad_area = padded_area(lens, batch_size)
     rows = [dict(strategy='padded', bins=len(lens), lower_bound=lb, efficiency=n_tok / pad_area if pad_area else 0.0,
@@ -94,7 +94,7 @@ class PackingSimulator:
         cap = capacity or 1 << (longest - 1).bit_length()
         self.dp, self.batch_size, self.max_bins = dp, batch_size, max_bins
         self.capacity = W.IntSlider(value=cap, min=1, max=max(2 * cap, 2 * longest), description='capacity', continuous_update=False)
-        self.strategy = W.Dropdown(options=[s for s in STRATEGIES if s != 'mbs' or len(self.lengths) <= MBS_MAX_ROWS], value=strategy, description='strategy')
+        self.strategy = W.Dropdown(options=[s for s in STRATEGIES if s != 'min_slack' or len(self.lengths) <= MIN_SLACK_MAX_ROWS], value=strategy, description='strategy')
         self.summary, self.view = W.HTML(), go.FigureWidget()
         self.widget = W.VBox([W.HBox([self.capacity, self.strategy]), self.summary, self.view])
         for w in (self.capacity, self.strategy): w.observe(lambda _: self.update(), names='value')
@@ -127,7 +127,7 @@ def pack_main(argv: list[str] | None = None) -> int:
     p.add_argument('--template', default=None, help="chat template (.jinja path) replacing the tokenizer's")
     p.add_argument('--mode', default='all_assistant', help='masking mode (decides nothing about lengths but the cache key)')
     p.add_argument('--capacity', type=int, nargs='+', default=[2048], help='tokens per packed row; several values give one table each')
-    p.add_argument('--strategy', default='bfd', choices=STRATEGIES, help='planner whose bins are printed')
+    p.add_argument('--strategy', default='bfd', choices=[*STRATEGIES, *STRATEGY_ALIASES], help='planner whose bins are printed')
     p.add_argument('--dp', type=int, default=1, help='data-parallel size')
     p.add_argument('--batch-size', type=int, default=8, help='rows per padded batch in the baseline')
     p.add_argument('--bins', type=int, default=10, help='bins printed')

@@ -33,7 +33,7 @@ def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **
     out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, **kwargs)
     return list(out['input_ids'] if hasattr(out, 'keys') else out)
 
-# %% ../nbs/02a_templates.ipynb #6fbeaf64
+# %% ../nbs/02a_templates.ipynb #2afbea8d
 @dataclass(frozen=True)
 class TemplateInfo:
     "What one probe of a chat template found (computed once per tokenizer + template + kwargs)."
@@ -49,6 +49,7 @@ class TemplateInfo:
     @property
     def empty_think_in_gen_prompt(self) -> bool: return '<think>' in self.gen_prompt and '</think>' in self.gen_prompt
 
+# %% ../nbs/02a_templates.ipynb #ec5a90fd
 _U1, _A1, _U2, _A2, _R1, _R2 = 'qzxUone', 'qzxAone', 'qzxUtwo', 'qzxAtwo', 'qzxRone', 'qzxRtwo'
 
 def _special_strings(tokenizer) -> list[str]:
@@ -65,6 +66,7 @@ def _split_eot(footer: str, specials: list[str]) -> tuple[str, str]:
     eot = footer.rstrip()
     return eot, footer[len(eot):]
 
+# %% ../nbs/02a_templates.ipynb #d056b2a9
 def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
     "Assistant headers of the probe's earlier and final turn and the generation prompt, when they are not all one string."
     def between(before, marker):
@@ -74,6 +76,7 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
     hs = tuple(dict.fromkeys(h for h in (gen_prompt, between(_U2, _A2), between(_U1, _A1)) if h))
     return hs if len(hs) > 1 else ()
 
+# %% ../nbs/02a_templates.ipynb #029c0667
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
     kw = chat_template_kwargs or {}
@@ -97,8 +100,7 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
         except TemplateError: pass
     return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt))
 
-_PROBES: dict[str, TemplateInfo] = {}
-
+# %% ../nbs/02a_templates.ipynb #405fc376
 def template_key(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
     "Content hash of everything that decides rendering + tokenization: vocab/merges, specials, template, kwargs."
     backend = getattr(tokenizer, 'backend_tokenizer', None)
@@ -107,6 +109,9 @@ def template_key(tokenizer, template: str | None = None, chat_template_kwargs: d
     h.update(json.dumps([tokenizer.special_tokens_map, template if template is not None else tokenizer.chat_template,
                          chat_template_kwargs or {}], sort_keys=True, default=str).encode())
     return h.hexdigest()
+
+# %% ../nbs/02a_templates.ipynb #e4bb6ede
+_PROBES: dict[str, TemplateInfo] = {}
 
 _FAST: dict[tuple, TemplateInfo] = {}
 
