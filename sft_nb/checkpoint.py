@@ -16,7 +16,7 @@ __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'Checkpointer'
 class RunDirBusy(RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
-RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'hf', 'tensorboard', 'profile', 'config.yaml')
+RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml')
 
 def run_outputs(run_dir) -> list[str]:
     "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."

@@ -5,11 +5,13 @@
 # %% ../nbs/05a_dataplan.ipynb #21bb19c6
 from __future__ import annotations
 import importlib, math
+from dataclasses import replace
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import DataReport, mix_indices
-from .tokenize import tokenize_dataset, TokenizeSpec
+from .data import DataReport, mix_indices, mix_counts
+from .tokenize import tokenize_dataset, make_renderer
+import sft_nb.vision  # registers ProcessorRenderer: a vision-language processor gets its renderer from `make_renderer`
 from .collate import collate_padded, collate_packed
 
 # %% auto #0
@@ -85,28 +87,21 @@ class DataPlan:
                  eval_data: dict | None = None, # {name: rows} eval sets instead of cfg.data.eval
                 ):
         self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data = cfg, tokenizer, processor, train_data, eval_data
-        self.train_sets, self.eval_sets, self.data_report = [], {}, None
+        model_input = processor if processor is not None else tokenizer  # what tokenizes the rows: the renderer's input
+        self.renderer = make_renderer(model_input, cfg.tokenize) if model_input is not None else None
+        self.train_sets, self.eval_sets, self.data_report, self.mix_counts = [], {}, None, {}
         self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)  # (source, row) pairs: train, held out
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
-        self.steps_per_epoch, self.total_steps, self.sampler, self._orders = 0, 0, None, {}
+        self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
 
 # %% ../nbs/05a_dataplan.ipynb #dbee7118
 @patch
 def tokenize(self: DataPlan, src):
     "One source (path, rows or `SourceConfig`) tokenized as `cfg.tokenize` says: (dataset, report)."
     c = self.cfg
-    fmt = src.format if isinstance(src, SourceConfig) else 'auto'
-    t = c.tokenize
-    spec = TokenizeSpec(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs, fmt,
-                        history=t.history, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
-    if self.processor is not None:
-        if not (t.train_on_reasoning and t.train_on_tool_calls):  # the vision tokenizer trains whole assistant turns
-            raise ConfigError("tokenize.train_on_reasoning, tokenize.train_on_tool_calls: a vision-language model's rows train whole "
-                              "assistant turns; masking reasoning or tool calls is not supported there (set both to true)")
-        from sft_nb.vision import tokenize_vision_dataset
-        return tokenize_vision_dataset(src, self.processor, spec, on_bad_row=c.data.on_bad_row, cache_dir=c.tokenize.cache_dir)
-    return tokenize_dataset(src, self.tokenizer, spec, num_proc=c.tokenize.num_proc, on_bad_row=c.data.on_bad_row,
-                            cache_dir=c.tokenize.cache_dir, ray_shards=c.tokenize.ray_shards)
+    fmt = src.format if isinstance(src, SourceConfig) and src.format != 'auto' else c.tokenize.format
+    model_input = self.processor if self.processor is not None else self.tokenizer
+    return tokenize_dataset(src, model_input, replace(c.tokenize, format=fmt), on_bad_row=c.data.on_bad_row)
 
 # %% ../nbs/05a_dataplan.ipynb #22513d91
 @patch
@@ -116,6 +111,7 @@ def prepare(self: DataPlan) -> DataPlan:
     if c.data.synthetic_rows:
         self.train_sets = [synthetic_dataset(c.data.synthetic_rows, c.tokenize.max_length, len(self.tokenizer), c.data.seed)]
         self.data_report, weights = DataReport(n_rows=c.data.synthetic_rows, n_kept=c.data.synthetic_rows), [1.0]
+        names = ['synthetic']
     else:
         sources = [self.train_data] if self.train_data is not None else c.data.train
         if not sources: raise ConfigError("data.train: no train source given")
@@ -123,7 +119,10 @@ def prepare(self: DataPlan) -> DataPlan:
         self.train_sets = [ds for ds, _ in tok]
         self.data_report = sum((r for _, r in tok), DataReport())
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
-    rows = mix_indices([len(d) for d in self.train_sets], weights, c.data.seed)
+        names = [s.path if isinstance(s, SourceConfig) else s if isinstance(s, str) else f'source {k}' for k, s in enumerate(sources)]
+    sizes = [len(d) for d in self.train_sets]
+    rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
+    self.mix_counts = self.data_report.sources = mix_counts(rows, sizes, names)  # per source: rows used and cut, examples per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
     self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
     self.heldout = []
@@ -176,28 +175,29 @@ def global_batch(self: DataPlan, step: int) -> list:
     return [self.items[j] for j in self._orders[epoch][k * gbs:(k + 1) * gbs]]
 
 # %% ../nbs/05a_dataplan.ipynb #3d174e7c
+def _uses(v) -> bool: return v is not None and len(v) > 0
+
+@patch
+def fill_row(self: DataPlan) -> dict:
+    "The renderer's untrained row that exercises every parameter (made once)."
+    if self._fill is None: self._fill = self.renderer.dummy()
+    return self._fill
+
 @patch
 def collate(self: DataPlan, examples: list[dict]) -> dict:
-    "A padded micro-batch of `examples` (with pixel values for a vision-language model)."
-    if self.processor is None: return collate_padded(examples, self.tokenizer.pad_token_id)
-    from sft_nb.collate import collate_vision
-    ip, tok = self.processor.image_processor, self.tokenizer
-    patch_dim = 3 * ip.temporal_patch_size * ip.patch_size ** 2
-    dummy = self.cfg.placement.dp_size > 1 and not any(e.get('image_grid_thw') for e in examples)
-    if dummy:  # keeps every rank's vision-tower graph the same (see above)
-        m = ip.merge_size
-        ids = [tok.convert_tokens_to_ids(t) for t in ('<|vision_start|>', '<|image_pad|>', '<|vision_end|>')]
-        examples = list(examples) + [{'input_ids': ids, 'loss_mask': [0, 0, 0], 'pixel_values': [[0.0] * patch_dim] * (m * m),
-                                      'image_grid_thw': [[1, m, m]]}]
-    b = collate_vision(examples, tok.pad_token_id, self.processor.image_token_id, patch_dim)
-    if dummy: b['n_real'] = b['n_tokens'] = b['n_real'] - 3  # not real data: tokens/s counts the rows only
+    "A padded micro-batch of `examples` with the renderer's extra columns (pixel values for a vision-language model)."
+    extras = self.renderer.features()
+    fill = self.cfg.placement.dp_size > 1 and bool(extras) and not any(_uses(e.get(k)) for e in examples for k in extras)
+    if fill: examples = list(examples) + [self.fill_row()]  # keeps every rank's graph the same (see above)
+    b = self.renderer.collate(examples, collate_padded(examples, self.tokenizer.pad_token_id))
+    if fill: b['n_real'] = b['n_tokens'] = b['n_real'] - len(self.fill_row()['input_ids'])  # not real data
     return b
 
 # %% ../nbs/05a_dataplan.ipynb #102383d0
 @patch
 def dummy(self: DataPlan, backward: bool = True) -> dict:
     "The micro-batch of a rank with nothing left: it joins every collective; nothing is trained or counted."
-    if backward and self.processor is not None and self.cfg.placement.dp_size > 1: b = self.collate([])
+    if backward and self.renderer.features() and self.cfg.placement.dp_size > 1: b = self.collate([])
     else:
         pad = self.tokenizer.pad_token_id
         b = collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)

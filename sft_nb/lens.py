@@ -15,8 +15,8 @@ from .tokenize import TokenizeSpec, tokenize_rows
 from .trainer import SFTTrainer, TrainerBusy, split_for_ranks
 
 # %% auto #0
-__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'dp_of_rank', 'example_key', 'loss_table',
-           'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses', 'trained_token_stats_np',
+__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'example_key', 'loss_table', 'print_hardest',
+           'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses', 'trained_token_stats_np',
            'run_model_state', 'RunScorer', 'run_scorer']
 
 # %% ../nbs/08c_lens.ipynb #57316665
@@ -92,12 +92,6 @@ def lens_batch(trainer, exs: list[dict], packed: bool = False) -> dict:
     return b
 
 # %% ../nbs/08c_lens.ipynb #025bb75f
-def dp_of_rank(trainer) -> list[int]:
-    "Data-parallel replica of each rank (tensor/pipeline-parallel ranks of one replica share its batches)."
-    p = trainer.cfg.placement
-    f = getattr(trainer.worker_cls, 'dp_index', None)
-    return [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel) if f else r for r in range(p.world_size)]
-
 def example_key(input_ids, loss_mask) -> bytes:
     "A short fingerprint of an example (its ids and mask): the key of its first scoring."
     return hashlib.blake2b(np.asarray(input_ids, np.int64).tobytes() + np.asarray(loss_mask, np.int8).tobytes(), digest_size=16).digest()
@@ -134,16 +128,12 @@ def token_losses(self: SFTTrainer, rows_or_split='train', # a split ('train', 'h
         raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{self.running}() is running (e.g. the panel's Fit); wait for it or stop it")
     exs = lens_rows(self, rows_or_split, indices)
     dp, micro = self.cfg.placement.dp_size, micro_batch_size or max(1, self.cfg.train.micro_batch_size) * 4
-    ranks, per_call, out = dp_of_rank(self), dp * micro * 4, []
+    per_call, out = dp * micro * 4, []
     for start in tqdm(range(0, len(exs), per_call), desc='token losses', unit='batch', disable=not (len(exs) > 64 if progress is None else progress)):
         per_rank = split_for_ranks(exs[start:start + per_call], dp, micro)
         batches = [[lens_batch(self, mb, packed) for mb in mbs] for mbs in per_rank]
-        res = self.group.call_per_rank('token_losses', [(batches[d], k) for d in ranks])
-        by_dp = {}
-        for d, r in zip(ranks, res):
-            if r is not None: by_dp.setdefault(d, r)  # megatron: the replica's last pipeline stage answers
-        for d, mbs in enumerate(per_rank):
-            for mb, stats in zip(mbs, by_dp[d]):
+        for mbs, res in zip(per_rank, self.workers.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
+            for mb, stats in zip(mbs, res):
                 if mb: out += _per_example(stats, mb, k)
     return [self.remember_first(r) for r in out]
 

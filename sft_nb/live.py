@@ -13,7 +13,7 @@ from .callbacks import Callback
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
-           'samples_text', 'TrainerPanel']
+           'samples_text', 'data_html', 'TrainerPanel']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -154,6 +154,18 @@ def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
                 out.append('     ' + ''.join(mark[op].format(t) for op, t in word_diff(s['previous'], s['answer'])))
     return '\n'.join(out)
 
+# %% ../nbs/08b_live.ipynb #8c1eec40
+def data_html(report) -> str:
+    "One line for the panel: kept/dropped rows and, with several sources, each one's examples per epoch."
+    if report is None: return ''
+    drop = f" · dropped {report.n_dropped} ({html.escape(report.bad_rows_summary(3))})" if report.n_dropped else ''
+    mix = ' · per epoch: ' + ', '.join(
+        f"<b>{html.escape(str(s['source']).rsplit('/', 1)[-1])}</b> {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
+        + (f" (<span style='color:#b00020'>{s['n_cut']} cut</span>)" if s['n_cut'] else '')
+        + (f" (×{s['n_examples'] / max(1, s['n_rows']):.1f})" if s['n_examples'] > s['n_rows'] else '')
+        for s in report.sources) if len(report.sources) > 1 else ''
+    return f"data: {report.n_kept:,} of {report.n_rows:,} rows kept{drop}{mix}"
+
 # %% ../nbs/08b_live.ipynb #21525d35
 class TrainerPanel(Callback):
     "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
@@ -167,6 +179,7 @@ class TrainerPanel(Callback):
         self.stop_button = B('Stop', 'stop', button_style='danger')
         self.eval_button, self.save_button = B('Evaluate', 'check'), B('Save', 'save')
         self.progress, self.status = W.IntProgress(min=0, max=1, layout=W.Layout(width='300px')), W.HTML()
+        self.data_line = W.HTML()  # what the run trains on (set once the trainer is set up)
         self.step_button.on_click(lambda _: self.start('step', self.trainer.step))
         self.fit_button.on_click(lambda _: self.start('fit', lambda: self.trainer.fit(self.fit_steps)))
         self.eval_button.on_click(lambda _: self.start('evaluate', self.trainer.evaluate))
@@ -174,8 +187,8 @@ class TrainerPanel(Callback):
         self.stop_button.on_click(lambda _: self.stop())
         buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button]
         self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.plot.fig, self.samples, self.log.widget])
-        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples')): w.add_class(c)
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.log.widget])
+        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
         self.refresh()
 
 # %% ../nbs/08b_live.ipynb #ce9cb95f
@@ -195,6 +208,8 @@ def refresh(self):
     for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
     for b in (self.eval_button, self.save_button): b.disabled = bool(running)
     self.stop_button.disabled = running not in ('fit', 'train')
+    plan = getattr(t, 'data', None)
+    self.data_line.value = data_html(plan.data_report if plan is not None else None)
 
 @patch_to(TrainerPanel, as_prop=True)
 def busy(self) -> bool:

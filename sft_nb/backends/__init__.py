@@ -30,6 +30,8 @@ class Backend(Protocol):
         "Accumulate gradients of Σ NLL / n_trained_global; {'nll_sum', 'n_trained'}."
     def optim_step(self, skip: bool = False) -> dict: "Apply (or drop, `skip`) the gradients; {'grad_norm', 'lr'}."
     def eval_loss(self, micro_batches: list[dict]) -> dict: "No-grad {'nll_sum', 'n_trained'}."
+    def token_losses(self, micro_batches: list[dict], k: int = 3) -> list[dict] | None:
+        "Per micro-batch, at its trained targets: {'nll', 'top_ids', 'top_p'} (None on ranks without the logits)."
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
         "Greedy continuations of token-id prompts."
     def full_state(self) -> dict: "The full (unsharded) model state dict."
@@ -56,6 +58,12 @@ class BackendGroup:
     def forward_backward(self, batches: list[list[dict]], n_trained_global: int | float) -> list[dict]:
         return self._per_replica('forward_backward', batches, n_trained_global)
     def eval_loss(self, batches: list[list[dict]]) -> list[dict]: return self._per_replica('eval_loss', batches)
+    def token_losses(self, batches: list[list[dict]], k: int = 3) -> list[list[dict]]:
+        "Per replica, per micro-batch target statistics; the replica's ranks that hold the logits answer (megatron: last stage)."
+        res, by_dp = self.group.call_per_rank('token_losses', [(batches[d], k) for d in self.dp_of_rank]), {}
+        for d, r in zip(self.dp_of_rank, res):
+            if r is not None: by_dp.setdefault(d, r)
+        return [by_dp[d] for d in range(len(batches))]
     def setup(self) -> list[dict]: return self.group.call('setup')
     def optim_step(self, skip: bool = False) -> list[dict]: return self.group.call('optim_step', skip)
     def generate(self, prompts, max_new_tokens=32, eos_token_id=None) -> list: return self.group.call('generate', prompts, max_new_tokens, eos_token_id)
