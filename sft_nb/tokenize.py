@@ -507,7 +507,8 @@ def file_fingerprint(source) -> str | None:
     "The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it; None otherwise."
     path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
-    return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '')
+    fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
+    return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
 
 # %% ../nbs/02_tokenize.ipynb #57bcc675
 class SourceFallback(Exception):
@@ -546,6 +547,7 @@ def stream_source(source) -> JsonlRows | None:
     "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
     path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
     if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
+    if getattr(source, 'null_content', None) == 'empty': return None  # `load_source` fills null assistant content
     rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
     return rows if len(rows) else None  # an empty file: the data stage names it
 
