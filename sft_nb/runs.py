@@ -72,7 +72,8 @@ def compare_fig(runs: dict[str, dict], title: str = 'loss') -> go.Figure:
         tr = m[m.kind == 'train'] if len(m) else m
         fig.add_scatter(x=tr.step.tolist() if len(tr) else [], y=tr.loss.tolist() if len(tr) else [], mode='lines',
                         name=f'{name} train', line=dict(color=col), legendgroup=name)
-        ev = m[(m.kind == 'eval') & m['eval_loss'].notna()] if len(m) and 'eval_loss' in m else m.iloc[:0]
+        if not (len(m) and 'eval_loss' in m and m['eval_loss'].notna().any()): continue  # a run without evaluations: no eval curve
+        ev = m[(m.kind == 'eval') & m['eval_loss'].notna()]
         fig.add_scatter(x=ev.step.tolist(), y=ev.eval_loss.tolist(), mode='lines+markers', name=f'{name} eval',
                         line=dict(color=col, dash='dash'), marker=dict(symbol='diamond', size=9), legendgroup=name)
     return fig

@@ -1,6 +1,6 @@
 """Issue 18 items 4 and 5: samples at every evaluation (`eval.samples` → run_dir/samples.jsonl, `trainer.samples`) and
 `sft_nb.runs.compare` on run folders from a notebook-style trainer, `sft-nb train` and a papermill run."""
-import json, os, subprocess, sys
+import json, os, shutil, subprocess, sys
 from pathlib import Path
 import pytest
 from sft_nb.demo_data import identity_rows
@@ -107,3 +107,21 @@ def test_papermill_run_writes_samples_and_comparison(tmp_path):
     assert 'samples at step 0 (heldout):' in out and 'samples at step 3 (heldout):' in out and f"  Q: {recs[0]['prompt']}" in out
     html = (run / 'compare.html').read_text()
     assert 'sft-nb-compare' in html and 'nb train' in html and 'cli train' in html and 'optim.lr' in html  # lr 3e-4 vs tiny.yaml's 3e-3
+    shot_compare(run / 'compare.html', ROOT / 'build' / 'browser' / 'compare_papermill.png')
+
+
+def shot_compare(page_path: Path, png: Path):
+    "Open the comparison offline in headless Chromium: both runs' curves are drawn (plotly.js is inlined); screenshot to build/."
+    from playwright.sync_api import sync_playwright
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=shutil.which('chromium'), args=['--no-sandbox', '--disable-dev-shm-usage'])
+        try:
+            page = b.new_page(viewport={'width': 1100, 'height': 900})
+            page.goto(page_path.as_uri())
+            page.wait_for_selector('#sft-nb-compare .scatterlayer .trace', timeout=30_000)
+            legend = page.locator('#sft-nb-compare .legendtext').all_text_contents()
+            assert {'nb train', 'cli train'} <= set(legend), legend  # one curve per run folder
+            assert page.locator('#sft-nb-compare .scatterlayer .trace path.js-line').count() >= 2  # a drawn train curve per run
+            page.screenshot(path=str(png), full_page=True)
+        finally: b.close()
