@@ -15,7 +15,8 @@ def test_workers_implement_backend_protocol(name):
     for m in _protocol_methods():
         assert hasattr(cls, m), f"{cls.__name__} lacks Backend.{m}"
         want = list(inspect.signature(getattr(Backend, m)).parameters)
-        assert list(inspect.signature(getattr(cls, m)).parameters) == want, f"{cls.__name__}.{m}: not {want}"
+        got = [p for p in inspect.signature(getattr(cls, m)).parameters if p != '_ray_trace_ctx']  # Ray adds it once an actor of cls exists
+        assert got == want, f"{cls.__name__}.{m}: not {want}"
 
 
 def test_backend_group_covers_protocol():
