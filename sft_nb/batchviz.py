@@ -5,7 +5,7 @@
 # %% ../nbs/03b_batchviz.ipynb #895499c2
 from __future__ import annotations
 import numpy as np
-from .inspect import COLORS, _rgb
+from .inspect import COLORS, hex_to_rgb
 
 # %% auto #0
 __all__ = ['PAD', 'MASKED', 'TRAINED', 'CATEGORIES', 'batch_grid', 'batch_fig', 'batch_text']
@@ -82,7 +82,7 @@ def batch_text(batch: dict, form: str = 'text', width: int | None = None) -> str
             if j in bounds: out.append('|')
             ch = '.-#'[c]
             if form == 'ansi':
-                r, g, bl = _rgb(COLORS[CATEGORIES[c]])
+                r, g, bl = hex_to_rgb(COLORS[CATEGORIES[c]])
                 ch = f'\x1b[48;2;{r};{g};{bl}m\x1b[38;2;60;60;60m{ch}\x1b[0m'
             out.append(ch)
         lines.append(f'{b:>3} ' + ''.join(out))

@@ -11,21 +11,22 @@ from .collate import labels_for
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .tokenize import HISTORY, MODES, Example, TokenizeSpec, tokenize_conversation, tokenize_rows
+from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['COLORS', 'ROLE_COLORS', 'LOSS_SCALE', 'DELTA_SCALE', 'TokenRow', 'char_roles', 'token_rows', 'summary', 'ImageChip',
-           'render_example', 'scale_color', 'loss_title', 'loss_summary', 'loss_legend_html', 'inspect_examples',
-           'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
+__all__ = ['COLORS', 'ROLE_COLORS', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles', 'token_rows', 'summary',
+           'ImageChip', 'render_example', 'scale_color', 'loss_title', 'loss_summary', 'loss_legend_html',
+           'inspect_examples', 'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
 ROLE_COLORS = {'system': '#8e44ad', 'user': '#1f77b4', 'assistant': '#1b7f3b', 'tool': '#e67e22', 'template': '#7f7f7f'}
 
-def _rgb(hex_: str) -> tuple[int, int, int]: return tuple(int(hex_[i:i + 2], 16) for i in (1, 3, 5))
+def hex_to_rgb(hex_: str) -> tuple[int, int, int]: return tuple(int(hex_[i:i + 2], 16) for i in (1, 3, 5))
 
 def _shade(hex_: str, f: float) -> str:
     "A darker (f < 1) variant of a colour: alternate chips in a terminal, where no border separates them."
-    return '#' + ''.join(f'{int(c * f):02x}' for c in _rgb(hex_))
+    return '#' + ''.join(f'{int(c * f):02x}' for c in hex_to_rgb(hex_))
 
 # %% ../nbs/03_inspect.ipynb #c6589397
 class TokenRow(NamedTuple):
@@ -88,6 +89,7 @@ def _runs(ex: Example):
         if j == len(ex.text) or (trained[j], roles[j]) != (trained[start], roles[start]):
             yield ex.text[start:j], trained[start], roles[start]; start = j
 
+# %% ../nbs/03_inspect.ipynb #752744f2
 class ImageChip(NamedTuple):
     "An image's placeholder tokens drawn as one chip."
     k: int
@@ -118,6 +120,52 @@ def _with_images(cells: list, ex) -> list:
 
 def _is_processor(tok) -> bool: return tok is not None and hasattr(tok, 'image_processor')
 
+# %% ../nbs/03_inspect.ipynb #455eded4
+def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view: str) -> str:
+    "Chips (or coloured text runs) as HTML: hover titles, loss fills, the legend."
+    NL, out = '\n', []
+    for t, trained, role, r in cells:
+        if isinstance(r, ImageChip):  # one chip with a thumbnail in place of the image's placeholder tokens
+            out.append(f'<span class="k n r-{role} img" style="background:{COLORS["masked"]};border-color:{ROLE_COLORS[role]}" '
+                       f'title="image {r.k} | tokens {r.start}-{r.end - 1} | never trained">'
+                       f'<img src="{r.thumb}" style="height:48px;vertical-align:middle"> {r.end - r.start} tokens</span>')
+            continue
+        style = f'background:{COLORS["trained" if trained else "masked"]};border-color:{ROLE_COLORS[role]}'
+        cls = f'{"y" if trained else "n"} r-{role}'
+        if r is None: out.append(f'<span class="c {cls}" style="{style}">{html.escape(t)}</span>'); continue
+        lt = loss_title(losses, r.pos, tokenizer) if losses and trained else ''
+        if lt:  # loss mode: the fill is the token's loss (or its change), on one scale the legend shows
+            bg = _loss_bg(losses, r.pos, loss_view)
+            style, cls = f'background:{bg};color:{_ink(bg)};border-color:{ROLE_COLORS[role]}', cls + ' loss'
+        title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}' + lt)
+        shown = html.escape(t.replace(NL, '↵'))
+        out.append(f'<span class="k {cls}" style="{style}" title="{title}">{shown}</span>' + '<br>' * t.count(NL))
+    legend = _legend_html() + (loss_legend_html(loss_view) if losses else '')
+    return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div><div>{"".join(out)}</div></div>'
+
+# %% ../nbs/03_inspect.ipynb #9620ebe0
+def _text_form(cells: list, head: str) -> str:
+    "Plain text: trained runs between ⟦ ⟧."
+    NL, body, open_ = '\n', [], False
+    for t, trained, *_ in cells:
+        if trained != open_: body.append('⟦' if trained else '⟧'); open_ = trained
+        body.append(t)
+    return head + NL + ''.join(body) + ('⟧' if open_ else '')
+
+def _ansi_form(cells: list, head: str, losses: dict | None, loss_view: str) -> str:
+    "24-bit ANSI: background = trained/masked (or the loss fill), foreground = role, alternate shades between tokens."
+    NL, body = '\n', []
+    for k, (t, trained, role, r) in enumerate(cells):
+        fill = _loss_bg(losses, r.pos, loss_view) if losses and trained and isinstance(r, TokenRow) and loss_title(losses, r.pos) else None
+        bg = hex_to_rgb(_shade(fill or COLORS['trained' if trained else 'masked'], .85 if k % 2 and r else 1.0))
+        fg = hex_to_rgb(ROLE_COLORS[role])
+        on = f'\x1b[48;2;{bg[0]};{bg[1]};{bg[2]}m\x1b[38;2;{fg[0]};{fg[1]};{fg[2]}m'
+        lines = t.split(NL)
+        for j, line in enumerate(lines):  # reset before each newline so colour never bleeds into the margin
+            body.append(f'{on}{line}\x1b[0m' if j == len(lines) - 1 else f'{on}{line}{"↵" if r else ""}\x1b[0m{NL}')
+    return head + '\n' + ''.join(body)
+
+# %% ../nbs/03_inspect.ipynb #30c4aa96
 def render_example(ex: Example, # a tokenized row
                    tokenizer=None, # for token strings in hover titles (and pieces of text-less rows)
                    form: str = 'html', # 'html' | 'ansi' | 'text'
@@ -132,45 +180,11 @@ def render_example(ex: Example, # a tokenized row
     if view not in ('tokens', 'text'): raise ValueError(f"view: {view!r} is not allowed; allowed values: tokens, text")
     if view == 'text' and ex.text and ex.offsets: cells = [(t, tr, role, None) for t, tr, role in _runs(ex)]
     else: cells = _with_images([(r.piece or '◦', r.trained, r.role, r) for r in token_rows(ex, tokenizer)], ex)
-    head, NL = _head(ex, header) + (loss_summary(losses, loss_view) if losses else ''), '\n'
-    if form == 'html':
-        out = []
-        for t, trained, role, r in cells:
-            if isinstance(r, ImageChip):  # one chip with a thumbnail in place of the image's placeholder tokens
-                out.append(f'<span class="k n r-{role} img" style="background:{COLORS["masked"]};border-color:{ROLE_COLORS[role]}" '
-                           f'title="image {r.k} | tokens {r.start}-{r.end - 1} | never trained">'
-                           f'<img src="{r.thumb}" style="height:48px;vertical-align:middle"> {r.end - r.start} tokens</span>')
-                continue
-            style = f'background:{COLORS["trained" if trained else "masked"]};border-color:{ROLE_COLORS[role]}'
-            cls = f'{"y" if trained else "n"} r-{role}'
-            if r is None: out.append(f'<span class="c {cls}" style="{style}">{html.escape(t)}</span>'); continue
-            lt = loss_title(losses, r.pos, tokenizer) if losses and trained else ''
-            if lt:  # loss mode: the fill is the token's loss (or its change), on one scale the legend shows
-                bg = _loss_bg(losses, r.pos, loss_view)
-                style, cls = f'background:{bg};color:{_ink(bg)};border-color:{ROLE_COLORS[role]}', cls + ' loss'
-            title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}' + lt)
-            shown = html.escape(t.replace(NL, '↵'))
-            out.append(f'<span class="k {cls}" style="{style}" title="{title}">{shown}</span>' + '<br>' * t.count(NL))
-        legend = _legend_html() + (loss_legend_html(loss_view) if losses else '')
-        return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div><div>{"".join(out)}</div></div>'
+    head = _head(ex, header) + (loss_summary(losses, loss_view) if losses else '')
+    if form == 'html': return _html_form(cells, head, tokenizer, losses, loss_view)
     cells = [(f'[image {r.k}: {r.end - r.start} tokens]', tr, role, r) if isinstance(r, ImageChip) else (t, tr, role, r)
              for t, tr, role, r in cells]
-    if form == 'text':
-        body, open_ = [], False
-        for t, trained, *_ in cells:
-            if trained != open_: body.append('⟦' if trained else '⟧'); open_ = trained
-            body.append(t)
-        return head + NL + ''.join(body) + ('⟧' if open_ else '')
-    body = []
-    for k, (t, trained, role, r) in enumerate(cells):
-        fill = _loss_bg(losses, r.pos, loss_view) if losses and trained and isinstance(r, TokenRow) and loss_title(losses, r.pos) else None
-        bg = _rgb(_shade(fill or COLORS['trained' if trained else 'masked'], .85 if k % 2 and r else 1.0))
-        fg = _rgb(ROLE_COLORS[role])
-        on = f'\x1b[48;2;{bg[0]};{bg[1]};{bg[2]}m\x1b[38;2;{fg[0]};{fg[1]};{fg[2]}m'
-        lines = t.split(NL)
-        for j, line in enumerate(lines):  # reset before each newline so colour never bleeds into the margin
-            body.append(f'{on}{line}\x1b[0m' if j == len(lines) - 1 else f'{on}{line}{"↵" if r else ""}\x1b[0m{NL}')
-    return head + '\n' + ''.join(body)
+    return _text_form(cells, head) if form == 'text' else _ansi_form(cells, head, losses, loss_view)
 
 # %% ../nbs/03_inspect.ipynb #a52baa74
 LOSS_SCALE = ((0, '#ffffcc'), (2, '#fed976'), (4, '#fd8d3c'), (6, '#e31a1c'), (8, '#800026'))  # nats → fill (YlOrRd)
@@ -182,12 +196,12 @@ def scale_color(x: float, scale=LOSS_SCALE) -> str:
     for (a, ca), (b, cb) in zip(scale, scale[1:]):
         if x <= b:
             f = (x - a) / (b - a)
-            return '#' + ''.join(f'{round(u + (v - u) * f):02x}' for u, v in zip(_rgb(ca), _rgb(cb)))
+            return '#' + ''.join(f'{round(u + (v - u) * f):02x}' for u, v in zip(hex_to_rgb(ca), hex_to_rgb(cb)))
     return scale[-1][1]
 
 def _ink(bg: str) -> str:
     "Black or white text, whichever reads on `bg`."
-    r, g, b = _rgb(bg)
+    r, g, b = hex_to_rgb(bg)
     return '#000' if .299 * r + .587 * g + .114 * b > 140 else '#fff'
 
 def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
@@ -325,49 +339,56 @@ class Inspector:
         self.source.observe(lambda _: (self._load(), self.update()), names='value')
         self.update()
 
-    def _load(self):
-        name = self.source.value
-        if name not in self._loaded:
-            ds = load_source(self.sources[name])
-            fmt = None if _is_processor(self.tokenizer) else self.format if self.format != 'auto' else detect_format(source_columns(ds))
-            self._loaded[name] = ds, fmt
-        self.rows, self.fmt = self._loaded[name]
-        self.row.max = max(0, len(self.rows) - 1)
+# %% ../nbs/03_inspect.ipynb #935f15c1
+@patch
+def _load(self: Inspector):
+    name = self.source.value
+    if name not in self._loaded:
+        ds = load_source(self.sources[name])
+        fmt = None if _is_processor(self.tokenizer) else self.format if self.format != 'auto' else detect_format(source_columns(ds))
+        self._loaded[name] = ds, fmt
+    self.rows, self.fmt = self._loaded[name]
+    self.row.max = max(0, len(self.rows) - 1)
 
-    @property
-    def spec(self) -> TokenizeSpec:
-        "The current controls as a `TokenizeSpec` (raises on template kwargs that are not a JSON object)."
-        kw = json.loads(self.kwargs.value or '{}')
-        if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
-        return TokenizeSpec(mode=self.mode.value, max_length=self.max_length.value or None, template=self.template, chat_template_kwargs=kw,
-                            history=self.history.value, train_on_reasoning=self.reasoning.value, train_on_tool_calls=self.tool_calls.value)
+@patch(as_prop=True)
+def spec(self: Inspector) -> TokenizeSpec:
+    "The current controls as a `TokenizeSpec` (raises on template kwargs that are not a JSON object)."
+    kw = json.loads(self.kwargs.value or '{}')
+    if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
+    return TokenizeSpec(mode=self.mode.value, max_length=self.max_length.value or None, template=self.template, chat_template_kwargs=kw,
+                        history=self.history.value, train_on_reasoning=self.reasoning.value, train_on_tool_calls=self.tool_calls.value)
 
-    def update(self):
-        "Re-tokenize the current row and redraw."
-        try: self.examples, self.error = inspect_examples(self.rows, self.row.value, self.tokenizer, self.spec, self.fmt,
-                                                          self.base_dirs.get(self.source.value))
-        except ValueError as e: self.examples, self.error = [], f'template kwargs: {e}'
-        self.example = self.examples[0] if self.examples else None
-        self.losses = self.score(self.examples) if self.scorer is not None and self.examples else [None] * len(self.examples)
-        head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
-        lv = self.loss_view.value
-        if self.example is None:
-            self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-        elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
-        else:  # history='expand': the examples of one row side by side, one column per trained turn
-            n = len(self.examples)
-            cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
-                    for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
-            self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
+# %% ../nbs/03_inspect.ipynb #1acabf46
+@patch
+def update(self: Inspector):
+    "Re-tokenize the current row and redraw."
+    try: self.examples, self.error = inspect_examples(self.rows, self.row.value, self.tokenizer, self.spec, self.fmt,
+                                                      self.base_dirs.get(self.source.value))
+    except ValueError as e: self.examples, self.error = [], f'template kwargs: {e}'
+    self.example = self.examples[0] if self.examples else None
+    self.losses = self.score(self.examples) if self.scorer is not None and self.examples else [None] * len(self.examples)
+    head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
+    lv = self.loss_view.value
+    if self.example is None:
+        self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
+    elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
+    else:  # history='expand': the examples of one row side by side, one column per trained turn
+        n = len(self.examples)
+        cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
+                for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
+        self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
 
-    def snapshot(self):
-        "The current rendering as static HTML (survives nbconvert and GitHub, where live widgets don't)."
-        from IPython.display import HTML
-        return HTML(self.html.value)
+# %% ../nbs/03_inspect.ipynb #2407bcf1
+@patch
+def snapshot(self: Inspector):
+    "The current rendering as static HTML (survives nbconvert and GitHub, where live widgets don't)."
+    from IPython.display import HTML
+    return HTML(self.html.value)
 
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.widget)
+@patch
+def _ipython_display_(self: Inspector):
+    from IPython.display import display
+    display(self.widget)
 
 # %% ../nbs/03_inspect.ipynb #1f279a8b
 from fastcore.basics import patch

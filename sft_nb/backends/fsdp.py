@@ -11,6 +11,7 @@ from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['FSDPWorker', 'trained_token_stats']
@@ -36,155 +37,172 @@ class FSDPWorker(DistWorker):
         import torch
         return torch.device('cuda', 0) if self.use_gpu else torch.device('cpu')
 
-    def setup(self):
-        import torch
-        from transformers import AutoModelForCausalLM, AutoConfig
-        from sft_nb.models import resolve_model_path
-        torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-        self.path = resolve_model_path(self.mcfg['path'])
-        dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
-        self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type)  # auto: sdpa on CPU, flex on CUDA
-        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
-        self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
-        if getattr(model.config, 'layer_types', None) and any(t not in ('full_attention', 'sliding_attention') for t in model.config.layer_types):
-            self.packable = False  # linear-attention / hybrid layers ignore attention masks
-        else: self.packable = True
-        if self.mcfg['gradient_checkpointing']: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+# %% ../../nbs/07a_backends.fsdp.ipynb #ca8a1fb5
+@patch
+def setup(self: FSDPWorker):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoConfig
+    from sft_nb.models import resolve_model_path
+    torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
+    self.path = resolve_model_path(self.mcfg['path'])
+    dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
+    self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type)  # auto: sdpa on CPU, flex on CUDA
+    model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
+    self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
+    if getattr(model.config, 'layer_types', None) and any(t not in ('full_attention', 'sliding_attention') for t in model.config.layer_types):
+        self.packable = False  # linear-attention / hybrid layers ignore attention masks
+    else: self.packable = True
+    if self.mcfg['gradient_checkpointing']: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
+    if self.mcfg['lora_r'] > 0:
+        from peft import LoraConfig, get_peft_model
+        model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
+                                                 lora_dropout=self.mcfg['lora_dropout'], target_modules=self.mcfg['lora_target_modules']))
+    model.to(self.device)
+    # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
+    # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
+    self.sharded = self.world_size > 1 or dtype != torch.float32
+    if self.sharded:
+        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+        from torch.distributed.device_mesh import init_device_mesh
+        mesh = init_device_mesh(self.device.type, (self.world_size,))
+        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
+        for m in model.modules():
+            if type(m).__name__.endswith('DecoderLayer'): fully_shard(m, mesh=mesh, mp_policy=mp)
+        fully_shard(model, mesh=mesh, mp_policy=mp)
+    self.model = model
+    params = [p for p in model.parameters() if p.requires_grad]
+    o = self.ocfg
+    self.opt = torch.optim.AdamW(params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
+    # sharded parameters are DTensors, whose numel() is already the whole tensor's
+    return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
+            'packable': self.packable}
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #dd411351
+@patch
+def _to_dev(self: FSDPWorker, mb):
+    import torch
+    if self.attn == 'flex_attention' and 'position_ids' in mb:  # a packed row's dense mask never goes to the GPU
+        mb = attention_inputs({**mb, 'position_ids': mb['position_ids'].to(self.device)}, self.attn)
+    return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
+
+@patch
+def _nll(self: FSDPWorker, mb: dict):
+    "Σ NLL and target count of one micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."
+    sel, tgt = trained_targets(mb['labels'])
+    w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
+    wt = None if w is None else target_weights(mb['labels'], w)
+    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head:
+        out = self.model(**model_inputs(mb)).logits
+    return head.nll(out, mb['labels'], w)
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #96468808
+@patch
+def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_global: int | float) -> dict:
+    "Accumulate gradients of Σ NLL / n_trained_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
+    self.model.train()
+    scale = (self.world_size if self.sharded else 1) / (n_trained_global if n_trained_global > 0 else 1)
+    nll, n = 0.0, 0
+    for mb in micro_batches:
+        s, k = self._nll(self._to_dev(mb))
+        (s * scale).backward()
+        nll += float(s.detach()); n += k
+    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+
+@patch
+def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
+    "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
+    import torch
+    o = self.ocfg
+    lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
+    for g in self.opt.param_groups: g['lr'] = lr
+    params = [p for p in self.model.parameters() if p.requires_grad]
+    gn = torch.nn.utils.clip_grad_norm_(params, o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf'))
+    gn = float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn)  # the global norm: every rank decides alike
+    skip = bool(skip or not np.isfinite(gn))
+    if not skip: self.opt.step()
+    self.opt.zero_grad(set_to_none=True)
+    self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
+    return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #5b05e072
+@patch
+def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
+    import torch
+    self.model.eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for mb in micro_batches:
+            s, k = self._nll(self._to_dev(mb))
+            nll += float(s); n += k
+    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+
+@patch
+def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+    "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."
+    import torch
+    self.model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=self.device)
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #a00b5374
+@patch
+def full_state(self: FSDPWorker) -> dict:
+    "The full (unsharded) model state on every rank, as CPU tensors (for export and tests)."
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
+    return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
+                                                                     broadcast_from_rank0=False))
+
+@patch
+def save(self: FSDPWorker, path: str) -> bool:
+    "Sharded checkpoint of model + optimizer (torch.distributed.checkpoint: reloadable at another world size)."
+    import torch, torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    msd, osd = get_state_dict(self.model, self.opt)
+    dcp.save({'model': msd, 'optim': osd}, checkpoint_id=path)
+    if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step}))
+    save_rng(path, self.rank, self.use_gpu)  # this rank's dropout streams, restored on resume (no pickle)
+    return True
+
+@patch
+def load(self: FSDPWorker, path: str) -> int:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    msd, osd = get_state_dict(self.model, self.opt)
+    state = {'model': msd, 'optim': osd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
+    self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']
+    load_rng(path, self.rank, self.use_gpu)  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
+    return self.step
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #76404bc8
+@patch
+def export_hf(self: FSDPWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
+    "save_pretrained the full model (LoRA merged), or the LoRA adapter alone (`lora_export='adapter'`), on rank 0; every rank takes part in gathering."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    state = self.full_state()
+    if self.rank == 0:
+        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32)
         if self.mcfg['lora_r'] > 0:
             from peft import LoraConfig, get_peft_model
             model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                     lora_dropout=self.mcfg['lora_dropout'], target_modules=self.mcfg['lora_target_modules']))
-        model.to(self.device)
-        # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
-        # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
-        self.sharded = self.world_size > 1 or dtype != torch.float32
-        if self.sharded:
-            from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-            from torch.distributed.device_mesh import init_device_mesh
-            mesh = init_device_mesh(self.device.type, (self.world_size,))
-            mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-            for m in model.modules():
-                if type(m).__name__.endswith('DecoderLayer'): fully_shard(m, mesh=mesh, mp_policy=mp)
-            fully_shard(model, mesh=mesh, mp_policy=mp)
-        self.model = model
-        params = [p for p in model.parameters() if p.requires_grad]
-        o = self.ocfg
-        self.opt = torch.optim.AdamW(params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
-        # sharded parameters are DTensors, whose numel() is already the whole tensor's
-        return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
-                'packable': self.packable}
-
-    def _to_dev(self, mb):
-        import torch
-        if self.attn == 'flex_attention' and 'position_ids' in mb:  # a packed row's dense mask never goes to the GPU
-            mb = attention_inputs({**mb, 'position_ids': mb['position_ids'].to(self.device)}, self.attn)
-        return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
-
-    def _nll(self, mb: dict):
-        "Σ NLL and target count of one micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."
-        sel, tgt = trained_targets(mb['labels'])
-        w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
-        wt = None if w is None else target_weights(mb['labels'], w)
-        with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head:
-            out = self.model(**model_inputs(mb)).logits
-        return head.nll(out, mb['labels'], w)
-
-    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-        "Accumulate gradients of Σ NLL / n_trained_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
-        self.model.train()
-        scale = (self.world_size if self.sharded else 1) / (n_trained_global if n_trained_global > 0 else 1)
-        nll, n = 0.0, 0
-        for mb in micro_batches:
-            s, k = self._nll(self._to_dev(mb))
-            (s * scale).backward()
-            nll += float(s.detach()); n += k
-        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
-
-    def optim_step(self, skip: bool = False) -> dict:
-        "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
-        import torch
-        o = self.ocfg
-        lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
-        for g in self.opt.param_groups: g['lr'] = lr
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        gn = torch.nn.utils.clip_grad_norm_(params, o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf'))
-        gn = float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn)  # the global norm: every rank decides alike
-        skip = bool(skip or not np.isfinite(gn))
-        if not skip: self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
-        return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
-
-    def eval_loss(self, micro_batches: list[dict]) -> dict:
-        import torch
-        self.model.eval()
-        nll, n = 0.0, 0
-        with torch.no_grad():
-            for mb in micro_batches:
-                s, k = self._nll(self._to_dev(mb))
-                nll += float(s); n += k
-        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
-        "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."
-        import torch
-        self.model.eval()
-        outs = []
-        with torch.no_grad():
-            for p in prompts:
-                ids = torch.tensor([p], device=self.device)
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                          do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
-                outs.append(out[0, len(p):].tolist())
-        return outs
-
-    def full_state(self) -> dict:
-        "The full (unsharded) model state on every rank, as CPU tensors (for export and tests)."
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, StateDictOptions
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
-                                                                         broadcast_from_rank0=False))
-
-    def save(self, path: str) -> bool:
-        "Sharded checkpoint of model + optimizer (torch.distributed.checkpoint: reloadable at another world size)."
-        import torch, torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-        msd, osd = get_state_dict(self.model, self.opt)
-        dcp.save({'model': msd, 'optim': osd}, checkpoint_id=path)
-        if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step}))
-        save_rng(path, self.rank, self.use_gpu)  # this rank's dropout streams, restored on resume (no pickle)
-        return True
-
-    def load(self, path: str) -> int:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-        msd, osd = get_state_dict(self.model, self.opt)
-        state = {'model': msd, 'optim': osd}
-        dcp.load(state, checkpoint_id=path)
-        set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
-        self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']
-        load_rng(path, self.rank, self.use_gpu)  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
-        return self.step
-
-    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-        "save_pretrained the full model (LoRA merged), or the LoRA adapter alone (`lora_export='adapter'`), on rank 0; every rank takes part in gathering."
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        state = self.full_state()
-        if self.rank == 0:
-            model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32)
-            if self.mcfg['lora_r'] > 0:
-                from peft import LoraConfig, get_peft_model
-                model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                         lora_dropout=self.mcfg['lora_dropout'],
-                                                         target_modules=self.mcfg['lora_target_modules']))
-                model.load_state_dict(state, strict=False)
-                if lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
-            else: model.load_state_dict(state, strict=False)
-            model.save_pretrained(path)
-            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
-            if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
-                import shutil; shutil.copy(Path(self.path, 'preprocessor_config.json'), path)
-        return True
+                                                     lora_dropout=self.mcfg['lora_dropout'],
+                                                     target_modules=self.mcfg['lora_target_modules']))
+            model.load_state_dict(state, strict=False)
+            if lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
+        else: model.load_state_dict(state, strict=False)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
+        if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
+            import shutil; shutil.copy(Path(self.path, 'preprocessor_config.json'), path)
+    return True
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed
 from fastcore.basics import patch

@@ -12,6 +12,7 @@ from ..workers import DistWorker, save_rng, load_rng
 from ..optim import lr_at
 from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'mcore_batch', 'megatron_dp_index', 'load_shard',
@@ -149,230 +150,254 @@ class MegatronWorker(DistWorker):
         import torch
         return torch.device('cuda', 0) if self.use_gpu else torch.device('cpu')
 
-    def setup(self) -> dict:
-        import torch
-        from transformers import AutoConfig
-        from megatron.core import parallel_state as ps
-        from sft_nb.models import resolve_model_path
-        torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-        if self.mcfg['lora_r'] > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
-        self.path = str(resolve_model_path(self.mcfg['path']))
-        self.hf_cfg = AutoConfig.from_pretrained(self.path)
-        check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
-        if not self.use_gpu:
-            from sft_nb.backends.megatron_compat import apply_cpu_compat
-            apply_cpu_compat()
-        ps.initialize_model_parallel(self.tp, self.pp)
-        self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
-        if self.use_gpu:
-            from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-            model_parallel_cuda_manual_seed(self.seed)
-        else:
-            from sft_nb.backends.megatron_compat import seed_model_parallel_rng
-            seed_model_parallel_rng(self.seed, self.tp_rank)
-        self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16')
-        self.loss_chunk = self.mcfg.get('loss_chunk', 0)
-        local = hf_to_mcore(load_hf_state(self.path), self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
-        missing, unexpected = self.model.load_state_dict(local, strict=False)
-        missing = [k for k in missing if not k.endswith('_extra_state')]
-        if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
-        self.model.to(self.device)
-        o = self.ocfg
-        self.params = list(self.model.parameters())
-        # norms are the only TP-replicated parameters (megatron tags sharded ones only when it initializes them)
-        self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith('layernorm.weight')}
-        self.opt = torch.optim.AdamW(self.params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
-        n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
-        return {'n_params': int(n), 'n_trainable': int(n), 'packable': True}
-
-    # ---- collectives (small, so CPU tests run them over real gloo groups) --------------------------
-    def _counted(self, p) -> bool:
-        "Count a parameter once per replica: TP-replicated ones on TP rank 0, the tied output copy not at all."
-        if getattr(p, 'shared', False): return False
-        return id(p) not in self._replicated or self.tp_rank == 0
-
-    def _mp_sum(self, x: float) -> float:
-        import torch, torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=ps.get_model_parallel_group())
-        return float(t)
-
-    def _replica_sum(self, x: float) -> float:
-        "Sum over the pipeline stages of this replica (only the last stage computes losses)."
-        import torch, torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-        dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
-        return float(t)
-
-    def _all_reduce_grads(self, params, group):
-        import torch, torch.distributed as dist
-        from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-        if not params: return
-        grads = [p.grad for p in params]
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)): g.copy_(r)
-
-    def _reduce_grads(self):
-        import torch
-        from megatron.core import parallel_state as ps
-        for p in self.params:
-            if p.grad is None: p.grad = torch.zeros_like(p)
-        if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
-            self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
-        if ps.get_data_parallel_world_size() > 1: self._all_reduce_grads(self.params, ps.get_data_parallel_group())
-
-    # ---- steps -----------------------------------------------------------------------------------
-    def _run(self, micro_batches: list[dict], forward_only: bool, scale: float = 0.0) -> tuple[float, int, list]:
-        "megatron's schedule (1F1B with PP > 1) over the micro-batches; returns this replica's (Σ NLL, n targets, outputs)."
-        import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
-        shape = (B, T) if self.pp > 1 else None  # stages exchange [T, B, hidden] tensors of one shape
-        batches = [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} for mb in micro_batches]
-        M = len(batches)
-
-        def forward_step(data_iterator, model):
-            b = next(data_iterator)
-            if self.loss_chunk > 0 and getattr(model, 'post_process', False):  # the head + CE chunked over trained tokens
-                with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b['attention_mask'])
-                out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
-            else: out = model(b['input_ids'], b['position_ids'], b['attention_mask'], labels=b['labels'])
-            def loss_func(per_token):
-                s = (per_token.float() * b['loss_mask']).sum()
-                return s * (scale * M), {'nll_sum': s.detach(), 'n': b['loss_mask'].sum().detach()}
-            return out, loss_func
-
-        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
-                                          num_microbatches=M, seq_length=T, micro_batch_size=B, forward_only=forward_only)
-        nll = sum(float(o['nll_sum']) for o in out) if out else 0.0
-        n = self._replica_sum(sum(float(o['n']) for o in out) if out else 0.0)
-        weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
-        return self._replica_sum(nll), (n if weighted else int(round(n))), out
-
-    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-        "Accumulate gradients of Σ NLL / n_trained_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
-        self.model.train()
-        nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_trained_global if n_trained_global > 0 else 1))
-        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
-
-    def optim_step(self, skip: bool = False) -> dict:
-        "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
-        import torch
-        o = self.ocfg
-        lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
-        for g in self.opt.param_groups: g['lr'] = lr
-        self._reduce_grads()
-        sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
-        gn = self._mp_sum(sq) ** 0.5
-        max_norm = o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf')
-        skip = bool(skip or not np.isfinite(gn))  # the global norm: every rank decides alike
-        if not skip:
-            coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-            for p in self.params: p.grad.mul_(coef)
-            self.opt.step()
-        self.opt.zero_grad(set_to_none=True)
-        self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
-        return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
-
-    def eval_loss(self, micro_batches: list[dict]) -> dict:
-        import torch
-        self.model.eval()
-        with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
-        return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
-
-    def logits(self, input_ids) -> 'torch.Tensor | None':
-        "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
-        import torch
-        from megatron.core.pipeline_parallel import get_forward_backward_func
-        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-        self.model.eval()
-        ids = torch.as_tensor(input_ids).to(self.device)
-        B, T = ids.shape
-        mask = ~torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
-        def forward_step(data_iterator, model):
-            next(data_iterator)
-            out = model(ids, torch.arange(T, device=self.device).expand(B, T), mask)
-            return out, lambda lg: (lg.sum() * 0, {'logits': gather_from_tensor_model_parallel_region(lg).float()})
-        with torch.no_grad():
-            out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[self.model],
-                                              num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
-        return out[0]['logits'].cpu() if out else None
-
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
-        "Greedy continuations, recomputing the whole prefix each token (no KV cache); all ranks take part."
-        import torch, torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        outs = []
-        for p in prompts:
-            ids, new = list(p), []
-            for _ in range(max_new_tokens):
-                lg = self.logits([ids])
-                nxt = torch.tensor([int(lg[0, -1].argmax()) if lg is not None else 0], device=self.device)
-                dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
-                tok = int(nxt); ids.append(tok); new.append(tok)
-                if tok == eos_token_id: break
-            outs.append(new)
-        return outs
-
-    # ---- state -------------------------------------------------------------------------------------
-    def _local_state(self) -> dict:
-        return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
-
-    def full_state(self) -> dict:
-        "The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the converter)."
-        import torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        g = ps.get_model_parallel_group()
-        got = [None] * dist.get_world_size(g)
-        dist.all_gather_object(got, (self.tp_rank, self.pp_rank, self._local_state()), group=g)
-        return mcore_to_hf({(t, p): s for t, p, s in got}, self.hf_cfg)
-
-    def _ckpt_file(self, path) -> Path: return Path(path) / f'megatron_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt'
-
-    def save(self, path: str) -> bool:
-        "One file per model-parallel shard (model + AdamW state), written by DP rank 0: resumable at any DP size with the same TP/PP."
-        import torch, torch.distributed as dist
-        from megatron.core import parallel_state as ps
-        if ps.get_data_parallel_rank() == 0:
-            torch.save({'model': self._local_state(), 'optim': self.opt.state_dict(), 'step': self.step,
-                        'tp': self.tp, 'pp': self.pp}, self._ckpt_file(path))
-        if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step, 'backend': 'megatron'}))
-        save_rng(path, self.rank)  # no pickle anywhere in a checkpoint (see sft_nb.workers.save_rng)
-        dist.barrier()
-        return True
-
-    def load(self, path: str) -> int:
-        import torch
-        f = self._ckpt_file(path)
-        if not f.exists(): raise FileNotFoundError(f"checkpoint.resume: {f.name} missing in {path} (saved with another TP/PP or backend?)")
-        ck = load_shard(f, self.device)
-        if (ck['tp'], ck['pp']) != (self.tp, self.pp):
-            raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: checkpoint has TP={ck['tp']} PP={ck['pp']}")
-        self.model.load_state_dict(ck['model'], strict=False)
-        self.opt.load_state_dict(ck['optim'])
-        self.step = ck['step']
-        load_rng(path, self.rank)
-        return self.step
-
-    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-        "save_pretrained the full model on rank 0; every rank takes part in gathering (no LoRA here: `lora_export` is unused)."
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-        state = self.full_state()
-        if self.rank == 0:
-            model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
-            model.load_state_dict(state, strict=True)
-            model.save_pretrained(path)
-            AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
-        return True
-
     def shutdown(self):
         from megatron.core import parallel_state as ps
         if ps.model_parallel_is_initialized(): ps.destroy_model_parallel()
         return super().shutdown()
+
+# %% ../../nbs/07b_backends.megatron.ipynb #fbe899f4
+@patch
+def setup(self: MegatronWorker) -> dict:
+    import torch
+    from transformers import AutoConfig
+    from megatron.core import parallel_state as ps
+    from sft_nb.models import resolve_model_path
+    torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
+    if self.mcfg['lora_r'] > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
+    self.path = str(resolve_model_path(self.mcfg['path']))
+    self.hf_cfg = AutoConfig.from_pretrained(self.path)
+    check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
+    if not self.use_gpu:
+        from sft_nb.backends.megatron_compat import apply_cpu_compat
+        apply_cpu_compat()
+    ps.initialize_model_parallel(self.tp, self.pp)
+    self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
+    if self.use_gpu:
+        from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+        model_parallel_cuda_manual_seed(self.seed)
+    else:
+        from sft_nb.backends.megatron_compat import seed_model_parallel_rng
+        seed_model_parallel_rng(self.seed, self.tp_rank)
+    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16')
+    self.loss_chunk = self.mcfg.get('loss_chunk', 0)
+    local = hf_to_mcore(load_hf_state(self.path), self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
+    missing, unexpected = self.model.load_state_dict(local, strict=False)
+    missing = [k for k in missing if not k.endswith('_extra_state')]
+    if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    self.model.to(self.device)
+    o = self.ocfg
+    self.params = list(self.model.parameters())
+    # norms are the only TP-replicated parameters (megatron tags sharded ones only when it initializes them)
+    self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith('layernorm.weight')}
+    self.opt = torch.optim.AdamW(self.params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
+    n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
+    return {'n_params': int(n), 'n_trainable': int(n), 'packable': True}
+
+# %% ../../nbs/07b_backends.megatron.ipynb #d2607c59
+@patch
+def _counted(self: MegatronWorker, p) -> bool:
+    "Count a parameter once per replica: TP-replicated ones on TP rank 0, the tied output copy not at all."
+    if getattr(p, 'shared', False): return False
+    return id(p) not in self._replicated or self.tp_rank == 0
+
+@patch
+def _mp_sum(self: MegatronWorker, x: float) -> float:
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=ps.get_model_parallel_group())
+    return float(t)
+
+@patch
+def _replica_sum(self: MegatronWorker, x: float) -> float:
+    "Sum over the pipeline stages of this replica (only the last stage computes losses)."
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return float(t)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #08ad41b3
+@patch
+def _all_reduce_grads(self: MegatronWorker, params, group):
+    import torch, torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    if not params: return
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)): g.copy_(r)
+
+@patch
+def _reduce_grads(self: MegatronWorker):
+    import torch
+    from megatron.core import parallel_state as ps
+    for p in self.params:
+        if p.grad is None: p.grad = torch.zeros_like(p)
+    if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
+        self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
+    if ps.get_data_parallel_world_size() > 1: self._all_reduce_grads(self.params, ps.get_data_parallel_group())
+
+# %% ../../nbs/07b_backends.megatron.ipynb #55690eb3
+@patch
+def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, scale: float = 0.0) -> tuple[float, int, list]:
+    "megatron's schedule (1F1B with PP > 1) over the micro-batches; returns this replica's (Σ NLL, n targets, outputs)."
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
+    shape = (B, T) if self.pp > 1 else None  # stages exchange [T, B, hidden] tensors of one shape
+    batches = [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} for mb in micro_batches]
+    M = len(batches)
+
+    def forward_step(data_iterator, model):
+        b = next(data_iterator)
+        if self.loss_chunk > 0 and getattr(model, 'post_process', False):  # the head + CE chunked over trained tokens
+            with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b['attention_mask'])
+            out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
+        else: out = model(b['input_ids'], b['position_ids'], b['attention_mask'], labels=b['labels'])
+        def loss_func(per_token):
+            s = (per_token.float() * b['loss_mask']).sum()
+            return s * (scale * M), {'nll_sum': s.detach(), 'n': b['loss_mask'].sum().detach()}
+        return out, loss_func
+
+    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
+                                      num_microbatches=M, seq_length=T, micro_batch_size=B, forward_only=forward_only)
+    nll = sum(float(o['nll_sum']) for o in out) if out else 0.0
+    n = self._replica_sum(sum(float(o['n']) for o in out) if out else 0.0)
+    weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
+    return self._replica_sum(nll), (n if weighted else int(round(n))), out
+
+# %% ../../nbs/07b_backends.megatron.ipynb #8ae1419f
+@patch
+def forward_backward(self: MegatronWorker, micro_batches: list[dict], n_trained_global: int | float) -> dict:
+    "Accumulate gradients of Σ NLL / n_trained_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
+    self.model.train()
+    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_trained_global if n_trained_global > 0 else 1))
+    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+
+@patch
+def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
+    "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
+    import torch
+    o = self.ocfg
+    lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
+    for g in self.opt.param_groups: g['lr'] = lr
+    self._reduce_grads()
+    sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
+    gn = self._mp_sum(sq) ** 0.5
+    max_norm = o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf')
+    skip = bool(skip or not np.isfinite(gn))  # the global norm: every rank decides alike
+    if not skip:
+        coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+        for p in self.params: p.grad.mul_(coef)
+        self.opt.step()
+    self.opt.zero_grad(set_to_none=True)
+    self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
+    return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
+
+# %% ../../nbs/07b_backends.megatron.ipynb #9e1a0656
+@patch
+def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
+    import torch
+    self.model.eval()
+    with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
+    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+
+@patch
+def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
+    "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
+    import torch
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    self.model.eval()
+    ids = torch.as_tensor(input_ids).to(self.device)
+    B, T = ids.shape
+    mask = ~torch.ones(T, T, dtype=torch.bool, device=self.device).tril()[None, None]
+    def forward_step(data_iterator, model):
+        next(data_iterator)
+        out = model(ids, torch.arange(T, device=self.device).expand(B, T), mask)
+        return out, lambda lg: (lg.sum() * 0, {'logits': gather_from_tensor_model_parallel_region(lg).float()})
+    with torch.no_grad():
+        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter([0]), model=[self.model],
+                                          num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
+    return out[0]['logits'].cpu() if out else None
+
+@patch
+def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+    "Greedy continuations, recomputing the whole prefix each token (no KV cache); all ranks take part."
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    outs = []
+    for p in prompts:
+        ids, new = list(p), []
+        for _ in range(max_new_tokens):
+            lg = self.logits([ids])
+            nxt = torch.tensor([int(lg[0, -1].argmax()) if lg is not None else 0], device=self.device)
+            dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            tok = int(nxt); ids.append(tok); new.append(tok)
+            if tok == eos_token_id: break
+        outs.append(new)
+    return outs
+
+# %% ../../nbs/07b_backends.megatron.ipynb #1cb55927
+@patch
+def _local_state(self: MegatronWorker) -> dict:
+    return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
+
+@patch
+def full_state(self: MegatronWorker) -> dict:
+    "The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the converter)."
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    g = ps.get_model_parallel_group()
+    got = [None] * dist.get_world_size(g)
+    dist.all_gather_object(got, (self.tp_rank, self.pp_rank, self._local_state()), group=g)
+    return mcore_to_hf({(t, p): s for t, p, s in got}, self.hf_cfg)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #06d6fdd6
+@patch
+def _ckpt_file(self: MegatronWorker, path) -> Path: return Path(path) / f'megatron_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt'
+
+@patch
+def save(self: MegatronWorker, path: str) -> bool:
+    "One file per model-parallel shard (model + AdamW state), written by DP rank 0: resumable at any DP size with the same TP/PP."
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    if ps.get_data_parallel_rank() == 0:
+        torch.save({'model': self._local_state(), 'optim': self.opt.state_dict(), 'step': self.step,
+                    'tp': self.tp, 'pp': self.pp}, self._ckpt_file(path))
+    if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step, 'backend': 'megatron'}))
+    save_rng(path, self.rank)  # no pickle anywhere in a checkpoint (see sft_nb.workers.save_rng)
+    dist.barrier()
+    return True
+
+@patch
+def load(self: MegatronWorker, path: str) -> int:
+    import torch
+    f = self._ckpt_file(path)
+    if not f.exists(): raise FileNotFoundError(f"checkpoint.resume: {f.name} missing in {path} (saved with another TP/PP or backend?)")
+    ck = load_shard(f, self.device)
+    if (ck['tp'], ck['pp']) != (self.tp, self.pp):
+        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: checkpoint has TP={ck['tp']} PP={ck['pp']}")
+    self.model.load_state_dict(ck['model'], strict=False)
+    self.opt.load_state_dict(ck['optim'])
+    self.step = ck['step']
+    load_rng(path, self.rank)
+    return self.step
+
+# %% ../../nbs/07b_backends.megatron.ipynb #49be7f81
+@patch
+def export_hf(self: MegatronWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
+    "save_pretrained the full model on rank 0; every rank takes part in gathering (no LoRA here: `lora_export` is unused)."
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    state = self.full_state()
+    if self.rank == 0:
+        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+        model.load_state_dict(state, strict=True)
+        model.save_pretrained(path)
+        AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
+    return True
 
 # %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
 from fastcore.basics import patch
