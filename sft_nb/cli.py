@@ -103,14 +103,16 @@ def _cmd_train(a):
 
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
+    from sft_nb.models import load_tokenizer
     if '--run' in rest or any(r.startswith('--run=') for r in rest):  # loss mode: the run's model is loaded here (above the inspector)
         from sft_nb.lens import run_scorer
-        return inspect_main(rest, run_loader=run_scorer)
-    return inspect_main(rest)
+        return inspect_main(rest, run_loader=run_scorer, tokenizer_loader=load_tokenizer)
+    return inspect_main(rest, tokenizer_loader=load_tokenizer)
 
 def _cmd_pack(a, rest):
     from sft_nb.packsim import pack_main
-    return pack_main(rest)
+    from sft_nb.models import load_tokenizer
+    return pack_main(rest, tokenizer_loader=load_tokenizer)
 
 def _cmd_demo(a, rest):
     from sft_nb.demo import main as demo_main

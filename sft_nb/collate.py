@@ -6,9 +6,10 @@
 from __future__ import annotations
 from typing import Sequence
 import torch
+from .tokenize import labels_for  # the labels rule lives with the examples it reads
 
 # %% auto #0
-__all__ = ['VISION_KEYS', 'labels_for', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
+__all__ = ['VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
            'target_weights', 'trained_targets', 'model_inputs', 'collate_vision']
 
 # %% ../nbs/05_collate.ipynb #4c36b45c
@@ -26,10 +27,6 @@ def _with_weights(wt, labels) -> dict:
     if wt is None: return {}
     wt[labels == -100] = 0
     return {'loss_weights': wt, 'weight_sum': float(wt.double().sum())}
-
-def labels_for(ids: Sequence[int], mask: Sequence[int]) -> list[int]:
-    "Labels of one sequence: the id where trained, -100 elsewhere and always at position 0."
-    return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]
 
 # %% ../nbs/05_collate.ipynb #8b914168
 def collate_padded(examples: Sequence, # Examples or dicts with input_ids and loss_mask

@@ -7,16 +7,15 @@ from __future__ import annotations
 import argparse, html, json, os, sys
 from pathlib import Path
 from typing import NamedTuple
-from .collate import labels_for
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
-from .tokenize import HISTORY, MODES, Example, TokenizeSpec, tokenize_conversation, tokenize_rows
+from .tokenize import HISTORY, MODES, Example, TokenizeSpec, labels_for, tokenize_conversation, tokenize_rows
 from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['COLORS', 'ROLE_COLORS', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles', 'token_rows', 'summary',
            'ImageChip', 'render_example', 'scale_color', 'loss_title', 'loss_summary', 'loss_legend_html',
-           'inspect_examples', 'inspect_row', 'load_tokenizer', 'Inspector', 'inspect_main']
+           'inspect_examples', 'inspect_row', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
@@ -272,21 +271,6 @@ def inspect_row(rows, index: int, tokenizer, spec: TokenizeSpec, fmt: str | None
     exs, err = inspect_examples(rows, index, tokenizer, spec, fmt, base_dir)
     return (exs[0] if exs else None), err
 
-def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or hub id
-                   template: str | None = None, # template text or .jinja path replacing the tokenizer's
-                   family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`)
-                  ):
-    "(tokenizer, template text): a template file named after a family (`qwen2.5-instruct.jinja`) brings its special tokens. A vision-language model gives its processor."
-    from transformers import AutoTokenizer
-    from sft_nb.models import resolve_model_path
-    from sft_nb.vlm_models import is_vlm, load_processor
-    path = resolve_model_path(model)
-    if is_vlm(path): return load_processor(path), load_template(template)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
-    if family: add_family_specials(tokenizer, family)
-    return tokenizer, load_template(template)
-
 # %% ../nbs/03_inspect.ipynb #ebc7eb58
 def _named_sources(source) -> dict:
     if isinstance(source, dict): return dict(source)
@@ -406,6 +390,7 @@ def score(self: Inspector, examples: list) -> list[dict]:
 # %% ../nbs/03_inspect.ipynb #50f14fb9
 def inspect_main(argv: list[str] | None = None,
                  run_loader=None, # `--run`: RUN_DIR → (scorer with `token_losses`, the run's tokenize settings); `sft-nb inspect` passes `sft_nb.lens.run_scorer`
+                 tokenizer_loader=None, # `--model` NAME → (tokenizer or processor, template); `sft-nb inspect` passes `sft_nb.models.load_tokenizer`
                 ) -> int:
     "CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the exit status (1: the row would not be trained, 2: no such row)."
     p = argparse.ArgumentParser(prog='sft-nb inspect', description='Show the tokens and loss mask of one dataset row.')
@@ -433,7 +418,8 @@ def inspect_main(argv: list[str] | None = None,
     a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
     if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
     a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
-    tokenizer, template = load_tokenizer(a.model, a.template, a.family)
+    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
+    tokenizer, template = tokenizer_loader(a.model, a.template, a.family)
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2

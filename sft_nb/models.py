@@ -7,12 +7,13 @@ from __future__ import annotations
 import importlib.util, os, random
 from pathlib import Path
 from .paths import sft_nb_home, atomic_build
-from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config
+from .templates import FAMILY_SPECIALS, add_family_specials, load_template
+from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
            'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
-           'check_model_path']
+           'check_model_path', 'load_tokenizer']
 
 # %% ../nbs/06_models.ipynb #572cb52f
 _atomic_build = atomic_build  # the name other modules used before it moved to sft_nb.paths
@@ -155,3 +156,17 @@ def check_model_path(path: str) -> str:
     elif out.startswith(('/', '.', '~')) or out.count('/') > 1 or os.sep != '/' and os.sep in out:
         raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
     return out
+
+# %% ../nbs/06_models.ipynb #6e6327d2
+def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or hub id
+                   template: str | None = None, # template text or .jinja path replacing the tokenizer's
+                   family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`)
+                  ):
+    "(tokenizer, template text): a template file named after a family (`qwen2.5-instruct.jinja`) brings its special tokens. A vision-language model gives its processor."
+    from transformers import AutoTokenizer
+    path = resolve_model_path(model)
+    if is_vlm(path): return load_processor(path), load_template(template)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
+    if family: add_family_specials(tokenizer, family)
+    return tokenizer, load_template(template)

@@ -117,7 +117,9 @@ class PackingSimulator:
         display(self.widget)
 
 # %% ../nbs/04a_packsim.ipynb #9cd2839d
-def pack_main(argv: list[str] | None = None) -> int:
+def pack_main(argv: list[str] | None = None,
+              tokenizer_loader=None, # `--model` NAME → (tokenizer, template); `sft-nb pack` passes `sft_nb.models.load_tokenizer`
+             ) -> int:
     "CLI entry (`sft-nb pack`): tokenize a dataset, print each planner's bins/efficiency/padding and the chosen plan."
     import argparse
     from pathlib import Path
@@ -136,9 +138,9 @@ def pack_main(argv: list[str] | None = None) -> int:
     for flag, vals, lo in (('--capacity', a.capacity, 2), ('--dp', [a.dp], 1), ('--batch-size', [a.batch_size], 1), ('--bins', [a.bins], 0)):
         if min(vals) < lo: p.error(f"{flag}: must be >= {lo}, got {min(vals)}")  # before any tokenization
     import json
-    from sft_nb.inspect import load_tokenizer
     from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
-    tok, template = load_tokenizer(a.model, a.template)
+    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb pack` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
+    tok, template = tokenizer_loader(a.model, a.template)
     src = Path(a.data) if Path(a.data).exists() else a.data
     ds, report = tokenize_dataset(src, tok, TokenizeSpec(mode=a.mode, max_length=None, template=template))
     lengths = ds['length']

@@ -14,7 +14,7 @@ from .paths import sft_nb_home, file_digest
 from .templates import TemplateError, TemplateInfo, template_info, template_key, render, load_template, chat_ids
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'locate_messages', 'assistant_spans',
+__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
            'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
            'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
            'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
@@ -59,6 +59,11 @@ def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: s
     at = [h for k, h in hits if k == j]
     # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
     return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
+
+# %% ../nbs/02_tokenize.ipynb #653a05ef
+def labels_for(ids, mask) -> list[int]:
+    "Labels of one sequence: the id where trained, -100 elsewhere and always at position 0."
+    return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]
 
 # %% ../nbs/02_tokenize.ipynb #3eeceb24
 def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:

@@ -14,6 +14,7 @@ from sft_nb.collate import collate_packed, collate_padded
 from sft_nb.data import normalize_row
 from sft_nb.datareport import dataset_report
 from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, render_example
+from sft_nb.models import load_tokenizer
 from sft_nb.lint import CHECKS, failed, lint_template
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, chat_ids, collapse_template, render
@@ -124,7 +125,7 @@ def test_one_colour_map_for_html_and_ansi(tiny_tok):
 
 
 def test_inspect_main_prints_ansi(shared, capsys):
-    rc = inspect_main([str(shared / 'datasets' / 'glaive_toolcall_en_demo.json'), '--row', '3', '--model', 'tiny', '--mode', 'all_assistant',
+    rc = inspect_main(tokenizer_loader=load_tokenizer, argv=[str(shared / 'datasets' / 'glaive_toolcall_en_demo.json'), '--row', '3', '--model', 'tiny', '--mode', 'all_assistant',
                        '--template', str(shared / 'templates' / 'qwen2.5-instruct.jinja')])
     out = capsys.readouterr().out
     assert rc == 0
@@ -138,13 +139,13 @@ def test_inspect_main_expanded_examples(shared, capsys):
     tpl = str(Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja')
     row = shared / 'datasets' / 'glaive_toolcall_en_demo.json'
     args = [str(row), '--row', '3', '--model', 'tiny', '--template', tpl, '--color', 'never']
-    assert inspect_main(args) == 0
+    assert inspect_main(tokenizer_loader=load_tokenizer, argv=args) == 0
     out = capsys.readouterr().out
     n = out.count(' · example ')
     assert n > 1 and f'example {n}/{n}' in out
-    assert inspect_main(args + ['--history', 'final']) == 0
+    assert inspect_main(tokenizer_loader=load_tokenizer, argv=args + ['--history', 'final']) == 0
     assert ' · example ' not in capsys.readouterr().out
-    assert inspect_main(args + ['--no-train-tool-calls']) == 0
+    assert inspect_main(tokenizer_loader=load_tokenizer, argv=args + ['--no-train-tool-calls']) == 0
     assert '⟦<tool_call>' not in capsys.readouterr().out
 
 
