@@ -132,3 +132,22 @@ def test_packed_steps_train_the_window_rows(tiny_tok, jsonl):
         trained += taken
     ids = lambda es: sorted(id(e) for e in es)
     assert ids(trained + sp.buffer + sp.carry) == ids(seen)  # each example of the window trained once, or still waiting
+
+
+def test_iterable_dataset_source_and_state_roundtrip(tiny_tok, tmp_path):
+    "A `datasets.IterableDataset` (what a hub source streams as) is read lazily; a plan restored from JSON continues it."
+    from datasets import Dataset
+    rows = identity_rows()['train']
+    ds = Dataset.from_list([{'messages': r['messages']} for r in rows]).to_iterable_dataset()
+    cfg = load_config(stream_cfg('tiny', tmp_path, tmp_path / 'unused.jsonl', data__train=[], data__stream_buffer=10,
+                                 train__global_batch_size=4, train__micro_batch_size=1, train__num_steps=30))
+    straight = StreamPlan(cfg, tiny_tok, train_data=ds).prepare().plan()
+    want = [[e['index'] for e in straight.global_batch(s)] for s in range(30)]
+    assert straight.epoch >= 1 and straight.peak <= 10  # 120 examples of 56 rows: the stream restarted
+    a = StreamPlan(cfg, tiny_tok, train_data=ds).prepare().plan()
+    got = [[e['index'] for e in a.global_batch(s)] for s in range(13)]
+    b = StreamPlan(cfg, tiny_tok, train_data=ds).prepare().plan()
+    b.load_state_dict(json.loads(json.dumps(a.state_dict(12))))  # the state a checkpoint after 12 steps stores
+    got = got[:12] + [[e['index'] for e in b.global_batch(s)] for s in range(12, 30)]
+    assert got == want
+    assert b.data_report.n_rows == 56 and b.data_report.n_kept == 56
