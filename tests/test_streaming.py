@@ -65,6 +65,7 @@ def test_killed_streamed_run_resumes_exactly(tiny_path, tmp_path, ray_session, j
     assert p.returncode == -signal.SIGKILL
     state = json.loads((run / 'checkpoints' / 'step_000006' / 'trainer_state.json').read_text())
     assert state['stream']['step'] == 6 and len(state['stream']['buffer']) <= 24  # the state before step 7's batch, not after the prefetch
+    assert state['stream']['cursor'][0] > 0  # the JSONL byte offset a resume seeks to
     with SFTTrainer(stream_cfg(tiny_path, run, jsonl, checkpoint__resume='latest', **base)) as r:
         assert r.global_step == 6
         resumed = r.fit()['loss'].tolist()
