@@ -152,3 +152,14 @@ def test_iterable_dataset_source_and_state_roundtrip(tiny_tok, tmp_path):
     got = got[:12] + [[e['index'] for e in b.global_batch(s)] for s in range(12, 30)]
     assert got == want
     assert b.data_report.n_rows == 56 and b.data_report.n_kept == 56
+
+
+def test_streamed_train_evaluates_and_saves(tiny_path, tmp_path, ray_session, jsonl):
+    "`train()` of a streamed run: eval sets are tokenized as in the map path, evaluated with generation samples, saved."
+    ev = tmp_path / 'eval.jsonl'
+    ev.write_text(''.join(json.dumps(r) + '\n' for r in identity_rows()['eval']))
+    cfg = stream_cfg(tiny_path, tmp_path / 'run', jsonl, train__num_steps=3, data__eval={'id': {'path': str(ev)}}, eval__samples=2)
+    with SFTTrainer(cfg) as t:
+        h = t.train()
+        assert len(h) == 3 and t.last_eval['step'] == 3 and 'id_loss' in t.last_eval
+        assert (t.run_dir / 'checkpoints' / 'step_000003' / 'trainer_state.json').exists()
