@@ -163,3 +163,25 @@ def test_streamed_train_evaluates_and_saves(tiny_path, tmp_path, ray_session, js
         h = t.train()
         assert len(h) == 3 and t.last_eval['step'] == 3 and 'id_loss' in t.last_eval
         assert (t.run_dir / 'checkpoints' / 'step_000003' / 'trainer_state.json').exists()
+
+
+def test_expanded_rows_wait_in_carry_and_resume(tiny_path, tmp_path):
+    "history='expand' (Qwen3 rewrites earlier turns): a row gives one example per assistant turn; those without room in the window wait in `carry`, which the state keeps."
+    from transformers import AutoTokenizer
+    from test_reasoning import FIX, MULTI, REASONING, SINGLE
+    tok = AutoTokenizer.from_pretrained(tiny_path)
+    tok.add_special_tokens({'additional_special_tokens': ['<|im_start|>', '<|im_end|>']})
+    src = tmp_path / 'expand.jsonl'
+    src.write_text(''.join(json.dumps({'messages': m}) + '\n' for m in [MULTI, REASONING, SINGLE] * 10))
+    cfg = load_config(stream_cfg('tiny', tmp_path, src, data__stream_buffer=3, tokenize__chat_template=str(FIX / 'qwen3.jinja'),
+                                 tokenize__max_length=512, train__global_batch_size=2, train__micro_batch_size=1, train__num_steps=40))
+    sp = StreamPlan(cfg, tok).prepare().plan()
+    want, states = [], {}
+    for s in range(40):
+        states[s] = json.loads(json.dumps(sp.state_dict(s)))
+        want.append([(e['index'], len(e['input_ids'])) for e in sp.global_batch(s)])
+        assert len(sp.buffer) <= 3 and sp.peak <= 2 * 3  # window ≤ stream_buffer; with the carry ≤ rows read × turns per row
+    assert sp.data_report.n_examples == 50 and sp.data_report.n_kept == 30  # 10 × (2 + 2 + 1) examples of 30 rows
+    s = next(s for s in range(1, 40) if states[s]['carry'])  # a state with examples waiting outside the window
+    r = StreamPlan(cfg, tok).prepare().plan(); r.load_state_dict(states[s])
+    assert [[(e['index'], len(e['input_ids'])) for e in r.global_batch(k)] for k in range(s, 40)] == want[s:]
