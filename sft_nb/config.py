@@ -128,7 +128,6 @@ class DataConfig:
         "What a streamed run cannot do (yet): each refused with the parameter to change."
         why = "with data.streaming=true"
         if self.eval_fraction > 0: raise ConfigError(f"eval_fraction: {self.eval_fraction} is not supported {why}: a stream cannot set rows aside for a held-out split; give an eval set in data.eval, or set data.eval_fraction=0")
-        if len(self.train) > 1: raise ConfigError(f"train: {len(self.train)} sources given; {why} one train source is read (mixing several streams is not supported yet)")
         if self.synthetic_rows: raise ConfigError(f"synthetic_rows: {self.synthetic_rows} rows of random ids are not a stream; set data.synthetic_rows=0 or data.streaming=false")
         if self.null_content != 'bad_row': raise ConfigError(f"null_content: {self.null_content!r} is not supported {why}; use 'bad_row'")
 

@@ -65,7 +65,7 @@ def test_killed_streamed_run_resumes_exactly(tiny_path, tmp_path, ray_session, j
     assert p.returncode == -signal.SIGKILL
     state = json.loads((run / 'checkpoints' / 'step_000006' / 'trainer_state.json').read_text())
     assert state['stream']['step'] == 6 and len(state['stream']['buffer']) <= 24  # the state before step 7's batch, not after the prefetch
-    assert state['stream']['cursor'][0] > 0  # the JSONL byte offset a resume seeks to
+    assert state['stream']['cursor'][0][0] > 0  # the JSONL byte offset a resume seeks to
     with SFTTrainer(stream_cfg(tiny_path, run, jsonl, checkpoint__resume='latest', **base)) as r:
         assert r.global_step == 6
         resumed = r.fit()['loss'].tolist()
@@ -90,11 +90,11 @@ def test_buffer_is_bounded(tiny_tok, tmp_path, jsonl):
     big = tmp_path / 'big.jsonl'
     big.write_text(jsonl.read_text() * 40)  # 2,240 rows
     sp = plan(tiny_tok, big, data__stream_buffer=5, train__global_batch_size=4, train__micro_batch_size=1)
-    assert len(sp.buffer) == 5 and sp.pos == 5  # only what the window holds was read, not the source
+    assert len(sp.buffer) == 5 and sp.pos == [5]  # only what the window holds was read, not the source
     for s in range(60):
         assert len(sp.global_batch(s)) == 4
         assert len(sp.buffer) + len(sp.carry) <= 5
-    assert sp.peak <= 5 and sp.pos < 300  # 240 examples trained: the source was read about that far, no further
+    assert sp.peak <= 5 and sp.pos[0] < 300  # 240 examples trained: the source was read about that far, no further
 
 
 def test_streaming_config_errors(tiny_path, tmp_path, jsonl):
@@ -106,8 +106,6 @@ def test_streaming_config_errors(tiny_path, tmp_path, jsonl):
         load_config(stream_cfg(tiny_path, tmp_path, jsonl, data__stream_buffer=0))
     with pytest.raises(ConfigError, match=r'data\.eval_fraction'):
         load_config(stream_cfg(tiny_path, tmp_path, jsonl, data__eval_fraction=0.1))
-    with pytest.raises(ConfigError, match=r'data\.train: 2 sources'):
-        load_config(stream_cfg(tiny_path, tmp_path, jsonl, data__train=[{'path': str(jsonl)}] * 2))
     with pytest.raises(ConfigError, match=r'train\.sampler'):
         SFTTrainer(stream_cfg(tiny_path, tmp_path, jsonl, train__sampler='my.mod:Sampler'))
 
@@ -185,3 +183,28 @@ def test_expanded_rows_wait_in_carry_and_resume(tiny_path, tmp_path):
     s = next(s for s in range(1, 40) if states[s]['carry'])  # a state with examples waiting outside the window
     r = StreamPlan(cfg, tok).prepare().plan(); r.load_state_dict(states[s])
     assert [[(e['index'], len(e['input_ids'])) for e in r.global_batch(k)] for k in range(s, 40)] == want[s:]
+
+
+def test_weighted_sources_interleave_and_resume(tiny_tok, tmp_path, jsonl, shared):
+    "Two sources in different formats, weights 3 : 1: rows interleave by weight, the small one repeats, each is reported, a resume is exact."
+    alpaca = tmp_path / 'alpaca.jsonl'
+    alpaca.write_text(''.join(json.dumps(r) + '\n' for r in json.loads((shared / 'datasets' / 'alpaca_en_demo.json').read_text())[:20]))
+    cfg = load_config(stream_cfg('tiny', tmp_path, jsonl, data__train=[{'path': str(jsonl), 'weight': 3.0}, {'path': str(alpaca)}],
+                                 tokenize__max_length=1024, train__num_steps=30))
+    sp = StreamPlan(cfg, tiny_tok).prepare().plan()
+    assert sp.fmts == ['messages', 'alpaca']
+    want, states = [], {}
+    for s in range(30):
+        states[s] = json.loads(json.dumps(sp.state_dict(s)))
+        want.append([(e['source'], e['index']) for e in sp.global_batch(s)])
+    drawn = [src for b in want for src, _ in b]
+    assert 0.6 < drawn.count(0) / len(drawn) < 0.9  # ≈ 3/4 from the weight-3 source
+    assert sp.passes[1] >= 1  # 20 alpaca rows, ~60 drawn: the small source repeated
+    by = {d['source']: d for d in sp.data_report.sources}
+    assert by[str(alpaca)]['n_rows'] == 20 and by[str(jsonl)]['n_rows'] == 57 and by[str(jsonl)]['n_used'] == 56
+    assert sp.data_report.dropped['bad_json'] == 1 and '/20 rows' in str(sp.data_report)  # (one alpaca row is too long)
+    r = StreamPlan(cfg, tiny_tok).prepare().plan(); r.load_state_dict(states[11])
+    assert [[(e['source'], e['index']) for e in r.global_batch(k)] for k in range(11, 30)] == want[11:]
+    one = StreamPlan(load_config(stream_cfg('tiny', tmp_path, jsonl, train__num_steps=30)), tiny_tok).prepare().plan()
+    with pytest.raises(ConfigError, match='data.train: the checkpoint.s run streamed 2 train sources, this config 1'):
+        one.load_state_dict(states[11])
