@@ -113,12 +113,23 @@ class DataConfig:
     synthetic_rows: int = 0  # > 0: ignore the sources and train on this many rows of random ids at tokenize.max_length (throughput runs)
     mix_stop: Literal['all_exhausted', 'first_exhausted'] = 'all_exhausted'  # several train sources: mix until every source is used up (smaller ones repeat, by weight) or until the first one is (the others are cut, with a warning); as datasets.interleave_datasets
     null_content: Literal['bad_row', 'empty'] = 'bad_row'  # an assistant turn with content null and no tool calls: a bad row (kind empty_assistant), or trained as an empty turn
+    streaming: bool = False  # read the train source lazily, tokenize on the fly and pack within a bounded window (sft_nb.stream); needs train.num_steps
+    stream_buffer: int = 1024  # streaming: tokenized examples held in the shuffle/pack window (memory is bounded by it, not by the source)
     def __post_init__(self):
         check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
+        check_range('stream_buffer', self.stream_buffer, 1)
+        if self.streaming: self.check_streaming()
         for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')), ('null_content', ('bad_row', 'empty'))):
             if getattr(self, name) not in allowed: raise ConfigError(f"{name}: {getattr(self, name)!r} is not allowed; allowed values: {', '.join(map(repr, allowed))}")
         for src in [*self.train, *self.eval.values()]:  # sft_nb.data.load_source reads it from each source
             if isinstance(src, SourceConfig): src.null_content = self.null_content
+
+    def check_streaming(self):
+        "What a streamed run cannot do (yet): each refused with the parameter to change."
+        why = "with data.streaming=true"
+        if self.eval_fraction > 0: raise ConfigError(f"eval_fraction: {self.eval_fraction} is not supported {why}: a stream cannot set rows aside for a held-out split; give an eval set in data.eval, or set data.eval_fraction=0")
+        if self.synthetic_rows: raise ConfigError(f"synthetic_rows: {self.synthetic_rows} rows of random ids are not a stream; set data.synthetic_rows=0 or data.streaming=false")
+        if self.null_content != 'bad_row': raise ConfigError(f"null_content: {self.null_content!r} is not supported {why}; use 'bad_row'")
 
 # %% ../nbs/00_config.ipynb #cd94391b
 @dataclass

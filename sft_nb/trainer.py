@@ -12,6 +12,7 @@ from pathlib import Path
 import pandas as pd
 from fastcore.basics import patch
 from .config import SFTConfig, load_config, save_config, ConfigError
+from .stream import StreamPlan
 from .dataplan import DataPlan, split_for_ranks, Sampler, SequentialSampler, make_sampler, synthetic_dataset, heldout_split
 from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS
 from .callbacks import Control, Callback, make_trackers, JSONLTracker
@@ -19,7 +20,7 @@ from .workers import init_ray, WorkerGroup, WorkerError
 from .backends import BackendGroup
 
 # %% auto #0
-__all__ = ['TrainerBusy', 'NonFiniteLoss', 'SFTTrainer']
+__all__ = ['TrainerBusy', 'NonFiniteLoss', 'plan_class', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #9819ee61
 class TrainerBusy(RuntimeError):
@@ -27,6 +28,11 @@ class TrainerBusy(RuntimeError):
 
 class NonFiniteLoss(RuntimeError):
     "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
+
+# %% ../nbs/08_trainer.ipynb #1cfd7c40
+def plan_class(cfg: SFTConfig) -> type:
+    "The data plan a config asks for: `StreamPlan` when `data.streaming`, else `DataPlan`."
+    return StreamPlan if cfg.data.streaming else DataPlan
 
 # %% ../nbs/08_trainer.ipynb #316e5442
 class SFTTrainer:
@@ -44,7 +50,7 @@ class SFTTrainer:
         self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
         self.group, self.workers, self.worker_cls = None, None, None  # WorkerGroup, its typed BackendGroup view, the backend
-        self.data = DataPlan(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
+        self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
         self.ckpt = Checkpointer(self.cfg.checkpoint)  # run folder claim and checkpoints
         self._pool, self._pending = None, {}  # background collation of the next step's batch
         self._lock, self._owner, self.running = threading.Lock(), None, None  # one action at a time (see `_exclusive`)
@@ -118,7 +124,7 @@ def _load_tokenizer(self: SFTTrainer):
 @patch
 def _prepare_data(self: SFTTrainer) -> DataPlan:
     "The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned)."
-    self.data = DataPlan(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data).prepare()
+    self.data = plan_class(self.cfg)(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data).prepare()
     return self.data
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
@@ -285,6 +291,7 @@ def save(self: SFTTrainer) -> Path:
         if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
         state = {'global_step': self.global_step, 'history': self.rows_history, 'total_steps': self.total_steps,
                  'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None, 'sampler': self.cfg.train.sampler}
+        if isinstance(self.data, StreamPlan): state['stream'] = self.data.state_dict(self.global_step)  # before step global_step's (prefetched) batch
         final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
         self._emit('on_save', str(final))
         return final
@@ -308,12 +315,23 @@ def _load(self: SFTTrainer, path: str | Path = 'latest') -> int:
             if self.global_step == 0: cb.truncate(0)
         return 0
     state = self.ckpt.state(path)
+    self.check_stream_state(state, path)
     self.workers.load(str(path))
     self.global_step, self.rows_history = state['global_step'], state['history']
+    if 'stream' in state: self.data.load_state_dict(state['stream']); self._pending = {}  # a batch drawn before the load is not this step's
     self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
     for cb in trackers: cb.truncate(self.global_step)
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
     return self.global_step
+
+# %% ../nbs/08_trainer.ipynb #c22c806b
+@patch
+def check_stream_state(self: SFTTrainer, state: dict, path):
+    "A streamed run resumes only from a streamed run's checkpoint, and a map-style run only from a map-style one."
+    streamed = 'stream' in state
+    if streamed != isinstance(self.data, StreamPlan):
+        raise ConfigError(f"data.streaming: the checkpoint {path} is of a {'streamed' if streamed else 'map-style'} run, this config "
+                          f"{'streams' if self.cfg.data.streaming else 'does not stream'}; resuming would train on other rows than the run it continues")
 
 # %% ../nbs/08_trainer.ipynb #a79c85aa
 @patch
