@@ -17,9 +17,9 @@ from .templates import TemplateError, TemplateInfo, template_info, template_key,
 __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
            'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
            'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
-           'example_features', 'example_batch', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
-           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'SourceFallback', 'JsonlRows', 'stream_source',
-           'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
+           'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice',
+           'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'cache_root', 'cache_key',
+           'file_fingerprint', 'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -406,6 +406,55 @@ def example_batch(good: list, renderer: Renderer, schema):
     for k, v in renderer.columns(exs).items(): cols[k] = pa.array(v, type=schema.field(k).type)
     return pa.RecordBatch.from_arrays([cols[f.name].cast(f.type) for f in schema], schema=schema)
 
+# %% ../nbs/02_tokenize.ipynb #57bcc675
+class SourceFallback(Exception):
+    "A streamed line that JSON cannot read: the source goes through `sft_nb.data.load_source` instead, which decides what it means."
+
+class JsonlRows:
+    "A local JSONL file as rows without loading it: start/end bytes of its non-blank lines (16 bytes a row); each batch read and parsed once."
+    def __init__(self, path, max_rows: int | None = None):
+        self.path, nl, pos = str(path), [], 0
+        with open(path, 'rb') as f:
+            while chunk := f.read(1 << 24):
+                nl.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos); pos += len(chunk)
+        nl = np.concatenate(nl) if nl else np.zeros(0, np.int64)
+        starts, ends = np.concatenate([[0], nl + 1]), np.concatenate([nl, [pos]])
+        keep = ends - starts > 0
+        with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
+            for k in np.flatnonzero(keep & (ends - starts <= 16)):
+                f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
+        self.starts, self.ends, self.size = starts[keep][:max_rows], ends[keep][:max_rows], pos
+    def __len__(self): return len(self.starts)
+    def shard(self, s: int, e: int) -> 'JsonlRows':
+        "Rows s:e as a JsonlRows of their own (the path, the file's size and their line offsets): what a Ray task reads itself."
+        out = object.__new__(JsonlRows)
+        out.path, out.size, out.starts, out.ends = self.path, self.size, self.starts[s:e], self.ends[s:e]
+        return out
+    def readable(self) -> bool:
+        "Does this machine see the file (at the same path, with the same size)?"
+        return os.path.isfile(self.path) and os.path.getsize(self.path) == self.size
+    def lines(self, s: int, e: int) -> list[str]:
+        if e <= s: return []
+        with open(self.path, 'rb') as f:
+            f.seek(int(self.starts[s])); buf = f.read(int(self.ends[e - 1] - self.starts[s]))
+        base = int(self.starts[s])
+        try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
+        except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
+    def rows(self, s: int, e: int) -> list:
+        try: return [json.loads(l) for l in self.lines(s, e)]
+        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
+    def __iter__(self):
+        for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
+    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})
+
+def stream_source(source) -> JsonlRows | None:
+    "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
+    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
+    if getattr(source, 'null_content', None) == 'empty': return None  # `load_source` fills null assistant content
+    rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
+    return rows if len(rows) else None  # an empty file: the data stage names it
+
 # %% ../nbs/02_tokenize.ipynb #2813713a
 def source_slice(raw, start: int, stop: int) -> list[dict]:
     "Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts; JSON-stored rows parsed once."
@@ -474,7 +523,11 @@ def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_
 def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
              folder: str | None = None, name: str = '', # where the part goes when this node sees `folder`
             ):
-    "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write."
+    "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write; (None, None) when `rows` is a slice of a file this node cannot read."
+    if isinstance(rows, JsonlRows):  # a slice of a local JSONL file: the task reads its own lines (nothing passes through the driver)
+        if not rows.readable(): return None, None
+        import pyarrow as pa
+        rows = pa.table({'_json': rows.lines(0, len(rows))})
     if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
     return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
 
@@ -486,13 +539,16 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
     task, r_ref = ray.remote(num_cpus=1)(ray_part), ray.put(renderer)
     bounds = np.linspace(0, len(raw), n_shards + 1).astype(int)
     shards = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
-    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else pa.table({'_json': raw.lines(a, b)}) if isinstance(raw, JsonlRows)
+    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else raw.shard(a, b) if isinstance(raw, JsonlRows)  # a JSONL file: offsets only
                          else raw.data.table.slice(a, b - a))
     refs = [task.remote(rows(a, b), a, r_ref, fmt, batch_size,
                         str(folder), part_name(k, len(shards))) for k, (a, b) in enumerate(shards)]
     stats = []
     for k, ref in enumerate(tqdm(refs, desc=f'tokenize on Ray ({n_shards} shards)')):
         st, table = ray.get(ref)
+        if st is None:  # that node cannot read the source file: it gets the shard's lines instead
+            a, b = shards[k]
+            st, table = ray.get(task.remote(pa.table({'_json': raw.lines(a, b)}), a, r_ref, fmt, batch_size, str(folder), part_name(k, len(shards))))
         if table is not None:  # that node could not see the folder
             with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
         stats.append(st)
@@ -514,47 +570,6 @@ def file_fingerprint(source) -> str | None:
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
     fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
     return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
-
-# %% ../nbs/02_tokenize.ipynb #57bcc675
-class SourceFallback(Exception):
-    "A streamed line that JSON cannot read: the source goes through `sft_nb.data.load_source` instead, which decides what it means."
-
-class JsonlRows:
-    "A local JSONL file as rows without loading it: start/end bytes of its non-blank lines (16 bytes a row); each batch read and parsed once."
-    def __init__(self, path, max_rows: int | None = None):
-        self.path, nl, pos = str(path), [], 0
-        with open(path, 'rb') as f:
-            while chunk := f.read(1 << 24):
-                nl.append(np.flatnonzero(np.frombuffer(chunk, np.uint8) == 10) + pos); pos += len(chunk)
-        nl = np.concatenate(nl) if nl else np.zeros(0, np.int64)
-        starts, ends = np.concatenate([[0], nl + 1]), np.concatenate([nl, [pos]])
-        keep = ends - starts > 0
-        with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
-            for k in np.flatnonzero(keep & (ends - starts <= 16)):
-                f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
-        self.starts, self.ends = starts[keep][:max_rows], ends[keep][:max_rows]
-    def __len__(self): return len(self.starts)
-    def lines(self, s: int, e: int) -> list[str]:
-        if e <= s: return []
-        with open(self.path, 'rb') as f:
-            f.seek(int(self.starts[s])); buf = f.read(int(self.ends[e - 1] - self.starts[s]))
-        base = int(self.starts[s])
-        try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
-        except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
-    def rows(self, s: int, e: int) -> list:
-        try: return [json.loads(l) for l in self.lines(s, e)]
-        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
-    def __iter__(self):
-        for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
-    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})
-
-def stream_source(source) -> JsonlRows | None:
-    "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
-    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
-    if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
-    if getattr(source, 'null_content', None) == 'empty': return None  # `load_source` fills null assistant content
-    rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
-    return rows if len(rows) else None  # an empty file: the data stage names it
 
 # %% ../nbs/02_tokenize.ipynb #b600947f
 def _manifest(folder: Path, digests: bool = True) -> dict:

@@ -61,6 +61,27 @@ def test_image_rows_parallel_and_ray_equal_serial(proc, image_source, tmp_path):
         if started: ray.shutdown()
 
 
+
+@pytest.mark.parametrize('bad_line', [False, True], ids=['clean', 'bad_line'])
+def test_jsonl_shards_read_by_ray_tasks(tiny_tok, tmp_path, ray_session, bad_line):
+    "ray_shards on a local .jsonl: each task gets line offsets and reads its own rows; dataset and report equal serial's (a bad line too)."
+    import ray
+    from sft_nb.tokenize import JsonlRows, ray_part
+    lines = [json.dumps({'messages': [{'role': 'user', 'content': f'question {i}'}, {'role': 'assistant', 'content': f'answer {i}'}]})
+             for i in range(40)]
+    if bad_line: lines[17] = '{"messages": [oops'
+    src = tmp_path / 'rows.jsonl'; src.write_text('\n'.join(lines) + '\n')
+    serial, rep = tokenize_dataset(str(src), tiny_tok, use_cache=False, batch_size=8)
+    assert rep.n_dropped == int(bad_line) and len(serial) == 40 - int(bad_line)
+    on_ray, rep_ray = tokenize_dataset(str(src), tiny_tok, cache_dir=tmp_path / 'cache', batch_size=8, ray_shards=3)
+    assert on_ray.to_dict() == serial.to_dict() and rep_ray == rep
+    shard = JsonlRows(src).shard(10, 20)  # what a task is sent: offsets, not rows
+    assert shard.starts.nbytes + shard.ends.nbytes == 160
+    if not bad_line:
+        st, table = ray.get(ray.remote(ray_part).remote(shard, 10, make_renderer(tiny_tok), 'messages', 4))
+        assert st['n_kept'] == 10 and table.column('index').to_pylist() == list(range(10, 20))
+
+
 # ChatML with image parts and Hermes-style tool calls: what a Qwen2.5-VL-like template renders
 TOOL_VL_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
