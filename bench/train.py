@@ -155,10 +155,10 @@ class Ours:
             def on_step_start(s, trainer, step): s.c0 = (proc_cpu(pid), time.process_time())
             def on_step_end(s, trainer, m): self.cpu.append(proc_cpu(pid) - s.c0[0] + time.process_time() - s.c0[1])
         t.callbacks.append(Meter())
-        rank_batches = t._rank_batches
+        rank_batches = t.data.rank_batches
         def timed(items):  # driver-side collation time of each step (inside step_time)
             c0 = time.perf_counter(); out = rank_batches(items); self.collate_s.append(time.perf_counter() - c0); return out
-        t._rank_batches = timed
+        t.data.rank_batches = timed
 
     def step(self):
         import ray

@@ -4,12 +4,14 @@
 
 # %% ../nbs/08a_callbacks.ipynb #b07669a2
 from __future__ import annotations
-import json, math
+import functools, json, math, threading, warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['Control', 'Callback', 'EarlyStopping', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker',
+__all__ = ['Control', 'Callback', 'EarlyStopping', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule', 'Profiler', 'builtin_callbacks',
+           'TrainerBusy', 'Exclusive', 'action', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker',
            'MLflowTracker', 'make_trackers', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
@@ -31,6 +33,7 @@ class Callback:
     def on_evaluate(self, trainer, metrics: dict): pass
     def on_save(self, trainer, path: str): pass
     def on_log(self, trainer, metrics: dict): pass
+    def on_load(self, trainer, step: int): pass  # a checkpoint of `step` was loaded (0: a fresh start)
     def close(self): pass
 
 class EarlyStopping(Callback):
@@ -45,6 +48,79 @@ class EarlyStopping(Callback):
         else:
             self.bad += 1
             if self.bad >= self.patience: trainer.control.should_stop = True
+
+# %% ../nbs/08a_callbacks.ipynb #4bb98f9c
+class NonFiniteLoss(RuntimeError):
+    "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
+
+class NonFiniteGuard(Callback):
+    "Mark a step with a non-finite loss or gradient norm `skipped`; raise `NonFiniteLoss` under `policy='stop'`, warn under 'skip'."
+    def __init__(self, policy: str = 'stop'): self.policy = policy
+    def on_step_end(self, trainer, m):
+        loss, gn, step = m['loss'], m['grad_norm'], m['step']
+        if math.isfinite(loss) and math.isfinite(gn): return
+        m['skipped'] = True
+        if self.policy == 'stop':
+            raise NonFiniteLoss(f"step {step}: loss {loss}, grad_norm {gn}: not finite; its update was not applied "
+                                f"(the weights are those after step {step - 1}). Lower optim.lr, or set "
+                                "train.on_nonfinite=skip to skip such steps")
+        warnings.warn(f"step {step}: loss {loss}, grad_norm {gn}: not finite; update skipped")
+
+# %% ../nbs/08a_callbacks.ipynb #9df1933a
+class Schedule(Callback):
+    "Raise `should_evaluate` every `eval_every` steps and `should_save` every `save_every` steps (0: never)."
+    def __init__(self, eval_every: int = 0, save_every: int = 0): self.eval_every, self.save_every = eval_every, save_every
+    def on_step_end(self, trainer, m):
+        if self.eval_every and m['step'] % self.eval_every == 0: trainer.control.should_evaluate = True
+        if self.save_every and m['step'] % self.save_every == 0: trainer.control.should_save = True
+
+class Profiler(Callback):
+    "A torch.profiler window on the workers over steps `start` … `start + steps - 1` (1-based; `start=0`: none)."
+    def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)): self.start, self.steps, self.ranks = start, steps, ranks
+    def on_step_start(self, trainer, step):
+        if self.start and step + 1 == self.start: trainer.workers.profile('start', None, self.ranks)
+    def on_step_end(self, trainer, m):
+        if self.start and m['step'] == self.start + self.steps - 1:
+            trainer.profile_dir = trainer.run_dir / 'profile' / f"steps_{self.start}-{m['step']}"
+            trainer.workers.profile('stop', str(trainer.profile_dir), self.ranks)
+
+def builtin_callbacks(cfg) -> list[Callback]:
+    "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
+    lg = cfg.logging
+    return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
+            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)]
+
+# %% ../nbs/08a_callbacks.ipynb #0dfbbcd2
+class TrainerBusy(RuntimeError):
+    "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
+
+class Exclusive:
+    "`with guard('fit'):` holds the trainer for one thread's action; `running` names it (None when idle)."
+    def __init__(self): self._lock, self._owner, self.running = threading.Lock(), None, None
+    @contextmanager
+    def __call__(self, action: str):
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me):
+                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.running}() is running in another thread "
+                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
+            outer = self._owner is None
+            if outer: self._owner, self.running = me, action
+        try: yield
+        finally:
+            if outer:
+                with self._lock: self._owner, self.running = None, None
+
+def action(name: str, setup: bool = True):
+    "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."
+    def wrap(f):
+        @functools.wraps(f)
+        def run(self, *args, **kwargs):
+            with self._exclusive(name):
+                if setup: self.setup()
+                return f(self, *args, **kwargs)
+        return run
+    return wrap
 
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:
@@ -80,6 +156,7 @@ class JSONLTracker(Callback):
         with open(self.path, 'a') as f: f.write(json.dumps(rec) + '\n')
     def on_log(self, trainer, metrics): self._write({'kind': 'train', **metrics})
     def on_evaluate(self, trainer, metrics): self._write({'kind': 'eval', **metrics})
+    def on_load(self, trainer, step): self.truncate(step)
     def truncate(self, step: int):
         "Keep only records up to `step` (a resumed run rewrites what came after its checkpoint)."
         if not self.path.exists(): return

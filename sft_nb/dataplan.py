@@ -5,6 +5,7 @@
 # %% ../nbs/05a_dataplan.ipynb #21bb19c6
 from __future__ import annotations
 import importlib, math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 import numpy as np
 from fastcore.basics import patch
@@ -81,6 +82,7 @@ def _row(ds, i: int) -> dict:
 
 class DataPlan:
     "Train/eval sets, train items and lengths, pack plan, sampler, and each step's per-rank micro-batches."
+    streams = False  # a `StreamPlan` reads its rows lazily; its checkpoints store the stream's position
     def __init__(self, cfg: SFTConfig, # the run's config (data, tokenize, packing, train, placement)
                  tokenizer=None, processor=None, # processor: vision-language models only
                  train_data=None, # rows to train on instead of cfg.data.train
@@ -93,6 +95,7 @@ class DataPlan:
         self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)  # (source, row) pairs: train, held out
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
         self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
+        self.pending, self._pool = {}, None  # {step: future} of the batch collating in a thread (see `batches`)
 
 # %% ../nbs/05a_dataplan.ipynb #dbee7118
 @patch
@@ -225,6 +228,45 @@ def rank_batches(self: DataPlan, items: list) -> tuple[list[list[dict]], int | f
     n_real = sum(b.pop('n_real') for mbs in batches for b in mbs)
     for b in (b for mbs in batches for b in mbs): b.pop('n_tokens')  # the old name of n_real: not sent to the workers
     return batches, n_trained, n_real
+
+# %% ../nbs/05a_dataplan.ipynb #d2dcd9a7
+@patch
+def batches(self: DataPlan, step: int, prefetch: bool = True) -> tuple[list[list[dict]], int | float, int]:
+    "`rank_batches(global_batch(step))`, the prefetched one when ready; then step `step + 1`'s starts collating in a thread."
+    f = self.pending.pop(step, None)
+    out = f.result() if f is not None else self.rank_batches(self.global_batch(step))
+    if prefetch and step + 1 < self.total_steps:
+        if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='sft_nb-collate')
+        self.pending = {step + 1: self._pool.submit(self.rank_batches, self.global_batch(step + 1))}
+    return out
+
+@patch
+def close(self: DataPlan):
+    "Stop the collation thread; a batch being collated is dropped (the next `batches` collates afresh)."
+    if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True)
+    self._pool, self.pending = None, {}
+
+# %% ../nbs/05a_dataplan.ipynb #f9823422
+@patch
+def ckpt_state(self: DataPlan, step: int) -> dict:
+    "The plan's part of a checkpoint taken after `step` steps (JSON-serializable)."
+    return {'total_steps': self.total_steps, 'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None,
+            'sampler': self.cfg.train.sampler}
+
+@patch
+def restore(self: DataPlan, state: dict, path):
+    "Continue from checkpoint `path`'s `state`: a streamed run only from a streamed run's checkpoint, a map-style run only from a map-style one."
+    if ('stream' in state) != self.streams:
+        raise ConfigError(f"data.streaming: the checkpoint {path} is of a {'streamed' if 'stream' in state else 'map-style'} run, this config "
+                          f"{'streams' if self.streams else 'does not stream'}; resuming would train on other rows than the run it continues")
+    self.pending = {}  # a batch collated before the load may not be this step's
+
+@patch
+def check_model(self: DataPlan, info: dict):
+    "Refuse to pack for a model whose layers attention masks cannot separate (`info`: what the workers' `setup` found)."
+    if self.cfg.packing.enabled and not info['packable']:
+        raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
+                          "cannot separate; packing would leak across sequences. Set packing.enabled=false")
 
 # %% ../nbs/05a_dataplan.ipynb #ea0f58fd
 @patch

@@ -4,6 +4,7 @@
 
 # %% ../nbs/06c_loss.ipynb #15ca9bc1
 from __future__ import annotations
+import math
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
@@ -12,7 +13,7 @@ from .collate import token_nll_sum
 
 # %% auto #0
 __all__ = ['chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for',
-           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs']
+           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs', 'eval_metrics']
 
 # %% ../nbs/06c_loss.ipynb #e79abf73
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -190,3 +191,14 @@ def attention_inputs(batch: dict, # a micro-batch (already on its device)
     am = batch.get('attention_mask')
     if impl != 'flex_attention' or am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
     return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
+
+# %% ../nbs/06c_loss.ipynb #70c3a2a1
+def eval_metrics(step: int, results: dict[str, list[dict]]) -> dict:
+    "{'step', '<set>_loss', '<set>_ppl', ..., 'eval_loss', 'eval_ppl'} from each set's per-replica `{'nll_sum', 'n_trained'}`."
+    out = {'step': step}
+    for name, res in results.items():
+        n = sum(r['n_trained'] for r in res)
+        out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
+        out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))
+    if results: out['eval_loss'], out['eval_ppl'] = out[f'{next(iter(results))}_loss'], out[f'{next(iter(results))}_ppl']
+    return out

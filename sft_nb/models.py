@@ -13,7 +13,7 @@ from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, pro
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
            'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
-           'check_model_path', 'load_tokenizer']
+           'check_model_path', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #572cb52f
 _atomic_build = atomic_build  # the name other modules used before it moved to sft_nb.paths
@@ -170,3 +170,17 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
     if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
     if family: add_family_specials(tokenizer, family)
     return tokenizer, load_template(template)
+
+# %% ../nbs/06_models.ipynb #5556384b
+def load_model_inputs(path: str) -> tuple:
+    "(tokenizer, processor or None) of `model.path`, checked by `check_model_path`."
+    from transformers import AutoTokenizer
+    from sft_nb.config import ConfigError
+    p = check_model_path(path)
+    try:
+        processor = load_processor(p) if is_vlm(p) else None  # vision-language: rows go through the processor
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
+    if tokenizer.pad_token_id is None: tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, processor

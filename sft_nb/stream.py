@@ -92,6 +92,7 @@ def source_name(src, k: int) -> str:
 class StreamPlan(DataPlan):
     "A `DataPlan` over a stream: rows read lazily, tokenized a few at a time into a window of `data.stream_buffer` examples, each step drawn (or packed) from it."
     render_batch = 64  # rows rendered per tokenizer call
+    streams = True
     keep = 3  # steps whose batch and state stay at hand (the trainer draws one step ahead)
     def __init__(self, cfg: SFTConfig, tokenizer=None, processor=None, train_data=None, eval_data: dict | None = None):
         check_stream(cfg)
@@ -279,6 +280,18 @@ def load_state_dict(self: StreamPlan, d: dict):
     self.rng = np.random.default_rng(); self.rng.bit_generator.state = d['rng']
     self.reports = [DataReport(**{**r, 'bad_rows': [tuple(b) for b in r['bad_rows']]}) for r in d['reports']]
     self.data_report = self.report()
+
+# %% ../nbs/05b_stream.ipynb #c7f5adfb
+@patch
+def ckpt_state(self: StreamPlan, step: int) -> dict:
+    "The plan's part of a checkpoint taken after `step` steps, with the stream's state before step `step`'s batch."
+    return {**DataPlan.ckpt_state(self, step), 'stream': self.state_dict(step)}
+
+@patch
+def restore(self: StreamPlan, state: dict, path):
+    "Continue the stream from checkpoint `path`'s `state` (a map-style run's checkpoint is refused)."
+    DataPlan.restore(self, state, path)
+    self.load_state_dict(state['stream'])
 
 # %% ../nbs/05b_stream.ipynb #6b60f668
 @patch

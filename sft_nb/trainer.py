@@ -4,30 +4,25 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import math, threading, time
-from contextlib import contextmanager
-from concurrent.futures import ThreadPoolExecutor
+import math, time
 from dataclasses import asdict
+from operator import attrgetter
 from pathlib import Path
 import pandas as pd
 from fastcore.basics import patch
 from .config import SFTConfig, load_config, save_config, ConfigError
 from .stream import StreamPlan
 from .dataplan import DataPlan, split_for_ranks, Sampler, SequentialSampler, make_sampler, synthetic_dataset, heldout_split
+from .templates import chat_ids
+from .models import load_model_inputs, resolve_model_path
+from .loss import eval_metrics
 from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS
-from .callbacks import Control, Callback, make_trackers, JSONLTracker
-from .workers import init_ray, WorkerGroup, WorkerError
-from .backends import BackendGroup
+from .callbacks import Control, Callback, Exclusive, TrainerBusy, NonFiniteLoss, action, builtin_callbacks, make_trackers
+from .workers import init_ray, stop_ray, WorkerError
+from .backends import start_workers
 
 # %% auto #0
-__all__ = ['TrainerBusy', 'NonFiniteLoss', 'plan_class', 'SFTTrainer']
-
-# %% ../nbs/08_trainer.ipynb #9819ee61
-class TrainerBusy(RuntimeError):
-    "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
-
-class NonFiniteLoss(RuntimeError):
-    "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
+__all__ = ['plan_class', 'SFTTrainer']
 
 # %% ../nbs/08_trainer.ipynb #1cfd7c40
 def plan_class(cfg: SFTConfig) -> type:
@@ -49,27 +44,10 @@ class SFTTrainer:
         self.control, self.global_step, self.rows_history, self.callbacks = Control(), 0, [], []
         self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
-        self.group, self.workers, self.worker_cls = None, None, None  # WorkerGroup, its typed BackendGroup view, the backend
+        self.group, self.workers = None, None  # the WorkerGroup and its typed view (BackendGroup)
         self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
         self.ckpt = Checkpointer(self.cfg.checkpoint)  # run folder claim and checkpoints
-        self._pool, self._pending = None, {}  # background collation of the next step's batch
-        self._lock, self._owner, self.running = threading.Lock(), None, None  # one action at a time (see `_exclusive`)
-        self._ray_started, self._resuming = False, False
-
-    @contextmanager
-    def _exclusive(self, action: str):
-        "Run `action` alone: a call from another thread while one runs raises `TrainerBusy`; nested calls in one thread are fine."
-        me = threading.get_ident()
-        with self._lock:
-            if self._owner not in (None, me):
-                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.running}() is running in another thread "
-                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
-            outer = self._owner is None
-            if outer: self._owner, self.running = me, action
-        try: yield
-        finally:
-            if outer:
-                with self._lock: self._owner, self.running = None, None
+        self._exclusive, self._ray_started = Exclusive(), False  # one action at a time: `with self._exclusive('fit'):`
 
     def request_stop(self) -> bool:
         "Ask a running `fit`/`train` to stop after the current step; does nothing (returns False) when idle."
@@ -81,45 +59,34 @@ class SFTTrainer:
         for cb in self.callbacks: getattr(cb, event)(self, *args)
 
     @property
-    def run_dir(self) -> Path: return self.ckpt.run_dir
-    @property
-    def ckpt_dir(self) -> Path: return self.ckpt.dir
-    def checkpoints(self) -> list[Path]:
-        "Complete checkpoints, oldest first."
-        return self.ckpt.checkpoints()
-    @property
     def history(self) -> pd.DataFrame:
         "Metrics of every step so far (loss, grad_norm, lr, tokens/s, trained tokens, epoch, step time)."
         return pd.DataFrame(self.rows_history)
+    def __enter__(self): return self.setup()
+    def __exit__(self, *exc): self.shutdown()
+    def __del__(self):  # try/except, not contextlib.suppress: at interpreter exit the module's globals may be gone
+        try: self.group is not None and self.group.kill()
+        except Exception: pass
+        try: self.ckpt.release()
+        except Exception: pass
 
-for _n in ('train_sets', 'eval_sets', 'data_report', 'rows', 'heldout', 'lengths', 'capacity', 'pack_plan', 'items',
-           'steps_per_epoch', 'total_steps', 'sampler'):  # the data plan's, read on the trainer
-    setattr(SFTTrainer, _n, property(lambda self, n=_n: getattr(self.data, n), doc=f"`self.data.{_n}` (see `DataPlan`)"))
+_READS = {'running': '_exclusive.running', 'run_dir': 'ckpt.run_dir', 'ckpt_dir': 'ckpt.dir', 'checkpoints': 'ckpt.checkpoints',
+          '_pending': 'data.pending', '_rank_batches': 'data.rank_batches', '_example': 'data.example', '_collate': 'data.collate_items',
+          **{n: f'data.{n}' for n in ('train_sets', 'eval_sets', 'data_report', 'rows', 'heldout', 'lengths', 'capacity', 'pack_plan',
+                                      'items', 'steps_per_epoch', 'total_steps', 'sampler', 'global_batch')}}
+for _n, _p in _READS.items(): setattr(SFTTrainer, _n, property(attrgetter(_p), doc=f"`trainer.{_p}`"))
 
 # %% ../nbs/08_trainer.ipynb #226b0e83
 @patch
-def setup(self: SFTTrainer) -> SFTTrainer:
-    "Tokenize, plan batches, start the workers, and resume if asked. Safe to call twice."
+def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
+    "Build everything (safe to call twice). `resuming`: `load` continues run_dir's run, whose outputs are not refused."
     if self.group is not None: return self
     with self._exclusive('setup'):
         if self.group is not None: return self
-        try: return self._setup_all()
+        try: return self._build(resuming)
         except BaseException:
-            self._shutdown()  # a failed setup leaves no workers, no Ray it started, no lock
+            self.shutdown()  # a failed setup leaves no workers, no Ray it started, no lock
             raise
-
-@patch
-def _load_tokenizer(self: SFTTrainer):
-    from transformers import AutoTokenizer
-    from sft_nb.models import check_model_path
-    from sft_nb.vlm_models import is_vlm, load_processor
-    path = check_model_path(self.cfg.model.path)
-    try:
-        self.processor = load_processor(path) if is_vlm(path) else None  # vision-language: rows go through the processor
-        self.tokenizer = self.processor.tokenizer if self.processor is not None else AutoTokenizer.from_pretrained(path)
-    except (OSError, ValueError) as e:
-        raise ConfigError(f"model.path: cannot load {self.cfg.model.path!r}: {str(e).strip().splitlines()[0]}") from e
-    if self.tokenizer.pad_token_id is None: self.tokenizer.pad_token = self.tokenizer.eos_token
 
 @patch
 def _prepare_data(self: SFTTrainer) -> DataPlan:
@@ -129,256 +96,136 @@ def _prepare_data(self: SFTTrainer) -> DataPlan:
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
 @patch
-def _setup_all(self: SFTTrainer) -> SFTTrainer:
-    c = self.cfg
-    self.ckpt.claim(resuming=self._resuming)  # what can be checked without Ray is checked before Ray starts
-    self._load_tokenizer()
-    ray_first = c.tokenize.ray_shards > 0  # tokenization as Ray tasks needs the cluster first
-    if ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
+def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
+    c, p = self.cfg, self.cfg.placement
+    self.ckpt.claim(resuming=resuming)  # what can be checked without Ray is checked before Ray starts
+    self.tokenizer, self.processor = load_model_inputs(c.model.path)
+    if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
-    if not ray_first: self._ray_started = init_ray(c.placement.ray_address, object_store_memory=c.placement.object_store_memory)
-    self.callbacks = make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
-    from sft_nb.backends import get_backend
-    self.worker_cls = get_backend(c.placement.backend)
-    self.group = WorkerGroup(self.worker_cls, c.placement.num_nodes, c.placement.workers_per_node,
-                             c.placement.strategy, c.placement.use_gpu, c.placement.cpus_per_worker,
-                             init_kwargs=dict(model=asdict(c.model), optim=asdict(c.optim), total_steps=self.total_steps,
-                                              seed=c.train.seed, use_gpu=c.placement.use_gpu, placement=asdict(c.placement)))
-    self.workers = BackendGroup(self.group, self.worker_cls, c.placement)
-    info = self.workers.setup()[0]
-    if c.packing.enabled and not info['packable']:
-        raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
-                          "cannot separate; packing would leak across sequences. Set packing.enabled=false")
-    self.model_info = info
+    if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
+    self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
+    self.workers = start_workers(c, self.total_steps)
+    self.group, self.model_info = self.workers.group, self.workers.setup()[0]
+    self.data.check_model(self.model_info)  # packing needs layers that attention masks separate
     save_config(c, self.run_dir / 'config.yaml')
-    if c.checkpoint.resume: self._load(resume if resume is not None else c.checkpoint.resume)
+    if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
     return self
-
-# %% ../nbs/08_trainer.ipynb #ba7f3923
-@patch
-def global_batch(self: SFTTrainer, step: int) -> list:
-    "Items (row numbers, or bins of row numbers when packing) of optimizer step `step` (see `DataPlan.global_batch`)."
-    return self.data.global_batch(step)
-@patch
-def _rank_batches(self: SFTTrainer, items: list): return self.data.rank_batches(items)
-@patch
-def _example(self: SFTTrainer, k: int) -> dict: return self.data.example(k)
-@patch
-def _collate(self: SFTTrainer, mb: list) -> dict: return self.data.collate_items(mb)
-
-@patch
-def _batches(self: SFTTrainer, step: int):
-    "This step's per-rank micro-batches: the prefetched ones when ready (a step's batch depends on the step only)."
-    f = self._pending.pop(step, None)
-    return f.result() if f is not None else self._rank_batches(self.global_batch(step))
-
-@patch
-def _prefetch(self: SFTTrainer, step: int):
-    if step >= self.total_steps: return
-    if self._pool is None: self._pool = ThreadPoolExecutor(1, thread_name_prefix='sft_nb-collate')
-    self._pending = {step: self._pool.submit(self._rank_batches, self.global_batch(step))}
 
 # %% ../nbs/08_trainer.ipynb #dceabc03
 @patch
+@action('step')
 def step(self: SFTTrainer) -> dict:
     "One optimizer step on the next global batch; returns its metrics."
-    with self._exclusive('step'):
-        self.setup()
-        if self.global_step >= self.total_steps: raise RuntimeError(f"all {self.total_steps} steps are done")
-        step, lg = self.global_step, self.cfg.logging
-        if step % self.steps_per_epoch == 0: self._emit('on_epoch_start', step // self.steps_per_epoch)
-        self._emit('on_step_start', step)
-        if step + 1 == lg.profile_step: self.workers.profile('start', None, lg.profile_ranks)
-        t0 = time.perf_counter()
-        batches, n_trained, n_real = self._batches(step)
-        self._prefetch(step + 1)  # collated in a thread while the workers run this step
-        fb = self.workers.forward_backward(batches, n_trained)
-        loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
-        om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
-        dt = time.perf_counter() - t0
-        if lg.profile_step and step + 1 == lg.profile_step + lg.profile_steps - 1:
-            self.profile_dir = self.run_dir / 'profile' / f'steps_{lg.profile_step}-{step + 1}'
-            self.workers.profile('stop', str(self.profile_dir), lg.profile_ranks)
-        self.global_step += 1
-        m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'],
-             'lr': om['lr'], 'n_trained': n_trained, 'n_tokens': n_real, 'tokens_per_s': n_real / dt,
-             'epoch': step / self.steps_per_epoch, 'step_time': dt}
-        self._check_finite(m)
-        self._after_step(m, step // self.steps_per_epoch)
-        return m
-
-# %% ../nbs/08_trainer.ipynb #6aa645b7
-@patch
-def _check_finite(self: SFTTrainer, m: dict):
-    "A non-finite loss or gradient norm: the step is marked skipped, and raises `NonFiniteLoss` under `on_nonfinite: stop`."
-    loss, gn = m['loss'], m['grad_norm']
-    if math.isfinite(loss) and math.isfinite(gn): return
-    m['skipped'] = True
-    if self.cfg.train.on_nonfinite == 'stop':
-        self.rows_history.append(m); self._pending = {}
-        raise NonFiniteLoss(f"step {self.global_step}: loss {loss}, grad_norm {gn}: not finite; its update was not "
-                            f"applied (the weights are those after step {self.global_step - 1}). Lower optim.lr, or set "
-                            "train.on_nonfinite=skip to skip such steps")
-    import warnings; warnings.warn(f"step {self.global_step}: loss {loss}, grad_norm {gn}: not finite; update skipped")
-
-@patch
-def _after_step(self: SFTTrainer, m: dict, epoch: int):
-    "Record the step, run the callbacks, and raise the evaluate/save flags the config asks for."
-    c = self.cfg
+    if self.global_step >= self.total_steps: raise RuntimeError(f"all {self.total_steps} steps are done")
+    step, spe = self.global_step, self.steps_per_epoch
+    if step % spe == 0: self._emit('on_epoch_start', step // spe)
+    self._emit('on_step_start', step)
+    t0 = time.perf_counter()
+    batches, n_trained, n_real = self.data.batches(step)  # the next step's is collated in a thread meanwhile
+    fb = self.workers.forward_backward(batches, n_trained)
+    loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
+    om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
+    dt, self.global_step = time.perf_counter() - t0, step + 1
+    m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
+         'n_tokens': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
     self.rows_history.append(m)
-    self._emit('on_step_end', m)
-    if self.global_step % c.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
-    if self.global_step % self.steps_per_epoch == 0: self._emit('on_epoch_end', epoch)
-    if c.train.eval_every and self.global_step % c.train.eval_every == 0: self.control.should_evaluate = True
-    if c.checkpoint.save_every and self.global_step % c.checkpoint.save_every == 0: self.control.should_save = True
+    self._emit('on_step_end', m)  # NonFiniteGuard raises here under train.on_nonfinite: stop
+    if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
+    if self.global_step % spe == 0: self._emit('on_epoch_end', step // spe)
+    return m
 
 # %% ../nbs/08_trainer.ipynb #156db0ba
 @patch
+@action('fit')
 def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
     "Run `n_steps` more steps (default: to the end), honouring stop/save/evaluate flags after each step."
-    with self._exclusive('fit'):
-        self.setup()
-        end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
-        self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
-        self._emit('on_train_start')
-        if self.cfg.train.eval_before and self.global_step == 0 and self.last_eval.get('step') != 0: self.evaluate()
-        while self.global_step < end:
-            self.step()
-            if self.control.should_evaluate: self.control.should_evaluate = False; self.evaluate()
-            if self.control.should_save: self.control.should_save = False; self.save()
-            if self.control.should_stop: self.control.should_stop = False; break
-        self._emit('on_train_end')
-        return self.history
+    end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
+    self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
+    self._emit('on_train_start')
+    if self.cfg.train.eval_before and self.global_step == 0 and self.last_eval.get('step') != 0: self.evaluate()
+    while self.global_step < end:
+        self.step()
+        if self.control.should_evaluate: self.control.should_evaluate = False; self.evaluate()
+        if self.control.should_save: self.control.should_save = False; self.save()
+        if self.control.should_stop: self.control.should_stop = False; break
+    self._emit('on_train_end')
+    return self.history
 
 @patch
+@action('train')
 def train(self: SFTTrainer) -> pd.DataFrame:
     "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
-    with self._exclusive('train'):
-        h = self.fit()
-        done = self.last_eval.get('step') == self.global_step  # eval_every may have evaluated this step already
-        if (self.eval_sets or self.heldout) and not done: self.evaluate()
-        self.save()
-        if self.cfg.checkpoint.export_hf: self.export()
-        return h
+    h = self.fit()
+    if (self.eval_sets or self.heldout) and self.last_eval.get('step') != self.global_step: self.evaluate()  # not twice
+    self.save()
+    if self.cfg.checkpoint.export_hf: self.export()
+    return h
 
 # %% ../nbs/08_trainer.ipynb #05f58ca7
 @patch
+@action('evaluate')
 def evaluate(self: SFTTrainer) -> dict:
     "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
-    with self._exclusive('evaluate'):
-        self.setup()
-        out = {'step': self.global_step}
-        for name, batches in self.data.eval_batches():
-            res = self.workers.eval_loss(batches)  # one result per data-parallel replica
-            n = sum(r['n_trained'] for r in res)  # Σ weight when the eval rows have fractional loss weights
-            out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
-            out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))  # perplexity (capped: no overflow on a diverged run)
-        if len(out) > 1:
-            first = [k for k in out if k.endswith('_loss')][0]
-            out['eval_loss'], out['eval_ppl'] = out[first], out[first.removesuffix('_loss') + '_ppl']
-        self.last_eval = out
-        self.eval_history.append(out)
-        self._emit('on_evaluate', out)
-        return out
+    self.last_eval = eval_metrics(self.global_step, {name: self.workers.eval_loss(b) for name, b in self.data.eval_batches()})
+    self.eval_history.append(self.last_eval)
+    self._emit('on_evaluate', self.last_eval)
+    return self.last_eval
 
 # %% ../nbs/08_trainer.ipynb #b0d8f1ff
 @patch
+@action('save')
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
-    with self._exclusive('save'):
-        self.setup()
-        if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-        state = {'global_step': self.global_step, 'history': self.rows_history, 'total_steps': self.total_steps,
-                 'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None, 'sampler': self.cfg.train.sampler}
-        if isinstance(self.data, StreamPlan): state['stream'] = self.data.state_dict(self.global_step)  # before step global_step's (prefetched) batch
-        final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
-        self._emit('on_save', str(final))
-        return final
-
-@patch
-def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
-    "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
-    with self._exclusive('load'): return self._load(path)
+    if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
+    state = {'global_step': self.global_step, 'history': self.rows_history, **self.data.ckpt_state(self.global_step)}
+    final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
+    self._emit('on_save', str(final))
+    return final
 
 # %% ../nbs/08_trainer.ipynb #d5d5b41b
 @patch
-def _load(self: SFTTrainer, path: str | Path = 'latest') -> int:
-    if self.group is None:  # an explicit load continues run_dir's run: setup must not refuse its outputs
-        self._resuming = True
-        try: self.setup()  # (setup itself calls _load when checkpoint.resume is set)
-        finally: self._resuming = False
+@action('load', setup=False)
+def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
+    "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
+    if self.group is None: self.setup(resuming=True)  # (setup itself loads when checkpoint.resume is set)
     path = self.ckpt.resolve(path, self.total_steps, self.cfg.train.sampler)
-    trackers = [cb for cb in self.callbacks if isinstance(cb, JSONLTracker)]
     if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
-        for cb in trackers:
-            if self.global_step == 0: cb.truncate(0)
+        if self.global_step == 0: self._emit('on_load', 0)
         return 0
     state = self.ckpt.state(path)
-    self.check_stream_state(state, path)
+    self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.workers.load(str(path))
     self.global_step, self.rows_history = state['global_step'], state['history']
-    if 'stream' in state: self.data.load_state_dict(state['stream']); self._pending = {}  # a batch drawn before the load is not this step's
     self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
-    for cb in trackers: cb.truncate(self.global_step)
+    self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
     return self.global_step
 
-# %% ../nbs/08_trainer.ipynb #c22c806b
-@patch
-def check_stream_state(self: SFTTrainer, state: dict, path):
-    "A streamed run resumes only from a streamed run's checkpoint, and a map-style run only from a map-style one."
-    streamed = 'stream' in state
-    if streamed != isinstance(self.data, StreamPlan):
-        raise ConfigError(f"data.streaming: the checkpoint {path} is of a {'streamed' if streamed else 'map-style'} run, this config "
-                          f"{'streams' if self.cfg.data.streaming else 'does not stream'}; resuming would train on other rows than the run it continues")
-
 # %% ../nbs/08_trainer.ipynb #a79c85aa
 @patch
+@action('export')
 def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
     "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
-    with self._exclusive('export'):
-        self.setup()
-        path = Path(path or self.run_dir / 'hf')
-        from sft_nb.models import resolve_model_path
-        self.workers.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
-        return path
+    path = Path(path or self.run_dir / 'hf')
+    self.workers.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
+    return path
 
 @patch
+@action('generate')
 def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
     "Greedy answers of the current model to chat prompts."
-    with self._exclusive('generate'):
-        self.setup()
-        prompts = []
-        for msgs in messages_list:
-            ids = self.tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
-            prompts.append(list(ids['input_ids'] if hasattr(ids, 'keys') else ids))
-        outs = self.workers.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
-        return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
+    prompts = [chat_ids(self.tokenizer, msgs, add_generation_prompt=True) for msgs in messages_list]
+    outs = self.workers.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
+    return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
 
 # %% ../nbs/08_trainer.ipynb #64ca74af
 @patch
+@action('shutdown', setup=False)
 def shutdown(self: SFTTrainer):
     "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
-    with self._exclusive('shutdown'): self._shutdown()
-
-@patch
-def _shutdown(self: SFTTrainer):
     for cb in self.callbacks: cb.close()
-    if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True); self._pool, self._pending = None, {}
+    self.data.close()
     if self.group is not None: self.group.shutdown(); self.group, self.workers = None, None
-    if self._ray_started:
-        import ray
-        ray.shutdown(); self._ray_started = False
+    self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
-
-@patch
-def __enter__(self: SFTTrainer): return self.setup()
-@patch
-def __exit__(self: SFTTrainer, *exc): self.shutdown()
-@patch
-def __del__(self: SFTTrainer):
-    try: self.group is not None and self.group.kill()
-    except Exception: pass
-    try: self.ckpt.release()
-    except Exception: pass

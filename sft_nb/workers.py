@@ -10,7 +10,7 @@ from datetime import timedelta
 from typing import Any
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'init_ray', 'free_port', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -40,6 +40,13 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(('', 0)); return s.getsockname()[1]
+
+def stop_ray(started: bool) -> bool:
+    "Shut down Ray when `started` (what `init_ray` returned: this process started or connected it); False, the new `started`."
+    if started:
+        import ray
+        ray.shutdown()
+    return False
 
 # %% ../nbs/07_workers.ipynb #295f862d
 class DistWorker:

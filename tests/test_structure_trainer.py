@@ -37,3 +37,28 @@ def test_trainer_class_is_small_and_keeps_its_names():
               'processor', 'data_report', 'model_info', 'callbacks', 'control', 'running', 'profile_dir', '_pending'):
         getattr(t, a)
     assert t.total_steps == 0 and t.heldout == [] and t.group is None and str(t.run_dir) == t.cfg.checkpoint.run_dir
+
+
+def _trainer_lines() -> dict:
+    "Non-blank lines of SFTTrainer in sft_nb/trainer.py: the class, each function patched onto it (decorators and docstrings included), the forwarding table."
+    import ast, sft_nb.trainer as T
+    text = inspect.getsource(T); lines, parts = text.splitlines(), {}
+    for node in ast.parse(text).body:
+        start = min([d.lineno for d in getattr(node, 'decorator_list', [])] + [node.lineno])
+        seg = lines[start - 1:node.end_lineno]
+        first = node.args.args[0].annotation if isinstance(node, ast.FunctionDef) and node.args.args else None
+        if (isinstance(node, ast.ClassDef) and node.name == 'SFTTrainer') or (first is not None and ast.unparse(first) == 'SFTTrainer') \
+           or (isinstance(node, (ast.Assign, ast.For)) and '_READS' in '\n'.join(seg)):
+            parts[getattr(node, 'name', f'line {start}')] = sum(1 for l in seg if l.strip())
+    return parts
+
+
+def test_whole_trainer_is_small_and_every_action_is_guarded():
+    "The class with all its @patch methods stays under 180 non-blank lines (it was 309 before the split; the issue asks ~150), and every public action holds the trainer."
+    from sft_nb.trainer import SFTTrainer
+    parts = _trainer_lines()
+    assert {'SFTTrainer', 'setup', 'step', 'fit', 'evaluate', 'save', 'load', 'shutdown'} <= set(parts), parts
+    assert sum(parts.values()) <= 180, parts
+    assert max(n for k, n in parts.items() if k != 'SFTTrainer') <= 25, parts  # no method is a second trainer
+    for name in ('step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'shutdown'):
+        assert hasattr(getattr(SFTTrainer, name), '__wrapped__'), f"SFTTrainer.{name} is not an @action"

@@ -5,10 +5,12 @@
 # %% ../../nbs/07_backends.ipynb #3e18d00c
 from __future__ import annotations
 import importlib
+from dataclasses import asdict
 from typing import Protocol
+from ..workers import WorkerGroup
 
 # %% auto #0
-__all__ = ['BACKENDS', 'get_backend', 'Backend', 'BackendGroup']
+__all__ = ['BACKENDS', 'get_backend', 'Backend', 'BackendGroup', 'start_workers']
 
 # %% ../../nbs/07_backends.ipynb #cbf76607
 BACKENDS = {'fsdp': 'sft_nb.backends.fsdp:FSDPWorker', 'megatron': 'sft_nb.backends.megatron:MegatronWorker'}
@@ -73,3 +75,14 @@ class BackendGroup:
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> list:
         return self.group.call('export_hf', path, tokenizer_path, lora_export)
     def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list: return self.group.call('profile', action, path, ranks)
+
+# %% ../../nbs/07_backends.ipynb #ff035f36
+def start_workers(cfg, # the run's `SFTConfig`
+                  total_steps: int, # the LR schedule's length
+                 ) -> BackendGroup:
+    "The workers of `cfg.placement` (backend, nodes × workers, strategy, GPUs), started, as a `BackendGroup`."
+    p, cls = cfg.placement, get_backend(cfg.placement.backend)
+    group = WorkerGroup(cls, p.num_nodes, p.workers_per_node, p.strategy, p.use_gpu, p.cpus_per_worker,
+                        init_kwargs=dict(model=asdict(cfg.model), optim=asdict(cfg.optim), total_steps=total_steps,
+                                         seed=cfg.train.seed, use_gpu=p.use_gpu, placement=asdict(p)))
+    return BackendGroup(group, cls, p)
