@@ -10,12 +10,14 @@ from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, attention_inputs
 from sft_nb.trainer import SFTTrainer
+from sft_nb.numerics import assert_rel_close, rel_gap
 from helpers import run_cfg
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
          for k, r in enumerate(ROWS)]
-TOL = 1e-6  # fp32: only the order of the sums differs
+TOL = 1e-6  # of the compared value's magnitude (~8 fp32 ulps): only the order of the sums differs
+GRAD_TOL = 4e-6  # gradients of a whole model: the head's rounding passes through every layer's backward
 
 
 def test_config():
@@ -42,7 +44,7 @@ def test_linear_nll_equals_cross_entropy(chunk, weighted):
     l0, g0 = run(ref)
     l1, g1 = run(lambda h, W, b: linear_nll(h, W, t, w, b, chunk=chunk))
     assert abs(l1 - l0) <= TOL * abs(l0)
-    for a, c in zip(g0, g1): assert float((a - c).abs().max()) <= TOL * max(1.0, float(a.abs().max()))
+    assert_rel_close(g1, g0, TOL, 'gradients of h, W, b')
     with torch.no_grad(): assert abs(float(linear_nll(h, W, t, w, b, chunk=chunk)) - l0) <= TOL * abs(l0)  # eval: no saved state needed
 
 
@@ -93,8 +95,7 @@ def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
             assert r1['n_tokens'] == r0['n_tokens'] and r0['n_tokens'] % chunk != 0
             assert abs(r1['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum'], (name, r0, r1)
             assert g1.keys() == g0.keys()
-            d = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
-            assert d <= TOL, (name, chunk, d)
+            assert_rel_close(g1, g0, GRAD_TOL, f'{name}, chunks of {chunk}: gradients')
         with torch.no_grad():
             worker.loss_chunk = 5
             assert abs(worker.eval_loss([mb])['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum']
@@ -121,7 +122,8 @@ def test_lora_wrapped_head(tiny_path, tiny_tok):
         return float(s), {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
     (s0, g0), (s1, g1) = run(0), run(6)
     assert any('lm_head' in k for k in g0) and g0.keys() == g1.keys()
-    assert abs(s1 - s0) <= TOL * s0 and max(float((g1[k] - g0[k]).abs().max()) for k in g0) <= TOL
+    assert abs(s1 - s0) <= TOL * s0
+    assert_rel_close(g1, g0, GRAD_TOL, 'LoRA gradients')
 
 
 def _step(tiny_path, run_dir, **kw):
@@ -139,9 +141,8 @@ def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, ray_session):
     m1, w1 = _step(tiny_path, tmp_path / 'on', model__loss_chunk=7)
     assert m0['n_trained'] == m1['n_trained']
     assert abs(m1['loss'] - m0['loss']) <= TOL * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= TOL * m0['grad_norm']
-    d = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
-    print(f"chunked vs one-shot: |Δloss| {abs(m1['loss'] - m0['loss']):.1e}, |Δgrad_norm| {abs(m1['grad_norm'] - m0['grad_norm']):.1e}, max |Δw| {d:.1e}")
-    assert d <= TOL
+    print(f"chunked vs one-shot: |Δloss| {abs(m1['loss'] - m0['loss']):.1e}, |Δgrad_norm| {abs(m1['grad_norm'] - m0['grad_norm']):.1e}, weights {rel_gap(w1, w0):.1e} of their size")
+    assert_rel_close(w1, w0, GRAD_TOL, 'weights after one step')
 
 
 @pytest.mark.parametrize('layout', ['tp1', 'tp2'])
@@ -151,8 +152,8 @@ def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, ray_session, layout):
     m0, w0 = _step(tiny_path, tmp_path / 'fsdp', model__loss_chunk=0)
     lay = {'placement__tensor_parallel': 2} if layout == 'tp2' else {'placement__workers_per_node': 1, 'train__micro_batch_size': 2}
     m1, w1 = _step(tiny_path, tmp_path / layout, model__loss_chunk=7, placement__backend='megatron', **lay)
-    assert abs(m1['loss'] - m0['loss']) <= 1e-5 and abs(m1['grad_norm'] - m0['grad_norm']) <= 1e-5 * max(1, m0['grad_norm'])
-    assert max(float((w1[k] - w0[k]).abs().max()) for k in w0) <= 1e-5  # the Megatron == FSDP tolerance of test_megatron is 1e-4
+    assert abs(m1['loss'] - m0['loss']) <= 4e-6 * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= 1e-5 * m0['grad_norm']
+    assert_rel_close(w1, w0, 1e-5, 'weights after one step')  # test_megatron's 5-step Megatron == FSDP bound is 1e-4
 
 
 def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
@@ -168,7 +169,7 @@ def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
     assert not isinstance(attention_inputs(mb, 'flex_attention')['attention_mask'], torch.Tensor)
     real = torch.zeros(mb['input_ids'].shape, dtype=torch.bool)
     for b, lens in enumerate(mb['seq_lens']): real[b, :sum(lens)] = True
-    assert float((out['flex_attention'] - out['sdpa'])[real].abs().max()) <= 1e-5
+    assert_rel_close(out['flex_attention'][real], out['sdpa'][real], 1e-6, 'logits')
 
 
 def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):

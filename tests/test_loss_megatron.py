@@ -5,6 +5,7 @@ from dataclasses import asdict
 import pytest
 import torch
 pytest.importorskip('megatron.core')
+from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.config import ModelConfig, OptimConfig
 from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
@@ -45,9 +46,8 @@ def test_chunked_equals_megatron_loss(worker, tiny_tok, weighted):
         r1, g1 = grads_of(worker, mb, 7)
         assert r1['n_tokens'] == r0['n_tokens'] and abs(r1['nll_sum'] - r0['nll_sum']) <= 1e-6 * r0['nll_sum'], (name, r0, r1)
         assert g0.keys() == g1.keys()
-        d = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
-        print(f"megatron {name} weighted={weighted}: |ΔΣNLL| {abs(r1['nll_sum'] - r0['nll_sum']):.1e}, max |Δgrad| {d:.1e}")
-        assert d <= 1e-6, (name, d)
+        print(f"megatron {name} weighted={weighted}: |ΔΣNLL| {abs(r1['nll_sum'] - r0['nll_sum']):.1e}, gradients {rel_gap(g1, g0):.1e} of their size")
+        assert_rel_close(g1, g0, 4e-6, f'{name} gradients')  # a whole model's gradients: test_loss.GRAD_TOL
         with torch.no_grad():
             worker.loss_chunk = 7
             assert abs(worker.eval_loss([mb])['nll_sum'] - r0['nll_sum']) <= 1e-6 * r0['nll_sum']

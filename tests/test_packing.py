@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
+from sft_nb.numerics import assert_rel_close
 from sft_nb.collate import collate_packed, collate_padded, model_inputs, token_nll_sum
 from sft_nb.packing import STRATEGIES, PackPlan, bin_examples, lower_bound, pack
 
@@ -98,11 +99,11 @@ def test_packed_equals_padded(alpaca, tiny_path, tiny_tok, case, impl, form):
     for b, lens in enumerate(packed['seq_lens']):
         start = 0
         for n in lens:
-            assert (lk[b, start:start + n] - lp[j, :n]).abs().max().item() <= 1e-5
+            assert_rel_close(lk[b, start:start + n], lp[j, :n], 1e-5, f'logits of sequence {j}')
             start += n; j += 1
     (sk, nk), (sp, np_) = token_nll_sum(lk, packed['labels']), token_nll_sum(lp, padded['labels'])
     assert nk == np_ == packed['n_trained'] == padded['n_trained'] > 0
-    assert abs(sk.item() / nk - sp.item() / np_) <= 1e-5
+    assert_rel_close(sk.item() / nk, sp.item() / np_, 1e-5, 'mean NLL')
 
 
 def test_fewer_rows_than_ranks(alpaca, tiny_path, tiny_tok):

@@ -70,7 +70,7 @@ def test_killed_streamed_run_resumes_exactly(tiny_path, tmp_path, ray_session, j
         assert r.global_step == 6
         resumed = r.fit()['loss'].tolist()
     assert len(resumed) == len(straight) == 10
-    assert resumed == pytest.approx(straight, abs=1e-6), (resumed, straight)
+    assert resumed == pytest.approx(straight, rel=1e-6), (resumed, straight)
 
 
 def test_stream_resume_refuses_a_map_style_checkpoint(tiny_path, tmp_path, ray_session, jsonl):

@@ -65,3 +65,11 @@ def test_package_structure():
     "The real tree: prints every violation (`python tools/structure.py` lists the same)."
     vs = structure.violations(ROOT)
     assert not vs, f'{len(vs)} structure violation(s):\n' + '\n'.join(vs)
+
+
+def test_readme_lists_every_example_notebook():
+    "The README's example table names each notebook under examples/ (lens.ipynb was missing from it)."
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / 'README.md').read_text()
+    missing = [p.name for p in sorted((root / 'examples').glob('*.ipynb')) if f'| `{p.name}` |' not in readme]
+    assert not missing, f'README.md example table lacks {missing}'

@@ -7,6 +7,7 @@ ON_CPU = os.environ.get('SFT_NB_GPU_TESTS_ON_CPU') == '1' and not torch.cuda.is_
 if not torch.cuda.is_available() and not ON_CPU: pytest.skip('needs CUDA', allow_module_level=True)
 needs_cuda = pytest.mark.skipif(ON_CPU, reason='needs CUDA (CPU smoke run)')
 import torch.nn.functional as F
+from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.loss import linear_nll, attention_inputs, document_block_mask
 from sft_nb.collate import collate_packed, model_inputs
 
@@ -23,7 +24,7 @@ def no_tf32():  # fp32 matmuls stay fp32 (TF32 would round to 10-bit mantissas)
 
 @pytest.mark.parametrize('weighted', [False, True])
 def test_chunked_ce_exact_fp32_cuda(weighted):
-    "fp32 on CUDA, 1,000 tokens in chunks of 96 (not a multiple), SmolLM2's head shape: Σ NLL ≤ 1e-6 relative, gradients of the mean ≤ 1e-6."
+    "fp32 on CUDA, 1,000 tokens in chunks of 96 (not a multiple), SmolLM2's head shape: Σ NLL ≤ 1e-6 relative, gradients of the mean ≤ 2e-6 of each one's magnitude."
     torch.manual_seed(0)
     h, W = torch.randn(1000, 576, device=DEV) * .5, torch.randn(49152, 576, device=DEV) * .05
     t = torch.randint(0, 49152, (1000,), device=DEV)
@@ -38,7 +39,7 @@ def test_chunked_ce_exact_fp32_cuda(weighted):
     l0, g0 = run(ref)
     l1, g1 = run(lambda h, W: linear_nll(h, W, t, w, chunk=96))
     assert abs(l1 - l0) <= 1e-6 * abs(l0)
-    for a, c in zip(g0, g1): assert float((a - c).abs().max()) <= 1e-6 * max(1.0, float(a.abs().max()))
+    assert_rel_close(g1, g0, 2e-6, 'gradients of h, W')
 
 
 @needs_cuda
@@ -93,6 +94,6 @@ def test_flex_attention_backward_matches_sdpa(tiny_path):
         (s / n).backward()
         out[impl] = float(s / n), {k: p.grad.detach().clone() for k, p in model.named_parameters()}
     (l0, g0), (l1, g1) = out['sdpa'], out['flex_attention']
-    d = max(float((g1[k] - g0[k]).abs().max()) for k in g0)
-    print(f"flex vs sdpa: |Δloss| {abs(l1 - l0):.2e}, max |Δgrad| {d:.2e}")
-    assert abs(l1 - l0) <= 1e-5 and d <= 1e-4
+    d = rel_gap(g1, g0)
+    print(f"flex vs sdpa: |Δloss| {abs(l1 - l0):.2e}, gradients {d:.2e} of their size")
+    assert abs(l1 - l0) <= 1e-5 * abs(l0) and d <= 1e-4

@@ -7,6 +7,7 @@ import torch
 ON_CPU = os.environ.get('SFT_NB_GPU_TESTS_ON_CPU') == '1' and not torch.cuda.is_available()
 if not torch.cuda.is_available() and not ON_CPU: pytest.skip('needs CUDA', allow_module_level=True)
 needs_cuda = pytest.mark.skipif(ON_CPU, reason='needs CUDA (CPU smoke run)')
+from sft_nb.numerics import rel_gap
 from sft_nb.demo_data import identity_rows
 from sft_nb.trainer import SFTTrainer
 from helpers import run_cfg
@@ -16,7 +17,7 @@ WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['ro
          for k, r in enumerate(ROWS)]
 N_GPU = torch.cuda.device_count()
 LR = 1e-3
-BF16 = dict(loss=2e-2, grad_norm=5e-2, weight=2 * LR)  # see README.md
+BF16 = dict(loss=1e-2, grad_norm=5e-2, weight=2.0)  # see README.md: loss relative to its size, weights in units of lr
 PACKED = {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64}
 
 
@@ -36,9 +37,11 @@ def one_step(cfg, rows=ROWS, steps=1):
 
 def close(a, b, tol):
     (ma, wa), (mb, wb) = a, b
-    dl, dg = abs(ma['loss'] - mb['loss']), abs(ma['grad_norm'] - mb['grad_norm']) / max(1e-8, mb['grad_norm'])
-    dw = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wb)
-    print(f"|Δloss| {dl:.2e}, rel |Δgrad_norm| {dg:.2e}, max |Δw| {dw:.2e}")
+    """Loss and grad norm relative to their magnitude; weights in units of one step's update (≈ lr for Adam), since two
+    layouts of one step differ in how far each weight moved, not in the weight's own size."""
+    dl, dg = rel_gap(ma['loss'], mb['loss']), rel_gap(ma['grad_norm'], mb['grad_norm'])
+    dw = max(float((wa[k].float() - wb[k].float()).abs().max()) for k in wb) / LR
+    print(f"relative gaps: loss {dl:.2e}, grad_norm {dg:.2e}; weights {dw:.2e} lr")
     return dl <= tol['loss'] and dg <= tol['grad_norm'] and dw <= tol['weight'], (dl, dg, dw)
 
 
@@ -72,7 +75,7 @@ def test_fp32_chunked_loss_equals_one_shot(tiny_path, tmp_path, ray_session):
     kw = dict(bf16=False, **PACKED, train__global_batch_size=4, train__micro_batch_size=1)
     a = one_step(gpu_cfg(tiny_path, tmp_path / 'off', model__loss_chunk=0, **kw), WROWS)
     b = one_step(gpu_cfg(tiny_path, tmp_path / 'on', model__loss_chunk=7, **kw), WROWS)
-    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), dict(loss=1e-5, grad_norm=1e-5, weight=1e-5))
+    ok, d = close((a[0][0], a[1]), (b[0][0], b[1]), dict(loss=4e-6, grad_norm=1e-5, weight=1e-2))  # fp32: 1e-2 lr = 1e-5
     assert ok, d
 
 
@@ -86,7 +89,7 @@ def test_bf16_resume_exact(tiny_path, tmp_path, ray_session):
     with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'half', checkpoint__resume=str(ck), **base), train_data=ROWS) as t:
         resumed = t.fit()['loss'].tolist()
     print(full, resumed)
-    assert max(abs(a - b) for a, b in zip(resumed[-2:], full[2:])) <= 1e-3
+    assert rel_gap(resumed[-2:], full[2:]) <= 3e-4  # non-deterministic CUDA reductions (1e-3 at a loss of ~3)
 
 
 @pytest.mark.skipif(N_GPU < 2 and not ON_CPU, reason='needs 2 GPUs')
@@ -100,15 +103,13 @@ def test_nccl_two_workers_equal_one(tiny_path, tmp_path, ray_session):
 
 
 def test_megatron_tp1_matches_fsdp(tiny_path, tmp_path, ray_session):
-    "fp32 on CUDA, 3 steps: Megatron TP=1 (its chunked vocab-parallel loss) vs FSDP: losses, grad norms, weights ≤ 1e-4."
+    "fp32 on CUDA, 3 steps: Megatron TP=1 (its chunked vocab-parallel loss) vs FSDP: losses, grad norms, weights ≤ 1e-4 of their size."
     pytest.importorskip('megatron.core')
     kw = dict(bf16=False, train__num_steps=3, train__micro_batch_size=2)
     with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'fsdp', **kw), train_data=ROWS) as t:
         h0, w0 = t.fit(), t.group.call('full_state')[0]
     with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'mcore', placement__backend='megatron', model__loss_chunk=5, **kw), train_data=ROWS) as t:
         h1, w1 = t.fit(), t.group.call('full_state')[0]
-    dl = max(abs(a - b) for a, b in zip(h0['loss'], h1['loss']))
-    dg = max(abs(a - b) for a, b in zip(h0['grad_norm'], h1['grad_norm']))
-    dw = max(float((w1[k] - w0[k]).abs().max()) for k in w0)
-    print(f"megatron vs fsdp on CUDA: {dl:.2e} {dg:.2e} {dw:.2e}")
+    dl, dg, dw = rel_gap(h1['loss'], h0['loss']), rel_gap(h1['grad_norm'], h0['grad_norm']), rel_gap(w1, w0)
+    print(f"megatron vs fsdp on CUDA, relative gaps: {dl:.2e} {dg:.2e} {dw:.2e}")
     assert dl <= 1e-4 and dg <= 1e-4 and dw <= 1e-4
