@@ -13,7 +13,8 @@ from .collate import token_nll_sum
 
 # %% auto #0
 __all__ = ['chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for',
-           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs', 'eval_metrics']
+           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs',
+           'flex_attention_runs_on', 'eval_metrics']
 
 # %% ../nbs/06c_loss.ipynb #e79abf73
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -191,6 +192,12 @@ def attention_inputs(batch: dict, # a micro-batch (already on its device)
     am = batch.get('attention_mask')
     if impl != 'flex_attention' or am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
     return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
+
+# %% ../nbs/06c_loss.ipynb #18584da9
+def flex_attention_runs_on(device_type: str, # 'cpu' or 'cuda'
+                          ) -> bool:
+    "Whether FlexAttention can run compiled on this device: on CPU, only with a vector ISA (torch's capability not DEFAULT)."
+    return device_type != 'cpu' or torch.backends.cpu.get_cpu_capability() != 'DEFAULT'
 
 # %% ../nbs/06c_loss.ipynb #70c3a2a1
 def eval_metrics(step: int, results: dict[str, list[dict]]) -> dict:

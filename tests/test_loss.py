@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from sft_nb.config import ModelConfig, OptimConfig, ConfigError
 from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
-from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, attention_inputs
+from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, attention_inputs, flex_attention_runs_on
 from sft_nb.trainer import SFTTrainer
 from sft_nb.numerics import assert_rel_close, rel_gap
 from helpers import run_cfg
@@ -16,6 +16,7 @@ from helpers import run_cfg
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
          for k, r in enumerate(ROWS)]
+needs_cpu_flex = pytest.mark.skipif(not flex_attention_runs_on('cpu'), reason="torch refuses to compile FlexAttention on a CPU capability of DEFAULT")
 TOL = 1e-6  # of the compared value's magnitude (~8 fp32 ulps): only the order of the sums differs
 GRAD_TOL = 4e-6  # gradients of a whole model: the head's rounding passes through every layer's backward
 
@@ -141,8 +142,8 @@ def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, ray_session):
     m1, w1 = _step(tiny_path, tmp_path / 'on', model__loss_chunk=7)
     assert m0['n_trained'] == m1['n_trained']
     assert abs(m1['loss'] - m0['loss']) <= TOL * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= TOL * m0['grad_norm']
-    print(f"chunked vs one-shot: |Δloss| {abs(m1['loss'] - m0['loss']):.1e}, |Δgrad_norm| {abs(m1['grad_norm'] - m0['grad_norm']):.1e}, weights {rel_gap(w1, w0):.1e} of their size")
-    assert_rel_close(w1, w0, GRAD_TOL, 'weights after one step')
+    print(f"chunked vs one-shot: |Δloss| {abs(m1['loss'] - m0['loss']):.1e}, |Δgrad_norm| {abs(m1['grad_norm'] - m0['grad_norm']):.1e}, weights {rel_gap(w1, w0, scale=1e-3):.1e} of one update")
+    assert_rel_close(w1, w0, 1e-3, 'weights after one step', scale=1e-3)  # in units of the step's update (lr: Adam)
 
 
 @pytest.mark.parametrize('layout', ['tp1', 'tp2'])
@@ -153,9 +154,10 @@ def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, ray_session, layout):
     lay = {'placement__tensor_parallel': 2} if layout == 'tp2' else {'placement__workers_per_node': 1, 'train__micro_batch_size': 2}
     m1, w1 = _step(tiny_path, tmp_path / layout, model__loss_chunk=7, placement__backend='megatron', **lay)
     assert abs(m1['loss'] - m0['loss']) <= 4e-6 * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= 1e-5 * m0['grad_norm']
-    assert_rel_close(w1, w0, 1e-5, 'weights after one step')  # test_megatron's 5-step Megatron == FSDP bound is 1e-4
+    assert_rel_close(w1, w0, 1e-2, 'weights after one step', scale=1e-3)  # of one update (lr); test_megatron's 5-step bound is 2e-2
 
 
+@needs_cpu_flex
 def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
     """FlexAttention + document BlockMask vs sdpa + the collator's dense [B, 1, T, T] mask: the same logits at every real
     token of packed rows (forward only: FlexAttention has no CPU backward; transformers compiles it, ~20 s)."""
@@ -172,6 +174,7 @@ def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
     assert_rel_close(out['flex_attention'][real], out['sdpa'][real], 1e-6, 'logits')
 
 
+@needs_cpu_flex
 def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
     """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `_to_dev`)
     evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward)."""

@@ -102,16 +102,17 @@ LAYOUTS = {'tp1': dict(placement__workers_per_node=1),
 @pytest.mark.parametrize('weighted', [False, True], ids=['0/1 weights', 'fractional weights'])
 @pytest.mark.parametrize('packed', [False, True], ids=['padded', 'packed'])
 def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, packed, weighted):
-    "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4 of their size), also with fractional loss weights."
+    "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4 of their size; weights ≤2e-2 of lr·steps), also with fractional loss weights."
     extra = {'rows': WROWS if weighted else ROWS}
     if packed: extra |= {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64,
                         'train__global_batch_size': 4, 'train__micro_batch_size': 1}
     ref_loss, ref_gn, ref_w = _losses(tiny_path, tmp_path / 'fsdp', **extra)
     for name, lay in LAYOUTS.items():
         loss, gn, w = _losses(tiny_path, tmp_path / name, placement__backend='megatron', **lay, **extra)
-        dl, dg, dw = rel_gap(loss, ref_loss), rel_gap(gn, ref_gn), rel_gap(w, ref_w)  # each of its magnitude
-        print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {name}: relative gaps loss {dl:.2e} grad_norm {dg:.2e} weights {dw:.2e}')
-        assert len(loss) == STEPS and dl <= 1e-4 and dg <= 1e-4 and dw <= 1e-4, (name, loss, ref_loss)
+        # loss and grad norm of their magnitude; weights of the distance STEPS Adam updates of ~lr move them
+        dl, dg, dw = rel_gap(loss, ref_loss), rel_gap(gn, ref_gn), rel_gap(w, ref_w, scale=1e-3 * STEPS)
+        print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {name}: relative gaps loss {dl:.2e} grad_norm {dg:.2e} weights {dw:.2e} of lr·steps')
+        assert len(loss) == STEPS and dl <= 1e-4 and dg <= 1e-4 and dw <= 2e-2, (name, loss, ref_loss)
 
 
 @pytest.mark.parametrize('layout', ['tp2', 'dp2_to_dp1'])
@@ -145,4 +146,4 @@ def test_megatron_resume_exact(tiny_path, tmp_path, ray_session, layout):
     if layout == 'tp2':
         assert resumed == full and all(w[k].equal(w_full[k]) for k in w)
     else:
-        assert_rel_close(resumed, full, 4e-6, 'losses'); assert_rel_close(w, w_full, 1e-5, 'weights')
+        assert_rel_close(resumed, full, 4e-6, 'losses'); assert_rel_close(w, w_full, 2e-3, 'weights', scale=1e-3 * STEPS)

@@ -60,8 +60,9 @@ def test_split_invariance(tiny_path, tmp_path, ray_session, packed, weighted):
     diffs = []
     for l, g, n, w in results[1:]:
         assert n == n0  # Σ weight with fractional weights (exact: the weights are binary fractions)
-        diffs.append((rel_gap(l, l0), rel_gap(g, g0), rel_gap(w, w0)))  # each of its magnitude
-        assert_rel_close(l, l0, 2e-6, 'loss'); assert_rel_close(g, g0, 1e-5, 'grad_norm'); assert_rel_close(w, w0, 1e-5, 'weights')
+        # loss and grad norm of their magnitude, weights of one step's update (lr = 1e-3 with Adam)
+        diffs.append((rel_gap(l, l0), rel_gap(g, g0), rel_gap(w, w0, scale=1e-3)))
+        assert_rel_close(l, l0, 2e-6, 'loss'); assert_rel_close(g, g0, 1e-5, 'grad_norm'); assert_rel_close(w, w0, 1e-2, 'weights', scale=1e-3)
     print(f"packed={packed} weighted={weighted}: relative gaps loss, grad_norm, weights = {[max(d[k] for d in diffs) for k in range(3)]}")
     if weighted and not packed:  # 8 rows of 1/4 weight 1, the rest 0.25/2.5/0.5: the divisor is Σ weight, not the count
         with SFTTrainer(make_cfg(tiny_path, tmp_path / 'plain', **extra, **splits[0]), train_data=ROWS) as t: m1 = t.step()
@@ -88,7 +89,7 @@ def test_exact_resume_and_fewer_workers(tiny_path, tmp_path, ray_session):
             resumed = r.fit()['loss'].tolist()
             w = weights(r)
         assert resumed[:3] == full[:3]
-        assert_rel_close(resumed[3:], full[3:], 4e-6, f'{name} losses'); assert_rel_close(w, w_full, 1e-5, f'{name} weights')
+        assert_rel_close(resumed[3:], full[3:], 4e-6, f'{name} losses'); assert_rel_close(w, w_full, 2e-4, f'{name} weights', scale=1e-2 * 6)  # of 6 updates of lr
     lines = [json.loads(l) for l in (tmp_path / 'half' / 'metrics.jsonl').read_text().splitlines()]
     assert [l['step'] for l in lines if l['kind'] == 'train'] == [1, 2, 3, 4, 5, 6]
 

@@ -5,6 +5,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
        RAY_USAGE_STATS_ENABLED=0 RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false
+# torch's inductor (FlexAttention) caches compiled kernels without keying on ATEN_CPU_CAPABILITY: a kernel another run
+# built under another capability returns garbage or crashes here, so each checkout and capability compiles into its own cache
+export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/build/inductor-${ATEN_CPU_CAPABILITY:-native}}"
 n_nbs=$(find nbs -name '[0-9a-z]*.ipynb' -not -path '*/.ipynb_checkpoints/*' | wc -l)
 [ "$n_nbs" -ge 1 ] || { echo "FAIL: no notebooks under nbs/"; exit 1; }
 log=$(mktemp)

@@ -103,13 +103,13 @@ def test_nccl_two_workers_equal_one(tiny_path, tmp_path, ray_session):
 
 
 def test_megatron_tp1_matches_fsdp(tiny_path, tmp_path, ray_session):
-    "fp32 on CUDA, 3 steps: Megatron TP=1 (its chunked vocab-parallel loss) vs FSDP: losses, grad norms, weights ≤ 1e-4 of their size."
+    "fp32 on CUDA, 3 steps: Megatron TP=1 (its chunked vocab-parallel loss) vs FSDP: losses, grad norms, weights ≤ 3e-2 of 3 updates (1e-4 absolute)."
     pytest.importorskip('megatron.core')
     kw = dict(bf16=False, train__num_steps=3, train__micro_batch_size=2)
     with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'fsdp', **kw), train_data=ROWS) as t:
         h0, w0 = t.fit(), t.group.call('full_state')[0]
     with SFTTrainer(gpu_cfg(tiny_path, tmp_path / 'mcore', placement__backend='megatron', model__loss_chunk=5, **kw), train_data=ROWS) as t:
         h1, w1 = t.fit(), t.group.call('full_state')[0]
-    dl, dg, dw = rel_gap(h1['loss'], h0['loss']), rel_gap(h1['grad_norm'], h0['grad_norm']), rel_gap(w1, w0)
+    dl, dg, dw = rel_gap(h1['loss'], h0['loss']), rel_gap(h1['grad_norm'], h0['grad_norm']), rel_gap(w1, w0, scale=LR * 3)
     print(f"megatron vs fsdp on CUDA, relative gaps: {dl:.2e} {dg:.2e} {dw:.2e}")
-    assert dl <= 1e-4 and dg <= 1e-4 and dw <= 1e-4
+    assert dl <= 1e-4 and dg <= 1e-4 and dw <= 3e-2  # weights: of 3 updates of lr
