@@ -183,6 +183,7 @@ class ModelConfig:
     dtype: Literal['float32', 'bfloat16'] = 'float32'  # parameter dtype (bf16 mixed precision on GPU only)
     attn_implementation: Literal['auto', 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'] = 'auto'  # attention kernel; auto: sdpa + dense mask on CPU, flex_attention + document block mask on CUDA
     gradient_checkpointing: bool = False  # recompute activations in backward
+    load: Literal['rank0', 'every_rank'] = 'rank0'  # sharded runs: rank 0 reads the checkpoint and sends each rank its shards (others build on `meta`); every_rank: each rank reads it all (world-size copies in host memory)
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout
