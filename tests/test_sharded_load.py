@@ -17,7 +17,7 @@ def rows(n=8):
 
 
 def _rank(rank, world, port, cases, out):
-    "One rank: for each (name, model config) build a worker, train STEPS steps on the same 2 micro-batches per rank, record losses."
+    "One rank: for each (name, model config) build a worker, train STEPS steps on the same 2 micro-batches per rank, record losses and gradient norms."
     from transformers import AutoTokenizer
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import OptimConfig
@@ -39,13 +39,12 @@ def _rank(rank, world, port, cases, out):
                 'meta': [n for n, t in [*w.model.named_parameters(), *w.model.named_buffers()] if t.device.type == 'meta'],
                 'inv_freq': {n: b.dtype for n, b in w.model.named_buffers() if n.endswith('inv_freq')},
                 'inv_freq_ok': all(torch.isfinite(b).all() and b.max() <= 1 and b.min() > 0 for n, b in w.model.named_buffers() if n.endswith('inv_freq'))}
-        losses = []
+        losses, norms = [], []
         for _ in range(STEPS):
             r = w.forward_backward(mine, n_global)
-            tot = w.all_reduce_sum(r['nll_sum'])
-            w.optim_step()
-            losses.append(tot / n_global)
-        info['losses'] = losses
+            losses.append(w.all_reduce_sum(r['nll_sum']) / n_global)
+            norms.append(w.optim_step()['grad_norm'])
+        info['losses'], info['grad_norms'] = losses, norms
         state = w.full_state()  # a collective: every rank takes part
         info['state'] = {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None  # plain pickles, not shared tensors
         res[name] = info
