@@ -272,15 +272,9 @@ def export_hf(self: FSDPWorker, path: str, tokenizer_path: str | None = None, lo
     from transformers import AutoModelForCausalLM, AutoTokenizer
     state = self.full_state()
     if self.rank == 0:
-        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32)
-        if self.mcfg['lora_r'] > 0:
-            from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                     lora_dropout=self.mcfg['lora_dropout'],
-                                                     target_modules=self.mcfg['lora_target_modules']))
-            model.load_state_dict(state, strict=False)
-            if lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
-        else: model.load_state_dict(state, strict=False)
+        model = self._build_model('cpu')
+        model.load_state_dict(state, strict=False)
+        if self.mcfg['lora_r'] > 0 and lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
         if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
