@@ -58,7 +58,7 @@ def child(args):
     folder = {'smollm2': smollm2_instruct, 'tiny': tiny_chat_model}[args.model]()
     mb, capacity = batch(folder, args.rows, args.capacity, args.model)
     mcfg = asdict(ModelConfig(path=str(folder), loss_chunk=args.child_chunk, attn_implementation='sdpa',
-                              gradient_checkpointing=args.gradient_checkpointing))
+                              activation_checkpointing='full' if args.gradient_checkpointing else 'none'))
     w = FSDPWorker(0, 1, mcfg, asdict(OptimConfig(lr=1e-5)), total_steps=10)
     w.init_dist('127.0.0.1', free_port(), threads=args.threads)
     w.setup()

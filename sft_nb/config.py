@@ -182,7 +182,10 @@ class ModelConfig:
     path: str = 'tiny'  # 'tiny', 'smollm2', a local HF folder or a hub id
     dtype: Literal['float32', 'bfloat16'] = 'float32'  # parameter dtype (bf16 mixed precision on GPU only)
     attn_implementation: Literal['auto', 'sdpa', 'eager', 'flash_attention_2', 'flex_attention'] = 'auto'  # attention kernel; auto: sdpa + dense mask on CPU, flex_attention + document block mask on CUDA
-    gradient_checkpointing: bool = False  # recompute activations in backward
+    activation_checkpointing: Literal['none', 'full', 'selective'] = 'none'  # per block: none; full = keep only each block's input, recompute the rest in backward; selective = also keep matmul/attention outputs, recompute the cheap elementwise ops
+    reshard_after_forward: bool = True  # sharded runs: free each block's gathered weights after its forward (gather again in backward); False keeps them, more memory, less communication
+    cpu_offload: bool = False  # sharded runs: keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy), copied to the device per block
+    load: Literal['rank0', 'every_rank'] = 'rank0'  # sharded runs: rank 0 reads the checkpoint and sends each rank its shards (others build on `meta`); every_rank: each rank reads it all (world-size copies in host memory)
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout

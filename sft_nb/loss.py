@@ -193,7 +193,7 @@ def attention_inputs(batch: dict, # a micro-batch (already on its device)
     if impl != 'flex_attention' or am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
     return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
 
-# %% ../nbs/06c_loss.ipynb #18584da9
+# %% ../nbs/06c_loss.ipynb #a7a7b112
 def flex_attention_runs_on(device_type: str, # 'cpu' or 'cuda'
                           ) -> bool:
     "Whether FlexAttention can run compiled on this device: on CPU, only with a vector ISA (torch's capability not DEFAULT)."

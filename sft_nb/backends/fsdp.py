@@ -14,7 +14,7 @@ from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, att
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'trained_token_stats']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
 def _model_cls(path):
@@ -38,37 +38,120 @@ class FSDPWorker(DistWorker):
         return torch.device('cuda', 0) if self.use_gpu else torch.device('cpu')
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #ca8a1fb5
+def fsdp_units(model) -> list[list]:
+    "The module groups FSDP2 shards as units: each `_no_split_modules` block, then the embeddings and the LM head (together when tied)."
+    names = set(getattr(model, '_no_split_modules', None) or ())
+    outer = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, '_checkpoint_wrapped_module')}
+    blocks = [[outer.get(id(m), m)] for m in model.modules() if type(m).__name__ in names]  # a checkpointed block: its wrapper
+    if not blocks: raise ValueError(f"model.path: {type(model).__name__} names no `_no_split_modules` found in it; FSDP cannot shard it per block")
+    emb, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head is None: return blocks + [[emb]]
+    return blocks + ([[emb, head]] if head.weight is emb.weight else [[emb], [head]])
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #60e8debb
+def rebuild_buffers(model, device) -> list[str]:
+    "Recompute the non-persistent buffers (rotary `inv_freq`: not in a checkpoint, garbage after `to_empty`) in fp32 from each module's config; their names."
+    import torch
+    done = []
+    for name, m in model.named_modules():
+        keys = [k for k in m._buffers if k in m._non_persistent_buffers_set]
+        if not keys: continue
+        if not hasattr(m, 'config'): raise ValueError(f"{name or type(m).__name__}: non-persistent buffers {keys} and no config to rebuild them from")
+        with torch.device('cpu'): fresh = type(m)(m.config)
+        for k in keys: m._buffers[k] = fresh._buffers[k].to(device=device, dtype=torch.float32); done.append(f'{name}.{k}')
+    return done
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #5c21f806
+@patch
+def _build_model(self: FSDPWorker, device: str = 'cpu'):
+    import torch
+    from transformers import AutoConfig
+    cls = _model_cls(self.path)
+    with torch.device(device):
+        if device == 'meta': model = cls.from_config(AutoConfig.from_pretrained(self.path), dtype=torch.float32, attn_implementation=self.attn)
+        else: model = cls.from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
+        if self.mcfg['lora_r'] > 0:
+            from peft import LoraConfig, get_peft_model
+            model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
+                                                     lora_dropout=self.mcfg['lora_dropout'], target_modules=self.mcfg['lora_target_modules']))
+    return model
+
+@patch
+def _shard(self: FSDPWorker, model, dtype):
+    import torch
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    from torch.distributed.device_mesh import init_device_mesh
+    mesh = init_device_mesh(self.device.type, (self.world_size,))
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+    kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
+              reshard_after_forward=self.mcfg['reshard_after_forward'],
+              offload_policy=CPUOffloadPolicy() if self.mcfg['cpu_offload'] else OffloadPolicy())
+    for unit in fsdp_units(model): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
+    fully_shard(model, **kw)
+    return model
+
+@patch
+def _load_sharded(self: FSDPWorker, dtype):
+    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0."
+    import torch
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    full = self._build_model('cpu').state_dict() if self.rank == 0 else {}
+    model = self._shard(checkpoint_blocks(self._build_model('meta'), self.mcfg['activation_checkpointing']), dtype)
+    model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
+    rebuild_buffers(model, self.device)
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == 'meta']
+    if left: raise RuntimeError(f"sharded load left {left[:3]} on the meta device")
+    return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
+_SAVE_OPS = None
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    "Keep matmul and attention outputs, recompute everything else (torch selective activation checkpointing)."
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+    global _SAVE_OPS
+    if _SAVE_OPS is None:
+        a = torch.ops.aten
+        _SAVE_OPS = {a.mm.default, a.addmm.default, a.bmm.default, a._scaled_dot_product_flash_attention.default,
+                     a._scaled_dot_product_efficient_attention.default, a._scaled_dot_product_flash_attention_for_cpu.default}
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+def checkpoint_blocks(model, mode: str = 'none'):
+    "Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation; `none` leaves the model as it is."
+    if mode == 'none': return model
+    from functools import partial
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    names = set(getattr(model, '_no_split_modules', None) or ())
+    kw = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)} if mode == 'selective' else {}
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw), check_fn=lambda m: type(m).__name__ in names)
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
+    return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #f942dd84
 @patch
 def setup(self: FSDPWorker):
     import torch
-    from transformers import AutoModelForCausalLM, AutoConfig
     from sft_nb.models import resolve_model_path
+    if self.mcfg['cpu_offload'] and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
+        raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in host memory already")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     self.path = resolve_model_path(self.mcfg['path'])
     dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
     self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type)  # auto: sdpa on CPU, flex on CUDA
-    model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
-    self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
-    if getattr(model.config, 'layer_types', None) and any(t not in ('full_attention', 'sliding_attention') for t in model.config.layer_types):
-        self.packable = False  # linear-attention / hybrid layers ignore attention masks
-    else: self.packable = True
-    if self.mcfg['gradient_checkpointing']: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={'use_reentrant': False})
-    if self.mcfg['lora_r'] > 0:
-        from peft import LoraConfig, get_peft_model
-        model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                 lora_dropout=self.mcfg['lora_dropout'], target_modules=self.mcfg['lora_target_modules']))
-    model.to(self.device)
     # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
     # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
     self.sharded = self.world_size > 1 or dtype != torch.float32
-    if self.sharded:
-        from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
-        from torch.distributed.device_mesh import init_device_mesh
-        mesh = init_device_mesh(self.device.type, (self.world_size,))
-        mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
-        for m in model.modules():
-            if type(m).__name__.endswith('DecoderLayer'): fully_shard(m, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+    ac = self.mcfg['activation_checkpointing']
+    if not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
+    elif self.mcfg['load'] == 'rank0': model = self._load_sharded(dtype)
+    else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
+    self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
+    lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
+    self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
     self.model = model
     params = [p for p in model.parameters() if p.requires_grad]
     o = self.ocfg
@@ -189,15 +272,9 @@ def export_hf(self: FSDPWorker, path: str, tokenizer_path: str | None = None, lo
     from transformers import AutoModelForCausalLM, AutoTokenizer
     state = self.full_state()
     if self.rank == 0:
-        model = _model_cls(self.path).from_pretrained(self.path, dtype=torch.float32)
-        if self.mcfg['lora_r'] > 0:
-            from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                     lora_dropout=self.mcfg['lora_dropout'],
-                                                     target_modules=self.mcfg['lora_target_modules']))
-            model.load_state_dict(state, strict=False)
-            if lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
-        else: model.load_state_dict(state, strict=False)
+        model = self._build_model('cpu')
+        model.load_state_dict(state, strict=False)
+        if self.mcfg['lora_r'] > 0 and lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
         model.save_pretrained(path)
         AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
         if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too

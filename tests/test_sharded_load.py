@@ -1,0 +1,117 @@
+"""Sharded loading (`model.load: rank0`): rank 0 reads the checkpoint, the other ranks build on `meta` and receive their
+shards. Real 2-process gloo groups: the first 5 steps' losses equal those of every rank reading the whole checkpoint
+(`load: every_rank`, the same FSDP layout: bitwise), tied embeddings stay tied, nothing stays on `meta`."""
+import os
+from dataclasses import asdict
+import pytest
+import torch
+import torch.multiprocessing as mp
+from helpers import run_cfg
+
+STEPS = 5
+
+
+def rows(n=8):
+    return [[{'role': 'user', 'content': f'What is {i} plus {i}?'}, {'role': 'assistant', 'content': f'It is {2 * i}, I think.'}]
+            for i in range(n)]
+
+
+def _rank(rank, world, port, cases, out):
+    "One rank: for each (name, model config) build a worker, train STEPS steps on the same 2 micro-batches per rank, record losses and gradient norms."
+    from transformers import AutoTokenizer
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.config import OptimConfig
+    from sft_nb.collate import collate_padded
+    from sft_nb.tokenize import tokenize_conversation
+    res = {}
+    w0 = None
+    for name, mcfg in cases:
+        w = FSDPWorker(rank, world, mcfg, asdict(OptimConfig(lr=1e-2, schedule='constant')), total_steps=STEPS)
+        if w0 is None: w.init_dist('127.0.0.1', port); w0 = w
+        w.setup()
+        tok = AutoTokenizer.from_pretrained(w.path)
+        exs = [tokenize_conversation(r, tok) for r in rows()]
+        mbs = [collate_padded(exs[j:j + 2], tok.pad_token_id) for j in range(0, 8, 2)]
+        n_global = sum(int(mb['n_trained']) for mb in mbs)
+        mine = mbs[rank::world]
+        emb, head = w.model.get_input_embeddings(), w.model.get_output_embeddings()
+        info = {'tied': head.weight is emb.weight,
+                'meta': [n for n, t in [*w.model.named_parameters(), *w.model.named_buffers()] if t.device.type == 'meta'],
+                'inv_freq': {n: b.dtype for n, b in w.model.named_buffers() if n.endswith('inv_freq')},
+                'inv_freq_ok': all(torch.isfinite(b).all() and b.max() <= 1 and b.min() > 0 for n, b in w.model.named_buffers() if n.endswith('inv_freq'))}
+        losses, norms = [], []
+        for _ in range(STEPS):
+            r = w.forward_backward(mine, n_global)
+            losses.append(w.all_reduce_sum(r['nll_sum']) / n_global)
+            norms.append(w.optim_step()['grad_norm'])
+        info['losses'], info['grad_norms'] = losses, norms
+        state = w.full_state()  # a collective: every rank takes part
+        info['state'] = {k: v.numpy().copy() for k, v in state.items()} if rank == 0 else None  # plain pickles, not shared tensors
+        res[name] = info
+        del w.model, w.opt
+    out.put((rank, {k: {**v, 'state': None} if rank else v for k, v in res.items()}))
+    import torch.distributed as dist
+    dist.destroy_process_group()
+
+
+def run_ranks(cases, world=2):
+    from sft_nb.workers import free_port
+    ctx = mp.get_context('spawn')
+    q = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_rank, args=(r, world, port, cases, q)) for r in range(world)]
+    for p in procs: p.start()
+    got = dict(q.get(timeout=600) for _ in procs)
+    for p in procs: p.join(60)
+    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    return got
+
+
+@pytest.fixture(scope='module')
+def untied_path(tmp_path_factory, tiny_path):
+    "The tiny model with its LM head untied from the embeddings (own random head)."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    d = tmp_path_factory.mktemp('untied')
+    m = AutoModelForCausalLM.from_pretrained(tiny_path)
+    m.config.tie_word_embeddings = False
+    m2 = AutoModelForCausalLM.from_config(m.config)
+    sd = m.state_dict(); sd['lm_head.weight'] = torch.randn_like(sd['lm_head.weight']) * 0.02
+    m2.load_state_dict(sd)
+    m2.save_pretrained(d); AutoTokenizer.from_pretrained(tiny_path).save_pretrained(d)
+    return d
+
+
+def test_sharded_load_equals_every_rank_load(tiny_path, untied_path):
+    "Tied, untied and LoRA tiny models on 2 gloo ranks: rank0-load losses == every-rank-load losses bitwise, tying and rotary buffers intact."
+    from sft_nb.config import ModelConfig
+    cases = []
+    for name, kw in (('tied', dict(path=str(tiny_path))), ('untied', dict(path=str(untied_path))),
+                     ('lora', dict(path=str(tiny_path), lora_r=4))):
+        for load in ('every_rank', 'rank0'): cases.append((f'{name}-{load}', asdict(ModelConfig(load=load, **kw))))
+    got = run_ranks(cases)
+    for name in ('tied', 'untied', 'lora'):
+        old, new = got[0][f'{name}-every_rank'], got[0][f'{name}-rank0']
+        print(name, new['losses'])
+        assert new['losses'] == old['losses'], (name, old['losses'], new['losses'])
+        assert new['losses'][-1] < new['losses'][0]
+        for k, v in old['state'].items(): assert (new['state'][k] == v).all(), (name, k)
+        for r in (0, 1):
+            info = got[r][f'{name}-rank0']
+            assert info['tied'] == (name != 'untied') and info['meta'] == [] and info['inv_freq_ok'], (name, r, info)
+            assert set(info['inv_freq'].values()) == {torch.float32}
+            assert got[r][f'{name}-rank0']['losses'] == new['losses']  # every rank saw the same global loss
+    assert got[0]['lora-rank0']['state'].keys() == got[0]['lora-every_rank']['state'].keys()
+    assert any('lora_A' in k for k in got[0]['lora-rank0']['state'])
+
+
+def test_sharded_load_vlm(shared, tmp_path, ray_session):
+    "The tiny VLM on 2 Ray FSDP workers: rank0-load losses of 5 mixed image/text steps == every-rank-load losses."
+    from test_vlm import vlm_cfg
+    from sft_nb.trainer import SFTTrainer
+    runs = {}
+    for load in ('every_rank', 'rank0'):
+        with SFTTrainer(vlm_cfg(shared, tmp_path / load, train__num_steps=STEPS, train__micro_batch_size=2,
+                                placement__workers_per_node=2, model__load=load)) as t:
+            runs[load] = t.fit()['loss'].tolist()
+    print(runs)
+    assert runs['rank0'] == runs['every_rank'], runs
