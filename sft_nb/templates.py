@@ -143,7 +143,7 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
     eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], specials)
     asst_header = '' if ru_gen != ru else r2[_common(ru, r2):r2.rfind(_A1)]  # no generation-prompt branch: the header a turn brings
     if not asst_header.strip(): asst_header = ''  # Mistral's ' ' before the answer: the model writes it after '[/INST]'
-    rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1) + len(eot)])
+    rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1)])  # the end token may differ by position (GPT-OSS <|return|> / <|end|>)
     think = lambda a, x: {**a, 'content': f'<think>\n{x}\n</think>\n\n' + a['content']}
     for f in (lambda a, x: {**a, 'reasoning_content': x}, think):  # reasoning kept on the last turn only (Qwen3, QwQ) is a rewrite too
         try:
