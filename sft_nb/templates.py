@@ -79,6 +79,7 @@ class TemplateInfo:
     mechanism: str = 'prefix'  # how turn spans are found: a key of MECHANISMS
     why: str = ''  # what in the template decided `mechanism`
     specials: tuple = ()  # the tokenizer's special-token strings, longest first
+    ends: tuple = ()  # the end-of-turn texts of a final and of an earlier assistant turn (GPT-OSS: <|return|>, <|end|>)
     @property
     def history(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
     @property
@@ -158,8 +159,9 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
         why = ('no generation tags; the template has no add_generation_prompt branch, so the assistant header '
                f'{asst_header!r} each turn brings is kept out of training') if asst_header else \
               f'no generation tags; the generation prompt {gen_prompt!r} ends the prompt of every assistant turn'
+    earlier = next((t for t in specials if r4.startswith(t, r4.find(_A1) + len(_A1))), '')  # the first end token of an earlier turn
     return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt),
-                        asst_header, mech, why, tuple(specials))
+                        asst_header, mech, why, tuple(specials), tuple(dict.fromkeys(x for x in (eot, earlier) if x)))
 
 # %% ../nbs/02a_templates.ipynb #405fc376
 def template_key(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:

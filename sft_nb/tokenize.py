@@ -137,6 +137,21 @@ def _snap(text: str, k: int, specials) -> int:
         if 0 <= j < k: return j
     return k
 
+def _anchor(prompt: str, text: str, k: int, min_len: int) -> int:
+    "End in `text` of the longest tail of `prompt` (at least `min_len` chars: it holds the previous message) that ends after `k`; -1 if none."
+    k = min(k, len(prompt))
+    at = lambda n: text.find(prompt[len(prompt) - n:], max(0, k - n))
+    lo, hi = 0, len(prompt)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if at(mid) >= 0: lo = mid
+        else: hi = mid - 1
+    return at(lo) + lo if lo >= min_len else -1
+
+def _last_special(text: str, specials) -> str:
+    "The special-token string `text` ends with (trailing whitespace aside), or ''."
+    return next((t for t in specials if text.rstrip().endswith(t)), '')
+
 def _only_specials(text: str, specials) -> bool:
     "Is `text` nothing but special-token strings and whitespace?"
     i = 0
@@ -181,21 +196,23 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         F = T if i == n - 1 else renderer(messages[:i + 1], tools)
         hs = info.headers or (info.gen_prompt,)
         h = hs[0][:min(_common(hs[0], x) for x in hs)]  # the part every assistant header shares
+        gen = info.gen_prompt
         if F.startswith(P): s = len(P)
         else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
-            s = base = len(P) - len(info.gen_prompt) if P.endswith(info.gen_prompt) else _snap(F, _common(P, F), info.specials)
-            if F.startswith(h, base) and F.startswith(P[:base]): s = base + len(h)
-        if info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
-        moved = not T.startswith(F[:s])
+            base = len(P) - len(gen) if P.endswith(gen) else _snap(F, _common(P, F), info.specials)
+            s = base + len(h) if F.startswith(h, base) else base
+            if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
+        if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
+        moved = s < 0 or not T.startswith(F[:s])
         if moved:  # what comes before this turn changes once later messages follow (Qwen3 drops reasoning once a new user turn comes)
-            if history != 'final' or not h.strip():
+            if history != 'final':
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
-            j, k = -1, P.count(h)
-            for _ in range(k):  # 'final': the same assistant header, counted, in the full render
-                j = T.find(h, j + 1)
-                if j < 0: raise BadRow(f"{where}: assistant header {h!r} number {k} not found in the full render", kind='template_error')
-            s = j + len(info.gen_prompt) if T.startswith(info.gen_prompt, j) else j + len(h)
+            a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, _common(P, T), info.specials),
+                        len((messages[i - 1].get('content') or '').strip()) + 1)
+            if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
+                raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
+            s = a + (len(gen) if T.startswith(gen, a) else len(h))  # 'final': the turn as the full render shows it after its prompt
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
         if i == n - 1: e = len(T)
         elif not moved and T.startswith(F): e = len(F)
@@ -206,9 +223,13 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                     raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
                                  f"{T[e:e + 30]!r}); the template rewrites history: use history='expand' (one example per turn), "
                                  "history='final' or mode='last_assistant'", kind='template_error')
-                j = T.find(info.eot, s) if info.eot else -1  # 'final': the turn as the full render shows it, up to its end-of-turn token
-                if j < 0: raise BadRow(f"{where}: end-of-turn {info.eot!r} not found after the turn in the full render", kind='template_error')
-                e = j + len(info.eot)
+                # 'final': the turn as the full render shows it, up to the first token that ends an assistant turn of this template
+                # (the probe's earlier and final end tokens, and the one this turn ends with on its own: GPT-OSS <|call|>)
+                ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
+                hits = [(j, -len(x), x) for x in ends if (j := T.find(x, s)) >= 0]
+                if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
+                j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
+                e = j + len(x)
         e = _turn_end(T, s, e, info, i == n - 1)
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
             raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
@@ -238,7 +259,12 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
 
 def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo) -> list[tuple[int, int, int, str]]:
     "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
-    ends = [_snap(text, _common(renderer(messages[:j + 1], tools), text), info.specials) for j in range(len(messages) - 1)] + [len(text)]
+    def end(j):
+        try: return _snap(text, _common(renderer(messages[:j + 1], tools), text), info.specials)
+        except Exception: return None  # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
+    ends = [end(j) for j in range(len(messages) - 1)] + [len(text)]
+    for j in range(len(ends) - 2, -1, -1):
+        if ends[j] is None: ends[j] = ends[j + 1]
     segs, a = [], 0
     for j, (m, b) in enumerate(zip(messages, ends)):
         if j in spans: segs.append((*spans[j], j, m['role']))
