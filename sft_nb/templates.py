@@ -41,22 +41,36 @@ def has_generation_tags(text: str | None) -> bool:
     return bool(text) and bool(_GEN_TAG.search(text))
 
 class TemplateRenderer:
-    """`render` without `apply_chat_template`'s per-call set-up: the same `render_jinja_template` call with the same
-    variables (the tokenizer's special tokens, then the template kwargs), so the text is byte-identical; the span finder
-    renders every prompt prefix with it. `tags=True` also returns the `{% generation %}` character spans."""
+    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.data.normalize_row` made (plain
+    dicts, lists and strings): the same compiled template, the same variables (the tokenizer's special tokens, then the
+    template kwargs), the same message clean-up (None values dropped, reasoning aliased as transformers does), so the
+    text is byte-identical; the span finder renders every prompt prefix with it. `tags=True` renders through
+    `render_jinja_template` and also returns the `{% generation %}` character spans."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
-        self.tokenizer, self.template, self.variables = tokenizer, template, {**tokenizer.special_tokens_map, **(chat_template_kwargs or {})}
-        self._text = {}
+        from transformers.utils.chat_template_utils import _plain_template_data
+        self.tokenizer, self.template = tokenizer, template
+        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
+        self._text, self._compiled = {}, {}
     def text(self, tools=None) -> str:
         "The template text used for a conversation with (or without) tools."
         key = tools is not None
         if key not in self._text: self._text[key] = self.tokenizer.get_chat_template(self.template, tools)
         return self._text[key]
     def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
-        from transformers.utils.chat_template_utils import render_jinja_template, _normalize_chat_messages
-        out, idx = render_jinja_template([_normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
-                                         return_assistant_tokens_mask=tags, add_generation_prompt=gen, **self.variables)
-        return (out[0], [tuple(s) for s in idx[0]]) if tags else out[0]
+        from transformers.utils import chat_template_utils as ctu
+        if tags:
+            out, idx = ctu.render_jinja_template([ctu._normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
+                                                 return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
+            return out[0], [tuple(s) for s in idx[0]]
+        key = tools is not None
+        if key not in self._compiled: self._compiled[key] = ctu._compile_jinja_template(self.text(tools))
+        msgs = []
+        for m in messages:
+            m = {k: v for k, v in m.items() if v is not None}
+            r = next((m[k] for k in ctu._REASONING_FIELDS if m.get(k) is not None), None)
+            msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
+        return self._compiled[key].render(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None,
+                                          documents=None, add_generation_prompt=gen, **self.variables)
 
 # %% ../nbs/02a_templates.ipynb #2afbea8d
 MECHANISMS = {'tags': 'the template marks assistant output with {% generation %} blocks: the spans are its own',

@@ -203,7 +203,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
             s = base + len(h) if F.startswith(h, base) else base
             if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
         if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
-        moved = s < 0 or not T.startswith(F[:s])
+        moved = s < 0 or (F is not T and not T.startswith(F[:s]))
         if moved:  # what comes before this turn changes once later messages follow (Qwen3 drops reasoning once a new user turn comes)
             if history != 'final':
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
@@ -331,15 +331,16 @@ def _encodings(tokenizer, texts: list[str]):
 
 def _mask_from_encoding(enc, spans, n_text: int) -> list[int] | None:
     "The overlap mask computed from span end points with `char_to_token` (no per-token offsets); None if a char is unmapped."
-    n = len(enc.ids)
-    mask = np.zeros(n, dtype=np.int8)
+    n = len(enc)
+    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
     for s, e, *_ in spans:
         if e <= s: continue
         a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
         c = enc.char_to_token(e) if e < n_text else n
         if a is None or b is None or c is None: return None
-        mask[a:b + 1 if c == b else max(b + 1, c)] = 1  # a token straddling `e` overlaps the span too
-    return mask.tolist()
+        z = b + 1 if c == b else max(b + 1, c)  # a token straddling `e` overlaps the span too
+        mask[a:z] = [1] * (z - a)
+    return mask
 
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
     "Apply `max_length` (cut or `BadRow` too_long) and refuse a row with no trained token left."
@@ -376,7 +377,7 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, max_length, trun
             offsets = enc.offsets if offsets is None else offsets
             mask = mask_from_offsets(offsets, spans)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
-    ids, mask, truncated = finish_tokens(list(ids), mask, max_length, truncation)
+    ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
