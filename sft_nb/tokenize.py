@@ -178,7 +178,7 @@ def _tag_spans(renderer, messages, tools, info) -> tuple[str, dict]:
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if len(idx) != len(asst):
         raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
-    return text, {i: (s, _turn_end(text, s, e, info, i == len(messages) - 1)) for i, (s, e) in zip(asst, idx)}
+    return text, {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
 
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate

@@ -190,3 +190,87 @@ def test_lone_surrogate_is_a_bad_row(tiny_tok):
     good, bad = tokenize_rows(rows, tiny_tok, TokenizeSpec(), 'messages')
     assert [i for i, _ in good] == [0] and bad[0][0] == 1 and bad[0][2].startswith('message 0: holds') and 'surrogate' in bad[0][2]
     with pytest.raises(BadRow, match='message 0: holds'): tokenize_conversation(rows[1]['messages'], tiny_tok)
+
+
+# ---- transformers tests/test_tokenization_common.py::test_chat_template_return_assistant_tokens_mask: its conversations and
+# expectation (each assistant span from 'start turn N' through 'end turn N<|im_end|>' is 1, system/user tokens 0), on a
+# tagged ChatML template of ours with the same layout ({% generation %} around content + <|im_end|>, the '\n' outside)
+TF_CONVS = [[{'role': 'system', 'content': f'system message{s}'}, U(f'user message{u1}'),
+             A(f'start turn {a} assistant message. end turn {a}'), U(f'user message {u2}'), A(f'start turn {b} assistant message. end turn {b}')]
+            for s, u1, u2, a, b in (('', '', 2, 1, 2), (' 3', ' 3', 4, 3, 4))]
+TF_TAGGED = ("{% for message in messages %}{% if message['role'] != 'assistant' %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+             "{% else %}<|im_start|>assistant\n{% generation %}{{ message['content'] }}<|im_end|>{% endgeneration %}\n{% endif %}{% endfor %}")
+
+
+@pytest.mark.parametrize('k', [0, 1])
+def test_transformers_assistant_mask_conversations(tiny_path, k):
+    tok = tok_with(tiny_path, '<|im_start|>', '<|im_end|>')
+    conv = TF_CONVS[k]
+    ex = check(tok, conv, TF_TAGGED, [conv[2]['content'] + '<|im_end|>', conv[4]['content'] + '<|im_end|>'])
+    assert template_info(tok, TF_TAGGED).mechanism == 'tags'
+
+
+# transformers test_continue_final_message's dummy template (whitespace-controlled, no add_generation_prompt branch),
+# rewritten by us: the header '<|im_start|>assistant\n' is never trained (issue case 2)
+TF_NOGEN = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{%- endfor %}"
+
+
+def test_transformers_no_generation_prompt_template(tiny_path):
+    tok = tok_with(tiny_path, '<|im_start|>', '<|im_end|>')
+    conv = [{'role': 'system', 'content': 'system message'}, U('user message'), A('assistant message')]
+    check(tok, conv, TF_NOGEN, ['assistant message<|im_end|>'])
+
+
+# ---- TRL tests/test_chat_template_utils.py: prefix-preserving (ChatML + <tool_call>name</tool_call>) vs not (think block on
+# the last assistant turn only, Qwen3/GPT-OSS style); stop token inside / outside the generation tag. Templates are ours.
+TRL_PREFIX = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' + m.content }}"
+              "{%- for c in m.tool_calls or [] %}{{- '<tool_call>' + c.function.name + '</tool_call>' }}{%- endfor %}{{- '<|im_end|>\n' }}"
+              "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+              "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+TRL_NOT_PREFIX = ("{%- for m in messages %}{%- if m.role == 'assistant' %}{{- '<|im_start|>assistant\n' }}"
+                  "{%- if loop.last %}{{- '<think>\n' + (m.reasoning_content or '') + '\n</think>\n\n' }}{%- endif %}{{- m.content + '<|im_end|>\n' }}"
+                  "{%- else %}{{- '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{%- endif %}{%- endfor %}"
+                  "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\n' }}{%- endif %}")
+
+
+def test_trl_prefix_preserving_template(tiny_path):
+    "TRL: is_chat_template_prefix_preserving is True; ours: mechanism 'prefix', the tool call and the answer trained, the tool output not."
+    tok = tok_with(tiny_path, '<|im_start|>', '<|im_end|>')
+    conv = [U('Multiply 3 by 4.'), A('', tool_calls=[{'type': 'function', 'function': {'name': 'multiply', 'arguments': {'a': 3}}}]),
+            {'role': 'tool', 'content': '12'}, A('It is 12.')]
+    check(tok, conv, TRL_PREFIX, ['<tool_call>multiply</tool_call><|im_end|>', 'It is 12.<|im_end|>'])
+    assert template_info(tok, TRL_PREFIX).mechanism == 'prefix'
+
+
+def test_trl_non_prefix_preserving_template(tiny_path):
+    "TRL: is_chat_template_prefix_preserving is False; ours: mechanism 'history-rewriting', each turn trained as the model wrote it."
+    tok = tok_with(tiny_path, '<|im_start|>', '<|im_end|>')
+    assert template_info(tok, TRL_NOT_PREFIX).mechanism == 'history-rewriting'
+    conv = [U('Hi'), A('Hello.'), U('Bye'), A('Bye now.')]
+    exs = tokenize_turns(conv, tok, template=TRL_NOT_PREFIX)
+    assert [trained_runs(e, tok) for e in exs] == [['<think>\n\n</think>\n\nHello.<|im_end|>'], ['<think>\n\n</think>\n\nBye now.<|im_end|>']]
+
+
+def test_trl_stop_token_outside_the_tag_is_trained(tiny_path):
+    """TRL: is_chat_template_stop_token_trained is False when <|im_end|> follows {% endgeneration %} (GLM-style).
+    Stated difference: we train the end-of-turn token that follows a tagged span, so the model learns to stop."""
+    tok = tok_with(tiny_path, '<|im_start|>', '<|im_end|>')
+    outside = TF_TAGGED.replace('<|im_end|>{% endgeneration %}', '{% endgeneration %}<|im_end|>')
+    check(tok, [U('Hi'), A('Hello.'), U('Bye'), A('Bye now.')], outside, ['Hello.<|im_end|>', 'Bye now.<|im_end|>'])
+
+
+# ---- conversations that end with a user or a tool turn (SkyRL multi-turn rollouts end on an observation)
+def test_conversation_ending_with_user_or_tool(tiny_tok):
+    calls = [{'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': 'Paris'}}}]
+    for tail in (U('Thanks'), {'role': 'tool', 'content': 'sunny'}):
+        conv = [U('Weather?'), A('Let me check.', tool_calls=calls), tail]
+        ex = tokenize_conversation(conv, tiny_tok)
+        assert ex.input_ids == chat_ids(tiny_tok, ex_messages(conv))
+        runs = trained_runs(ex, tiny_tok)
+        assert len(runs) == 1 and runs[0].startswith('Let me check.') and runs[0].endswith('<|im_end|>') and 'sunny' not in runs[0]
+        with pytest.raises(BadRow, match='needs a final assistant turn'): tokenize_conversation(conv, tiny_tok, mode='last_assistant')
+
+
+def ex_messages(conv):
+    from sft_nb.data import normalize_row
+    return normalize_row({'messages': conv}, 'messages')['messages']
