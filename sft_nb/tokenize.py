@@ -194,9 +194,10 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
         P = renderer(messages[:i], tools, gen=True)
         F = T if i == n - 1 else renderer(messages[:i + 1], tools)
-        hs = info.headers or (info.gen_prompt,)
-        h = hs[0][:min(_common(hs[0], x) for x in hs)]  # the part every assistant header shares
-        gen = info.gen_prompt
+        gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
+        # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
+        # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
+        h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(_common(hs[0], x) for x in hs)]
         if F.startswith(P): s = len(P)
         else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
             base = len(P) - len(gen) if P.endswith(gen) else _snap(F, _common(P, F), info.specials)
