@@ -352,7 +352,6 @@ def update(self: Inspector):
     self.example = self.examples[0] if self.examples else None
     self.losses = self.score(self.examples) if self.scorer is not None and self.examples else [None] * len(self.examples)
     head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
-    if (mech := self.mechanism()): head += f' · spans: {mech}'
     lv = self.loss_view.value
     if self.example is None:
         self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
@@ -362,6 +361,8 @@ def update(self: Inspector):
         cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
         self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
+    if (mech := self.mechanism()):  # under the rendering: which mechanism found the spans, and why
+        self.html.value += f'<div class="sftnb"><div class="head">spans: {html.escape(mech)}</div></div>'
 
 @patch
 def mechanism(self: Inspector) -> str:
