@@ -10,8 +10,8 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags',
-           'TemplateRenderer', 'TemplateInfo', 'probe_template', 'template_key', 'template_info', 'collapse_template',
-           'add_family_specials']
+           'TemplateRenderer', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
+           'collapse_template', 'add_family_specials']
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
 class TemplateError(ValueError):
@@ -129,7 +129,7 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
     return hs if len(hs) > 1 else ()
 
 # %% ../nbs/02a_templates.ipynb #029c0667
-def _common(a: str, b: str) -> int:
+def common_prefix(a: str, b: str) -> int:
     "Length of the common prefix of two strings (binary search on C-level slice compares)."
     if b.startswith(a): return len(a)
     lo, hi = 0, min(len(a), len(b))
@@ -150,13 +150,13 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
     ru, ru_gen, r2, r4 = r([u1]), r([u1], True), r([u1, a1]), r([u1, a1, u2, a2])
     for name, txt, marker in (('user', ru, _U1), ('assistant', r2, _A1)):
         if marker not in txt: raise TemplateError(f"chat template does not render {name} content verbatim")
-    if not r2.startswith(ru[:_common(ru, ru_gen)]) or _common(ru, ru_gen) < ru.rfind(_U1) + len(_U1):
+    if not r2.startswith(ru[:common_prefix(ru, ru_gen)]) or common_prefix(ru, ru_gen) < ru.rfind(_U1) + len(_U1):
         raise TemplateError("add_generation_prompt rewrites the conversation instead of appending an assistant header")
-    gen_prompt = ru_gen[_common(ru, ru_gen):]  # Phi-3: the EOS a render without generation prompt appends is not shared
+    gen_prompt = ru_gen[common_prefix(ru, ru_gen):]  # Phi-3: the EOS a render without generation prompt appends is not shared
     user_footer = ru[ru.rfind(_U1) + len(_U1):]
     specials = _special_strings(tokenizer)
     eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], specials)
-    asst_header = '' if ru_gen != ru else r2[_common(ru, r2):r2.rfind(_A1)]  # no generation-prompt branch: the header a turn brings
+    asst_header = '' if ru_gen != ru else r2[common_prefix(ru, r2):r2.rfind(_A1)]  # no generation-prompt branch: the header a turn brings
     if not asst_header.strip(): asst_header = ''  # Mistral's ' ' before the answer: the model writes it after '[/INST]'
     rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1)])  # the end token may differ by position (GPT-OSS <|return|> / <|end|>)
     think = lambda a, x: {**a, 'content': f'<think>\n{x}\n</think>\n\n' + a['content']}

@@ -12,7 +12,7 @@ from .config import SourceConfig, TokenizeConfig
 from .data import BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .paths import sft_nb_home, file_digest
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, template_key, render, load_template,
-                              chat_ids, _common)
+                              chat_ids, common_prefix)
 
 # %% auto #0
 __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
@@ -180,6 +180,7 @@ def _tag_spans(renderer, messages, tools, info) -> tuple[str, dict]:
         raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
     return text, {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
 
+# %% ../nbs/02_tokenize.ipynb #5e7a0005
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
                history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
@@ -197,10 +198,10 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
         # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
         # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
-        h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(_common(hs[0], x) for x in hs)]
+        h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
         if F.startswith(P): s = len(P)
         else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
-            base = len(P) - len(gen) if P.endswith(gen) else _snap(F, _common(P, F), info.specials)
+            base = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
             s = base + len(h) if F.startswith(h, base) else base
             if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
         if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
@@ -209,7 +210,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
             if history != 'final':
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
-            a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, _common(P, T), info.specials),
+            a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
                         len((messages[i - 1].get('content') or '').strip()) + 1)
             if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
                 raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
@@ -218,7 +219,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         if i == n - 1: e = len(T)
         elif not moved and T.startswith(F): e = len(F)
         else:
-            e = _snap(T, _snap(F, _common(F, T), info.specials), info.specials)
+            e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
             if moved or not _only_specials(F[e:], info.specials):  # the turn's own text changes once later messages follow
                 if history != 'final':
                     raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
@@ -261,7 +262,7 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
 def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo) -> list[tuple[int, int, int, str]]:
     "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
     def end(j):
-        try: return _snap(text, _common(renderer(messages[:j + 1], tools), text), info.specials)
+        try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
         except Exception: return None  # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
     ends = [end(j) for j in range(len(messages) - 1)] + [len(text)]
     for j in range(len(ends) - 2, -1, -1):
