@@ -84,6 +84,16 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
 # %% ../nbs/01_data.ipynb #a1d0e017
 NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: null` and no tool calls becomes
 
+def _part_weight(content, where: str):
+    "The one `weight` a message's content parts carry (Axolotl's per-part weights), None if none does; parts that differ are refused."
+    if not isinstance(content, list): return None
+    ws = [p.get('weight', 1) for p in content if isinstance(p, dict)]
+    if not any(isinstance(p, dict) and 'weight' in p for p in content): return None
+    if len(set(ws)) > 1:
+        raise BadRow(f"{where}: content parts carry different weights {ws}; a turn is trained whole or not at all here "
+                     "(split the message into one message per weight, or put one weight on the message)")
+    return ws[0]
+
 def normalize_message(m, i: int,
                       null_content: str = 'empty', # assistant `content: null` without tool calls: 'bad_row' or 'empty' ('' text)
                      ) -> dict:
@@ -94,7 +104,8 @@ def normalize_message(m, i: int,
     if role is None: raise BadRow(f"{where}: missing 'role'")
     if role not in ROLES: raise BadRow(f"{where}: unknown role {role!r} (allowed: {', '.join(ROLES)})")
     out = {'role': role, 'content': _text(m.get('content'), where)}
-    if m.get('tool_calls') not in (None, [], ''):
+    tc = m.get('tool_calls')
+    if not (tc in (None, []) or (isinstance(tc, str) and tc.strip() in ('', '[]', 'null'))):  # placeholders (APIGen-MT's "[]") are no calls
         if role != 'assistant': raise BadRow(f"{where}: tool_calls on a {role!r} message")
         out['tool_calls'] = normalize_tool_calls(m['tool_calls'], f"{where}.tool_calls")
     if m.get('reasoning_content'): out['reasoning_content'] = _text(m['reasoning_content'], f"{where}.reasoning_content")
@@ -106,7 +117,10 @@ def normalize_message(m, i: int,
         for k in ('name', 'tool_call_id'):
             if m.get(k) is not None: out[k] = m[k]
     key = 'loss_weight' if 'loss_weight' in m else 'weight'
-    w = m.get(key)
+    w, pw = m.get(key), _part_weight(m.get('content'), where)
+    if pw is not None:
+        if w is not None and w != pw: raise BadRow(f"{where}: {key} {w!r} and the content parts' weight {pw!r} disagree")
+        w, key = pw, 'weight'
     if w is not None and not (isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0):
         raise BadRow(f"{where}: {key} must be a finite number >= 0, got {w!r}")
     if m.get('train') is False or (w is not None and w == 0): out['train'] = False

@@ -361,6 +361,17 @@ def update(self: Inspector):
         cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
         self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
+    if (mech := self.mechanism()):  # under the rendering: which mechanism found the spans, and why
+        self.html.value += f'<div class="sftnb"><div class="head">spans: {html.escape(mech)}</div></div>'
+
+@patch
+def mechanism(self: Inspector) -> str:
+    "Which mechanism finds this template's assistant spans, and why ('' for a processor: its renderer decides)."
+    if _is_processor(self.tokenizer): return ''
+    from sft_nb.templates import template_info
+    try: info = template_info(self.tokenizer, self.template, self.spec.chat_template_kwargs)
+    except (TemplateError, ValueError) as e: return f'none ({e})'
+    return f'{info.mechanism} ({info.why})'
 
 # %% ../nbs/03_inspect.ipynb #2407bcf1
 @patch

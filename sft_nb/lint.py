@@ -16,6 +16,7 @@ __all__ = ['CHECKS', 'STRATEGY', 'lint_template', 'failed']
 
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
+    'mechanism': 'how assistant spans are found: the template\'s generation tags, prefix rendering, or prefix rendering of a history-rewriting template (see sft_nb.templates.MECHANISMS)',
     'renders': 'every sample renders (templates may refuse tool turns, a system message or non-alternating roles)',
     'rewrites_history': 'adding later turns must not change the text of earlier ones (Qwen3 drops earlier reasoning)',
     'default_system_prompt': 'no system prompt appears that no message asked for (Qwen2.5, SmolLM2 inject one)',
@@ -86,11 +87,13 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
     def fail(check, i, example): found.setdefault(check, (i, example))
     try: info = probe_template(tokenizer, template, kw)
     except TemplateError as e: info = None; probe['renders'] = (None, f'probe conversation: {e}')
+    if info is None: na['mechanism'] = 'the probe conversation does not render: no mechanism'
     injected = _injected_system(tokenizer, template, kw)
     if injected is None: na['default_system_prompt'] = 'the template refuses a system message'
     elif injected:
         fail('default_system_prompt', next((i for i, c in enumerate(convs) if c['messages'][0]['role'] != 'system'), None), injected)
     if info is not None:
+        notes['mechanism'] = f'{info.mechanism}: {info.why}'
         if info.rewrites_history: probe['rewrites_history'] = (None, 'probe: an earlier turn changes when a turn is added')
         if not info.full_render_matches_gen_prompt: probe['gen_prompt_mismatch'] = (None, f'probe: generation prompt {info.gen_prompt!r} is not the header of a full render')
         if info.empty_think_in_gen_prompt:

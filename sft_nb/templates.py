@@ -4,13 +4,14 @@
 
 # %% ../nbs/02a_templates.ipynb #c95d8af0
 from __future__ import annotations
-import hashlib, json
+import hashlib, json, re
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids', 'TemplateInfo', 'probe_template',
-           'template_key', 'template_info', 'collapse_template', 'add_family_specials']
+__all__ = ['MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags',
+           'TemplateRenderer', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
+           'collapse_template', 'add_family_specials']
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
 class TemplateError(ValueError):
@@ -33,7 +34,51 @@ def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **
     out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, **kwargs)
     return list(out['input_ids'] if hasattr(out, 'keys') else out)
 
+_GEN_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+def has_generation_tags(text: str | None) -> bool:
+    "Does a template mark assistant output with `{% generation %}…{% endgeneration %}`?"
+    return bool(text) and bool(_GEN_TAG.search(text))
+
+class TemplateRenderer:
+    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.data.normalize_row` made (plain
+    dicts, lists and strings): the same compiled template, the same variables (the tokenizer's special tokens, then the
+    template kwargs), the same message clean-up (None values dropped, reasoning aliased as transformers does), so the
+    text is byte-identical; the span finder renders every prompt prefix with it. `tags=True` renders through
+    `render_jinja_template` and also returns the `{% generation %}` character spans."""
+    def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
+        from transformers.utils.chat_template_utils import _plain_template_data
+        self.tokenizer, self.template = tokenizer, template
+        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
+        self._text, self._compiled = {}, {}
+    def text(self, tools=None) -> str:
+        "The template text used for a conversation with (or without) tools."
+        key = tools is not None
+        if key not in self._text: self._text[key] = self.tokenizer.get_chat_template(self.template, tools)
+        return self._text[key]
+    def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
+        from transformers.utils import chat_template_utils as ctu
+        if tags:
+            out, idx = ctu.render_jinja_template([ctu._normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
+                                                 return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
+            return out[0], [tuple(s) for s in idx[0]]
+        key = tools is not None
+        if key not in self._compiled: self._compiled[key] = ctu._compile_jinja_template(self.text(tools))
+        msgs = []
+        for m in messages:
+            m = {k: v for k, v in m.items() if v is not None}
+            r = next((m[k] for k in ctu._REASONING_FIELDS if m.get(k) is not None), None)
+            msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
+        return self._compiled[key].render(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None,
+                                          documents=None, add_generation_prompt=gen, **self.variables)
+
 # %% ../nbs/02a_templates.ipynb #2afbea8d
+MECHANISMS = {'tags': 'the template marks assistant output with {% generation %} blocks: the spans are its own',
+              'prefix': 'no generation tags; each assistant turn is what rendering it adds after '
+                        'render(messages[:i], add_generation_prompt=True), checked to extend that prompt',
+              'history-rewriting': 'adding later turns changes the text of earlier ones: each turn is found by prefix '
+                                   'rendering, and all_assistant on multi-turn rows goes through `history` (expand / final / error)'}
+
 @dataclass(frozen=True)
 class TemplateInfo:
     "What one probe of a chat template found (computed once per tokenizer + template + kwargs)."
@@ -44,6 +89,11 @@ class TemplateInfo:
     rewrites_history: bool  # rendering more turns changes the text of earlier ones
     full_render_matches_gen_prompt: bool  # a full render contains the generation prompt as the assistant header
     headers: tuple = ()  # assistant headers (generation prompt, final turn, earlier turn) when they differ; () = one header
+    asst_header: str = ''  # the assistant header of a template with no generation-prompt branch ('' otherwise): never trained
+    mechanism: str = 'prefix'  # how turn spans are found: a key of MECHANISMS
+    why: str = ''  # what in the template decided `mechanism`
+    specials: tuple = ()  # the tokenizer's special-token strings, longest first
+    ends: tuple = ()  # the end-of-turn texts of a final and of an earlier assistant turn (GPT-OSS: <|return|>, <|end|>)
     @property
     def history(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
     @property
@@ -58,13 +108,15 @@ def _special_strings(tokenizer) -> list[str]:
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 def _split_eot(footer: str, specials: list[str]) -> tuple[str, str]:
-    "Split an assistant footer into (trained end-of-turn, untrained rest)."
+    "Split an assistant footer into (trained end-of-turn, untrained rest): the special tokens it opens with."
     hits = [(footer.find(s), s) for s in specials if s in footer]
-    if hits:
-        i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
-        return footer[:i + len(s)], footer[i + len(s):]
-    eot = footer.rstrip()
-    return eot, footer[len(eot):]
+    if not hits:
+        eot = footer.rstrip()
+        return eot, footer[len(eot):]
+    i, s = min(hits, key=lambda h: (h[0], -len(h[1])))
+    end = i + len(s)
+    while (nxt := next((t for t in specials if footer.startswith(t, end)), None)) is not None: end += len(nxt)
+    return footer[:end], footer[end:]
 
 # %% ../nbs/02a_templates.ipynb #d056b2a9
 def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
@@ -77,6 +129,16 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
     return hs if len(hs) > 1 else ()
 
 # %% ../nbs/02a_templates.ipynb #029c0667
+def common_prefix(a: str, b: str) -> int:
+    "Length of the common prefix of two strings (binary search on C-level slice compares)."
+    if b.startswith(a): return len(a)
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]: lo = mid
+        else: hi = mid - 1
+    return lo
+
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
     kw = chat_template_kwargs or {}
@@ -88,17 +150,32 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
     ru, ru_gen, r2, r4 = r([u1]), r([u1], True), r([u1, a1]), r([u1, a1, u2, a2])
     for name, txt, marker in (('user', ru, _U1), ('assistant', r2, _A1)):
         if marker not in txt: raise TemplateError(f"chat template does not render {name} content verbatim")
-    if not ru_gen.startswith(ru):
+    if not r2.startswith(ru[:common_prefix(ru, ru_gen)]) or common_prefix(ru, ru_gen) < ru.rfind(_U1) + len(_U1):
         raise TemplateError("add_generation_prompt rewrites the conversation instead of appending an assistant header")
-    gen_prompt = ru_gen[len(ru):]
+    gen_prompt = ru_gen[common_prefix(ru, ru_gen):]  # Phi-3: the EOS a render without generation prompt appends is not shared
     user_footer = ru[ru.rfind(_U1) + len(_U1):]
-    eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], _special_strings(tokenizer))
-    rewrites = not r4.startswith(r2)
+    specials = _special_strings(tokenizer)
+    eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], specials)
+    asst_header = '' if ru_gen != ru else r2[common_prefix(ru, r2):r2.rfind(_A1)]  # no generation-prompt branch: the header a turn brings
+    if not asst_header.strip(): asst_header = ''  # Mistral's ' ' before the answer: the model writes it after '[/INST]'
+    rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1)])  # the end token may differ by position (GPT-OSS <|return|> / <|end|>)
     think = lambda a, x: {**a, 'content': f'<think>\n{x}\n</think>\n\n' + a['content']}
     for f in (lambda a, x: {**a, 'reasoning_content': x}, think):  # reasoning kept on the last turn only (Qwen3, QwQ) is a rewrite too
-        try: rewrites = rewrites or not r([u1, f(a1, _R1), u2, f(a2, _R2)]).startswith(r([u1, f(a1, _R1)]))
+        try:
+            one, two = r([u1, f(a1, _R1)]), r([u1, f(a1, _R1), u2, f(a2, _R2)])
+            rewrites = rewrites or not two.startswith(one[:one.rfind(_A1) + len(_A1)])
         except TemplateError: pass
-    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt))
+    text = tokenizer.get_chat_template(template, None)
+    if has_generation_tags(text): mech, why = 'tags', 'the template has {% generation %} blocks'
+    elif rewrites: mech, why = 'history-rewriting', 'a turn renders differently once a later turn follows it (probe: reasoning or content of an earlier turn changes)'
+    else:
+        mech = 'prefix'
+        why = ('no generation tags; the template has no add_generation_prompt branch, so the assistant header '
+               f'{asst_header!r} each turn brings is kept out of training') if asst_header else \
+              f'no generation tags; the generation prompt {gen_prompt!r} ends the prompt of every assistant turn'
+    earlier = next((t for t in specials if r4.startswith(t, r4.find(_A1) + len(_A1))), '')  # the first end token of an earlier turn
+    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt),
+                        asst_header, mech, why, tuple(specials), tuple(dict.fromkeys(x for x in (eot, earlier) if x)))
 
 # %% ../nbs/02a_templates.ipynb #405fc376
 def template_key(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:

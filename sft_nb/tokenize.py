@@ -11,15 +11,17 @@ import numpy as np
 from .config import SourceConfig, TokenizeConfig
 from .data import BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .paths import sft_nb_home, file_digest
-from .templates import TemplateError, TemplateInfo, template_info, template_key, render, load_template, chat_ids
+from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, template_key, render, load_template,
+                              chat_ids, common_prefix)
 
 # %% auto #0
 __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
-           'mask_from_offsets', 'turn_parts', 'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation',
-           'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
-           'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice',
-           'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'cache_root', 'cache_key',
-           'file_fingerprint', 'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
+           'mask_from_offsets', 'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts',
+           'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
+           'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch',
+           'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
+           'ray_part', 'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts',
+           'load_entry', 'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -127,6 +129,165 @@ def mask_from_offsets(offsets, spans, n: int | None = None) -> list[int]:
     for s, e, *_ in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)
     return mask.tolist()
 
+# %% ../nbs/02_tokenize.ipynb #5e7a0001
+def _snap(text: str, k: int, specials) -> int:
+    "`k` moved back to the start of a special-token string of `text` that it falls inside."
+    for s in specials:
+        j = text.find(s, max(0, k - len(s) + 1), k + len(s) - 1)
+        if 0 <= j < k: return j
+    return k
+
+def _anchor(prompt: str, text: str, k: int, min_len: int) -> int:
+    "End in `text` of the longest tail of `prompt` (at least `min_len` chars: it holds the previous message) that ends after `k`; -1 if none."
+    k = min(k, len(prompt))
+    at = lambda n: text.find(prompt[len(prompt) - n:], max(0, k - n))
+    lo, hi = 0, len(prompt)
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if at(mid) >= 0: lo = mid
+        else: hi = mid - 1
+    return at(lo) + lo if lo >= min_len else -1
+
+def _last_special(text: str, specials) -> str:
+    "The special-token string `text` ends with (trailing whitespace aside), or ''."
+    return next((t for t in specials if text.rstrip().endswith(t)), '')
+
+def _only_specials(text: str, specials) -> bool:
+    "Is `text` nothing but special-token strings and whitespace?"
+    i = 0
+    while i < len(text):
+        if text[i].isspace(): i += 1; continue
+        s = next((s for s in specials if text.startswith(s, i)), None)
+        if s is None: return False
+        i += len(s)
+    return True
+
+def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
+    "End of the trained part of `text[s:e]`: the end of turn kept, template text after it dropped, a missing end token taken from what follows."
+    if info.after_eot and info.eot and text.endswith(info.eot + info.after_eot, s, e): e -= len(info.after_eot)
+    body = text[s:e].rstrip()
+    if not info.eot or body.endswith(info.specials): e = s + len(body)  # whitespace after the end token is template text (ChatML's newline)
+    if not last and not text.endswith(info.specials, s, e):
+        nxt = next((t for t in info.specials if text.startswith(t, e)), None)  # an end token only what follows writes (GPT-OSS, GLM-4)
+        if nxt is not None: e += len(nxt)
+    return e
+
+def _tag_spans(renderer, messages, tools, info) -> tuple[str, dict]:
+    "The `{% generation %}` spans of the full render, one per assistant message, in order."
+    text, idx = renderer(messages, tools, tags=True)
+    asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
+    if len(idx) != len(asst):
+        raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
+    return text, {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
+
+# %% ../nbs/02_tokenize.ipynb #5e7a0005
+def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
+               turns, # the assistant message indices to locate
+               history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
+               text: str | None = None, # the full render, when the caller has it
+              ) -> tuple[str, dict[int, tuple[int, int]]]:
+    "(full render, {message index: (start, end)}) of assistant turns: from generation tags or prefix renders, never a text search."
+    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info)
+    T = text if text is not None else renderer(messages, tools)
+    n, out, prev = len(messages), {}, 0
+    for i in sorted(turns):
+        where = f"message {i}"
+        if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
+        P = renderer(messages[:i], tools, gen=True)
+        F = T if i == n - 1 else renderer(messages[:i + 1], tools)
+        gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
+        # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
+        # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
+        h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
+        if F.startswith(P): s = len(P)
+        else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
+            base = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
+            s = base + len(h) if F.startswith(h, base) else base
+            if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
+        if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
+        moved = s < 0 or (F is not T and not T.startswith(F[:s]))
+        if moved:  # what comes before this turn changes once later messages follow (Qwen3 drops reasoning once a new user turn comes)
+            if history != 'final':
+                raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
+                             "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
+            a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
+                        len((messages[i - 1].get('content') or '').strip()) + 1)
+            if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
+                raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
+            s = a + (len(gen) if T.startswith(gen, a) else len(h))  # 'final': the turn as the full render shows it after its prompt
+        if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
+        if i == n - 1: e = len(T)
+        elif not moved and T.startswith(F): e = len(F)
+        else:
+            e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
+            if moved or not _only_specials(F[e:], info.specials):  # the turn's own text changes once later messages follow
+                if history != 'final':
+                    raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
+                                 f"{T[e:e + 30]!r}); the template rewrites history: use history='expand' (one example per turn), "
+                                 "history='final' or mode='last_assistant'", kind='template_error')
+                # 'final': the turn as the full render shows it, up to the first token that ends an assistant turn of this template
+                # (the probe's earlier and final end tokens, and the one this turn ends with on its own: GPT-OSS <|call|>)
+                ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
+                hits = [(j, -len(x), x) for x in ends if (j := T.find(x, s)) >= 0]
+                if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
+                j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
+                e = j + len(x)
+        e = _turn_end(T, s, e, info, i == n - 1)
+        if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
+            raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
+        out[i], prev = (s, e), e
+    return T, out
+
+# %% ../nbs/02_tokenize.ipynb #5e7a0002
+def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str = 'error') -> set[int]:
+    "Indices of the assistant messages `mode` trains (a history-rewriting template refuses all_assistant with history='error')."
+    if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
+    asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
+    if not asst: raise BadRow("no assistant message to train")
+    if mode == 'all': return set()
+    if mode in ('last_assistant', 'completion_only'):
+        if messages[-1]['role'] != 'assistant':
+            raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
+        trained = {asst[-1]}
+    else:
+        if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
+        if info.rewrites_history and len(asst) > 1 and history == 'error':
+            raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
+                                "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
+                                "as the model would produce it; use history='expand' (tokenize_turns: one example per turn), "
+                                "history='final' (the full render as it is) or mode='last_assistant'")
+        trained = set(asst)
+    return {i for i in trained if messages[i].get('train', True) is not False}
+
+def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo) -> list[tuple[int, int, int, str]]:
+    "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
+    def end(j):
+        try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
+        except Exception: return None  # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
+    ends = [end(j) for j in range(len(messages) - 1)] + [len(text)]
+    for j in range(len(ends) - 2, -1, -1):
+        if ends[j] is None: ends[j] = ends[j + 1]
+    segs, a = [], 0
+    for j, (m, b) in enumerate(zip(messages, ends)):
+        if j in spans: segs.append((*spans[j], j, m['role']))
+        else:
+            c = (m.get('content') or '').strip()
+            k = text.find(c, a, b) if c else -1  # inside this message's own text: a label for display, never a mask
+            segs.append((k, k + len(c), j, m['role']) if k >= 0 else (a, b, j, m['role']))
+        a = max(a, b)
+    return segs
+
+def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, history: str = 'error', segments: bool = False):
+    "(text, trained spans `[(start, end, message index)]`, segments or []) of one normalized conversation."
+    trained = trained_turns(messages, info, mode, history)
+    try:
+        if mode == 'all': text, spans = renderer(messages, tools), {}
+        else: text, spans = turn_spans(renderer, messages, tools, info, trained, history)
+        segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
+    except (BadRow, TemplateError): raise
+    except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
+    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs
+
 # %% ../nbs/02_tokenize.ipynb #71036f25
 def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:
     "Split one assistant span of `text` into reasoning / answer / tool_calls / eot character ranges (empty ones have start == end)."
@@ -172,15 +333,16 @@ def _encodings(tokenizer, texts: list[str]):
 
 def _mask_from_encoding(enc, spans, n_text: int) -> list[int] | None:
     "The overlap mask computed from span end points with `char_to_token` (no per-token offsets); None if a char is unmapped."
-    n = len(enc.ids)
-    mask = np.zeros(n, dtype=np.int8)
+    n = len(enc)
+    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
     for s, e, *_ in spans:
         if e <= s: continue
         a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
         c = enc.char_to_token(e) if e < n_text else n
         if a is None or b is None or c is None: return None
-        mask[a:b + 1 if c == b else max(b + 1, c)] = 1  # a token straddling `e` overlaps the span too
-    return mask.tolist()
+        z = b + 1 if c == b else max(b + 1, c)  # a token straddling `e` overlaps the span too
+        mask[a:z] = [1] * (z - a)
+    return mask
 
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
     "Apply `max_length` (cut or `BadRow` too_long) and refuse a row with no trained token left."
@@ -204,24 +366,37 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
-def _chat_example(text, enc, messages, info, mode, max_length, truncation, keep_offsets: bool = True,
-                  history: str = 'error', train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
-    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair."
+def _chat_example(text, enc, messages, info, mode, spans, segs, max_length, truncation, keep_offsets: bool = True,
+                  train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
+    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` come from `render_turns`."
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
-    segs, masked = locate_messages(text, messages, info), []
+    masked = []
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
     else:
-        spans = assistant_spans(text, messages, info, mode, segs, history)
         spans, masked = trained_parts(text, spans, messages, info.eot, train_on_reasoning, train_on_tool_calls)
         mask = _mask_from_encoding(enc, spans, len(text)) if offsets is None else None
         if mask is None:
             offsets = enc.offsets if offsets is None else offsets
             mask = mask_from_offsets(offsets, spans)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
-    ids, mask, truncated = finish_tokens(list(ids), mask, max_length, truncation)
+    ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
+
+def _bad_text(texts: list[str]) -> dict[int, str]:
+    "{position: reason} of the texts a tokenizer cannot take (a lone surrogate: not UTF-8)."
+    out = {}
+    for k, t in enumerate(texts):
+        try: t.encode('utf-8')
+        except UnicodeEncodeError as e: out[k] = f"holds {t[e.start:e.end]!r} at char {e.start}, which is not UTF-8 text (a lone surrogate)"
+    return out
+
+def _surrogate_row(messages, tools, reason: str) -> BadRow:
+    "The BadRow naming the message (or tools) that holds text a tokenizer cannot take."
+    for j, m in enumerate(messages):
+        if _bad_text([json.dumps(m, ensure_ascii=False)]): return BadRow(f"message {j}: {reason}", kind='bad_format')
+    return BadRow(f"tools: {reason}" if tools and _bad_text([json.dumps(tools, ensure_ascii=False)]) else reason, kind='bad_format')
 
 # %% ../nbs/02_tokenize.ipynb #d33747de
 def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
@@ -251,16 +426,15 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
                           train_on_reasoning: bool = True, # train the `<think>…</think>` block of a trained turn
                           train_on_tool_calls: bool = True, # train the tool-call part of a trained turn
                          ) -> Example:
-    "Render `messages` once, tokenize once, and mark the trained tokens."
+    "Render `messages` (and the prompt before each trained turn), tokenize the full render once, and mark the trained tokens."
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    try: text = render(tokenizer, conv['messages'], conv['tools'], template=template, **kw)
-    except TemplateError: raise
-    except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
+    text, spans, segs = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
+    if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
-                         max_length, truncation, True, history, train_on_reasoning, train_on_tool_calls)
+                         spans, segs, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
 
 # %% ../nbs/02_tokenize.ipynb #be107368
 def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
@@ -292,6 +466,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
     indices = list(range(len(rows))) if indices is None else indices
     if spec.template is not None and '{' not in spec.template: spec = dataclasses.replace(spec, chat_template=load_template(spec.template))
     info = template_info(tokenizer, spec.template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
+    renderer = TemplateRenderer(tokenizer, spec.template, spec.chat_template_kwargs) if info is not None else None
     good, bad, chats = [], [], []
     for idx, row in zip(indices, rows):
         try:
@@ -301,20 +476,26 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
             elif 'prompt' in conv:
                 good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation, spec.mode)))
             else:
-                turns = [(msgs, mode, render(tokenizer, msgs, conv['tools'], template=spec.template, **spec.chat_template_kwargs))
+                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.history, segments=keep_offsets))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
-                chats += [(idx, *t) for t in turns]
+                chats += [(idx, conv['tools'], *t) for t in turns]
         except BadRow as e: bad.append((idx, e.kind, e.reason))
         except TemplateError: raise
         except Exception as e: bad.append((idx, 'template_error', f"chat template error: {e}"))
-    texts = [t for *_, t in chats]
-    encs = _encodings(tokenizer, texts)
-    if encs is None: encs = encode_texts(tokenizer, texts)
+    try: encs = _encodings(tokenizer, [c[4] for c in chats])
+    except (TypeError, ValueError):  # a text the tokenizer cannot take (a lone surrogate) fails the whole batch: name its row
+        odd = _bad_text([c[4] for c in chats])
+        for k in sorted(odd, reverse=True):
+            idx, tools, msgs = chats[k][:3]
+            if all(b[0] != idx for b in bad): e = _surrogate_row(msgs, tools, odd[k]); bad.append((idx, e.kind, e.reason))
+        chats = [c for c in chats if all(b[0] != c[0] for b in bad)]
+        encs = _encodings(tokenizer, [c[4] for c in chats])
+    if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
     failed = set()
-    for (idx, msgs, mode, text), enc in zip(chats, encs):
+    for (idx, _, msgs, mode, text, spans, segs), enc in zip(chats, encs):
         if idx in failed: continue
-        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spec.max_length, spec.truncation, keep_offsets,
-                                             spec.history, spec.train_on_reasoning, spec.train_on_tool_calls)))
+        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, spec.max_length, spec.truncation, keep_offsets,
+                                             spec.train_on_reasoning, spec.train_on_tool_calls)))
         except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
     if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole
     good.sort(key=lambda g: g[0])
