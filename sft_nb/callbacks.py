@@ -127,8 +127,10 @@ def action(name: str, setup: bool = True):
 @contextmanager
 def hold_interrupts(what: str): # what the block does, for the message ("step 3")
     """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt` once
-    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is."""
-    if threading.current_thread() is not threading.main_thread(): yield; return
+    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is,
+    and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary itself)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield; return
     held = []
     def hold(signum, frame):
         held.append(signum)
