@@ -127,7 +127,7 @@ def stop_on_signals(trainer, grace_s: float): # seconds from the signal to a che
     for s in (signal.SIGTERM, signal.SIGINT): prev[s] = signal.signal(s, on_signal)
     try: yield got
     finally:
-        for s, h in prev.items(): signal.signal(s, h)
+        for s, h in prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
         for tm in timer: tm.cancel()
 
 def _cmd_train(a):
@@ -136,8 +136,7 @@ def _cmd_train(a):
     check_overrides(a.overrides)
     cfg = load_config(a.config, a.overrides)
     t0 = time.time()
-    t = SFTTrainer(cfg)
-    with stop_on_signals(t, a.grace) as stopped, t:  # setup (in `with t`) already answers a signal
+    with SFTTrainer(cfg) as t, stop_on_signals(t, a.grace) as stopped:  # after setup: Ray's start installs its own SIGTERM handler
         if not stopped: t.fit()
         if stopped:
             where = t.save() if t.global_step > 0 else None
