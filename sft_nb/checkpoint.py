@@ -173,7 +173,7 @@ def check_model(state: dict, fingerprint: dict, path):
 class Checkpointer:
     "A run folder's checkpoints (atomic save, prune to `keep_last`, resume-path resolution) and its claim."
     def __init__(self, cfg: CheckpointConfig): # the run's `checkpoint` config (run_dir, keep_last, resume, overwrite)
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir).expanduser()  # '~/runs/x' is the home folder's, not './~'
         self.dir = self.run_dir / 'checkpoints'
         self.lock, self.owns_run_dir, self.saved_step = None, False, None
 
@@ -277,6 +277,7 @@ def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str
                                   "Resume a checkpoint by path, or start over with checkpoint.overwrite=true")
     else:
         path = Path(spec).expanduser().resolve()
+        if not path.exists(): raise FileNotFoundError(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
         if not (_STEP.fullmatch(path.name) and path.is_dir()):
             raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
         state = verify_checkpoint(path)
