@@ -179,7 +179,12 @@ class JSONLTracker(Callback):
     def truncate(self, step: int):
         "Keep only records up to `step` (a resumed run rewrites what came after its checkpoint)."
         if not self.path.exists(): return
-        keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l)['step'] <= step]
+        keep = []
+        for n, line in enumerate(self.path.read_text(errors='replace').splitlines(), 1):
+            try: rec = json.loads(line) if line.strip() else {}
+            except ValueError:  # a line cut short by a kill: the resumed run writes that step again
+                warnings.warn(f"{self.path}: line {n} is not valid JSON (cut short when a run was killed?); dropped"); continue
+            if isinstance(rec, dict) and isinstance(rec.get('step'), int) and rec['step'] <= step: keep.append(line)
         self.path.write_text(''.join(l + '\n' for l in keep))
 
 class TensorBoardTracker(Callback):
