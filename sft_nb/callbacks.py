@@ -4,15 +4,16 @@
 
 # %% ../nbs/08a_callbacks.ipynb #b07669a2
 from __future__ import annotations
-import functools, json, math, threading, warnings
+import functools, json, math, signal, sys, threading, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['Control', 'Callback', 'EarlyStopping', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule', 'Profiler', 'builtin_callbacks',
-           'TrainerBusy', 'Exclusive', 'action', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker',
-           'MLflowTracker', 'make_trackers', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
+           'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'ConsoleTracker', 'JSONLTracker',
+           'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers', 'split_answer', 'prompt_messages',
+           'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -122,6 +123,24 @@ def action(name: str, setup: bool = True):
         return run
     return wrap
 
+# %% ../nbs/08a_callbacks.ipynb #0a871643
+@contextmanager
+def hold_interrupts(what: str): # what the block does, for the message ("step 3")
+    """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt` once
+    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is,
+    and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary itself)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield; return
+    held = []
+    def hold(signum, frame):
+        held.append(signum)
+        if len(held) > 1: raise KeyboardInterrupt(f"interrupted twice during {what}")
+        print(f"Interrupt: finishing {what} first (interrupt again to abort it)", file=sys.stderr, flush=True)
+    prev = signal.signal(signal.SIGINT, hold)
+    try: yield
+    finally: signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
+    if held: raise KeyboardInterrupt(f"interrupted during {what}, which finished first")
+
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:
     "True in a thread whose output a notebook `TrainerPanel` shows: the panel draws progress and eval lines itself."
@@ -160,7 +179,12 @@ class JSONLTracker(Callback):
     def truncate(self, step: int):
         "Keep only records up to `step` (a resumed run rewrites what came after its checkpoint)."
         if not self.path.exists(): return
-        keep = [l for l in self.path.read_text().splitlines() if l and json.loads(l)['step'] <= step]
+        keep = []
+        for n, line in enumerate(self.path.read_text(errors='replace').splitlines(), 1):
+            try: rec = json.loads(line) if line.strip() else {}
+            except ValueError:  # a line cut short by a kill: the resumed run writes that step again
+                warnings.warn(f"{self.path}: line {n} is not valid JSON (cut short when a run was killed?); dropped"); continue
+            if isinstance(rec, dict) and isinstance(rec.get('step'), int) and rec['step'] <= step: keep.append(line)
         self.path.write_text(''.join(l + '\n' for l in keep))
 
 class TensorBoardTracker(Callback):

@@ -4,13 +4,14 @@
 
 # %% ../nbs/07e_checkpoint.ipynb #c23dda2a
 from __future__ import annotations
-import json, os, shutil, socket, threading
+import hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
 from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
 
 # %% auto #0
-__all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'Checkpointer']
+__all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata', 'write_digests',
+           'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_model', 'Checkpointer']
 
 # %% ../nbs/07e_checkpoint.ipynb #413b51a0
 class RunDirBusy(RuntimeError):
@@ -60,11 +61,119 @@ class RunLock:
     def release(self):
         if self.held: self.path.unlink(missing_ok=True); self.held = False
 
+# %% ../nbs/07e_checkpoint.ipynb #188987b3
+class CheckpointError(RuntimeError):
+    "A checkpoint folder that is damaged, foreign to this run, or holds something that loading it would run."
+
+_DCP = 'torch.distributed.checkpoint.metadata'
+_DCP_GLOBALS = {(_DCP, n) for n in ('Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata',
+                                    'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'), ('torch.serialization', '_get_layout'),
+    ('pathlib', 'PosixPath'), ('collections', 'OrderedDict')}
+
+class _DCPUnpickler(pickle.Unpickler):
+    "Admits torch's DCP metadata classes and torch dtypes; anything else (`os.system`, `exec`, ...) is refused unrun."
+    def find_class(self, module, name):
+        import torch
+        if (module, name) in _DCP_GLOBALS or (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch checkpoint metadata class")
+
+def read_dcp_metadata(folder) -> object | None:
+    "The DCP `Metadata` of checkpoint `folder` (None without `.metadata`), after checking every pickle in it runs nothing."
+    import torch
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+    folder = Path(folder).resolve()
+    f = folder / '.metadata'
+    if not f.exists(): return None
+    try:
+        with open(f, 'rb') as fh: md = _DCPUnpickler(fh).load()
+        for idx, info in md.storage_data.items():
+            shard = (folder / info.relative_path).resolve()
+            if shard.parent != folder: raise pickle.UnpicklingError(f"entry {idx.fqn!r} names {info.relative_path!r}, outside the folder")
+            if info.transform_descriptors: raise pickle.UnpicklingError(f"entry {idx.fqn!r} is stored with transforms {info.transform_descriptors}")
+            if isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata):
+                with open(shard, 'rb') as fh: fh.seek(info.offset); raw = fh.read(info.length)
+                torch.load(io.BytesIO(raw), weights_only=True)  # the workers' reader uses weights_only=False here
+    except CheckpointError: raise
+    except Exception as e:
+        raise CheckpointError(f"{f}: refused, loading it could run code or it is damaged ({type(e).__name__}: {e}); "
+                              "use a checkpoint written by sft_nb, or delete this one") from None
+    return md
+
+# %% ../nbs/07e_checkpoint.ipynb #321de173
+def _sha256(f: Path) -> str:
+    h = hashlib.sha256()
+    with open(f, 'rb') as fh:
+        for block in iter(lambda: fh.read(1 << 20), b''): h.update(block)
+    return h.hexdigest()
+
+def write_digests(folder):
+    "`folder/digests.json`: the SHA-256 of every other file in the folder."
+    folder = Path(folder)
+    files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'digests.json'}
+    (folder / 'digests.json').write_text(json.dumps({'sha256': files}, indent=0))
+
+_STATE_TYPES = {'global_step': int, 'total_steps': int, 'history': list}
+
+def check_state(state, path) -> dict:
+    "`state` (checkpoint `path`'s trainer_state.json) when its fields have their types and its step is the folder's."
+    f = Path(path) / 'trainer_state.json'
+    if not isinstance(state, dict): raise CheckpointError(f"{f}: holds a {type(state).__name__}, not an object")
+    for k, t in _STATE_TYPES.items():
+        if not isinstance(state.get(k), t) or isinstance(state.get(k), bool):
+            raise CheckpointError(f"{f}: field {k!r} is {state.get(k)!r}, expected {'a' if k != 'history' else 'a list of'} "
+                                  f"{'non-negative integer' if t is int else 'step records'}")
+    if not 0 <= state['global_step'] <= state['total_steps'] or not all(isinstance(r, dict) for r in state['history']):
+        raise CheckpointError(f"{f}: global_step {state['global_step']} of total_steps {state['total_steps']} or its history is out of range")
+    m = re.fullmatch(r'step_(\d{6})', Path(path).name)
+    if m and int(m[1]) != state['global_step']:
+        raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
+    if not isinstance(state.get('sampler', ''), str): raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
+    return state
+
+def verify_checkpoint(path) -> dict:
+    "Check checkpoint folder `path` before anything loads it; its validated trainer state."
+    path = Path(path)
+    def read_json(name):
+        try: return json.loads((path / name).read_text())
+        except FileNotFoundError: raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete") from None
+        except (ValueError, UnicodeDecodeError) as e: raise CheckpointError(f"{path / name}: not valid JSON ({e}); the file is truncated or damaged") from None
+    listed = read_json('digests.json')
+    listed = listed.get('sha256') if isinstance(listed, dict) else None
+    if not isinstance(listed, dict): raise CheckpointError(f"{path / 'digests.json'}: has no 'sha256' table; the checkpoint is damaged")
+    for name, digest in listed.items():
+        f = (path / name).resolve()
+        if f.parent != path.resolve() and path.resolve() not in f.parents: raise CheckpointError(f"{path / 'digests.json'}: names {name!r}, outside the folder")
+        if not f.is_file(): raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete")
+        if _sha256(f) != digest: raise CheckpointError(f"{path / name}: its content differs from what was saved (digest mismatch); the file is damaged")
+    extra = [p.name for p in path.rglob('*') if p.is_file() and p.name != 'digests.json' and p.relative_to(path).as_posix() not in listed]
+    if extra: raise CheckpointError(f"{path}: holds files that were not saved with it: {', '.join(sorted(extra))}")
+    read_dcp_metadata(path)
+    return check_state(read_json('trainer_state.json'), path)
+
+# %% ../nbs/07e_checkpoint.ipynb #7b7fe3ea
+_ARCH_KEYS = ('model_type', 'num_hidden_layers', 'hidden_size', 'intermediate_size', 'num_attention_heads', 'num_key_value_heads', 'vocab_size')
+
+def model_fingerprint(model_path, # the model folder (its config.json)
+                      info: dict) -> dict: # what the workers' `setup` reported (n_params, n_trainable)
+    "What a checkpoint's weights must fit: the model's architecture and its parameter counts."
+    f = Path(model_path) / 'config.json'
+    arch = json.loads(f.read_text()) if f.exists() else {}
+    return {**{k: arch[k] for k in _ARCH_KEYS if k in arch}, **{k: info[k] for k in ('n_params', 'n_trainable') if k in info}}
+
+def check_model(state: dict, fingerprint: dict, path):
+    "Refuse checkpoint `path` (its `state`) when it was trained from another model than `fingerprint` describes."
+    saved = state.get('model')
+    if not isinstance(saved, dict): raise CheckpointError(f"{Path(path) / 'trainer_state.json'}: has no 'model' fingerprint; it was not written by this version of sft_nb")
+    diff = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in fingerprint.items() if k in saved and saved[k] != v]
+    if diff: raise CheckpointError(f"checkpoint.resume: {path} is of another model ({'; '.join(diff)}); resume it with the model it was trained from")
+
 # %% ../nbs/07e_checkpoint.ipynb #dccb7cfd
 class Checkpointer:
     "A run folder's checkpoints (atomic save, prune to `keep_last`, resume-path resolution) and its claim."
     def __init__(self, cfg: CheckpointConfig): # the run's `checkpoint` config (run_dir, keep_last, resume, overwrite)
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir)
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir).expanduser()  # '~/runs/x' is the home folder's, not './~'
         self.dir = self.run_dir / 'checkpoints'
         self.lock, self.owns_run_dir, self.saved_step = None, False, None
 
@@ -75,6 +184,7 @@ def claim(self: Checkpointer, resuming: bool = False):
     c = self.cfg
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.lock = RunLock(self.run_dir).acquire()
+    self.clean_leftovers()
     if self.owns_run_dir: return  # this trainer's own outputs (set up again after shutdown)
     used = run_outputs(self.run_dir)
     if used and not (c.resume or resuming):
@@ -83,6 +193,15 @@ def claim(self: Checkpointer, resuming: bool = False):
                               "checkpoint.resume=latest, start over with checkpoint.overwrite=true (deletes them), or choose another run_dir")
         for n in used: shutil.rmtree(self.run_dir / n) if (self.run_dir / n).is_dir() else (self.run_dir / n).unlink()
     self.owns_run_dir = True
+
+@patch
+def clean_leftovers(self: Checkpointer):
+    "Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose successor never landed is put back."
+    for p in self.dir.glob('.tmp_step_*'): shutil.rmtree(p, ignore_errors=True)
+    (self.dir / '.latest.tmp').unlink(missing_ok=True)
+    for p in self.dir.glob('.old_step_*'):
+        if (self.dir / p.name[len('.old_'):]).exists(): shutil.rmtree(p, ignore_errors=True)
+        else: os.rename(p, self.dir / p.name[len('.old_'):])
 
 @patch
 def release(self: Checkpointer):
@@ -104,12 +223,21 @@ def saved(self: Checkpointer, step: int) -> Path | None:
 @patch
 def save(self: Checkpointer, step: int, write, # write(folder): the workers write their shards there
          state: dict) -> Path:
-    "Atomic checkpoint of `step`: `write` fills a temp folder, `state` goes to trainer_state.json, then it is renamed into place."
+    "Atomic checkpoint of `step`: `write` fills a temp folder, `state` goes to trainer_state.json, digests last, then it is renamed into place."
     final, tmp = self.dir / f'step_{step:06d}', self.dir / f'.tmp_step_{step:06d}'
-    if tmp.exists(): shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write(tmp)
-    (tmp / 'trainer_state.json').write_text(json.dumps(state))
+    try:
+        if tmp.exists(): shutil.rmtree(tmp)
+        tmp.mkdir(parents=True)
+        write(tmp)
+        (tmp / 'trainer_state.json').write_text(json.dumps(state))
+        write_digests(tmp)
+    except BaseException as e:
+        shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays; the earlier checkpoints are untouched
+        if getattr(e, 'errno', None) == 28 or any(s in str(e) for s in ('No space left', 'unexpected pos')):  # torch's zip writer on a full disk
+            free = shutil.disk_usage(self.dir).free // 2**20
+            raise CheckpointError(f"checkpoint {final}: no space left on the disk of {self.dir} ({free} MiB free) while saving: {e}. "
+                                  "The earlier checkpoints are kept; free space, then save again") from e
+        raise
     old = self.dir / f'.old_step_{step:06d}'  # a checkpoint of this step from before a resume: replaced
     if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
     os.rename(tmp, final)
@@ -122,20 +250,37 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
     return final
 
 # %% ../nbs/07e_checkpoint.ipynb #6c6384cf
+_STEP = re.compile(r'step_\d{6}')
+
+@patch
+def _candidates(self: Checkpointer) -> list[Path]:
+    "Checkpoint folders for 'latest', best first: the one the marker names (when it names a folder here), then newest to oldest."
+    found = sorted((p for p in self.dir.glob('step_*') if _STEP.fullmatch(p.name) and p.is_dir()), reverse=True)
+    marker = self.dir / 'latest'
+    name = marker.read_text().strip() if marker.is_file() else ''
+    if name and not (_STEP.fullmatch(name) and (self.dir / name).resolve().parent == self.dir.resolve()):
+        warnings.warn(f"{marker}: names {name!r}, not a checkpoint folder of {self.dir}; ignored")
+    elif name and (self.dir / name) in found: found.remove(self.dir / name); found.insert(0, self.dir / name)
+    return found
+
 @patch
 def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str) -> Path | None:
-    "The checkpoint `spec` names, checked against this run (steps, sampler); 'latest'/'auto' with no checkpoint yet: None."
+    "The verified checkpoint `spec` names, checked against this run (steps, sampler); 'latest'/'auto' with no checkpoint yet: None."
     if spec in ('latest', 'auto'):
-        marker = self.dir / 'latest'
-        named = self.dir / marker.read_text().strip() if marker.exists() else None
-        if named is not None and (named / 'trainer_state.json').exists(): spec = named
-        else:  # no marker (or it names a pruned folder): the newest complete checkpoint
-            cks = self.checkpoints()
-            if not cks: return None
-            spec = cks[-1]
-    path = Path(spec)
-    if not (path / 'trainer_state.json').exists(): raise FileNotFoundError(f"checkpoint.resume: {path} is not a complete checkpoint")
-    state = self.state(path)
+        problems = []
+        for path in self._candidates():
+            try: state = verify_checkpoint(path); break
+            except CheckpointError as e: problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
+        else:
+            if not problems: return None
+            raise CheckpointError(f"checkpoint.resume=latest: no usable checkpoint in {self.dir}: {' | '.join(problems)}. "
+                                  "Resume a checkpoint by path, or start over with checkpoint.overwrite=true")
+    else:
+        path = Path(spec).expanduser().resolve()
+        if not path.exists(): raise FileNotFoundError(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
+        if not (_STEP.fullmatch(path.name) and path.is_dir()):
+            raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
+        state = verify_checkpoint(path)
     if state['total_steps'] != total_steps:
         raise ConfigError(f"checkpoint.resume: the checkpoint's run has {state['total_steps']} steps, this config {total_steps}")
     if state.get('sampler', 'random') != sampler:
@@ -145,8 +290,8 @@ def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str
 
 @patch
 def state(self: Checkpointer, path: str | Path) -> dict:
-    "The driver's state saved in checkpoint `path`."
-    return json.loads((Path(path) / 'trainer_state.json').read_text())
+    "The driver's state saved in checkpoint `path`, validated."
+    return verify_checkpoint(path)
 
 @patch
 def drop_after(self: Checkpointer, step: int):

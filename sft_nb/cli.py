@@ -4,12 +4,14 @@
 
 # %% ../nbs/11_cli.ipynb #ef2c9e85
 from __future__ import annotations
-import argparse, ast, json, os, sys, time
+import argparse, ast, json, os, signal, sys, threading, time
+from contextlib import contextmanager
 from pathlib import Path
 import yaml
 
 # %% auto #0
-__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'run_notebook', 'build_parser', 'main']
+__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'run_notebook', 'Preempted',
+           'check_overrides', 'stop_on_signals', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(ValueError):
@@ -60,18 +62,24 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     rd.mkdir(parents=True, exist_ok=True)
     out = Path(output) if output else rd / Path(notebook).name
     if out.resolve() == Path(notebook).resolve(): out = out.with_suffix('.executed.ipynb')  # never overwrite the source
+    # An earlier run's record is replaced only by a run that succeeds; a failed (e.g. refused) one is kept beside it.
+    target = out.with_name(f'.{out.stem}.running.ipynb') if out.exists() else out
     env_before = dict(os.environ)
     os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0'); os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
     try:
-        pm.execute_notebook(str(notebook), str(out), parameters=params, log_output=True, progress_bar=False,
+        pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True, progress_bar=False,
                             execution_timeout=timeout, cwd=None, kernel_name='python3')
     except pm.PapermillExecutionError as e:
+        if target != out: target = target.replace(out.with_suffix('.failed.ipynb'))
         first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
+        kept = f"; the earlier run's record {out} is kept" if target != out else ''
         raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {e.evalue} "
-                           f"(executed notebook: {out})") from None
+                           f"(executed notebook: {target}{kept})") from None
     finally:
         os.environ.clear(); os.environ.update(env_before)
+    if target != out: target.replace(out)
     return out
+
 
 # %% ../nbs/11_cli.ipynb #bbe33bbe
 def _cmd_run(a):
@@ -80,17 +88,61 @@ def _cmd_run(a):
     if not log.handlers: log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO); log.propagate = False
     params = {}
-    if a.file: params.update(yaml.safe_load(Path(a.file).read_text()) or {})
+    if a.file:
+        try: params.update(yaml.safe_load(Path(a.file).read_text()) or {})
+        except yaml.YAMLError as e: raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
+        except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
     for name, value in a.param or []: params[name] = parse_value(value)
     out = run_notebook(a.notebook, params, a.run_dir, a.timeout)
     print(f"executed notebook: {out}")
 
+class Preempted(RuntimeError):
+    "SIGTERM/SIGINT stopped `sft-nb train`; the message says where to resume, `exit_code` is 128 + the signal's number."
+    def __init__(self, message: str, signame: str): super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
+
+def check_overrides(overrides: list[str]):
+    "Name the override whose value is not valid YAML (the config parser would raise a bare YAML traceback)."
+    for o in overrides:
+        key, sep, value = o.partition('=')
+        try: sep and yaml.safe_load(value)
+        except yaml.YAMLError as e:
+            raise ValueError(f"override {o!r}: the value of {key} is not valid YAML ({getattr(e, 'problem', None) or e}); "
+                             "quote it (key='[1,') or fix the brackets") from None
+
+@contextmanager
+def stop_on_signals(trainer, grace_s: float): # seconds from the signal to a checkpoint; past them the process exits
+    """SIGTERM (cloud preemption) or SIGINT asks `trainer` to stop at the next step boundary; the caller then saves.
+    Yields the names of the signals received. When the step does not end within `grace_s`, the process exits (code 128+signum)."""
+    got, prev, timer = [], {}, []
+    def on_signal(signum, frame):
+        got.append(signal.Signals(signum).name)
+        trainer.request_stop()
+        if len(got) == 1:
+            print(f"sft-nb train: {got[0]}: saving a checkpoint at the end of this step (within {grace_s:g}s)", file=sys.stderr, flush=True)
+            def give_up():
+                print(f"sft-nb train: {got[0]}: no step boundary within {grace_s:g}s; exiting without a new checkpoint "
+                      f"(resume from the last one with checkpoint.resume=latest, run_dir {trainer.run_dir})", file=sys.stderr, flush=True)
+                os._exit(128 + signum)
+            timer.append(threading.Timer(grace_s, give_up)); timer[0].daemon = True; timer[0].start()
+    for s in (signal.SIGTERM, signal.SIGINT): prev[s] = signal.signal(s, on_signal)
+    try: yield got
+    finally:
+        for s, h in prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
+        for tm in timer: tm.cancel()
+
 def _cmd_train(a):
     from sft_nb.config import load_config
     from sft_nb.trainer import SFTTrainer
+    check_overrides(a.overrides)
     cfg = load_config(a.config, a.overrides)
     t0 = time.time()
-    with SFTTrainer(cfg) as t:
+    with SFTTrainer(cfg) as t, stop_on_signals(t, a.grace) as stopped:  # after setup: Ray's start installs its own SIGTERM handler
+        if not stopped: t.fit()
+        if stopped:
+            where = t.save() if t.global_step > 0 else None
+            raise Preempted(f"stopped by {stopped[0]} at step {t.global_step} of {t.total_steps}; " + (
+                f"checkpoint {where}; continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
+                if where else "no step was trained, nothing to resume"), stopped[0])
         h = t.train()
         ev = getattr(t, 'last_eval', {})
         summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
@@ -130,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument('--timeout', type=int, default=3600, help='seconds allowed per cell')
     t = sub.add_parser('train', help='train from a YAML config (no notebook)', description='Train from CONFIG with key.sub=value overrides.')
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
+    t.add_argument('--grace', type=float, default=120, help='seconds from SIGTERM/SIGINT to a checkpoint at a step boundary; then it exits anyway')
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):
         sub.add_parser(name, help=h, add_help=False)
@@ -144,6 +197,9 @@ def main(argv=None):
         a = p.parse_args(argv)
         cmd, run = a.command, lambda: {'run': _cmd_run, 'train': _cmd_train}[a.command](a)
     try: return run()
+    except Preempted as e:
+        print(f"sft-nb {cmd}: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)
     except (ValueError, RuntimeError, OSError, ImportError) as e:  # bad input and failed runs: one line, no traceback
         print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)
         sys.exit(2 if isinstance(e, ValueError) else 1)

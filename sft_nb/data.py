@@ -280,6 +280,15 @@ def file_digest(path, # any file
     return h.hexdigest()
 
 # %% ../nbs/01_data.ipynb #a1d0e007
+class _DuplicateKey(ValueError):
+    "A JSON object holding one key twice (json keeps the last silently)."
+
+def _unique_keys(pairs: list) -> dict:
+    "`object_pairs_hook` refusing an object with a repeated key."
+    d = dict(pairs)
+    if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
+    return d
+
 def _line_records(f, p: Path, digest=None):
     "JSONL: `(line, text, row | BadRow)` per non-blank line."
     for n, raw in enumerate(f, 1):
@@ -291,9 +300,12 @@ def _line_records(f, p: Path, digest=None):
             yield n, None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)",
                                   kind='bad_encoding')
             continue
-        try: row = json.loads(text)
+        try: row = json.loads(text, object_pairs_hook=_unique_keys)
         except json.JSONDecodeError as e:
             yield n, None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
+            continue
+        except _DuplicateKey as e:
+            yield n, None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
             continue
         if isinstance(row, dict): yield n, text, row
         else: yield n, None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
@@ -308,15 +320,18 @@ def _array_records(f, p: Path, digest=None):
     if data.startswith(codecs.BOM_UTF8): data = data[len(codecs.BOM_UTF8):]
     try: text, lossy = data.decode('utf-8'), False
     except UnicodeDecodeError: text, lossy = data.decode('utf-8', 'surrogateescape'), True
-    dec, ws = json.JSONDecoder(), re.compile(r'\s*')
+    dec, plain, ws = json.JSONDecoder(object_pairs_hook=_unique_keys), json.JSONDecoder(), re.compile(r'\s*')
     i, line, seen = ws.match(text, text.index('[') + 1).end(), 1, 0
     while not text.startswith(']', i):
         line += text.count('\n', seen, i); seen = i
+        dup = None
         try: row, j = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
             raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be read past a "
                          "broken element (in JSONL a broken line is one bad row)", kind='bad_json') from None
-        if lossy and _UNDECODABLE.search(text, i, j):
+        except _DuplicateKey as e: (row, j), dup = plain.raw_decode(text, i), e.args[0]
+        if dup is not None: yield line, None, BadRow(f"{p}: line {line}: key {dup!r} appears twice in one object; keep one of them", kind='bad_json')
+        elif lossy and _UNDECODABLE.search(text, i, j):
             yield line, None, BadRow(f"{p}: line {line}: the row is not valid UTF-8", kind='bad_encoding')
         elif not isinstance(row, dict): yield line, None, BadRow(f"{p}: line {line}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
         else: yield line, text[i:j], row
@@ -327,6 +342,17 @@ def _array_records(f, p: Path, digest=None):
             raise BadRow(f"{p}: line {line}: expected ',' or ']' after a row", kind='bad_json')
 
 # %% ../nbs/01_data.ipynb #a1d0e00a
+def _refuse_one_object(f, p: Path):
+    "A .json file that is one multi-line object (`{\"data\": [...]}`) is not rows: say where its rows are (else every line is 'invalid JSON')."
+    text = f.read().decode('utf-8', 'replace').lstrip('\ufeff \t\r\n'); f.seek(0)
+    try: obj, end = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError: return
+    if not isinstance(obj, dict) or text[end:].strip() or '\n' not in text[:end].strip(): return  # JSON lines, or one row on one line
+    lists = [k for k, v in obj.items() if isinstance(v, list)]
+    where = f"its rows look like the list under {lists[0]!r}: save that list as the file (a JSON list) or as JSONL" if lists else \
+            "a .json source is a JSON list of rows or one row per line (JSONL)"
+    raise BadRow(f"{p}: one JSON object spread over several lines (keys {', '.join(map(repr, list(obj)[:5]))}), not rows; {where}", kind='bad_json')
+
 def _json_records(p: Path, digest=None):
     "`(line, text, row | BadRow)` for every row of a .json/.jsonl file; raises `BadRow` naming the file when it has no rows."
     with open(p, 'rb') as f:
@@ -334,6 +360,7 @@ def _json_records(p: Path, digest=None):
         while not head.lstrip(codecs.BOM_UTF8 + b' \t\r\n') and (chunk := f.read(1 << 16)): head += chunk
         f.seek(0)
         array = p.suffix.lower() != '.jsonl' and head.lstrip(codecs.BOM_UTF8 + b' \t\r\n').startswith(b'[')
+        if p.suffix.lower() == '.json' and not array: _refuse_one_object(f, p)
         n = 0
         for rec in (_array_records if array else _line_records)(f, p, digest):
             n += 1

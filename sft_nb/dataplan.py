@@ -107,6 +107,14 @@ def tokenize(self: DataPlan, src):
     return tokenize_dataset(src, model_input, replace(c.tokenize, format=fmt), on_bad_row=c.data.on_bad_row)
 
 # %% ../nbs/05a_dataplan.ipynb #22513d91
+def _why_no_rows(report, n_heldout: int) -> str:
+    "Why a train set came out empty, row by row (the CLI has no trainer to look at)."
+    if n_heldout and not report.n_dropped: return f"all {n_heldout} went to the data.eval_fraction split; lower it"
+    rows = '; '.join(f"row {i}: {kind}: {msg}" for i, kind, msg in report.bad_rows[:5])
+    more = f" (and {report.n_dropped - 5} more)" if report.n_dropped > 5 else ''
+    kinds = ', '.join(f"{k} {v}" for k, v in sorted(report.dropped.items()))
+    return f"{report.n_dropped} of {report.n_rows} rows dropped ({kinds}): {rows}{more}. Fix those rows or the data/tokenize settings"
+
 @patch
 def prepare(self: DataPlan) -> DataPlan:
     "Tokenize train and eval sources, mix them, split off the held-out rows; sets `rows`, `heldout`, `lengths`."
@@ -124,9 +132,13 @@ def prepare(self: DataPlan) -> DataPlan:
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
         names = [s.path if isinstance(s, SourceConfig) else s if isinstance(s, str) else f'source {k}' for k, s in enumerate(sources)]
     sizes = [len(d) for d in self.train_sets]
+    if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}")
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
     self.mix_counts = self.data_report.sources = mix_counts(rows, sizes, names)  # per source: rows used and cut, examples per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
+    if c.data.eval_fraction > 0 and 'heldout' in evals:
+        raise ConfigError("data.eval: an eval set is named 'heldout', the name of the data.eval_fraction split, which would "
+                          "replace it; rename that eval set or set data.eval_fraction=0")
     self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
     self.heldout = []
     if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
@@ -134,7 +146,7 @@ def prepare(self: DataPlan) -> DataPlan:
         train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
         self.heldout, rows = [rows[k] for k in held], [rows[k] for k in train]
     self.rows = rows  # (source, row) pairs
-    if not rows: raise ConfigError("data.train: no usable rows after tokenization; see trainer.data_report")
+    if not rows: raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, len(self.heldout))}")
     cols = [np.asarray(ds['length'], dtype=np.int64) for ds in self.train_sets]  # one column read per source
     self.lengths = np.array([cols[s][i] for s, i in rows], dtype=np.int64)
     return self

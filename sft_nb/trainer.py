@@ -16,8 +16,8 @@ from .dataplan import DataPlan, split_for_ranks, Sampler, SequentialSampler, mak
 from .templates import chat_ids
 from .models import load_model_inputs, resolve_model_path
 from .loss import eval_metrics
-from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS
-from .callbacks import Control, Callback, Exclusive, TrainerBusy, NonFiniteLoss, action, builtin_callbacks, make_trackers
+from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS, model_fingerprint, check_model
+from .callbacks import Control, Callback, Exclusive, TrainerBusy, NonFiniteLoss, action, hold_interrupts, builtin_callbacks, make_trackers
 from .workers import init_ray, stop_ray, WorkerError
 from .backends import start_workers
 
@@ -79,8 +79,8 @@ for _n, _p in _READS.items(): setattr(SFTTrainer, _n, property(attrgetter(_p), d
 # %% ../nbs/08_trainer.ipynb #226b0e83
 @patch
 def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
-    "Build everything (safe to call twice). `resuming`: `load` continues run_dir's run, whose outputs are not refused."
-    if self.group is not None: return self
+    "Build everything (safe to call twice; a dead worker group raises, saying how to recover). `resuming`: `load` continues run_dir's run."
+    if self.group is not None: self.group.check_alive(); return self  # every action passes here first
     with self._exclusive('setup'):
         if self.group is not None: return self
         try: return self._build(resuming)
@@ -107,6 +107,7 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
     self.workers = start_workers(c, self.total_steps)
     self.group, self.model_info = self.workers.group, self.workers.setup()[0]
+    self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)  # what a checkpoint must fit
     self.data.check_model(self.model_info)  # packing needs layers that attention masks separate
     save_config(c, self.run_dir / 'config.yaml')
     if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
@@ -123,13 +124,20 @@ def step(self: SFTTrainer) -> dict:
     self._emit('on_step_start', step)
     t0 = time.perf_counter()
     batches, n_trained, n_real = self.data.batches(step)  # the next step's is collated in a thread meanwhile
-    fb = self.workers.forward_backward(batches, n_trained)
-    loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
-    om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
-    dt, self.global_step = time.perf_counter() - t0, step + 1
-    m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
-         'n_tokens': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
-    self.rows_history.append(m)
+    # An interrupt (Ctrl-C, Jupyter's "Interrupt kernel") between forward_backward and optim_step would leave the workers'
+    # gradients accumulated, or the workers a step ahead of the driver: the step is finished first, then it is raised.
+    try:
+        with hold_interrupts(f'step {step + 1}'):
+            fb = self.workers.forward_backward(batches, n_trained)
+            loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
+            om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
+            dt, self.global_step = time.perf_counter() - t0, step + 1
+            m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
+                 'n_tokens': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
+            self.rows_history.append(m)
+    except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
+        if self.global_step == step: self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")
+        raise
     self._emit('on_step_end', m)  # NonFiniteGuard raises here under train.on_nonfinite: stop
     if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
     if self.global_step % spe == 0: self._emit('on_epoch_end', step // spe)
@@ -178,7 +186,8 @@ def evaluate(self: SFTTrainer) -> dict:
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-    state = {'global_step': self.global_step, 'history': self.rows_history, **self.data.ckpt_state(self.global_step)}
+    state = {'global_step': self.global_step, 'history': self.rows_history, 'model': self.model_fingerprint,
+             **self.data.ckpt_state(self.global_step)}
     final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
     self._emit('on_save', str(final))
     return final
@@ -194,6 +203,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
         if self.global_step == 0: self._emit('on_load', 0)
         return 0
     state = self.ckpt.state(path)
+    check_model(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.workers.load(str(path))
     self.global_step, self.rows_history = state['global_step'], state['history']
@@ -209,6 +219,8 @@ def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
     "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
     path = Path(path or self.run_dir / 'hf')
     self.workers.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
+    if not any((path / f).exists() for f in ('config.json', 'adapter_config.json')):
+        raise RuntimeError(f"export: the workers wrote no model into {path}")
     return path
 
 @patch
@@ -229,3 +241,18 @@ def shutdown(self: SFTTrainer):
     if self.group is not None: self.group.shutdown(); self.group, self.workers = None, None
     self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
+
+# %% ../nbs/08_trainer.ipynb #ef328302
+@patch
+def restart_workers(self: SFTTrainer) -> int:
+    "New workers in place of a dead (or live) group, resumed from run_dir's last good checkpoint (none: step 0); the step resumed at."
+    with self._exclusive('restart_workers'):
+        if self.group is None: return self.setup().global_step
+        self.group.kill()
+        self.workers = start_workers(self.cfg, self.total_steps)
+        self.group, self.model_info = self.workers.group, self.workers.setup()[0]
+        if self.ckpt.resolve('latest', self.total_steps, self.cfg.train.sampler) is not None: return self.load('latest')
+        self.global_step, self.rows_history, self.eval_history = 0, [], []
+        self.data.restore(self.data.ckpt_state(0), self.run_dir)
+        self._emit('on_load', 0)
+        return 0

@@ -10,7 +10,8 @@ from datetime import timedelta
 from typing import Any
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError',
+           'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -134,6 +135,8 @@ def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
 class WorkerError(RuntimeError):
     "A worker failed or died; the message names the rank."
 
+RESTART_HINT = "call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() and set up again)"
+
 class WorkerGroup:
     "One Ray actor per rank, placed by a placement group; `call` fans a method out to all ranks."
     def __init__(self, worker_cls, # a DistWorker subclass
@@ -142,7 +145,7 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        self.world_size = num_nodes * workers_per_node
+        self.world_size, self.dead = num_nodes * workers_per_node, None  # dead: why this group can no longer act
         bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
         try: ray.get(self.pg.ready(), timeout=timeout_s)
@@ -159,35 +162,51 @@ class WorkerGroup:
         addr, port = self.call_rank(0, 'address')
         self.call('init_dist', addr, port, use_gpu, int(cpus_per_worker))
 
-    def _wait(self, refs: list, what: str) -> list:
+    def _wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         import ray
-        pending = {ref: r for r, ref in enumerate(refs)}
+        pending = {ref: i for i, ref in enumerate(refs)}
         out = [None] * len(refs)
         while pending:
             done, _ = ray.wait(list(pending), num_returns=1)
             for ref in done:
-                r = pending.pop(ref)
-                try: out[r] = ray.get(ref)
-                except ray.exceptions.RayActorError as e:
-                    self.kill()
-                    raise WorkerError(f"worker rank {r} died during {what}: {str(e).splitlines()[0]}") from e
-                except ray.exceptions.RayTaskError as e:
-                    self.kill()
-                    raise WorkerError(f"worker rank {r} failed in {what}: {e.cause!r}") from e
+                i = pending.pop(ref); r = ranks[i] if ranks else i
+                try: out[i] = ray.get(ref)
+                except ray.exceptions.RayActorError as e: self._fail(f"worker rank {r} died during {what}: {str(e).splitlines()[0]}", e)
+                except ray.exceptions.RayTaskError as e: self._fail(f"worker rank {r} failed in {what}: {e.cause!r}", e)
+                except ray.exceptions.OutOfMemoryError as e:
+                    self._fail(f"worker rank {r} was killed by Ray for lack of memory during {what}; give its node more memory, "
+                               f"run fewer workers per node or a smaller model/batch: {str(e).splitlines()[0]}", e)
         return out
+
+    def _fail(self, message: str, cause: BaseException):
+        "Kill the group after one rank failed (the others would wait forever in a collective) and mark it dead."
+        self.mark_dead(message)
+        raise WorkerError(f"{message}. The worker group is now dead; {RESTART_HINT}") from cause
+
+    def mark_dead(self, reason: str):
+        "Kill the actors; every later call raises, naming `reason`."
+        self.dead = self.dead or reason
+        self.kill()
+
+    def check_alive(self):
+        "Raise a `WorkerError` (why, and how to recover) when the group is dead."
+        if self.dead or not self.actors:
+            raise WorkerError(f"the worker group is dead ({self.dead or 'its workers were killed'}); {RESTART_HINT}")
 
     def call(self, method: str, *args, **kwargs) -> list:
         "Call `method(*args, **kwargs)` on every rank; results in rank order."
+        self.check_alive()
         return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
 
     def call_per_rank(self, method: str, per_rank_args: list[tuple]) -> list:
         "Call `method(*per_rank_args[r])` on rank r."
+        self.check_alive()
         return self._wait([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)], method)
 
     def call_rank(self, rank: int, method: str, *args, **kwargs):
-        import ray
-        try: return ray.get(getattr(self.actors[rank], method).remote(*args, **kwargs))
-        except ray.exceptions.RayActorError as e: raise WorkerError(f"worker rank {rank} died during {method}") from e
+        "Call `method(*args, **kwargs)` on rank `rank` alone."
+        self.check_alive()
+        return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
 
     def kill(self):
         "Kill all actors and free the placement group (idempotent)."
@@ -196,7 +215,7 @@ class WorkerGroup:
         for a in getattr(self, 'actors', []):
             try: ray.kill(a)
             except Exception: pass
-        self.actors = []
+        self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
         if getattr(self, 'pg', None) is not None:
             try: remove_placement_group(self.pg)
             except Exception: pass
