@@ -109,6 +109,7 @@ def check_overrides(overrides: list[str]):
             raise ValueError(f"override {o!r}: the value of {key} is not valid YAML ({getattr(e, 'problem', None) or e}); "
                              "quote it (key='[1,') or fix the brackets") from None
 
+# %% ../nbs/11_cli.ipynb #e7ff5e9a
 @contextmanager
 def stop_on_signals(trainer, grace_s: float): # seconds from the signal to a checkpoint; past them the process exits
     """SIGTERM (cloud preemption) or SIGINT asks `trainer` to stop at the next step boundary; the caller then saves.
@@ -153,6 +154,7 @@ def _cmd_train(a):
         Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))
 
+# %% ../nbs/11_cli.ipynb #14490557
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
     from sft_nb.models import load_tokenizer

@@ -8,6 +8,7 @@ import json, os, random, socket, time
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError',
@@ -193,37 +194,43 @@ class WorkerGroup:
         if self.dead or not self.actors:
             raise WorkerError(f"the worker group is dead ({self.dead or 'its workers were killed'}); {RESTART_HINT}")
 
-    def call(self, method: str, *args, **kwargs) -> list:
-        "Call `method(*args, **kwargs)` on every rank; results in rank order."
-        self.check_alive()
-        return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
+# %% ../nbs/07_workers.ipynb #cfa41c9e
+@patch
+def call(self: WorkerGroup, method: str, *args, **kwargs) -> list:
+    "Call `method(*args, **kwargs)` on every rank; results in rank order."
+    self.check_alive()
+    return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
 
-    def call_per_rank(self, method: str, per_rank_args: list[tuple]) -> list:
-        "Call `method(*per_rank_args[r])` on rank r."
-        self.check_alive()
-        return self._wait([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)], method)
+@patch
+def call_per_rank(self: WorkerGroup, method: str, per_rank_args: list[tuple]) -> list:
+    "Call `method(*per_rank_args[r])` on rank r."
+    self.check_alive()
+    return self._wait([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)], method)
 
-    def call_rank(self, rank: int, method: str, *args, **kwargs):
-        "Call `method(*args, **kwargs)` on rank `rank` alone."
-        self.check_alive()
-        return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
+@patch
+def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
+    "Call `method(*args, **kwargs)` on rank `rank` alone."
+    self.check_alive()
+    return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
 
-    def kill(self):
-        "Kill all actors and free the placement group (idempotent)."
-        import ray
-        from ray.util.placement_group import remove_placement_group
-        for a in getattr(self, 'actors', []):
-            try: ray.kill(a)
-            except Exception: pass
-        self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
-        if getattr(self, 'pg', None) is not None:
-            try: remove_placement_group(self.pg)
-            except Exception: pass
-            self.pg = None
+@patch
+def kill(self: WorkerGroup):
+    "Kill all actors and free the placement group (idempotent)."
+    import ray
+    from ray.util.placement_group import remove_placement_group
+    for a in getattr(self, 'actors', []):
+        try: ray.kill(a)
+        except Exception: pass
+    self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
+    if getattr(self, 'pg', None) is not None:
+        try: remove_placement_group(self.pg)
+        except Exception: pass
+        self.pg = None
 
-    def shutdown(self):
-        "Leave the process group cleanly, then kill the actors."
-        if self.actors:
-            try: self.call('shutdown')
-            except WorkerError: pass
-        self.kill()
+@patch
+def shutdown(self: WorkerGroup):
+    "Leave the process group cleanly, then kill the actors."
+    if self.actors:
+        try: self.call('shutdown')
+        except WorkerError: pass
+    self.kill()
