@@ -249,13 +249,14 @@ def trained_token_stats_np(logprobs, targets: list[int], k: int) -> dict:
 # %% ../nbs/08c_lens.ipynb #919a173e
 def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:
     "The latest checkpoint's full HF-named model state and its step (FSDP or megatron shards); (None, 0) without one."
-    import json, torch
+    import torch
     from pathlib import Path
     ck = Path(run_dir) / 'checkpoints'
     name = (ck / 'latest').read_text().strip() if (ck / 'latest').exists() else None
     path = ck / name if name else None
     if path is None or not (path / 'trainer_state.json').exists(): return None, 0
-    step = json.loads((path / 'trainer_state.json').read_text())['global_step']
+    from sft_nb.checkpoint import verify_checkpoint
+    step = verify_checkpoint(path)['global_step']  # digests, a DCP .metadata that runs no code, a valid state, as a resume checks
     shards = sorted(path.glob('megatron_tp*_pp*.pt'))
     if shards:
         from transformers import AutoConfig
