@@ -18,10 +18,12 @@ class TemplateError(ValueError):
     "A chat template behaves in a way that would make masks wrong; the message names the behaviour."
 
 def load_template(template: str | None) -> str | None:
-    "Template text from inline Jinja or a file path."
+    "Template text from inline Jinja or a file path (`~` expanded); a path-like value naming no file is an error, not template text."
     if template is None: return None
-    p = Path(template)
-    if '{' not in template and p.suffix in ('.jinja', '.j2', '.txt') and p.exists(): return p.read_text()
+    p = Path(template).expanduser()
+    if '{' not in template and p.suffix in ('.jinja', '.j2', '.txt'):
+        if not p.is_file(): raise TemplateError(f"tokenize.chat_template: {template!r} names no file (a template path must exist; inline Jinja has {{% or {{{{)")
+        return p.read_text()
     return template
 
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:

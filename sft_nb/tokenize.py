@@ -737,7 +737,7 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
 
 # %% ../nbs/02_tokenize.ipynb #ef1077a4
 def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir) if cache_dir else sft_nb_home() / 'tokenized'
+    return Path(cache_dir).expanduser() if cache_dir else sft_nb_home() / 'tokenized'  # '~/cache' is the home folder's
 
 def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) -> str:
     from sft_nb import __version__
@@ -801,8 +801,10 @@ def commit_entry(tmp: Path, folder: Path, report: DataReport):
     "Finish an entry built in `tmp` (parts under tmp/data): report, then the manifest last, then one rename into place."
     (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
     (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
-    if folder.exists(): shutil.rmtree(folder)  # a corrupt entry we decided to rebuild
-    os.rename(tmp, folder)
+    if folder.exists(): shutil.rmtree(folder, ignore_errors=True)  # a corrupt entry we decided to rebuild
+    try: os.rename(tmp, folder)
+    except OSError:  # a concurrent tokenization committed the same entry first (ENOTEMPTY/EEXIST): its copy is equally good
+        if load_entry(folder) is None: raise
 
 _load_entry = load_entry  # the names bench/tokenize.py used
 
