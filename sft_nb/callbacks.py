@@ -96,21 +96,21 @@ class TrainerBusy(RuntimeError):
     "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
 
 class Exclusive:
-    "`with guard('fit'):` holds the trainer for one thread's action; `running` names it (None when idle)."
-    def __init__(self): self._lock, self._owner, self.running = threading.Lock(), None, None
+    "`with guard('fit'):` holds the trainer for one thread's action; `action` names it (None when idle)."
+    def __init__(self): self._lock, self._owner, self.action = threading.Lock(), None, None
     @contextmanager
     def __call__(self, action: str):
         me = threading.get_ident()
         with self._lock:
             if self._owner not in (None, me):
-                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.running}() is running in another thread "
+                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.action}() is running in another thread "
                                   "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
             outer = self._owner is None
-            if outer: self._owner, self.running = me, action
+            if outer: self._owner, self.action = me, action
         try: yield
         finally:
             if outer:
-                with self._lock: self._owner, self.running = None, None
+                with self._lock: self._owner, self.action = None, None
 
 def action(name: str, setup: bool = True):
     "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."

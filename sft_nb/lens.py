@@ -124,8 +124,8 @@ def token_losses(self: SFTTrainer, rows_or_split='train', # a split ('train', 'h
     from tqdm.auto import tqdm
     self.setup()
     if self.processor is not None: raise NotImplementedError("token_losses: vision-language rows are not supported yet")
-    if self.running is not None and self.running != 'token_losses':
-        raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{self.running}() is running (e.g. the panel's Fit); wait for it or stop it")
+    if self.action is not None and self.action != 'token_losses':
+        raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{self.action}() is running (e.g. the panel's Fit); wait for it or stop it")
     exs = lens_rows(self, rows_or_split, indices)
     dp, micro = self.cfg.placement.dp_size, micro_batch_size or max(1, self.cfg.train.micro_batch_size) * 4
     per_call, out = dp * micro * 4, []

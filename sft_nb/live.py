@@ -196,18 +196,20 @@ class TrainerPanel(Callback):
 def refresh(self):
     "Redraw the status line, the progress bar and which buttons can be pressed now."
     t = self.trainer
-    total, running = getattr(t, 'total_steps', None), t.running
+    total, running = getattr(t, 'total_steps', None), t.action
     h = t.rows_history[-1] if t.rows_history else None
     self.progress.max, self.progress.value = max(1, total or 1), t.global_step
     done = total is not None and t.global_step >= total
     where = ' (from the panel)' if self.busy else ' (from a cell)'
-    state = f'<b>{running} running{where}</b>' if running else ('done: every step ran' if done and self.state == 'idle' else self.state)
+    stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
+    state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
+            else ('done: every step ran' if done and self.state == 'idle' else self.state)
     self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
                          + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
                          + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
     for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
     for b in (self.eval_button, self.save_button): b.disabled = bool(running)
-    self.stop_button.disabled = running not in ('fit', 'train')
+    self.stop_button.disabled = running not in ('fit', 'train') or stopping
     plan = getattr(t, 'data', None)
     self.data_line.value = data_html(plan.data_report if plan is not None else None)
 

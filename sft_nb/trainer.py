@@ -51,12 +51,17 @@ class SFTTrainer:
 
     def request_stop(self) -> bool:
         "Ask a running `fit`/`train` to stop after the current step; does nothing (returns False) when idle."
-        if self.running not in ('fit', 'train'): return False
+        if self.action not in ('fit', 'train'): return False
         self.control.should_stop = True
         return True
 
     def _emit(self, event: str, *args):
         for cb in self.callbacks: getattr(cb, event)(self, *args)
+
+    @property
+    def running(self) -> bool:
+        "Whether an action (fit, step, evaluate, save, ...) runs now; `action` names it."
+        return self._exclusive.action is not None
 
     @property
     def history(self) -> pd.DataFrame:
@@ -70,7 +75,7 @@ class SFTTrainer:
         try: self.ckpt.release()
         except Exception: pass
 
-_READS = {'running': '_exclusive.running', 'run_dir': 'ckpt.run_dir', 'ckpt_dir': 'ckpt.dir', 'checkpoints': 'ckpt.checkpoints',
+_READS = {'action': '_exclusive.action', 'run_dir': 'ckpt.run_dir', 'ckpt_dir': 'ckpt.dir', 'checkpoints': 'ckpt.checkpoints',
           '_pending': 'data.pending', '_rank_batches': 'data.rank_batches', '_example': 'data.example', '_collate': 'data.collate_items',
           **{n: f'data.{n}' for n in ('train_sets', 'eval_sets', 'data_report', 'rows', 'heldout', 'lengths', 'capacity', 'pack_plan',
                                       'items', 'steps_per_epoch', 'total_steps', 'sampler', 'global_batch')}}
