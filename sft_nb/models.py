@@ -11,9 +11,9 @@ from .templates import FAMILY_SPECIALS, add_family_specials, load_template
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
-           'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
-           'check_model_path', 'load_tokenizer', 'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'build_tiny_tokenizer', 'tiny_model_config',
+           'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template',
+           'resolve_model_path', 'check_model_path', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #572cb52f
 _atomic_build = atomic_build  # the name other modules used before it moved to sft_nb.paths
@@ -145,6 +145,8 @@ def resolve_model_path(path: str) -> str:
     return path
 
 # %% ../nbs/06_models.ipynb #98b344f8
+TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json')
+
 def check_model_path(path: str) -> str:
     "`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks local but does not exist."
     from sft_nb.config import ConfigError
@@ -152,6 +154,9 @@ def check_model_path(path: str) -> str:
     p = Path(out).expanduser()
     if p.is_dir():
         if not (p / 'config.json').exists(): raise ConfigError(f"model.path: {path!r} is a folder without config.json (not a Hugging Face model folder)")
+        if not any((p / f).exists() for f in TOKENIZER_FILES):  # else transformers' error speaks of a missing chat template
+            raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); "
+                              "save the tokenizer of the model it came from into the folder (tokenizer.save_pretrained)")
     elif p.exists(): raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a hub id 'org/name'")
     elif out.startswith(('/', '.', '~')) or out.count('/') > 1 or os.sep != '/' and os.sep in out:
         raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
