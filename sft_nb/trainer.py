@@ -229,3 +229,56 @@ def shutdown(self: SFTTrainer):
     if self.group is not None: self.group.shutdown(); self.group, self.workers = None, None
     self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
+
+# %% ../nbs/08_trainer.ipynb #1d8bd1b5
+from .backends import get_backend
+from .dataplan import _row
+
+_GiB = 1024**3
+
+@patch
+def largest_micro_batch(self: SFTTrainer, full_length: bool = False) -> dict:
+    "The biggest micro-batch the data plan can make: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
+    c, d = self.cfg, self.data
+    micro = max(1, c.train.micro_batch_size)
+    if full_length or d.streams:
+        n = (c.packing.capacity or c.tokenize.max_length) if c.packing.enabled else c.tokenize.max_length
+        ds = synthetic_dataset(micro, n, len(self.tokenizer), c.data.seed)
+        mb = d.collate([_row(ds, i) for i in range(micro)])
+    else:
+        size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
+        mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
+    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'n_tokens', 'weight_sum')}
+
+def _advice(cfg, ranks: list[dict]) -> list[str]:
+    "What to change when a rank does not fit, in the config's own keys."
+    c, on_gpu = cfg, ranks[0]['device'] == 'cuda'
+    out = []
+    if c.train.micro_batch_size > 1: out.append(f"train.micro_batch_size={c.train.micro_batch_size} → smaller (activations scale with it)")
+    if c.model.activation_checkpointing != 'full':
+        out.append(f"model.activation_checkpointing={c.model.activation_checkpointing!r} → 'full' (recompute each block in backward)")
+    if c.packing.enabled: out.append(f"packing.capacity={c.packing.capacity or c.tokenize.max_length} → smaller")
+    else: out.append(f"tokenize.max_length={c.tokenize.max_length} → smaller (or the longest rows dropped)")
+    out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards weights, gradients and optimizer state over them")
+    if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
+    return out
+
+@patch
+@action('dry_run', setup=False)
+def dry_run(self: SFTTrainer, memory_limit: int | None = None, # bytes a rank may use (default: what the rank has)
+            full_length: bool = False, # rows of `tokenize.max_length` tokens instead of the plan's longest
+           ) -> dict:
+    "One step per rank on the largest micro-batch; {'fits', 'message', 'ranks': per-rank peak/capacity bytes, 'shape'}. The weights are left as they were."
+    backend = self.cfg.placement.backend
+    if not hasattr(get_backend(backend), 'dry_run'):
+        raise NotImplementedError(f"placement.backend: {backend!r} has no memory dry run (the 'fsdp' backend has one)")
+    self.setup()
+    mb = self.largest_micro_batch(full_length)
+    ranks = self.workers.dry_run(mb, memory_limit)
+    worst = max(ranks, key=lambda r: r['peak'] / r['capacity'])
+    fits = all(r['peak'] <= r['capacity'] for r in ranks)
+    head = (f"rank {worst['rank']} peaks at {worst['peak'] / _GiB:.2f} GiB of {worst['capacity'] / _GiB:.2f} GiB "
+            f"({worst['capacity_from']}, {worst['device']}) on a micro-batch of shape {tuple(mb['input_ids'].shape)}")
+    msg = f"fits: {head}" if fits else f"does not fit: {head}; change: " + '; '.join(_advice(self.cfg, ranks))
+    return {'fits': fits, 'message': msg, 'ranks': ranks, 'shape': tuple(mb['input_ids'].shape)}
+
