@@ -344,6 +344,12 @@ def rank_capacity(use_gpu: bool = False, memory_limit: int | None = None) -> tup
     if cg.exists() and cg.read_text().strip() != 'max': caps.append((int(cg.read_text()), 'cgroup memory.max'))
     return min(caps)
 
+@patch
+def memory(self: FSDPWorker, reset: bool = False) -> dict:
+    "This rank's {'rss', 'peak'} bytes (`rank_memory`); `reset` starts a new peak first (to measure a real step as `dry_run` does)."
+    if reset: reset_peak_memory(self.use_gpu)
+    return rank_memory(self.use_gpu)
+
 def _local(t):
     "A tensor's own storage: a DTensor's shard on this rank, else the tensor itself."
     return t.to_local() if hasattr(t, 'to_local') else t
