@@ -91,6 +91,7 @@ def _cmd_train(a):
     cfg = load_config(a.config, a.overrides)
     t0 = time.time()
     with SFTTrainer(cfg) as t:
+        if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
         h = t.train()
         ev = getattr(t, 'last_eval', {})
         summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
@@ -130,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument('--timeout', type=int, default=3600, help='seconds allowed per cell')
     t = sub.add_parser('train', help='train from a YAML config (no notebook)', description='Train from CONFIG with key.sub=value overrides.')
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
+    t.add_argument('--dry-run', action='store_true', help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), trains nothing')
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):
         sub.add_parser(name, help=h, add_help=False)

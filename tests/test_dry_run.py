@@ -56,3 +56,15 @@ def test_dry_run_says_what_to_change(tiny_path, tmp_path, ray_session):
     assert msg.startswith('does not fit: rank ')
     for key in ('train.micro_batch_size=4', "model.activation_checkpointing='none'", 'tokenize.max_length=256', 'placement.workers_per_node'):
         assert key in msg, key
+
+
+def test_cli_train_dry_run(tiny_path, tmp_path, ray_session, capsys):
+    "`sft-nb train CONFIG --dry-run`: the verdict on stdout, exit 0 when it fits, nothing trained or saved."
+    import pytest, yaml
+    from sft_nb.cli import main
+    path = tmp_path / 'cfg.yaml'
+    path.write_text(yaml.safe_dump(cfg(tiny_path, tmp_path / 'cli')))
+    with pytest.raises(SystemExit) as e: main(['train', str(path), '--dry-run'])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith('fits: rank ')
+    assert not (tmp_path / 'cli' / 'checkpoints').exists() or not any((tmp_path / 'cli' / 'checkpoints').iterdir())
