@@ -233,6 +233,7 @@ def shutdown(self: SFTTrainer):
 # %% ../nbs/08_trainer.ipynb #1d8bd1b5
 from .backends import get_backend
 from .dataplan import _row
+from collections import Counter
 
 _GiB = 1024**3
 
@@ -275,6 +276,10 @@ def dry_run(self: SFTTrainer, memory_limit: int | None = None, # bytes a rank ma
     self.setup()
     mb = self.largest_micro_batch(full_length)
     ranks = self.workers.dry_run(mb, memory_limit)
+    on_host = Counter(r['host'] for r in ranks if r['capacity_from'] == 'MemAvailable')
+    for r in ranks:  # CPU ranks on one host share its free memory: each gets its part on top of what it holds
+        if r['capacity_from'] == 'MemAvailable' and (n := on_host[r['host']]) > 1:
+            r['capacity'], r['capacity_from'] = r['rss'] + (r['capacity'] - r['rss']) // n, f"MemAvailable / {n} ranks on the host"
     worst = max(ranks, key=lambda r: r['peak'] / r['capacity'])
     fits = all(r['peak'] <= r['capacity'] for r in ranks)
     head = (f"rank {worst['rank']} peaks at {worst['peak'] / _GiB:.2f} GiB of {worst['capacity'] / _GiB:.2f} GiB "

@@ -31,6 +31,7 @@ def test_dry_run_peaks_weights_and_next_step(tiny_path, tmp_path, ray_session):
         w1 = t.group.call('full_state')[0]
         m, mem = first_step_peaks(t)
     assert r['fits'] and r['message'].startswith('fits: ') and r['shape'] == (4, 256), r
+    assert {d['capacity_from'] for d in r['ranks']} == {'MemAvailable / 2 ranks on the host'}  # both ranks share this machine
     assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)  # bitwise
     assert m['loss'] == m_ref['loss'] and m['grad_norm'] == m_ref['grad_norm'], (m, m_ref)  # same process layout: bitwise
     for d, a, b in zip(r['ranks'], mem_ref, mem):

@@ -389,6 +389,7 @@ def dry_run(self: FSDPWorker, micro_batch: dict, memory_limit: int | None = None
         torch.set_rng_state(rng)
         if cuda_rng is not None: torch.cuda.set_rng_state(cuda_rng)
     cap, source = rank_capacity(self.use_gpu, memory_limit)
+    import socket  # host: ranks on one host share its MemAvailable (the driver splits it)
     return {'rank': self.rank, 'peak': int(peak - held), 'before': int(before - held), 'capacity': int(cap), 'capacity_from': source,
-            'device': 'cuda' if self.use_gpu else 'cpu'}
+            'rss': rank_memory(self.use_gpu)['rss'], 'host': socket.gethostname(), 'device': 'cuda' if self.use_gpu else 'cpu'}
 
