@@ -22,7 +22,7 @@ from .workers import init_ray, stop_ray, WorkerError
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['plan_class', 'SFTTrainer']
+__all__ = ['plan_class', 'SFTTrainer', 'dry_run_batch', 'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #1cfd7c40
 def plan_class(cfg: SFTConfig) -> type:
@@ -232,20 +232,20 @@ def shutdown(self: SFTTrainer):
 
 # %% ../nbs/08_trainer.ipynb #1d8bd1b5
 from .backends import get_backend
-from .dataplan import _row
 from collections import Counter
 
 _GiB = 1024**3
 
-@patch
-def largest_micro_batch(self: SFTTrainer, full_length: bool = False) -> dict:
-    "The biggest micro-batch the data plan can make: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
-    c, d = self.cfg, self.data
-    micro = max(1, c.train.micro_batch_size)
+def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the backend is known to have a dry run
+                  full_length: bool = False) -> dict:
+    "The biggest micro-batch the set-up trainer's plan makes: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
+    if not hasattr(get_backend(cfg.placement.backend), 'dry_run'):
+        raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no memory dry run (the 'fsdp' backend has one)")
+    t = setup(); d, micro = t.data, max(1, cfg.train.micro_batch_size)
     if full_length or d.streams:
-        n = (c.packing.capacity or c.tokenize.max_length) if c.packing.enabled else c.tokenize.max_length
-        ds = synthetic_dataset(micro, n, len(self.tokenizer), c.data.seed)
-        mb = d.collate([_row(ds, i) for i in range(micro)])
+        n = (cfg.packing.capacity or cfg.tokenize.max_length) if cfg.packing.enabled else cfg.tokenize.max_length
+        ds = synthetic_dataset(micro, n, len(t.tokenizer), cfg.data.seed)
+        mb = d.collate([{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in ds])
     else:
         size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
         mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
@@ -264,26 +264,24 @@ def _advice(cfg, ranks: list[dict]) -> list[str]:
     if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
     return out
 
-@patch
-@action('dry_run', setup=False)
-def dry_run(self: SFTTrainer, memory_limit: int | None = None, # bytes a rank may use (default: what the rank has)
-            full_length: bool = False, # rows of `tokenize.max_length` tokens instead of the plan's longest
-           ) -> dict:
-    "One step per rank on the largest micro-batch; {'fits', 'message', 'ranks': per-rank peak/capacity bytes, 'shape'}. The weights are left as they were."
-    backend = self.cfg.placement.backend
-    if not hasattr(get_backend(backend), 'dry_run'):
-        raise NotImplementedError(f"placement.backend: {backend!r} has no memory dry run (the 'fsdp' backend has one)")
-    self.setup()
-    mb = self.largest_micro_batch(full_length)
-    ranks = self.workers.dry_run(mb, memory_limit)
+def dry_run_verdict(cfg: SFTConfig, ranks: list[dict], shape: tuple) -> dict:
+    "{'fits', 'message', 'ranks', 'shape'} of the ranks' dry runs; CPU ranks on one host share its MemAvailable."
+    ranks = [dict(r) for r in ranks]
     on_host = Counter(r['host'] for r in ranks if r['capacity_from'] == 'MemAvailable')
-    for r in ranks:  # CPU ranks on one host share its free memory: each gets its part on top of what it holds
+    for r in ranks:  # each gets its part of the host's free memory on top of what it holds
         if r['capacity_from'] == 'MemAvailable' and (n := on_host[r['host']]) > 1:
             r['capacity'], r['capacity_from'] = r['rss'] + (r['capacity'] - r['rss']) // n, f"MemAvailable / {n} ranks on the host"
     worst = max(ranks, key=lambda r: r['peak'] / r['capacity'])
     fits = all(r['peak'] <= r['capacity'] for r in ranks)
     head = (f"rank {worst['rank']} peaks at {worst['peak'] / _GiB:.2f} GiB of {worst['capacity'] / _GiB:.2f} GiB "
-            f"({worst['capacity_from']}, {worst['device']}) on a micro-batch of shape {tuple(mb['input_ids'].shape)}")
-    msg = f"fits: {head}" if fits else f"does not fit: {head}; change: " + '; '.join(_advice(self.cfg, ranks))
-    return {'fits': fits, 'message': msg, 'ranks': ranks, 'shape': tuple(mb['input_ids'].shape)}
+            f"({worst['capacity_from']}, {worst['device']}) on a micro-batch of shape {shape}")
+    msg = f"fits: {head}" if fits else f"does not fit: {head}; change: " + '; '.join(_advice(cfg, ranks))
+    return {'fits': fits, 'message': msg, 'ranks': ranks, 'shape': shape}
+
+@patch
+@action('dry_run', setup=False)
+def dry_run(self: SFTTrainer, memory_limit: int | None = None, full_length: bool = False) -> dict:
+    "One step per rank on `dry_run_batch`, weights left as they were: {'fits', 'message' (what to change), 'ranks', 'shape'}; `memory_limit`: bytes a rank may use."
+    mb = dry_run_batch(self.cfg, self.setup, full_length)
+    return dry_run_verdict(self.cfg, self.workers.dry_run(mb, memory_limit), tuple(mb['input_ids'].shape))
 
