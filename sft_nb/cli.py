@@ -138,6 +138,7 @@ def _cmd_train(a):
     cfg = load_config(a.config, a.overrides)
     t0 = time.time()
     with SFTTrainer(cfg) as t, stop_on_signals(t, a.grace) as stopped:  # after setup: Ray's start installs its own SIGTERM handler
+        if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
         if not stopped: t.fit()
         if stopped:
             where = t.save() if t.global_step > 0 else None
@@ -184,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument('--timeout', type=int, default=3600, help='seconds allowed per cell')
     t = sub.add_parser('train', help='train from a YAML config (no notebook)', description='Train from CONFIG with key.sub=value overrides.')
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
+    t.add_argument('--dry-run', action='store_true', help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), trains nothing')
     t.add_argument('--grace', type=float, default=120, help='seconds from SIGTERM/SIGINT to a checkpoint at a step boundary; then it exits anyway')
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):

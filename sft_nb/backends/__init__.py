@@ -76,6 +76,15 @@ class BackendGroup:
         return self.group.call('export_hf', path, tokenizer_path, lora_export)
     def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list: return self.group.call('profile', action, path, ranks)
 
+# %% ../../nbs/07_backends.ipynb #0fed937b
+from fastcore.basics import patch
+
+@patch
+def dry_run(self: BackendGroup, micro_batch: dict, memory_limit: int | None = None) -> list[dict]:
+    "Every rank's memory dry run on the same `micro_batch` (backends that have one: `fsdp`)."
+    return self.group.call('dry_run', micro_batch, memory_limit)
+
+
 # %% ../../nbs/07_backends.ipynb #ff035f36
 def start_workers(cfg, # the run's `SFTConfig`
                   total_steps: int, # the LR schedule's length

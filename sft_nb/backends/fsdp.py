@@ -14,7 +14,8 @@ from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, att
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats', 'rank_memory',
+           'reset_peak_memory', 'rank_capacity']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
 def _model_cls(path):
@@ -315,3 +316,80 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
             out.append(trained_token_stats(logits, tgt, k))
     return out
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
+def rank_memory(use_gpu: bool = False) -> dict:
+    "This process's memory now: {'rss', 'peak'} bytes (host VmRSS/VmHWM on CPU; allocated / max allocated on the GPU)."
+    import torch
+    if use_gpu: return {'rss': torch.cuda.memory_allocated(), 'peak': torch.cuda.max_memory_allocated()}
+    kb = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(('VmRSS', 'VmHWM'))}
+    return {'rss': kb['VmRSS'], 'peak': kb['VmHWM']}
+
+def reset_peak_memory(use_gpu: bool = False):
+    "Start a new peak from the memory in use now (the kernel's VmHWM via /proc/self/clear_refs on CPU)."
+    import torch
+    if use_gpu: torch.cuda.reset_peak_memory_stats()
+    else: Path('/proc/self/clear_refs').write_text('5')
+
+def rank_capacity(use_gpu: bool = False, memory_limit: int | None = None) -> tuple[int, str]:
+    "(bytes, where from) this rank may use: `memory_limit` if given; on the GPU its total memory; on CPU the least of RLIMIT_AS, the cgroup limit and MemAvailable + this process's RSS."
+    import resource, torch
+    if memory_limit: return int(memory_limit), 'memory_limit'
+    if use_gpu: return torch.cuda.mem_get_info()[1], 'GPU total'
+    info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/meminfo').read_text().splitlines()}
+    caps = [(info['MemAvailable'] + rank_memory()['rss'], 'MemAvailable')]
+    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
+    if soft != resource.RLIM_INFINITY: caps.append((soft, 'RLIMIT_AS'))
+    cg = Path('/sys/fs/cgroup/memory.max')
+    if cg.exists() and cg.read_text().strip() != 'max': caps.append((int(cg.read_text()), 'cgroup memory.max'))
+    return min(caps)
+
+@patch
+def memory(self: FSDPWorker, reset: bool = False) -> dict:
+    "This rank's {'rss', 'peak'} bytes (`rank_memory`); `reset` starts a new peak first (to measure a real step as `dry_run` does)."
+    if reset: reset_peak_memory(self.use_gpu)
+    return rank_memory(self.use_gpu)
+
+def _local(t):
+    "A tensor's own storage: a DTensor's shard on this rank, else the tensor itself."
+    return t.to_local() if hasattr(t, 'to_local') else t
+
+@patch
+def dry_run(self: FSDPWorker, micro_batch: dict, memory_limit: int | None = None) -> dict:
+    """One forward/backward/optimizer step on `micro_batch`; this rank's peak memory and what it has. Weights, optimizer
+    state, step count and RNG streams are put back exactly (the snapshot lives in host memory; on CPU its bytes are
+    taken off the peak, as a real step does not hold it)."""
+    import torch
+    tensors = [_local(t.detach()) for t in (*self.model.parameters(), *self.model.buffers())]
+    with torch.no_grad():
+        snap = [t.to('cpu', copy=True) for t in tensors]
+        opt_snap = {p: {k: (_local(v).to('cpu', copy=True) if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in self.opt.state.items()}
+    held = 0 if self.use_gpu else sum(t.nbytes for t in snap) + sum(v.nbytes for s in opt_snap.values() for v in s.values() if torch.is_tensor(v))
+    step, rng, cuda_rng = self.step, torch.get_rng_state(), (torch.cuda.get_rng_state() if self.use_gpu else None)
+    if self.use_gpu: torch.cuda.synchronize()
+    before = rank_memory(self.use_gpu)['rss']
+    reset_peak_memory(self.use_gpu)
+    try:
+        self.forward_backward([micro_batch], 1)  # the loss scale does not change what is allocated
+        self.optim_step()
+        if self.use_gpu: torch.cuda.synchronize()
+        peak = rank_memory(self.use_gpu)['peak']
+    finally:
+        self.opt.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for t, s in zip(tensors, snap): t.copy_(s)
+            for p in list(self.opt.state):  # state the step made (a first step's) goes; state that was there gets its values back
+                if p not in opt_snap: del self.opt.state[p]; continue
+                st = self.opt.state[p]
+                for k in [k for k in st if k not in opt_snap[p]]: del st[k]
+                for k, v in opt_snap[p].items():
+                    if torch.is_tensor(v): _local(st[k]).copy_(v)
+                    else: st[k] = v
+        self.step = step
+        torch.set_rng_state(rng)
+        if cuda_rng is not None: torch.cuda.set_rng_state(cuda_rng)
+    cap, source = rank_capacity(self.use_gpu, memory_limit)
+    import socket  # host: ranks on one host share its MemAvailable (the driver splits it)
+    return {'rank': self.rank, 'peak': int(peak - held), 'before': int(before - held), 'capacity': int(cap), 'capacity_from': source,
+            'rss': rank_memory(self.use_gpu)['rss'], 'host': socket.gethostname(), 'device': 'cuda' if self.use_gpu else 'cpu'}
+

@@ -1,0 +1,71 @@
+"""SFTTrainer.dry_run (issue 27, memory dry run) on 2 gloo ranks under Ray: its per-rank peaks are those of the first
+real step (host RSS, VmHWM reset through /proc/self/clear_refs on both), the weights come back bitwise, the next real
+step's loss is that of a run without the dry run, and a memory cap below the peak is told what to change before any
+step is taken."""
+import torch
+from sft_nb.trainer import SFTTrainer
+from helpers import run_cfg
+
+GiB = 1024**3
+
+
+def cfg(tiny_path, run_dir):
+    "Synthetic full-length rows: every micro-batch of the first step is the plan's largest (2 ranks × 1 micro-batch of 4 × 256)."
+    return run_cfg(tiny_path, run_dir, data__synthetic_rows=16, tokenize__max_length=256, train__global_batch_size=8,
+                   train__micro_batch_size=4, train__num_steps=2, placement__workers_per_node=2, optim__lr=1e-3)
+
+
+def first_step_peaks(t) -> tuple[dict, list[dict]]:
+    "The first real step's metrics and per-rank memory, measured as `dry_run` measures it."
+    start = t.group.call('memory', True)
+    m = t.step()
+    return m, [{**e, 'before': s['rss']} for s, e in zip(start, t.group.call('memory'))]
+
+
+def test_dry_run_peaks_weights_and_next_step(tiny_path, tmp_path, ray_session):
+    with SFTTrainer(cfg(tiny_path, tmp_path / 'plain')) as t:
+        m_ref, mem_ref = first_step_peaks(t)
+    with SFTTrainer(cfg(tiny_path, tmp_path / 'dry')) as t:
+        w0 = t.group.call('full_state')[0]
+        r = t.dry_run()
+        w1 = t.group.call('full_state')[0]
+        m, mem = first_step_peaks(t)
+    assert r['fits'] and r['message'].startswith('fits: ') and r['shape'] == (4, 256), r
+    assert {d['capacity_from'] for d in r['ranks']} == {'MemAvailable / 2 ranks on the host'}  # both ranks share this machine
+    assert w0.keys() == w1.keys() and all(torch.equal(w0[k], w1[k]) for k in w0)  # bitwise
+    assert m['loss'] == m_ref['loss'] and m['grad_norm'] == m_ref['grad_norm'], (m, m_ref)  # same process layout: bitwise
+    for d, a, b in zip(r['ranks'], mem_ref, mem):
+        print(f"rank {d['rank']}: dry-run peak {d['peak'] / 2**20:.1f} MiB (step adds {(d['peak'] - d['before']) / 2**20:.1f}), "
+              f"first real step {a['peak'] / 2**20:.1f} MiB (adds {(a['peak'] - a['before']) / 2**20:.1f}) without a dry run, "
+              f"{b['peak'] / 2**20:.1f} MiB (adds {(b['peak'] - b['before']) / 2**20:.1f}) after it; "
+              f"capacity {d['capacity'] / GiB:.1f} GiB ({d['capacity_from']})")
+        assert abs(d['peak'] - a['peak']) <= 0.1 * a['peak'], (d, a)
+        assert abs(d['peak'] - b['peak']) <= 0.1 * b['peak'], (d, b)
+        # the process's baseline (~450 MiB of torch and the model) dominates the peak; what the step itself adds is close
+        # too (measured: 54.0 vs 51.0 MiB, 54.3 vs 52.9). After the dry run the real step adds little: glibc keeps the heap.
+        assert abs((d['peak'] - d['before']) - (a['peak'] - a['before'])) <= 0.2 * (a['peak'] - a['before']), (d, a)
+
+
+def test_dry_run_says_what_to_change(tiny_path, tmp_path, ray_session):
+    with SFTTrainer(cfg(tiny_path, tmp_path / 'cap')) as t:
+        peak = max(d['peak'] for d in t.dry_run()['ranks'])
+        r = t.dry_run(memory_limit=peak // 2)
+        assert t.global_step == 0 and not t.rows_history  # told before training starts
+    assert not r['fits'] and all(d['capacity_from'] == 'memory_limit' for d in r['ranks'])
+    msg = r['message']
+    print(msg)
+    assert msg.startswith('does not fit: rank ')
+    for key in ('train.micro_batch_size=4', "model.activation_checkpointing='none'", 'tokenize.max_length=256', 'placement.workers_per_node'):
+        assert key in msg, key
+
+
+def test_cli_train_dry_run(tiny_path, tmp_path, ray_session, capsys):
+    "`sft-nb train CONFIG --dry-run`: the verdict on stdout, exit 0 when it fits, nothing trained or saved."
+    import pytest, yaml
+    from sft_nb.cli import main
+    path = tmp_path / 'cfg.yaml'
+    path.write_text(yaml.safe_dump(cfg(tiny_path, tmp_path / 'cli')))
+    with pytest.raises(SystemExit) as e: main(['train', str(path), '--dry-run'])
+    assert e.value.code == 0
+    assert capsys.readouterr().out.startswith('fits: rank ')
+    assert not (tmp_path / 'cli' / 'checkpoints').exists() or not any((tmp_path / 'cli' / 'checkpoints').iterdir())
