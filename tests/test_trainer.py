@@ -112,7 +112,8 @@ def test_export_loads_and_generates(tiny_path, tmp_path, ray_session):
         t.train()
         w = weights(t)
     tok, model = AutoTokenizer.from_pretrained(tmp_path / 'hf'), AutoModelForCausalLM.from_pretrained(tmp_path / 'hf')
-    assert max_diff({k: v for k, v in model.state_dict().items() if k in w}, w) == 0
+    sd = model.state_dict()
+    assert all(sd[k].equal(v) for k, v in w.items() if k in sd)  # the export is the workers' weights, bit for bit
     ids = tok.apply_chat_template([{'role': 'user', 'content': 'Who are you?'}], add_generation_prompt=True, return_tensors='pt', return_dict=True)
     out = model.generate(**ids, max_new_tokens=5, do_sample=False)
     assert out.shape[1] > ids['input_ids'].shape[1]
