@@ -215,9 +215,9 @@ def test_trainer_panel_in_browser(lab, browser):
     nb.shot('panel_mid_fit', panel)
 
     # the kernel stays responsive: a cell runs while the fit goes on, and sees it running
-    cell = nb.run_new_cell("print('alive', trainer.running, trainer.global_step)")
+    cell = nb.run_new_cell("print('alive', trainer.action, trainer.running, trainer.global_step)")
     cell.locator('.jp-OutputArea-output', has_text='alive').wait_for(timeout=60_000)
-    assert 'alive fit' in cell.locator('.jp-OutputArea-output').inner_text()
+    assert 'alive fit True' in cell.locator('.jp-OutputArea-output').inner_text()  # action names it, running is a bool
     # a second run from a cell is refused with a clear error, and the panel's fit goes on
     cell = nb.run_new_cell('trainer.fit()')
     err = nb.errors_shown(cell)
