@@ -33,14 +33,15 @@ def status_kb(key):
 
 def batch(folder, rows, capacity, model_name):
     from transformers import AutoTokenizer
-    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     from sft_nb.packing import plan_bins
     from sft_nb.collate import collate_packed
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(folder)
     if model_name == 'tiny':  # tiny smoke run: short rows
         capacity = min(capacity, 256)
-    ds, _ = tokenize_dataset(DATA, tok, TokenizeSpec(mode='all_assistant', max_length=capacity, truncation='drop'))
+    ds, _ = tokenize_dataset(DATA, tok, TokenizeConfig(mode='all_assistant', max_length=capacity, truncation='drop'))
     exs = [{'input_ids': list(r['input_ids']), 'loss_mask': list(r['loss_mask'])} for r in ds.select_columns(['input_ids', 'loss_mask'])]
     bins = sorted(plan_bins([len(e['input_ids']) for e in exs], capacity), key=lambda b: -sum(len(exs[i]['input_ids']) for i in b))[:rows]
     return collate_packed([[exs[i] for i in b] for b in bins], tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
@@ -74,8 +75,8 @@ def child(args):
     dt = time.perf_counter() - t0
     peak = status_kb('VmHWM')
     print(json.dumps({'loss_chunk': args.child_chunk, 'rows': int(mb['input_ids'].shape[0]), 'capacity': capacity,
-                      'real_tokens': int(mb['attention_mask'].shape[0] and sum(map(sum, mb['seq_lens']))), 'n_trained': r['n_tokens'],
-                      'loss': r['nll_sum'] / max(1, r['n_tokens']), 'rss_before_gb': before / 2**20, 'peak_gb': peak / 2**20,
+                      'real_tokens': int(mb['attention_mask'].shape[0] and sum(map(sum, mb['seq_lens']))), 'n_trained': r['n_real'],
+                      'loss': r['nll_sum'] / max(1, r['n_real']), 'rss_before_gb': before / 2**20, 'peak_gb': peak / 2**20,
                       'step_peak_gb': (peak - before) / 2**20, 'step_s': dt,
                       'vocab': int(w.model.get_output_embeddings().weight.shape[0])}))
     w.shutdown()

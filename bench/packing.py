@@ -70,13 +70,14 @@ def timed(fn, repeat):
 def token_lengths():
     from transformers import AutoTokenizer
     from sft_nb.models import smollm2_instruct
-    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
     qwen = str(SHARED / 'templates' / 'qwen2.5-instruct.jinja')
     out = {}
     for name, template in (('alpaca_en_demo', None), ('glaive_toolcall_en_demo', qwen)):
-        ds, rep = tokenize_dataset(SHARED / 'datasets' / f'{name}.json', tok, TokenizeSpec(max_length=None, template=template))
+        ds, rep = tokenize_dataset(SHARED / 'datasets' / f'{name}.json', tok, TokenizeConfig(max_length=None, chat_template=template))
         out[name] = np.asarray(ds['length'], dtype=np.int64)
     return out
 

@@ -60,7 +60,8 @@ def child(a):
     import hashlib, resource
     from transformers import AutoTokenizer
     from sft_nb.models import smollm2_instruct
-    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
     if a.address:
@@ -68,7 +69,7 @@ def child(a):
         ray.init(address=a.address, logging_level='ERROR', log_to_driver=False)
         nodes = [n['NodeID'] for n in ray.nodes() if n['Alive']]
     t0 = time.time()
-    ds, rep = tokenize_dataset(a.source, tok, TokenizeSpec(max_length=4096), cache_dir=a.cache, batch_size=1024,
+    ds, rep = tokenize_dataset(a.source, tok, TokenizeConfig(max_length=4096), cache_dir=a.cache, batch_size=1024,
                                ray_shards=a.shards if a.address else 0)
     wall = time.time() - t0
     h = hashlib.sha256()

@@ -31,7 +31,7 @@ times loading the entry with its size + xxh3-128 digest check, without it, the c
 unique) are written as JSONL; then, each in its own subprocess (so peak RSS is honest), best of `--repeats`:
   limit        `apply_chat_template` per row + one `encode_batch` over all texts (conversations parsed before the clock
                starts); above 200,000 rows in chunks of 100,000 so that the limit itself fits in memory
-  ours         `tokenize_dataset(path, tok, TokenizeSpec(max_length=4096), batch_size=1024)` into a fresh cache folder:
+  ours         `tokenize_dataset(path, tok, TokenizeConfig(max_length=4096), batch_size=1024)` into a fresh cache folder:
                reads and parses the file, renders, tokenizes, masks, writes the Arrow cache entry (num_proc 1 and 2)
   cache hit    the same call again (fingerprint the file, verify the entry, memory-map it)
 SmolLM2-135M-Instruct's tokenizer and its own template, mode all_assistant. It prints rows/s (wall and per CPU-second,
@@ -181,7 +181,8 @@ def main():
     from transformers import AutoTokenizer
     from sft_nb.data import load_source, row_dict, detect_format, source_columns, normalize_row
     from sft_nb.models import smollm2_instruct
-    from sft_nb.tokenize import TokenizeSpec, tokenize_rows, tokenize_dataset
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_rows, tokenize_dataset
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     logging.getLogger('trl').setLevel(logging.ERROR)
@@ -222,8 +223,8 @@ def main():
         print(f"\n## {name}: {n} rows, format {fmt}, {sum(c['tools'] is not None for c in convs)} with tools")
 
         for mode in MODES:
-            spec = TokenizeSpec(mode=mode, template=template, max_length=None)
-            methods = {}  # label -> (fn, n_tokens(result))
+            spec = TokenizeConfig(mode=mode, chat_template=template, max_length=None)
+            methods = {}  # label -> (fn, n_real(result))
             # (c) the limit: render once + one batched tokenization, no masking
             def limit():
                 texts = [tok.apply_chat_template(c['messages'], tools=c['tools'], chat_template=template, tokenize=False)
@@ -257,7 +258,7 @@ def main():
             for npr in (1, 2):
                 methods[f'ours tokenize_dataset num_proc={npr}'] = (
                     lambda npr=npr: tokenize_dataset(str(path), tok, spec, num_proc=npr, use_cache=False, batch_size=BATCH),
-                    lambda out: out[1].n_tokens)
+                    lambda out: out[1].n_real)
 
             # rounds: every method once per round, so background load hits all of them alike; keep each one's best
             best, cpu, outs = {k: float('inf') for k in methods}, {k: float('inf') for k in methods}, {}
@@ -320,7 +321,8 @@ def _scale_child(a):
     import json, resource
     from transformers import AutoTokenizer
     from sft_nb.models import smollm2_instruct
-    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     import datasets; datasets.disable_progress_bars()
     method, src, cache = a.child, Path(a.workdir) / f'alpaca_{a.rows}.jsonl', Path(a.workdir) / 'cache'
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
@@ -336,9 +338,9 @@ def _scale_child(a):
     else:
         if method in ('ours', 'ours_np2'): shutil.rmtree(cache, ignore_errors=True)
         t0, c0 = time.perf_counter(), time.process_time()
-        ds, rep = tokenize_dataset(str(src), tok, TokenizeSpec(max_length=4096), batch_size=1024, cache_dir=str(cache),
+        ds, rep = tokenize_dataset(str(src), tok, TokenizeConfig(max_length=4096), batch_size=1024, cache_dir=str(cache),
                                    num_proc=2 if method == 'ours_np2' else 1)
-        n_tok = rep.n_tokens
+        n_tok = rep.n_real
     wall = time.perf_counter() - t0
     me, ch = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = time.process_time() - c0 + ch.ru_utime + ch.ru_stime
@@ -379,10 +381,11 @@ def _profile(tok, template, mode, name=TOOL_SET, top=25):
     "cProfile of `tokenize_rows` (batches of 256, warm) on one dataset: where our time goes."
     import cProfile, pstats
     from sft_nb.data import load_source, row_dict, detect_format, source_columns
-    from sft_nb.tokenize import TokenizeSpec, tokenize_rows
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_rows
     raw = load_source(str(DATASETS[name]))
     fmt, rows = detect_format(source_columns(raw)), [row_dict(r) for r in raw]
-    spec = TokenizeSpec(mode=mode, template=template, max_length=None)
+    spec = TokenizeConfig(mode=mode, chat_template=template, max_length=None)
     run = lambda: [tokenize_rows(rows[s:s + BATCH], tok, spec, fmt) for s in range(0, len(rows), BATCH)]
     run()  # warm: template probe, Jinja compile
     pr = cProfile.Profile()
@@ -395,10 +398,11 @@ def _profile(tok, template, mode, name=TOOL_SET, top=25):
 def _verify_cost(tok, template, n_rows, repeats):
     "Cost of the tokenization cache's content check (sizes + xxh3-128 digests) on a cache of `n_rows` alpaca-style rows."
     import json, time
-    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset, _load_entry, _verify
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset, _load_entry, _verify
     demo = json.loads(DATASETS['alpaca'].read_text())
     big = [{**r, 'instruction': f"{r['instruction']} (#{k})"} for k in range(-(-n_rows // len(demo))) for r in demo][:n_rows]
-    spec = TokenizeSpec(template=template, max_length=None)
+    spec = TokenizeConfig(chat_template=template, max_length=None)
     with tempfile.TemporaryDirectory() as d:
         src, cache = Path(d) / 'alpaca_big.json', Path(d) / 'cache'
         src.write_text(json.dumps(big))
@@ -420,7 +424,7 @@ def _verify_cost(tok, template, n_rows, repeats):
             for k, fn in runs.items():
                 t0 = time.perf_counter(); out = fn(); best[k] = min(best[k], time.perf_counter() - t0)
                 del out
-        print(f"\n## cache content check: {rep.n_rows:,} rows, {rep.n_tokens:,} tokens, entry {size / 2**20:.1f} MiB in {len(files)} files "
+        print(f"\n## cache content check: {rep.n_rows:,} rows, {rep.n_real:,} tokens, entry {size / 2**20:.1f} MiB in {len(files)} files "
               f"(built in {build:.1f} s), best of {repeats}\n")
         print('| what | ms |\n|---|---:|')
         for k, v in best.items(): print(f'| {k} | {v * 1e3:,.1f} |')

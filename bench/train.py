@@ -60,11 +60,12 @@ def log(*a): print(*a, file=sys.stderr, flush=True)
 # data: the rows sft_nb keeps, and the same rows as `messages` for TRL
 def prepare(folder, max_length, path=DATA):
     from transformers import AutoTokenizer
-    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     from sft_nb.data import load_source, row_dict, normalize_row
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(folder)
-    ds, rep = tokenize_dataset(path, tok, TokenizeSpec(mode='all_assistant', max_length=max_length, truncation='drop'))
+    ds, rep = tokenize_dataset(path, tok, TokenizeConfig(mode='all_assistant', max_length=max_length, truncation='drop'))
     raw = load_source(path)
     keep = [int(i) for i in ds['index']]
     messages = {i: normalize_row(row_dict(raw[i]), 'alpaca')['messages'] for i in keep}
@@ -89,17 +90,17 @@ def training_template(tpl):
 
 # ---------------------------------------------------------------------------------------------------------------------
 # runs
-def summarize(name, losses, n_tokens, n_trained, positions, step_times, wall_times=None, cpu_times=None, extra=None):
-    tt, st = sum(n_tokens[1:]), sum(step_times[1:])
-    out = {'method': name, 'steps': len(losses), 'loss': losses, 'n_tokens': n_tokens, 'n_trained': n_trained,
+def summarize(name, losses, n_real, n_trained, positions, step_times, wall_times=None, cpu_times=None, extra=None):
+    tt, st = sum(n_real[1:]), sum(step_times[1:])
+    out = {'method': name, 'steps': len(losses), 'loss': losses, 'n_real': n_real, 'n_trained': n_trained,
            'positions': positions, 'step_time': step_times, 'tokens_per_s': tt / st if st else float('nan'),
-           'median_step_tokens_per_s': statistics.median(a / b for a, b in zip(n_tokens[1:], step_times[1:])) if len(losses) > 1 else float('nan'),
+           'median_step_tokens_per_s': statistics.median(a / b for a, b in zip(n_real[1:], step_times[1:])) if len(losses) > 1 else float('nan'),
            'final_loss': losses[-1], 'mean_loss': statistics.fmean(losses),
-           'padding_efficiency': sum(n_tokens) / max(1, sum(positions))}
+           'padding_efficiency': sum(n_real) / max(1, sum(positions))}
     if cpu_times: out['cpu_time'], out['tokens_per_cpu_s'] = cpu_times, tt / sum(cpu_times[1:])
     if wall_times:
         out['wall_time'] = wall_times
-        out['wall_tokens_per_s'] = sum(n_tokens[1:]) / sum(wall_times[1:])
+        out['wall_tokens_per_s'] = sum(n_real[1:]) / sum(wall_times[1:])
     out.update(extra or {})
     return out
 
@@ -140,13 +141,13 @@ class Ours:
                'placement': {'workers_per_node': 1, 'cpus_per_worker': 1 if use_gpu else args.threads, 'use_gpu': use_gpu},
                'checkpoint': {'run_dir': self.tmp.name, 'export_hf': False}, 'logging': {'trackers': []}}
         t = self.t = SFTTrainer(cfg).setup()
-        order = [t.global_batch(s) for s in range(args.n_steps)]
-        orig = [int(i) for i in t.train_sets[0]['index']]
-        self.positions = ([len(b) * t.capacity for b in order] if packed else
-                          [len(b) * max(int(t.lengths[k]) for k in b) for b in order])  # tokens incl. padding
-        self.rows = None if packed else [[orig[t.rows[k][1]] for k in b] for b in order]  # original row ids of each step
+        order = [t.data.global_batch(s) for s in range(args.n_steps)]
+        orig = [int(i) for i in t.data.train_sets[0]['index']]
+        self.positions = ([len(b) * t.data.capacity for b in order] if packed else
+                          [len(b) * max(int(t.data.lengths[k]) for k in b) for b in order])  # tokens incl. padding
+        self.rows = None if packed else [[orig[t.data.rows[k][1]] for k in b] for b in order]  # original row ids of each step
         flat = [[k for it in b for k in (it if isinstance(it, (list, tuple)) else [it])] for b in order]
-        self.attn_pairs = [sum(int(t.lengths[k]) * (int(t.lengths[k]) + 1) // 2 for k in b) for b in flat]  # causal (query, key) pairs
+        self.attn_pairs = [sum(int(t.data.lengths[k]) * (int(t.data.lengths[k]) + 1) // 2 for k in b) for b in flat]  # causal (query, key) pairs
         pid = ray.get(t.group.actors[0].__ray_call__.remote(lambda self: os.getpid()))
         self.niceness, self.pid = os.getpriority(os.PRIO_PROCESS, pid), pid
         self.cpu, self.collate_s = [], []
@@ -171,7 +172,7 @@ class Ours:
         h = self.t.history
         mem = ray.get(self.t.group.actors[0].__ray_call__.remote(
             lambda self_: __import__('torch').cuda.max_memory_allocated() / 2**30 if __import__('torch').cuda.is_available() else None))
-        return summarize(self.name, h['loss'].tolist(), h['n_tokens'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),
+        return summarize(self.name, h['loss'].tolist(), h['n_real'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),
                          self.positions, h['step_time'].tolist(), cpu_times=self.cpu,
                          extra={'n_params': self.t.model_info['n_params'], 'collate_time': self.collate_s, 'worker_niceness': self.niceness,
                                 'worker_peak_rss_gb': peak_rss_gb(self.pid), 'attn_pairs': self.attn_pairs, 'gpu_peak_gb': mem})
@@ -300,7 +301,7 @@ def run_interleaved(folder, methods, args, data):
 def loss_at(r, T):
     "Token-weighted mean loss over the run's first steps until T real tokens are reached."
     tot = w = acc = 0
-    for loss, n, k in zip(r['loss'], r['n_tokens'], r['n_trained']):
+    for loss, n, k in zip(r['loss'], r['n_real'], r['n_trained']):
         acc += loss * k; w += k; tot += n
         if tot >= T: break
     return acc / w
@@ -311,7 +312,7 @@ def med(rs, key): return statistics.median(r[key] for r in rs)
 
 def table(model, runs, steps, batch):
     "runs: method → list of repeats. Markdown rows + verdicts."
-    T = min(sum(rs[0]['n_tokens']) for rs in runs.values())
+    T = min(sum(rs[0]['n_real']) for rs in runs.values())
     base = med(runs['trl padded'], 'tokens_per_s') if 'trl padded' in runs else None
     lines = []
     for m in METHODS:
@@ -325,7 +326,7 @@ def table(model, runs, steps, batch):
         per_step = statistics.median(x['median_step_tokens_per_s'] for x in rs)
         cpu = f"{med(rs, 'tokens_per_cpu_s'):,.0f}" if all(x.get('tokens_per_cpu_s') for x in rs) else '–'
         lines.append(f"| {model} | {m} | {steps} | {batch} | {tps:,.0f} | {spread} | {per_step:,.0f} | {wall} | {ratio} | {cpu} | "
-                     f"{r['final_loss']:.4f} | {r['mean_loss']:.4f} | {loss_at(r, T):.4f} | {sum(r['n_tokens']):,} | "
+                     f"{r['final_loss']:.4f} | {r['mean_loss']:.4f} | {loss_at(r, T):.4f} | {sum(r['n_real']):,} | "
                      f"{r['padding_efficiency']:.0%} | {step:.3f} |")
     verdicts = []
     tp = lambda m: med(runs[m], 'tokens_per_s')
@@ -341,7 +342,7 @@ def table(model, runs, steps, batch):
             eq = (f"same batches, max per-step |Δloss| {dl:.4f}" if same else
                   f"loss@{T:,} tokens {loss_at(la, T):.4f} vs {loss_at(lb, T):.4f}, mean loss {la['mean_loss']:.4f} vs {lb['mean_loss']:.4f}")
             paired = statistics.median((na / ta) / (nb / tb) for ra, rb in zip(runs[a], runs[b]) for na, ta, nb, tb in
-                                       zip(ra['n_tokens'][1:], ra['step_time'][1:], rb['n_tokens'][1:], rb['step_time'][1:]))
+                                       zip(ra['n_real'][1:], ra['step_time'][1:], rb['n_real'][1:], rb['step_time'][1:]))
             verdicts.append(f"{model}: {a} / {b} = {x:.2f}× (median of per-step ratios {paired:.2f}×; target ≥ 1.2×; {eq}): "
                             f"{'MET' if x >= 1.2 else 'NOT MET'}")
     ours = [m for m in ('ours padded', 'ours packed') if m in runs]; trls = [m for m in ('trl padded', 'trl packed') if m in runs]
@@ -413,7 +414,7 @@ def cpu_main(args):
         notes.append(f"{name}: loss@T uses T = {T:,} real tokens")
         if 'ours padded' in runs and 'trl padded' in runs:
             a, b = runs['ours padded'][0], runs['trl padded'][0]
-            notes.append(f"{name}: ours padded vs TRL padded: real tokens {sum(a['n_tokens']):,} vs {sum(b['n_tokens']):,}, "
+            notes.append(f"{name}: ours padded vs TRL padded: real tokens {sum(a['n_real']):,} vs {sum(b['n_real']):,}, "
                          f"trained tokens {sum(a['n_trained']):,} vs {sum(b['n_trained']):,}; per-step losses ours "
                          f"{[round(x, 4) for x in a['loss']]} vs TRL {[round(x, 4) for x in b['loss']]}")
         all_lines += lines; all_verdicts += verdicts
@@ -480,14 +481,14 @@ def uniform_rows(folder, max_length, n=256, seed=0):
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(folder)
     rng = random.Random(seed)
-    def n_tokens(k):  # tokens of a row whose answer has k words (the chat template's system prompt included)
+    def n_real(k):  # tokens of a row whose answer has k words (the chat template's system prompt included)
         r = random.Random(k)
         msgs = [{'role': 'user', 'content': 'List words 100.'}, {'role': 'assistant', 'content': ' '.join(r.choice(WORDS) for _ in range(k))}]
         return len(tok(tok.apply_chat_template(msgs, tokenize=False), add_special_tokens=False)['input_ids'])
     k = 8
-    for _ in range(4): k = max(1, int(k * 0.75 * max_length / n_tokens(k)))  # aim at 75% of max_length (rows vary by a few %)
+    for _ in range(4): k = max(1, int(k * 0.75 * max_length / n_real(k)))  # aim at 75% of max_length (rows vary by a few %)
     rows = [{'instruction': f'List words {i}.', 'input': '', 'output': ' '.join(rng.choice(WORDS) for _ in range(k))} for i in range(n)]
-    log(f"uniform rows: {k} words per answer, ≈ {n_tokens(k)} tokens per row (max_length {max_length})")
+    log(f"uniform rows: {k} words per answer, ≈ {n_real(k)} tokens per row (max_length {max_length})")
     path = Path(tempfile.gettempdir()) / f'sftnb_bench_uniform_{Path(folder).name}_{max_length}_{n}.json'
     path.write_text(json.dumps(rows))
     return str(path)
@@ -537,7 +538,7 @@ def gpu_main(args):
                 if m == 'ours padded': ours_padded = st.rows
             finally: st.close(); gc.collect(); trim()
             st_ = sum(r['step_time'][1:])
-            r['model_tflops_per_s'] = flops(mcfg, n_params, sum(r['n_tokens'][1:]), sum(r['attn_pairs'][1:])) / st_ / 1e12 if st_ else float('nan')
+            r['model_tflops_per_s'] = flops(mcfg, n_params, sum(r['n_real'][1:]), sum(r['attn_pairs'][1:])) / st_ / 1e12 if st_ else float('nan')
             r['mfu'] = r['model_tflops_per_s'] / peak if peak else None
         for m, r in res.items():
             other = 'trl ' + m.split()[1] if m.startswith('ours') else None
@@ -576,8 +577,8 @@ def profile_main(args):
     tok = AutoTokenizer.from_pretrained(folder)
     if tok.pad_token is None: tok.pad_token = tok.eos_token
     batch = collate_padded([{'input_ids': data['ours'][i][0], 'loss_mask': data['ours'][i][1]} for i in ids], tok.pad_token_id)
-    n_trained, n_tokens = batch.pop('n_trained'), batch.pop('n_tokens')
-    print(f"profile: {name}, {args.batch} rows, {n_tokens} real tokens, batch shape {tuple(batch['input_ids'].shape)}, "
+    n_trained, n_real = batch.pop('n_trained'), batch.pop('n_real')
+    print(f"profile: {name}, {args.batch} rows, {n_real} real tokens, batch shape {tuple(batch['input_ids'].shape)}, "
           f"{n_trained} trained, {args.threads} threads")
     w = FSDPWorker(0, 1, model=asdict(ModelConfig(path=str(folder))), optim=asdict(OptimConfig(lr=args.lr, schedule='constant')),
                    total_steps=100)
@@ -611,7 +612,7 @@ def profile_main(args):
                 fn()
             res[label] = ts
             print(f"\n### {label}: {args.profile_steps} timed steps {[round(x, 3) for x in ts]} s, median {statistics.median(ts):.3f} s "
-                  f"({n_tokens / statistics.median(ts):,.0f} real tokens/s); torch.profiler, one more step, top ops by self CPU time:\n")
+                  f"({n_real / statistics.median(ts):,.0f} real tokens/s); torch.profiler, one more step, top ops by self CPU time:\n")
             print(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=args.profile_rows, max_name_column_width=50))
     a, b = (statistics.median(res[k]) for k in ('sft_nb worker step', 'TRL step'))
     print(f"in-process step: sft_nb worker {a:.3f} s vs TRL {b:.3f} s (sft_nb / TRL time = {a / b:.2f})")

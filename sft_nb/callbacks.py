@@ -251,10 +251,10 @@ def _candidates(trainer):
     evals = trainer.eval_data if trainer.eval_data is not None else trainer.cfg.data.eval
     train = [trainer.train_data] if trainer.train_data is not None else trainer.cfg.data.train
     if evals:
-        name = next(iter(evals)); ds = trainer.eval_sets[name]
+        name = next(iter(evals)); ds = trainer.data.eval_sets[name]
         yield name, [(evals[name], ds, i) for i in range(len(ds))]
-    if getattr(trainer, 'heldout', None): yield 'heldout', [(train[s], trainer.train_sets[s], int(i)) for s, i in trainer.heldout]
-    yield 'train', [(train[s], trainer.train_sets[s], int(i)) for s, i in trainer.rows]
+    if trainer.data.heldout: yield 'heldout', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.heldout]
+    yield 'train', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.rows]
 
 def data_prompts(trainer, n: int) -> tuple[str | None, list[dict]]:
     "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'reference', 'row'}]); (None, []) when none has any."

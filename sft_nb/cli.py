@@ -150,7 +150,7 @@ def _cmd_train(a):
         summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
                    'train_losses': [float(x) for x in h.loss], 'eval_loss': ev.get('eval_loss'),
                    'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None, 'wall_time_s': time.time() - t0,
-                   'packing_efficiency': t.pack_plan.efficiency if t.pack_plan is not None else None,
+                   'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
                    'data_report': t.data_report.to_dict()}
         Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))

@@ -33,7 +33,7 @@ def collate_padded(examples: Sequence, # Examples or dicts with input_ids and lo
                    pad_id: int, # id used for padding (never trained, never attended)
                    pad_to: int | None = None, # pad to this length instead of the longest row
                   ) -> dict:
-    "Right-padded batch: input_ids, labels, attention_mask, position_ids [B, T], `n_trained` (trained targets) and `n_real` (non-padding tokens; `n_tokens` is its old name)."
+    "Right-padded batch: input_ids, labels, attention_mask, position_ids [B, T], `n_trained` (trained targets) and `n_real` (non-padding tokens)."
     pairs = [_ids_mask(e) for e in examples]
     T = max(pad_to or 0, max(len(i) for i, _ in pairs))
     B = len(pairs)
@@ -48,7 +48,7 @@ def collate_padded(examples: Sequence, # Examples or dicts with input_ids and lo
         if wt is not None: wt[b, :n] = torch.as_tensor(m if ws[b] is None else ws[b], dtype=torch.float32)
     pos = torch.arange(T).expand(B, T).clone()
     return {'input_ids': ids, 'labels': labels, 'attention_mask': attn, 'position_ids': pos,
-            'n_trained': int((labels != -100).sum()), 'n_real': int(attn.sum()), 'n_tokens': int(attn.sum())} | _with_weights(wt, labels)
+            'n_trained': int((labels != -100).sum()), 'n_real': int(attn.sum())} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #a523aad2
 def block_causal_mask(seq_lens_rows: list[list[int]], T: int) -> torch.Tensor:
@@ -73,7 +73,7 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
                    capacity: int | None = None, # row length; None = the longest bin
                    mask_form: str = 'bool', # 'bool' (sdpa) or 'additive' (eager)
                   ) -> dict:
-    "Packed batch: input_ids, labels, position_ids [B, T], 4D block-diagonal `attention_mask`, `seq_lens`, `cu_seqlens`, `n_trained`, `n_real` (`n_tokens`: its old name)."
+    "Packed batch: input_ids, labels, position_ids [B, T], 4D block-diagonal `attention_mask`, `seq_lens`, `cu_seqlens`, `n_trained`, `n_real`."
     rows = [[_ids_mask(e) for e in bin_] for bin_ in bins]
     ws = [[_weights(e) for e in bin_] for bin_ in bins]
     lens = [[len(i) for i, _ in r] for r in rows]
@@ -99,7 +99,7 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
     cu = torch.zeros(len(flat) + 1, dtype=torch.int32); cu[1:] = torch.cumsum(torch.as_tensor(flat), 0)
     return {'input_ids': ids, 'labels': labels, 'position_ids': pos,
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
-            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_real': sum(flat), 'n_tokens': sum(flat)} | _with_weights(wt, labels)
+            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_real': sum(flat)} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #2520c07d
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,

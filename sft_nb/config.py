@@ -134,7 +134,7 @@ class DataConfig:
 # %% ../nbs/00_config.ipynb #cd94391b
 @dataclass
 class TokenizeConfig:
-    "How conversations become token ids and loss masks (also the spec `sft_nb.tokenize` keys its cache on: `TokenizeSpec` is this class)."
+    "How conversations become token ids and loss masks (also what `sft_nb.tokenize` keys its cache on)."
     mode: Literal['all_assistant', 'last_assistant', 'all', 'completion_only'] = 'all_assistant'  # which tokens are trained
     max_length: int = 2048  # longest row in tokens (library calls may pass None: no limit)
     truncation: Literal['drop', 'keep_start'] = 'drop'  # over-long rows: drop them, or keep the first max_length tokens
@@ -149,31 +149,16 @@ class TokenizeConfig:
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
     def __post_init__(self):
         check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
-    @property
-    def template(self) -> str | None:
-        "`chat_template` under the name tokenization code has always used."
-        return self.chat_template
-
-_tokenize_init = TokenizeConfig.__init__
-@functools.wraps(_tokenize_init)
-def _init_with_template(self, *args, template=None, **kw):
-    if template is not None: kw['chat_template'] = template  # TokenizeSpec(template=...) as before the two types merged
-    _tokenize_init(self, *args, **kw)
-TokenizeConfig.__init__ = _init_with_template
 
 # %% ../nbs/00_config.ipynb #8bb4bf13
 @dataclass
 class PackingConfig:
     "Sequence packing."
     enabled: bool = False  # pack rows into bins of `capacity` tokens instead of padding
-    strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'min_slack', 'mbs'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing); 'mbs' is the deprecated name of 'min_slack'
+    strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'min_slack'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing)
     capacity: int | None = None  # tokens per packed row; None = tokenize.max_length
     def __post_init__(self):
         check_range('capacity', self.capacity, 2)
-        if self.strategy == 'mbs':  # the old name of min_slack ('mbs' also reads as micro-batches)
-            import warnings
-            warnings.warn("packing.strategy: 'mbs' is deprecated; use 'min_slack'", DeprecationWarning, stacklevel=3)
-            self.strategy = 'min_slack'
 
 # %% ../nbs/00_config.ipynb #462339d2
 @dataclass

@@ -217,7 +217,7 @@ class DataReport:
     n_kept: int = 0
     dropped: dict[str, int] = field(default_factory=dict)  # reason kind → count
     bad_rows: list[tuple[int, str, str]] = field(default_factory=list)  # (row index, kind, message), first 1000
-    n_tokens: int = 0
+    n_real: int = 0
     n_trained: int = 0
     max_length: int = 0
     eot_only_turns: int = 0  # trained assistant turns whose template rendered nothing but the end-of-turn (e.g. tool calls dropped)
@@ -230,14 +230,14 @@ class DataReport:
     @property
     def n_dropped(self): return sum(self.dropped.values())
     def to_dict(self):
-        return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_tokens': self.n_tokens,
+        return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_real': self.n_real,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
                 'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows),
                 'sources': [dict(s) for s in self.sources]}
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
-                          self.n_tokens + o.n_tokens, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
+                          self.n_real + o.n_real, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
                           self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000],
                           self.sources + o.sources)
     def __str__(self):
@@ -248,7 +248,7 @@ class DataReport:
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         mix = ('; per epoch: ' + ', '.join(f"{s['source']}: {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
                                           + (f" ({s['n_cut']} cut)" if s['n_cut'] else '') for s in self.sources)) if len(self.sources) > 1 else ''
-        return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_tokens:,} tokens, "
+        return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
 
 # %% ../nbs/01_data.ipynb #a1d0e01a

@@ -47,7 +47,7 @@ def make_sampler(spec: str, n: int, seed: int) -> Sampler:
     try: cls = getattr(importlib.import_module(mod), name)
     except (ImportError, AttributeError) as e: raise ConfigError(f"train.sampler: cannot import {spec!r}: {e}") from None
     if not (isinstance(cls, type) and issubclass(cls, Sampler)):  # checked before calling it: the name could be any callable
-        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.trainer.Sampler (got {type(cls).__name__} {cls!r})")
+        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.dataplan.Sampler (got {type(cls).__name__} {cls!r})")
     smp = cls(n, seed)
     o = [int(i) for i in smp.order(0)]
     if sorted(o) != list(range(n)): raise ConfigError(f"train.sampler: {spec}.order(0) is not a permutation of range({n})")
@@ -205,7 +205,7 @@ def collate(self: DataPlan, examples: list[dict]) -> dict:
     fill = self.cfg.placement.dp_size > 1 and bool(extras) and not any(_uses(e.get(k)) for e in examples for k in extras)
     if fill: examples = list(examples) + [self.fill_row()]  # keeps every rank's graph the same (see above)
     b = self.renderer.collate(examples, collate_padded(examples, self.tokenizer.pad_token_id))
-    if fill: b['n_real'] = b['n_tokens'] = b['n_real'] - len(self.fill_row()['input_ids'])  # not real data
+    if fill: b['n_real'] -= len(self.fill_row()['input_ids'])  # not real data
     return b
 
 # %% ../nbs/05a_dataplan.ipynb #102383d0
@@ -216,7 +216,7 @@ def dummy(self: DataPlan, backward: bool = True) -> dict:
     else:
         pad = self.tokenizer.pad_token_id
         b = collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
-    return {**b, 'n_real': 0, 'n_tokens': 0}
+    return {**b, 'n_real': 0}
 
 @patch
 def collate_items(self: DataPlan, mb: list) -> dict:
@@ -238,7 +238,6 @@ def rank_batches(self: DataPlan, items: list) -> tuple[list[list[dict]], int | f
     counts = [(b.pop('n_trained'), b.pop('weight_sum', None)) for mbs in batches for b in mbs]
     n_trained = sum(n if w is None else w for n, w in counts)  # with fractional loss weights: Σ weight, the loss's divisor
     n_real = sum(b.pop('n_real') for mbs in batches for b in mbs)
-    for b in (b for mbs in batches for b in mbs): b.pop('n_tokens')  # the old name of n_real: not sent to the workers
     return batches, n_trained, n_real
 
 # %% ../nbs/05a_dataplan.ipynb #d2dcd9a7

@@ -58,7 +58,7 @@ class DatasetReport:
     "Length histogram with the max_length cut, drops per reason, and a table of dropped rows."
     def __init__(self, ds, # tokenized dataset from `tokenize_dataset`
                  report: DataReport, # its report
-                 max_length: int | None = None, # the cut used (TokenizeSpec.max_length)
+                 max_length: int | None = None, # the cut used (TokenizeConfig.max_length)
                  n_dropped: int = 5, # dropped rows listed
                 ):
         self.report, self.max_length = report, max_length
@@ -94,11 +94,12 @@ def _ipython_display_(self: DatasetReport):
 
 # %% ../nbs/03c_datareport.ipynb #6545264a
 def dataset_report(source, # anything `tokenize_dataset` reads
-                   tokenizer, spec=None, # TokenizeSpec (mode, max_length, template, ...)
+                   tokenizer, spec=None, # TokenizeConfig (mode, max_length, template, ...)
                    n_dropped: int = 5, **kwargs, # passed to tokenize_dataset (cache_dir, num_proc, ...)
                   ) -> DatasetReport:
     "Tokenize `source` as training would and build its `DatasetReport`."
-    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
-    spec = spec or TokenizeSpec()
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
+    spec = spec or TokenizeConfig()
     ds, report = tokenize_dataset(source, tokenizer, spec, **kwargs)
     return DatasetReport(ds, report, spec.max_length, n_dropped)

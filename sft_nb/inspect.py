@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import NamedTuple
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
-from .tokenize import HISTORY, MODES, Example, TokenizeSpec, labels_for, tokenize_conversation, tokenize_rows
+from .config import TokenizeConfig
+from .tokenize import HISTORY, MODES, Example, labels_for, tokenize_conversation, tokenize_rows
 from fastcore.basics import patch
 
 # %% auto #0
@@ -250,12 +251,12 @@ def _base_dir(source) -> Path | None:
 def inspect_examples(rows, # a loaded source (datasets.Dataset)
                      index: int, # row to show
                      tokenizer, # a fast tokenizer, or a vision-language processor (image rows)
-                     spec: TokenizeSpec, # mode, max_length, template (text), kwargs, history, train_on_*
+                     spec: TokenizeConfig, # mode, max_length, template (text), kwargs, history, train_on_*
                      fmt: str | None = None, # format; None = detect from the columns
                      base_dir: str | Path | None = None, # folder of relative image paths (processor only)
                     ) -> tuple[list[Example], str]:
     "Row `index` tokenized as the pipeline would: `([Example, ...], '')` (several when `history='expand'` splits it), or `([], reason)`."
-    spec = TokenizeSpec(**{**spec.__dict__, 'truncation': 'keep_start'})
+    spec = TokenizeConfig(**{**spec.__dict__, 'truncation': 'keep_start'})
     if _is_processor(tokenizer):  # the trainer's vision path: processor-exact ids, image placeholders never trained
         from sft_nb.vision import tokenize_vision_rows
         good, bad = tokenize_vision_rows([row_dict(rows[int(index)])], tokenizer, spec, base_dir, [int(index)])
@@ -265,7 +266,7 @@ def inspect_examples(rows, # a loaded source (datasets.Dataset)
         except TemplateError as e: return [], f'template: {e}'
     return ([], f'{bad[0][1]}: {bad[0][2]}') if bad else ([ex for _, ex in good], '')
 
-def inspect_row(rows, index: int, tokenizer, spec: TokenizeSpec, fmt: str | None = None,
+def inspect_row(rows, index: int, tokenizer, spec: TokenizeConfig, fmt: str | None = None,
                 base_dir: str | Path | None = None) -> tuple[Example | None, str]:
     "The first example of `inspect_examples`: `(Example, '')`, or `(None, reason)` for a bad row."
     exs, err = inspect_examples(rows, index, tokenizer, spec, fmt, base_dir)
@@ -335,11 +336,11 @@ def _load(self: Inspector):
     self.row.max = max(0, len(self.rows) - 1)
 
 @patch(as_prop=True)
-def spec(self: Inspector) -> TokenizeSpec:
-    "The current controls as a `TokenizeSpec` (raises on template kwargs that are not a JSON object)."
+def spec(self: Inspector) -> TokenizeConfig:
+    "The current controls as a `TokenizeConfig` (raises on template kwargs that are not a JSON object)."
     kw = json.loads(self.kwargs.value or '{}')
     if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
-    return TokenizeSpec(mode=self.mode.value, max_length=self.max_length.value or None, template=self.template, chat_template_kwargs=kw,
+    return TokenizeConfig(mode=self.mode.value, max_length=self.max_length.value or None, chat_template=self.template, chat_template_kwargs=kw,
                         history=self.history.value, train_on_reasoning=self.reasoning.value, train_on_tool_calls=self.tool_calls.value)
 
 # %% ../nbs/03_inspect.ipynb #1acabf46
@@ -434,7 +435,7 @@ def inspect_main(argv: list[str] | None = None,
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
-    spec = TokenizeSpec(mode=a.mode, max_length=a.max_length, template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
+    spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
                         history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls)
     exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'

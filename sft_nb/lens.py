@@ -7,17 +7,18 @@ from __future__ import annotations
 import hashlib
 import numpy as np
 import pandas as pd
-from fastcore.basics import patch
 from .collate import collate_padded, collate_packed
 from .config import ConfigError, SourceConfig
 from .data import detect_format, load_source, row_dict, source_columns
-from .tokenize import TokenizeSpec, tokenize_rows
-from .trainer import SFTTrainer, TrainerBusy, split_for_ranks
+from .config import TokenizeConfig
+from .tokenize import tokenize_rows
+from .callbacks import TrainerBusy
+from .dataplan import split_for_ranks
 
 # %% auto #0
-__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'example_key', 'loss_table', 'print_hardest',
-           'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses', 'trained_token_stats_np',
-           'run_model_state', 'RunScorer', 'run_scorer']
+__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'example_key', 'token_losses', 'remember_first',
+           'loss_table', 'rank_rows', 'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses',
+           'trained_token_stats_np', 'run_model_state', 'RunScorer', 'run_scorer']
 
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
@@ -29,10 +30,10 @@ def train_source_names(trainer) -> list[str]:
 def _split_pairs(trainer, split: str) -> list[tuple]:
     "(dataset, row number, source name) of every example of a split."
     names = train_source_names(trainer)
-    if split == 'train': return [(trainer.train_sets[s], int(i), names[s]) for s, i in trainer.rows]
-    if split == 'heldout' and getattr(trainer, 'heldout', None): return [(trainer.train_sets[s], int(i), names[s]) for s, i in trainer.heldout]
-    if split in trainer.eval_sets: return [(trainer.eval_sets[split], i, split) for i in range(len(trainer.eval_sets[split]))]
-    known = ['train'] + (['heldout'] if getattr(trainer, 'heldout', None) else []) + list(trainer.eval_sets)
+    if split == 'train': return [(trainer.data.train_sets[s], int(i), names[s]) for s, i in trainer.data.rows]
+    if split == 'heldout' and trainer.data.heldout: return [(trainer.data.train_sets[s], int(i), names[s]) for s, i in trainer.data.heldout]
+    if split in trainer.data.eval_sets: return [(trainer.data.eval_sets[split], i, split) for i in range(len(trainer.data.eval_sets[split]))]
+    known = ['train'] + (['heldout'] if trainer.data.heldout else []) + list(trainer.data.eval_sets)
     raise ValueError(f"rows_or_split: {split!r} is not a split of this trainer; its splits: {', '.join(known)}")
 
 # %% ../nbs/08c_lens.ipynb #3c804e34
@@ -45,7 +46,7 @@ def _as_example(e) -> dict | None:
 def _tokenize_raw(trainer, rows) -> list[dict]:
     "Raw rows tokenized with the trainer's tokenize settings; a row that would not be trained is an error naming it."
     t = trainer.cfg.tokenize
-    spec = TokenizeSpec(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs,
+    spec = TokenizeConfig(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs,
                         history=t.history, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
     ds = load_source(rows)
     good, bad = tokenize_rows([row_dict(r) for r in ds], trainer.tokenizer, spec, detect_format(source_columns(ds)), keep_offsets=False)
@@ -112,8 +113,7 @@ def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
     return out
 
 # %% ../nbs/08c_lens.ipynb #c6e39033
-@patch
-def token_losses(self: SFTTrainer, rows_or_split='train', # a split ('train', 'heldout', an eval set), tokenized examples, or raw rows
+def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', an eval set), tokenized examples, or raw rows
                  *, indices: list[int] | None = None, # only these positions of the split / list
                  k: int = 3, # alternatives kept per position
                  packed: bool = False, # collate packed rows instead of padded ones (the losses are the same)
@@ -122,28 +122,27 @@ def token_losses(self: SFTTrainer, rows_or_split='train', # a split ('train', 'h
                 ) -> list[dict]:
     "Per example: ids, mask, the NLL of every trained token and the top-k alternatives, from the current weights on the workers."
     from tqdm.auto import tqdm
-    self.setup()
-    if self.processor is not None: raise NotImplementedError("token_losses: vision-language rows are not supported yet")
-    if self.action is not None and self.action != 'token_losses':
-        raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{self.action}() is running (e.g. the panel's Fit); wait for it or stop it")
-    exs = lens_rows(self, rows_or_split, indices)
-    dp, micro = self.cfg.placement.dp_size, micro_batch_size or max(1, self.cfg.train.micro_batch_size) * 4
+    trainer.setup()
+    if trainer.processor is not None: raise NotImplementedError("token_losses: vision-language rows are not supported yet")
+    if trainer.action is not None and trainer.action != 'token_losses':
+        raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{trainer.action}() is running (e.g. the panel's Fit); wait for it or stop it")
+    exs = lens_rows(trainer, rows_or_split, indices)
+    dp, micro = trainer.cfg.placement.dp_size, micro_batch_size or max(1, trainer.cfg.train.micro_batch_size) * 4
     per_call, out = dp * micro * 4, []
     for start in tqdm(range(0, len(exs), per_call), desc='token losses', unit='batch', disable=not (len(exs) > 64 if progress is None else progress)):
         per_rank = split_for_ranks(exs[start:start + per_call], dp, micro)
-        batches = [[lens_batch(self, mb, packed) for mb in mbs] for mbs in per_rank]
-        for mbs, res in zip(per_rank, self.workers.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
+        batches = [[lens_batch(trainer, mb, packed) for mb in mbs] for mbs in per_rank]
+        for mbs, res in zip(per_rank, trainer.workers.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
             for mb, stats in zip(mbs, res):
                 if mb: out += _per_example(stats, mb, k)
-    return [self.remember_first(r) for r in out]
+    return [remember_first(trainer, r) for r in out]
 
 # %% ../nbs/08c_lens.ipynb #dd2af4fb
-@patch
-def remember_first(self: SFTTrainer, r: dict) -> dict:
+def remember_first(trainer, r: dict) -> dict:
     "Add the step and the losses of the first scoring of this example (`before_step`, `before_nll`); the first one is this one."
-    if not hasattr(self, 'lens_first'): self.lens_first = {}  # example key → (step, nll)
-    r['step'] = self.global_step
-    r['before_step'], r['before_nll'] = self.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']), (self.global_step, r['nll']))
+    if not hasattr(trainer, 'lens_first'): trainer.lens_first = {}  # example key → (step, nll)
+    r['step'] = trainer.global_step
+    r['before_step'], r['before_nll'] = trainer.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']), (trainer.global_step, r['nll']))
     return r
 
 # %% ../nbs/08c_lens.ipynb #2b88c656
@@ -160,14 +159,13 @@ def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
         lines.append(line)
     return pd.DataFrame(lines)
 
-@patch
-def rank_rows(self: SFTTrainer, split: str = 'train', # 'train', 'heldout', or an eval set's name
+def rank_rows(trainer, split: str = 'train', # 'train', 'heldout', or an eval set's name
               by: str = 'mean', # 'mean' | 'sum' | 'max' of the token losses
               k: int | None = 20, # rows kept (None: all)
               **kw) -> pd.DataFrame:
     "The rows of `split`, hardest first by their token losses (`kw` go to `token_losses`)."
     if by not in ('mean', 'sum', 'max'): raise ValueError(f"by: {by!r} is not allowed; allowed values: mean, sum, max")
-    df = loss_table(self.token_losses(split, **kw), self.tokenizer)
+    df = loss_table(token_losses(trainer, split, **kw), trainer.tokenizer)
     df = df.sort_values(f'{by}_loss', ascending=False, kind='stable', na_position='last').reset_index(drop=True)
     return df if k is None else df.head(k)
 

@@ -78,7 +78,7 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
                   template: str | None = None, # template text or .jinja path; None = the tokenizer's
                   chat_template_kwargs: dict | None = None, # extra template variables
-                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeSpec.history)
+                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
                  ) -> pd.DataFrame:
     "One row per check in `CHECKS`: status ('pass' | 'fail' | 'n/a'), the offending sample and an example."
     template, kw = load_template(template), chat_template_kwargs or {}

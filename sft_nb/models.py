@@ -15,9 +15,6 @@ __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES
            'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template',
            'resolve_model_path', 'check_model_path', 'load_tokenizer', 'load_model_inputs']
 
-# %% ../nbs/06_models.ipynb #572cb52f
-_atomic_build = atomic_build  # the name other modules used before it moved to sft_nb.paths
-
 # %% ../nbs/06_models.ipynb #721e0bd0
 CHATML_TEMPLATE = (
     "{% for message in messages %}"

@@ -12,8 +12,8 @@ import numpy as np
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['STRATEGIES', 'STRATEGY_ALIASES', 'MIN_SLACK_MAX_ROWS', 'MBS_MAX_ROWS', 'PLANNERS', 'clip_lengths', 'lower_bound',
-           'planner_name', 'plan_bins', 'PackPlan', 'pack', 'bin_examples']
+__all__ = ['STRATEGIES', 'MIN_SLACK_MAX_ROWS', 'PLANNERS', 'clip_lengths', 'lower_bound', 'planner', 'plan_bins', 'PackPlan',
+           'pack', 'bin_examples']
 
 # %% ../nbs/04_packing.ipynb #21bbf4ad
 def clip_lengths(lengths: Sequence[int], # tokens per row
@@ -199,17 +199,13 @@ def _min_slack(lens: np.ndarray, capacity: int, dp: int = 1):
 
 # %% ../nbs/04_packing.ipynb #40f067c3
 STRATEGIES = ('bfd', 'ffd', 'balanced', 'greedy', 'min_slack')
-STRATEGY_ALIASES = {'mbs': 'min_slack'}  # old names, still accepted ('mbs' also reads as micro-batches)
 MIN_SLACK_MAX_ROWS = 20_000  # above this `simulate` skips min_slack (its cost grows ~ rows × bins)
-MBS_MAX_ROWS = MIN_SLACK_MAX_ROWS  # deprecated name
 PLANNERS = {'bfd': _bfd, 'ffd': _ffd, 'balanced': _balanced, 'greedy': _greedy, 'min_slack': _min_slack}
 
-def planner_name(strategy: str) -> str:
-    "The planner's current name: an old name (`'mbs'`) is accepted with a `DeprecationWarning`."
-    if strategy in STRATEGY_ALIASES:
-        warnings.warn(f"strategy {strategy!r} is deprecated; use {STRATEGY_ALIASES[strategy]!r}", DeprecationWarning, stacklevel=3)
-        return STRATEGY_ALIASES[strategy]
-    return strategy
+def planner(strategy: str):
+    "The planner registered as `strategy` (a ValueError names the choices)."
+    if strategy not in PLANNERS: raise ValueError(f"strategy: unknown {strategy!r}; choose one of {list(PLANNERS)}")
+    return PLANNERS[strategy]
 
 # %% ../nbs/04_packing.ipynb #51fcf953
 def _to_bins(order, where, n_bins, lens, offset=0) -> tuple[list[list[int]], list[int]]:
@@ -222,9 +218,9 @@ def _to_bins(order, where, n_bins, lens, offset=0) -> tuple[list[list[int]], lis
 
 def plan_bins(lengths, capacity: int, strategy: str = 'bfd') -> list[list[int]]:
     "Bins of row indices from one planner, before data-parallel arrangement (rows must fit)."
-    strategy = planner_name(strategy)
+    plan = planner(strategy)
     lens, _ = clip_lengths(lengths, capacity, 'error')
-    return _to_bins(*PLANNERS[strategy](lens, capacity), lens)[0]
+    return _to_bins(*plan(lens, capacity), lens)[0]
 
 # %% ../nbs/04_packing.ipynb #6f499a70
 def _fit_dp(bins: list, tokens: list, lens: np.ndarray, dp: int):
@@ -266,11 +262,11 @@ class PackPlan:
         if len(self.tokens) != len(self.bins): raise ValueError(f"tokens: {len(self.tokens)} values for {len(self.bins)} bins")
     def __len__(self): return len(self.bins)
     @property
-    def n_tokens(self) -> int: return sum(self.tokens)
+    def n_real(self) -> int: return sum(self.tokens)
     @property
     def efficiency(self) -> float:
         "Σ tokens / (bins × capacity): 1.0 means no padding at all."
-        return self.n_tokens / (len(self.bins) * self.capacity) if self.bins else 0.0
+        return self.n_real / (len(self.bins) * self.capacity) if self.bins else 0.0
     def to_dict(self) -> dict:
         "A JSON-ready copy."
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -326,15 +322,14 @@ def _gc_paused():
 
 def pack(lengths: Sequence[int], # tokens per row (e.g. the `length` column of a tokenized dataset)
          capacity: int, # tokens per packed row
-         strategy: str = 'bfd', # bfd | ffd | balanced | greedy | min_slack ('mbs': deprecated alias)
+         strategy: str = 'bfd', # bfd | ffd | balanced | greedy | min_slack
          dp: int = 1, # data-parallel size: the bin count is a multiple of it
          seed: int = 0, # seed of the bin order (same seed, same plan)
          truncation: str = 'error', # rows longer than capacity: 'error' names them, 'truncate' cuts them
          rows_per_step: int | None = None, # plan each global batch of this many consecutive rows on its own
         ) -> PackPlan:
     "Plan the whole dataset (or each global batch) into bins of at most `capacity` tokens."
-    strategy = planner_name(strategy)
-    if strategy not in PLANNERS: raise ValueError(f"strategy: unknown {strategy!r}; choose one of {list(PLANNERS)}")
+    planner(strategy)
     if int(dp) < 1: raise ValueError(f"dp must be >= 1, got {dp}")
     if rows_per_step is not None and int(rows_per_step) < 1: raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
     lens, truncated = clip_lengths(lengths, capacity, truncation)

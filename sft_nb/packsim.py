@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Sequence
 import numpy as np
-from .packing import MIN_SLACK_MAX_ROWS, STRATEGIES, STRATEGY_ALIASES, PackPlan, clip_lengths, lower_bound, pack
+from .packing import MIN_SLACK_MAX_ROWS, STRATEGIES, PackPlan, clip_lengths, lower_bound, pack
 
 # %% auto #0
 __all__ = ['PALETTE', 'padded_area', 'simulate', 'plan_fig', 'plan_text', 'PackingSimulator', 'pack_main']
@@ -129,7 +129,7 @@ def pack_main(argv: list[str] | None = None,
     p.add_argument('--template', default=None, help="chat template (.jinja path) replacing the tokenizer's")
     p.add_argument('--mode', default='all_assistant', help='masking mode (decides nothing about lengths but the cache key)')
     p.add_argument('--capacity', type=int, nargs='+', default=[2048], help='tokens per packed row; several values give one table each')
-    p.add_argument('--strategy', default='bfd', choices=[*STRATEGIES, *STRATEGY_ALIASES], help='planner whose bins are printed')
+    p.add_argument('--strategy', default='bfd', choices=STRATEGIES, help='planner whose bins are printed')
     p.add_argument('--dp', type=int, default=1, help='data-parallel size')
     p.add_argument('--batch-size', type=int, default=8, help='rows per padded batch in the baseline')
     p.add_argument('--bins', type=int, default=10, help='bins printed')
@@ -138,11 +138,12 @@ def pack_main(argv: list[str] | None = None,
     for flag, vals, lo in (('--capacity', a.capacity, 2), ('--dp', [a.dp], 1), ('--batch-size', [a.batch_size], 1), ('--bins', [a.bins], 0)):
         if min(vals) < lo: p.error(f"{flag}: must be >= {lo}, got {min(vals)}")  # before any tokenization
     import json
-    from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
     if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb pack` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
     tok, template = tokenizer_loader(a.model, a.template)
     src = Path(a.data) if Path(a.data).exists() else a.data
-    ds, report = tokenize_dataset(src, tok, TokenizeSpec(mode=a.mode, max_length=None, template=template))
+    ds, report = tokenize_dataset(src, tok, TokenizeConfig(mode=a.mode, max_length=None, chat_template=template))
     lengths = ds['length']
     print(f'{a.data}: {report}')
     for cap in a.capacity:

@@ -147,7 +147,7 @@ def count(self: StreamPlan, s: int, n_rows: int, good: list, bad: list):
         if self.cfg.data.on_bad_row == 'raise': raise BadRow(msg, kind=kind, index=i)
         rep.drop(i, kind, msg)
     lens = [len(e.input_ids) for _, e in good]
-    rep.n_kept += len({i for i, _ in good}); rep.n_examples += len(good); rep.n_tokens += sum(lens)
+    rep.n_kept += len({i for i, _ in good}); rep.n_examples += len(good); rep.n_real += sum(lens)
     rep.n_trained += sum(e.n_trained for _, e in good); rep.max_length = max([rep.max_length, *lens])
     rep.eot_only_turns += sum(e.eot_only_turns for _, e in good)
 

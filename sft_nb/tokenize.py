@@ -15,13 +15,13 @@ from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_
                               chat_ids, common_prefix)
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
-           'mask_from_offsets', 'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts',
-           'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
-           'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch',
-           'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
-           'ray_part', 'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts',
-           'load_entry', 'commit_entry', 'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans', 'mask_from_offsets',
+           'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts', 'trained_parts',
+           'encode_texts', 'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows',
+           'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback',
+           'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
+           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts', 'load_entry',
+           'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -457,16 +457,14 @@ def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistan
     return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, history)]
 
 # %% ../nbs/02_tokenize.ipynb #b1a70d78
-TokenizeSpec = TokenizeConfig  # one tokenize config type: the YAML `tokenize:` section is the spec the cache keys on
-
-def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, indices: list[int] | None = None,
+def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
                  ):
     "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`)."
     indices = list(range(len(rows))) if indices is None else indices
-    if spec.template is not None and '{' not in spec.template: spec = dataclasses.replace(spec, chat_template=load_template(spec.template))
-    info = template_info(tokenizer, spec.template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
-    renderer = TemplateRenderer(tokenizer, spec.template, spec.chat_template_kwargs) if info is not None else None
+    if spec.chat_template is not None and '{' not in spec.chat_template: spec = dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
+    info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
+    renderer = TemplateRenderer(tokenizer, spec.chat_template, spec.chat_template_kwargs) if info is not None else None
     good, bad, chats = [], [], []
     for idx, row in zip(indices, rows):
         try:
@@ -533,22 +531,22 @@ class Renderer:
 
 # %% ../nbs/02_tokenize.ipynb #6eea935a
 class ChatRenderer(Renderer):
-    "Text rows through a tokenizer's chat template (or `spec.template`): `tokenize_rows`, one Rust encode per batch."
-    def __init__(self, tokenizer, spec: TokenizeSpec, base_dir=None):
-        self.tokenizer, self.spec, self.template = tokenizer, spec, spec.template
+    "Text rows through a tokenizer's chat template (or `spec.chat_template`): `tokenize_rows`, one Rust encode per batch."
+    def __init__(self, tokenizer, spec: TokenizeConfig, base_dir=None):
+        self.tokenizer, self.spec, self.template = tokenizer, spec, spec.chat_template
     @classmethod
     def accepts(cls, obj) -> bool: return not hasattr(obj, 'image_processor')
     def check(self, fmt: str):
-        if fmt != 'pretokenized': template_info(self.tokenizer, self.spec.template, self.spec.chat_template_kwargs)
+        if fmt != 'pretokenized': template_info(self.tokenizer, self.spec.chat_template, self.spec.chat_template_kwargs)
     def render_rows(self, rows, indices, fmt):
         return tokenize_rows(rows, self.tokenizer, self.spec, fmt, indices, keep_offsets=False)
 
 def make_renderer(obj, # a tokenizer, a processor (`import sft_nb.vision` registers its renderer) or a Renderer
-                  spec: TokenizeSpec | None = None, base_dir=None, # folder relative image paths resolve against
+                  spec: TokenizeConfig | None = None, base_dir=None, # folder relative image paths resolve against
                  ) -> Renderer:
     "The renderer for `obj`: the newest registered class that accepts it."
     if isinstance(obj, Renderer): return obj
-    spec = spec or TokenizeSpec()
+    spec = spec or TokenizeConfig()
     for cls in Renderer.registry:
         if cls.accepts(obj): return cls(obj, spec, base_dir)
     raise TypeError(f"no renderer takes a {type(obj).__name__}; for a vision-language processor `import sft_nb.vision` "
@@ -654,7 +652,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
     "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
     import pyarrow as pa
     schema = example_features(renderer).arrow_schema
-    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_tokens': 0, 'n_trained': 0, 'max_length': 0}
+    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_real': 0, 'n_trained': 0, 'max_length': 0}
     sink = pa.OSFile(str(path), 'wb') if path is not None else pa.BufferOutputStream()
     w, gc_on = pa.ipc.new_stream(sink, schema), gc.isenabled()
     try:
@@ -667,7 +665,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
             st['bad'] += sorted(bad, key=lambda b: b[0])
             st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})
             lens = b.column('length').to_numpy()
-            st['n_tokens'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
+            st['n_real'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
             st['max_length'] = max(st['max_length'], int(lens.max(initial=0)))
             w.write_batch(b)
             del rows, good, b
@@ -739,9 +737,9 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
 def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else sft_nb_home() / 'tokenized'  # '~/cache' is the home folder's
 
-def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeSpec, fmt: str) -> str:
+def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeConfig, fmt: str) -> str:
     from sft_nb import __version__
-    parts = [data_fingerprint, template_key(tokenizer, spec.template, spec.chat_template_kwargs), spec.mode,
+    parts = [data_fingerprint, template_key(tokenizer, spec.chat_template, spec.chat_template_kwargs), spec.mode,
              spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
@@ -779,7 +777,7 @@ def open_parts(folder: Path):
     import datasets, pyarrow.compute as pc
     ds = datasets.load_from_disk(str(folder))
     if not pc.sum(pc.list_value_length(ds.data.column('loss_weights'))).as_py():
-        ds = ds.remove_columns(['loss_weights'])  # 0/1 rows: loss_mask is the weight, no column (as before weights existed)
+        ds = ds.remove_columns(['loss_weights'])  # 0/1 rows: loss_mask is the weight, no column
     return ds
 
 def load_entry(folder: Path, verify: bool = True): # verify=False: the entry this process just wrote
@@ -813,14 +811,14 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
     rep = DataReport(n_rows=n_rows)
     for st in stats:
         for idx, kind, msg in st['bad']: rep.drop(idx, kind, msg)
-        rep.n_kept += st['n_kept']; rep.n_examples += st['n_examples']; rep.n_tokens += st['n_tokens']
+        rep.n_kept += st['n_kept']; rep.n_examples += st['n_examples']; rep.n_real += st['n_real']
         rep.n_trained += st['n_trained']; rep.eot_only_turns += st['eot_only']; rep.max_length = max(rep.max_length, st['max_length'])
     return rep
 
-def _prepare(source, spec: TokenizeSpec | None) -> TokenizeSpec:
-    spec = spec or TokenizeSpec()
+def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
+    spec = spec or TokenizeConfig()
     if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto': spec = dataclasses.replace(spec, format=source.format)
-    return dataclasses.replace(spec, chat_template=load_template(spec.template))
+    return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
 def _base_dir(source) -> Path | None:
     path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
@@ -851,7 +849,7 @@ def _columns(raw) -> list[str]:
 # %% ../nbs/02_tokenize.ipynb #63f716ef
 def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or datasets.Dataset
                      tokenizer, # fast HF tokenizer, a vision-language processor (image rows), or a Renderer
-                     spec: TokenizeSpec | None = None, # mode, max_length, truncation, template, kwargs, format
+                     spec: TokenizeConfig | None = None, # mode, max_length, truncation, template, kwargs, format
                      *, num_proc: int | None = None, # processes for tokenization (None: spec.num_proc)
                      on_bad_row: str = 'skip', # 'skip' reports bad rows; 'raise' stops at the first
                      cache_dir: str | None = None, # cache root; None: spec.cache_dir, else ~/.cache/sft_nb/tokenized

@@ -6,19 +6,18 @@
 from __future__ import annotations
 import math, time
 from dataclasses import asdict
-from operator import attrgetter
 from pathlib import Path
 import pandas as pd
 from fastcore.basics import patch
-from .config import SFTConfig, load_config, save_config, ConfigError
+from .config import SFTConfig, load_config, save_config
 from .stream import StreamPlan
-from .dataplan import DataPlan, split_for_ranks, Sampler, SequentialSampler, make_sampler, synthetic_dataset, heldout_split
+from .dataplan import DataPlan, synthetic_dataset
 from .templates import chat_ids
 from .models import load_model_inputs, resolve_model_path
 from .loss import eval_metrics
-from .checkpoint import Checkpointer, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS, model_fingerprint, check_model
-from .callbacks import Control, Callback, Exclusive, TrainerBusy, NonFiniteLoss, action, hold_interrupts, builtin_callbacks, make_trackers
-from .workers import init_ray, stop_ray, WorkerError
+from .checkpoint import Checkpointer, model_fingerprint, check_model
+from .callbacks import Control, Callback, Exclusive, action, hold_interrupts, builtin_callbacks, make_trackers
+from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
@@ -59,6 +58,40 @@ class SFTTrainer:
         for cb in self.callbacks: getattr(cb, event)(self, *args)
 
     @property
+    def action(self) -> str | None:
+        "The action running now ('fit', 'step', 'evaluate', 'save', ...), or None."
+        return self._exclusive.action
+
+    @property
+    def run_dir(self) -> Path:
+        "The run folder (`checkpoint.run_dir`): metrics, checkpoints, the export."
+        return self.ckpt.run_dir
+
+    def checkpoints(self) -> list[Path]:
+        "This run's complete checkpoints, oldest first."
+        return self.ckpt.checkpoints()
+
+    def token_losses(self, rows_or_split='train', **kw) -> list[dict]:
+        "Per-token NLL and top-k alternatives of a split or of rows under the current weights (`sft_nb.lens.token_losses`)."
+        from sft_nb.lens import token_losses
+        return token_losses(self, rows_or_split, **kw)
+
+    def rank_rows(self, split: str = 'train', **kw) -> pd.DataFrame:
+        "The rows of `split`, hardest first by their token losses (`sft_nb.lens.rank_rows`)."
+        from sft_nb.lens import rank_rows
+        return rank_rows(self, split, **kw)
+
+    @property
+    def data_report(self):
+        "What tokenization kept and dropped, per source and reason (`DataReport`); None before setup."
+        return self.data.data_report
+
+    @property
+    def total_steps(self) -> int:
+        "Optimizer steps the run takes (`train.num_steps`, or the epochs' steps)."
+        return self.data.total_steps
+
+    @property
     def running(self) -> bool:
         "Whether an action (fit, step, evaluate, save, ...) runs now; `action` names it."
         return self._exclusive.action is not None
@@ -74,12 +107,6 @@ class SFTTrainer:
         except Exception: pass
         try: self.ckpt.release()
         except Exception: pass
-
-_READS = {'action': '_exclusive.action', 'run_dir': 'ckpt.run_dir', 'ckpt_dir': 'ckpt.dir', 'checkpoints': 'ckpt.checkpoints',
-          '_pending': 'data.pending', '_rank_batches': 'data.rank_batches', '_example': 'data.example', '_collate': 'data.collate_items',
-          **{n: f'data.{n}' for n in ('train_sets', 'eval_sets', 'data_report', 'rows', 'heldout', 'lengths', 'capacity', 'pack_plan',
-                                      'items', 'steps_per_epoch', 'total_steps', 'sampler', 'global_batch')}}
-for _n, _p in _READS.items(): setattr(SFTTrainer, _n, property(attrgetter(_p), doc=f"`trainer.{_p}`"))
 
 # %% ../nbs/08_trainer.ipynb #226b0e83
 @patch
@@ -124,7 +151,7 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
 def step(self: SFTTrainer) -> dict:
     "One optimizer step on the next global batch; returns its metrics."
     if self.global_step >= self.total_steps: raise RuntimeError(f"all {self.total_steps} steps are done")
-    step, spe = self.global_step, self.steps_per_epoch
+    step, spe = self.global_step, self.data.steps_per_epoch
     if step % spe == 0: self._emit('on_epoch_start', step // spe)
     self._emit('on_step_start', step)
     t0 = time.perf_counter()
@@ -138,7 +165,7 @@ def step(self: SFTTrainer) -> dict:
             om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
             dt, self.global_step = time.perf_counter() - t0, step + 1
             m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
-                 'n_tokens': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
+                 'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
             self.rows_history.append(m)
     except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
         if self.global_step == step: self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")
@@ -170,7 +197,7 @@ def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
 def train(self: SFTTrainer) -> pd.DataFrame:
     "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
     h = self.fit()
-    if (self.eval_sets or self.heldout) and self.last_eval.get('step') != self.global_step: self.evaluate()  # not twice
+    if (self.data.eval_sets or self.data.heldout) and self.last_eval.get('step') != self.global_step: self.evaluate()  # not twice
     self.save()
     if self.cfg.checkpoint.export_hf: self.export()
     return h
@@ -281,7 +308,7 @@ def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the back
     else:
         size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
         mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
-    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'n_tokens', 'weight_sum')}
+    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
 
 def _advice(cfg, ranks: list[dict]) -> list[str]:
     "What to change when a rank does not fit, in the config's own keys."

@@ -11,7 +11,7 @@ import numpy as np
 from fastcore.basics import patch
 from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
 from .templates import TemplateError, template_info, load_template
-from .tokenize import (Example, TokenizeSpec, Renderer, assistant_spans, locate_messages, mask_from_offsets, trained_parts,
+from .tokenize import (Example, TokenizeConfig, Renderer, assistant_spans, locate_messages, mask_from_offsets, trained_parts,
                              encode_texts, finish_tokens, tokenize_dataset)
 
 # %% auto #0
@@ -173,11 +173,11 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
                          pixel_values=pv, image_grid_thw=grid, image_tokens=img_tok, images=list(images))
 
 # %% ../nbs/02c_vision.ipynb #d60795fe
-def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeSpec, base_dir=None, indices: list[int] | None = None):
+def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeConfig, base_dir=None, indices: list[int] | None = None):
     "Raw rows (text or image) → (`[(index, VisionExample)]`, `[(index, kind, reason)]`)."
     good, bad = [], []
     kw = dict(mode=spec.mode, max_length=spec.max_length, truncation=spec.truncation, chat_template_kwargs=spec.chat_template_kwargs,
-              template=load_template(spec.template), train_on_reasoning=spec.train_on_reasoning,
+              template=load_template(spec.chat_template), train_on_reasoning=spec.train_on_reasoning,
               train_on_tool_calls=spec.train_on_tool_calls, history='final' if spec.history == 'final' else 'error')
     for idx, row in zip(range(len(rows)) if indices is None else indices, rows):
         try: good.append((idx, tokenize_vision(vision_conversation(row, base_dir), processor, **kw)))
@@ -198,9 +198,9 @@ def _image_fingerprint(rows, base_dir) -> str:
 class ProcessorRenderer(Renderer):
     "Image (and text) rows through a vision-language processor: `tokenize_vision_rows` behind the `Renderer` seam."
     needs_rows_for_key = True  # the cache key hashes the image files the rows reference
-    def __init__(self, processor, spec: TokenizeSpec, base_dir=None):
+    def __init__(self, processor, spec: TokenizeConfig, base_dir=None):
         self.processor, self.spec, self.base_dir, self.tokenizer = processor, spec, base_dir, processor.tokenizer
-        self.template = load_template(spec.template) or processor.chat_template
+        self.template = load_template(spec.chat_template) or processor.chat_template
     @classmethod
     def accepts(cls, obj) -> bool: return hasattr(obj, 'image_processor') and hasattr(obj, 'tokenizer')
     def check(self, fmt: str):
@@ -257,7 +257,7 @@ def dummy(self: ProcessorRenderer) -> dict:
 # %% ../nbs/02c_vision.ipynb #ab8f99ee
 def tokenize_vision_dataset(source, # a SourceConfig, path, list of dicts or datasets.Dataset (images relative to the file)
                             processor, # Qwen2-VL-style processor
-                            spec: TokenizeSpec | None = None,
+                            spec: TokenizeConfig | None = None,
                             *, on_bad_row: str = 'skip', cache_dir: str | None = None, use_cache: bool = True,
                             num_proc: int | None = None, ray_shards: int | None = None, batch_size: int = 64):
     "Tokenize a source of image and text rows → (memory-mapped Dataset with pixel_values/image_grid_thw, DataReport): `tokenize_dataset` with the processor."

@@ -10,7 +10,8 @@ import pytest
 from sft_nb.data import BadRow, DataReport, load_source, mix_counts
 from sft_nb.config import DataConfig, SourceConfig
 from sft_nb.demo_data import identity_rows
-from sft_nb.tokenize import TokenizeSpec, tokenize_dataset
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset
 from helpers import run_cfg
 
 GOOD = identity_rows()['train'][:10]
@@ -49,24 +50,24 @@ def check_bad_report(rep: DataReport, p):
 
 def test_bad_lines_are_rows_good_rows_kept(tiny_tok, tmp_path):
     p = bad_file(tmp_path)
-    ds, rep = tokenize_dataset(p, tiny_tok, TokenizeSpec(max_length=512), cache_dir=tmp_path / 'cache')
+    ds, rep = tokenize_dataset(p, tiny_tok, TokenizeConfig(max_length=512), cache_dir=tmp_path / 'cache')
     check_bad_report(rep, p)
     assert sorted(set(ds['index'])) == GOOD_AT and rep.n_trained > 0
-    ds2, rep2 = tokenize_dataset(p, tiny_tok, TokenizeSpec(max_length=512), cache_dir=tmp_path / 'cache')  # a cache hit says the same
+    ds2, rep2 = tokenize_dataset(p, tiny_tok, TokenizeConfig(max_length=512), cache_dir=tmp_path / 'cache')  # a cache hit says the same
     assert rep2 == rep and ds2['index'] == ds['index']
 
 
 def test_on_bad_row_raise_names_file_and_line(tiny_tok, tmp_path):
     p = bad_file(tmp_path)
     with pytest.raises(BadRow, match=re.escape(f"row 3: {p}: line 4 is not valid JSON")):
-        tokenize_dataset(p, tiny_tok, TokenizeSpec(max_length=512), cache_dir=tmp_path, on_bad_row='raise')
+        tokenize_dataset(p, tiny_tok, TokenizeConfig(max_length=512), cache_dir=tmp_path, on_bad_row='raise')
 
 
 def test_json_list_with_bad_elements(tiny_tok, tmp_path):
     "A JSON list: an element with undecodable bytes or of the wrong type is one bad row; the others train."
     p = tmp_path / 'list.json'
     p.write_bytes(b'[\n' + b',\n'.join([line(GOOD[0]), line(GOOD[1]).replace(b'"role"', b'"r\xf4le"', 1), b'"text"', line(GOOD[2])]) + b'\n]')
-    ds, rep = tokenize_dataset(p, tiny_tok, TokenizeSpec(max_length=512), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(p, tiny_tok, TokenizeConfig(max_length=512), cache_dir=tmp_path)
     assert sorted(set(ds['index'])) == [0, 3] and rep.dropped == {'bad_encoding': 1, 'bad_json': 1}
     assert [b[0] for b in rep.bad_rows] == [1, 2] and rep.bad_rows[0][2] == f"{p}: line 3: the row is not valid UTF-8"
 
@@ -111,7 +112,7 @@ def test_trainer_trains_the_good_rows(tiny_path, tmp_path, ray_session):
                   tokenize__cache_dir=str(tmp_path / 'cache'))
     with SFTTrainer(cfg) as t:
         check_bad_report(t.data_report, p)
-        assert sorted(int(t.train_sets[s]['index'][i]) for s, i in t.rows) == GOOD_AT
+        assert sorted(int(t.data.train_sets[s]['index'][i]) for s, i in t.data.rows) == GOOD_AT
         m = t.step()
         assert m['n_trained'] == t.data_report.n_trained > 0  # every good row trained in the one step of 10
         assert m['loss'] == m['loss']  # finite
@@ -128,12 +129,12 @@ def test_mix_large_and_small_source_all_exhausted(tiny_path, tmp_path, ray_sessi
                   tokenize__cache_dir=str(tmp_path / 'cache'))
     assert DataConfig().mix_stop == 'all_exhausted'
     with SFTTrainer(cfg) as t:
-        sizes = [len(d) for d in t.train_sets]
+        sizes = [len(d) for d in t.data.train_sets]
         assert sizes == [1000, 10]
-        epoch = [t.rows[k] for step in range(t.steps_per_epoch) for k in t.global_batch(step)]
-        assert sorted(epoch) == sorted(t.rows)  # one epoch = every mixed pair once
+        epoch = [t.data.rows[k] for step in range(t.data.steps_per_epoch) for k in t.data.global_batch(step)]
+        assert sorted(epoch) == sorted(t.data.rows)  # one epoch = every mixed pair once
         assert sorted(i for s, i in epoch if s == 0) == list(range(1000))  # each large-source row exactly once
-        counts = mix_counts(t.rows, sizes, ['big', 'small'])
+        counts = mix_counts(t.data.rows, sizes, ['big', 'small'])
         assert [c['n_examples'] for c in counts] == [sum(s == k for s, _ in epoch) for k in (0, 1)]
         assert counts[0] == {'source': 'big', 'n_rows': 1000, 'n_used': 1000, 'n_cut': 0, 'n_examples': 1000}
         assert counts[1]['n_used'] == 10 and counts[1]['n_cut'] == 0 and counts[1]['n_examples'] > 10  # oversampled

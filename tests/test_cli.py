@@ -81,7 +81,7 @@ def test_synthetic_throughput_run_with_profiler(tmp_path):
                '-p', 'lora_r', '4', '-p', 'lora_export', 'adapter', '--run-dir', run)
     assert r.returncode == 0, r.stderr[-3000:]
     rows = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines() if '"loss"' in l]
-    assert [m['n_tokens'] for m in rows] == [4 * 32] * 2 and [m['n_trained'] for m in rows] == [4 * 31] * 2
+    assert [m['n_real'] for m in rows] == [4 * 32] * 2 and [m['n_trained'] for m in rows] == [4 * 31] * 2
     assert (run / 'profile' / 'steps_2-2' / 'rank0.json').stat().st_size > 0
     assert (run / 'hf' / 'adapter_config.json').exists() and not (run / 'hf' / 'model.safetensors').exists()
 

@@ -18,7 +18,8 @@ from sft_nb.models import load_tokenizer
 from sft_nb.lint import CHECKS, failed, lint_template
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, chat_ids, collapse_template, render
-from sft_nb.tokenize import TokenizeSpec, tokenize_conversation
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_conversation
 
 CHIP = re.compile(r'<span class="k (y|n) r-(\w+)" style="[^"]*" title="[^"]*">(.*?)</span>', re.S)
 
@@ -229,7 +230,7 @@ def test_batch_heatmap(qwen, glaive):
 
 def test_dataset_report(shared, qwen, tmp_path):
     tok, template = qwen
-    rep = dataset_report(shared / 'datasets' / 'glaive_toolcall_en_demo.json', tok, TokenizeSpec(max_length=1024, template=template),
+    rep = dataset_report(shared / 'datasets' / 'glaive_toolcall_en_demo.json', tok, TokenizeConfig(max_length=1024, chat_template=template),
                          cache_dir=str(tmp_path))
     assert rep.report.n_rows == 300 and rep.report.n_dropped == int(rep.drops.rows.sum()) > 0
     assert len(rep.fig.data[2].x) == rep.report.dropped['too_long']

@@ -6,7 +6,6 @@ import torch
 from sft_nb.numerics import rel_gap
 from sft_nb.demo_data import identity_rows
 from sft_nb.trainer import SFTTrainer
-import sft_nb.lens  # noqa: F401  (adds token_losses / rank_rows to SFTTrainer)
 from helpers import run_cfg
 
 ROWS = identity_rows()

@@ -64,8 +64,9 @@ def test_masks_on_real_templates(templates, family, conv, mode):
     msgs, tools = canon['messages'], canon['tools']
     if conv == 'tools' and family in STRICT:  # these templates refuse tool turns: a reported bad row, never a wrong mask
         with pytest.raises(BadRow, match='template'):
-            from sft_nb.tokenize import tokenize_rows, TokenizeSpec
-            _, bad = tokenize_rows([{'messages': raw, 'tools': tools}], tok, TokenizeSpec(template=template, mode=mode), 'messages')
+            from sft_nb.config import TokenizeConfig
+            from sft_nb.tokenize import tokenize_rows
+            _, bad = tokenize_rows([{'messages': raw, 'tools': tools}], tok, TokenizeConfig(chat_template=template, mode=mode), 'messages')
             raise BadRow(bad[0][2], kind=bad[0][1])
         return
     ex = tokenize_conversation(raw, tok, mode=mode, tools=tools, template=template)

@@ -43,14 +43,14 @@ def test_roundtrip_exact_all_layouts(tiny_path):
             assert sorted(back) == sorted(sd) and all(back[k].equal(sd[k]) for k in sd), (tp, pp)
 
 
-def _logits_match(path, n_tokens=32):
+def _logits_match(path, length=32):
     # HF 'eager' attention is the same arithmetic as megatron's local attention; HF's own sdpa and eager
     # differ by ~1e-4 on SmolLM2 (logits up to ~34; fp32 vs fp64 differs by 8e-5), so compare with eager
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation='eager').eval()
     w = in_process_worker(path)
     try:
-        ids = torch.randint(0, hf.config.vocab_size, (2, n_tokens), generator=torch.Generator().manual_seed(0))
+        ids = torch.randint(0, hf.config.vocab_size, (2, length), generator=torch.Generator().manual_seed(0))
         with torch.no_grad(): ref = hf(ids).logits
         diff = rel_gap(w.logits(ids), ref)
         back = w.full_state()

@@ -62,8 +62,9 @@ def test_whole_dataset_bfd_near_bound():
 
 @pytest.fixture(scope='module')
 def alpaca(shared, tiny_tok, tmp_path_factory):
-    from sft_nb.tokenize import tokenize_dataset, TokenizeSpec
-    ds, _ = tokenize_dataset(shared / 'datasets' / 'alpaca_en_demo.json', tiny_tok, TokenizeSpec(max_length=None),
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
+    ds, _ = tokenize_dataset(shared / 'datasets' / 'alpaca_en_demo.json', tiny_tok, TokenizeConfig(max_length=None),
                              cache_dir=tmp_path_factory.mktemp('tok'))
     return ds
 

@@ -16,7 +16,8 @@ from helpers import trained_runs
 from transformers import AutoTokenizer
 from sft_nb.data import BadRow
 from sft_nb.templates import chat_ids, template_info
-from sft_nb.tokenize import tokenize_conversation, tokenize_turns, tokenize_rows, TokenizeSpec
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_conversation, tokenize_turns, tokenize_rows
 
 FIX = Path(__file__).parent / 'fixtures' / 'templates'
 
@@ -146,7 +147,7 @@ def test_case6_glm4_observation_terminator(tiny_path):
 def test_case7_placeholder_tool_calls(tiny_tok):
     rows = [{'messages': [{'role': 'user', 'content': 'Hi', 'tool_calls': '[]'}, {'role': 'assistant', 'content': 'Hello', 'tool_calls': ''}]},
             {'messages': [{'role': 'user', 'content': 'Hi', 'tool_calls': []}, {'role': 'assistant', 'content': 'Hello', 'tool_calls': '[]'}]}]
-    good, bad = tokenize_rows(rows, tiny_tok, TokenizeSpec(), 'messages')
+    good, bad = tokenize_rows(rows, tiny_tok, TokenizeConfig(), 'messages')
     assert bad == [] and [trained_runs(e, tiny_tok) for _, e in good] == [['Hello<|im_end|>']] * 2
 
 
@@ -187,7 +188,7 @@ def test_generation_tags_are_the_spans(tiny_path):
 # ---- a row with a lone surrogate: a BadRow naming the message, the rest of the batch kept
 def test_lone_surrogate_is_a_bad_row(tiny_tok):
     rows = [{'messages': [U('Hi'), A('ok')]}, {'messages': [U('bad \ud800 text'), A('ok')]}]
-    good, bad = tokenize_rows(rows, tiny_tok, TokenizeSpec(), 'messages')
+    good, bad = tokenize_rows(rows, tiny_tok, TokenizeConfig(), 'messages')
     assert [i for i, _ in good] == [0] and bad[0][0] == 1 and bad[0][2].startswith('message 0: holds') and 'surrogate' in bad[0][2]
     with pytest.raises(BadRow, match='message 0: holds'): tokenize_conversation(rows[1]['messages'], tiny_tok)
 

@@ -17,7 +17,8 @@ from transformers import AutoTokenizer
 from sft_nb.data import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, TemplateError, add_family_specials, collapse_template, render, chat_ids
-from sft_nb.tokenize import TokenizeSpec, tokenize_conversation, tokenize_rows, tokenize_turns
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_conversation, tokenize_rows, tokenize_turns
 
 FIX = Path(__file__).parent / 'fixtures' / 'templates'
 DS_SPECIALS = ['<｜User｜>', '<｜Assistant｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>', '<｜tool▁call▁begin｜>',
@@ -142,7 +143,7 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
     mode = strategy if strategy in ('last_assistant', 'completion_only') else 'all_assistant'
     history = 'expand' if mode != 'all_assistant' else strategy
     reasoning, tool_calls = flags
-    spec = TokenizeSpec(mode=mode, history=history, template=tpl, chat_template_kwargs=kw, max_length=None,
+    spec = TokenizeConfig(mode=mode, history=history, chat_template=tpl, chat_template_kwargs=kw, max_length=None,
                         train_on_reasoning=reasoning, train_on_tool_calls=tool_calls)
     try: render(tok, msgs, tools, template=tpl, **kw)
     except Exception:  # templates that refuse tool turns or roles: a reported bad row, never a wrong mask
@@ -181,11 +182,11 @@ def test_expanded_rows_keep_their_index(templates, tmp_path):
     from sft_nb.tokenize import tokenize_dataset
     tok, tpl, kw = templates['qwen3']
     rows = [{'messages': SINGLE}, {'messages': REASONING}, {'messages': [{'role': 'user', 'content': 'x'}]}, {'messages': MULTI}]
-    ds, rep = tokenize_dataset(rows, tok, TokenizeSpec(template=tpl, max_length=None), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(rows, tok, TokenizeConfig(chat_template=tpl, max_length=None), cache_dir=tmp_path)
     assert ds['index'] == [0, 1, 1, 3, 3]
     assert (rep.n_rows, rep.n_kept, rep.n_examples, rep.n_dropped) == (4, 3, 5, 1)
     assert '3 kept (5 examples)' in str(rep)
-    ds, rep = tokenize_dataset(rows, tok, TokenizeSpec(template=tpl, max_length=None, history='final'), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(rows, tok, TokenizeConfig(chat_template=tpl, max_length=None, history='final'), cache_dir=tmp_path)
     assert ds['index'] == [0, 1, 3] and rep.n_examples == 3
 
 
@@ -193,7 +194,7 @@ def test_expanded_row_dropped_whole(templates):
     "One too-long turn drops the whole row (a row is kept or dropped as a unit), reported once."
     tok, tpl, kw = templates['qwen3']
     short = tokenize_turns(REASONING, tok, template=tpl)
-    spec = TokenizeSpec(template=tpl, max_length=len(short[0]) + 1, truncation='drop')
+    spec = TokenizeConfig(chat_template=tpl, max_length=len(short[0]) + 1, truncation='drop')
     good, bad = tokenize_rows([{'messages': REASONING}], tok, spec, 'messages')
     assert good == [] and [b[:2] for b in bad] == [(0, 'too_long')]
 
@@ -237,8 +238,8 @@ def test_heldout_split_keeps_expanded_row_on_one_side(tiny_path, tmp_path):
     t = _trainer_data(tiny_path, tmp_path, rows)
     t.cfg.data.eval_fraction = 0.3
     t._prepare_data()
-    index = np.asarray(t.train_sets[0]['index'])
-    assert len(t.train_sets[0]) == 2 * len(rows)  # qwen3 rewrites history: two examples per row
-    train, held = {int(index[i]) for _, i in t.rows}, {int(index[i]) for _, i in t.heldout}
+    index = np.asarray(t.data.train_sets[0]['index'])
+    assert len(t.data.train_sets[0]) == 2 * len(rows)  # qwen3 rewrites history: two examples per row
+    train, held = {int(index[i]) for _, i in t.data.rows}, {int(index[i]) for _, i in t.data.heldout}
     assert not train & held, f"rows on both sides: {sorted(train & held)}"
-    assert len(held) == int(len(rows) * 0.3) and len(t.rows) + len(t.heldout) == 2 * len(rows)
+    assert len(held) == int(len(rows) * 0.3) and len(t.data.rows) + len(t.data.heldout) == 2 * len(rows)

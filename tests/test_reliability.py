@@ -6,7 +6,10 @@ import pytest
 import torch
 from sft_nb.config import ConfigError, load_config
 from sft_nb.demo_data import identity_rows
-from sft_nb.trainer import SFTTrainer, Sampler, make_sampler, NonFiniteLoss, RunDirBusy
+from sft_nb.trainer import SFTTrainer
+from sft_nb.dataplan import Sampler, make_sampler
+from sft_nb.callbacks import NonFiniteLoss
+from sft_nb.checkpoint import RunDirBusy
 import sft_nb.trainer as trainer_mod
 from helpers import run_cfg
 
@@ -61,7 +64,7 @@ class NotASampler:
 
 
 def test_sampler_must_be_a_sampler_subclass_before_it_is_called():
-    with pytest.raises(ConfigError, match="is not a subclass of sft_nb.trainer.Sampler"):
+    with pytest.raises(ConfigError, match="is not a subclass of sft_nb.dataplan.Sampler"):
         make_sampler('test_reliability:NotASampler', 4, 0)
     with pytest.raises(ConfigError, match="is not a subclass"): make_sampler('os:getcwd', 4, 0)
     assert NotASampler.calls == 0
@@ -93,7 +96,7 @@ def test_checks_before_ray(tiny_path, tmp_path, no_ray):
 
 
 def test_run_lock_stale_and_live(tmp_path):
-    from sft_nb.trainer import RunLock
+    from sft_nb.checkpoint import RunLock
     p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])
     try:
         (tmp_path / '.lock').write_text(json.dumps({'host': os.uname().nodename, 'pid': p.pid, 'start': None}))

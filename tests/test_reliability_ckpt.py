@@ -159,8 +159,8 @@ def test_dead_group_refuses_every_action_and_restarts_from_last_good(tiny_path, 
         for action in (t.save, t.step, t.fit, t.evaluate, t.export):
             with pytest.raises(WorkerError, match=r'the worker group is dead \(worker rank 0 died during save.*trainer\.restart_workers\(\)'):
                 action()
-        assert t.checkpoints() == [good] and (t.ckpt_dir / 'latest').read_text() == good.name
-        assert not (tmp_path / 'run' / 'hf').exists() and not list(t.ckpt_dir.glob('.tmp_step_*'))
+        assert t.checkpoints() == [good] and (t.ckpt.dir / 'latest').read_text() == good.name
+        assert not (tmp_path / 'run' / 'hf').exists() and not list(t.ckpt.dir.glob('.tmp_step_*'))
         assert t.restart_workers() == 2
         h = t.fit()
     finally: t.shutdown()

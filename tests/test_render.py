@@ -2,7 +2,8 @@
 import json
 import numpy as np
 import pytest
-from sft_nb.tokenize import TokenizeSpec, tokenize_dataset, make_renderer
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset, make_renderer
 from sft_nb.vision import ProcessorRenderer, tokenize_vision_dataset, vision_conversation, tokenize_vision
 
 
@@ -35,7 +36,7 @@ def test_image_rows_parallel_and_ray_equal_serial(proc, image_source, tmp_path):
     import ray
     from sft_nb.workers import init_ray
     src, n = image_source
-    spec = TokenizeSpec(max_length=None)
+    spec = TokenizeConfig(max_length=None)
     serial, rep = tokenize_dataset(str(src), proc, spec, use_cache=False, batch_size=4)
     assert rep.n_rows == n and rep.n_dropped == 1 and rep.bad_rows[0][:2] == (5, 'bad_image')
     assert {'pixel_values', 'image_grid_thw'} <= set(serial.column_names) and rep.n_kept == len(serial) == n - 1
@@ -120,7 +121,7 @@ def test_image_row_with_tool_calls_trains_them(proc, shared, tmp_path):
     # the same row through the dataset pipeline, with the template given in the spec
     src = tmp_path / 'tools.json'; src.write_text(json.dumps([row]))
     (tmp_path / 'mllm_demo_data').symlink_to(shared / 'datasets' / 'mllm_demo_data')
-    ds, rep = tokenize_dataset(str(src), proc, TokenizeSpec(max_length=None, template=TOOL_VL_TEMPLATE), use_cache=False)
+    ds, rep = tokenize_dataset(str(src), proc, TokenizeConfig(max_length=None, chat_template=TOOL_VL_TEMPLATE), use_cache=False)
     assert rep.n_kept == 1 and ds[0]['input_ids'] == ex.input_ids and ds[0]['loss_mask'] == ex.loss_mask
     assert len(ds[0]['image_grid_thw']) == 1
 
@@ -128,7 +129,7 @@ def test_image_row_with_tool_calls_trains_them(proc, shared, tmp_path):
 def test_processor_dummy_comes_from_the_processor(proc):
     "The dummy row: the smallest image the image processor makes, its placeholder as the template renders it, nothing trained."
     from sft_nb.collate import collate_padded
-    r = ProcessorRenderer(proc, TokenizeSpec())
+    r = ProcessorRenderer(proc, TokenizeConfig())
     dm = r.dummy()
     grid = dm['image_grid_thw'][0]
     assert sum(dm['loss_mask']) == 0

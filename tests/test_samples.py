@@ -59,7 +59,7 @@ def test_prompt_list_and_fallbacks(tiny_path, tmp_path, ray_session):
         assert recs[1]['messages'] == prompts[1] and 'messages' not in recs[0]
     with SFTTrainer(cfg(tiny_path, tmp_path / 'held', train__num_steps=1, eval__samples=2, data__eval_fraction=0.2), train_data=ROWS['train']) as t:
         t.train()
-        held = {int(t.train_sets[0][int(i)]['index']) for _, i in t.heldout}
+        held = {int(t.data.train_sets[0][int(i)]['index']) for _, i in t.data.heldout}
         recs = read_samples(tmp_path / 'held')
         assert [r['eval'] for r in recs] == ['heldout'] * 2 and {r['row'] for r in recs} <= held
     with SFTTrainer(cfg(tiny_path, tmp_path / 'train', train__num_steps=1, eval__samples=3), train_data=ROWS['train']) as t:

@@ -1,4 +1,4 @@
-"Issue 15: the driver split: the Backend protocol the workers implement, the trainer's size, and the names it keeps."
+"Issue 15: the driver split: the Backend protocol the workers implement; issue 31: the trainer's public surface."
 import inspect
 import pytest
 from sft_nb.backends import Backend, BackendGroup, get_backend
@@ -24,31 +24,43 @@ def test_backend_group_covers_protocol():
     assert set(_protocol_methods()) - {'shutdown'} <= {n for n in vars(BackendGroup) if not n.startswith('_')}
 
 
-def test_trainer_class_is_small_and_keeps_its_names():
-    "SFTTrainer's class cell stays small; the attributes tests and notebooks read are still there, old imports still work."
-    from sft_nb.trainer import SFTTrainer, Sampler, SequentialSampler, make_sampler, split_for_ranks, heldout_split, \
-        synthetic_dataset, RunLock, RunDirBusy, run_outputs, RUN_OUTPUTS, TrainerBusy, NonFiniteLoss  # noqa: F401
-    src = inspect.getsource(SFTTrainer)
-    assert len(src.splitlines()) <= 150
-    assert "getattr(self, '" not in src
-    t = SFTTrainer({'model': {'path': 'tiny'}})
-    for a in ('global_step', 'history', 'eval_history', 'rows_history', 'last_eval', 'train_sets', 'eval_sets', 'heldout', 'rows',
-              'lengths', 'pack_plan', 'total_steps', 'steps_per_epoch', 'run_dir', 'ckpt_dir', 'group', 'workers', 'tokenizer',
-              'processor', 'data_report', 'model_info', 'callbacks', 'control', 'running', 'profile_dir', '_pending'):
-        getattr(t, a)
-    assert t.total_steps == 0 and t.heldout == [] and t.group is None and str(t.run_dir) == t.cfg.checkpoint.run_dir
+def test_trainer_surface():
+    "What a user may read and call on a fresh SFTTrainer is there without importing anything else (issue 31)."
+    import subprocess, sys
+    code = """
+import sys
+from sft_nb.trainer import SFTTrainer
+t = SFTTrainer({'model': {'path': 'tiny'}})
+assert 'sft_nb.lens' not in sys.modules
+for a in ('global_step', 'history', 'eval_history', 'rows_history', 'last_eval', 'total_steps', 'run_dir', 'group', 'workers',
+          'tokenizer', 'processor', 'data_report', 'model_info', 'callbacks', 'control', 'running', 'action', 'profile_dir', 'data', 'ckpt'):
+    getattr(t, a)
+for m in ('setup', 'step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'shutdown', 'dry_run', 'restart_workers',
+          'checkpoints', 'token_losses', 'rank_rows', 'request_stop'):
+    assert callable(getattr(t, m)), m
+assert t.total_steps == 0 and t.data.heldout == [] and t.group is None and str(t.run_dir) == t.cfg.checkpoint.run_dir
+assert t.running is False and t.action is None and t.checkpoints() == []
+print('ok')
+"""
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == 'ok', out.stderr[-2000:]
+
+
+def test_no_forwarding_table():
+    "The trainer's members are written out, not installed from a table after the class."
+    import sft_nb.trainer as T
+    assert not hasattr(T, '_READS') and 'setattr(SFTTrainer' not in inspect.getsource(T)
 
 
 def _trainer_lines() -> dict:
-    "Non-blank lines of SFTTrainer in sft_nb/trainer.py: the class, each function patched onto it (decorators and docstrings included), the forwarding table."
+    "Non-blank lines of SFTTrainer in sft_nb/trainer.py: the class and each function patched onto it (decorators and docstrings included)."
     import ast, sft_nb.trainer as T
     text = inspect.getsource(T); lines, parts = text.splitlines(), {}
     for node in ast.parse(text).body:
         start = min([d.lineno for d in getattr(node, 'decorator_list', [])] + [node.lineno])
         seg = lines[start - 1:node.end_lineno]
         first = node.args.args[0].annotation if isinstance(node, ast.FunctionDef) and node.args.args else None
-        if (isinstance(node, ast.ClassDef) and node.name == 'SFTTrainer') or (first is not None and ast.unparse(first) == 'SFTTrainer') \
-           or (isinstance(node, (ast.Assign, ast.For)) and '_READS' in '\n'.join(seg)):
+        if (isinstance(node, ast.ClassDef) and node.name == 'SFTTrainer') or (first is not None and ast.unparse(first) == 'SFTTrainer'):
             parts[getattr(node, 'name', f'line {start}')] = sum(1 for l in seg if l.strip())
     return parts
 

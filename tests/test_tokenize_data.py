@@ -5,7 +5,8 @@ import pytest
 from transformers import AutoTokenizer
 from sft_nb.data import BadRow
 from sft_nb.templates import add_family_specials
-from sft_nb.tokenize import tokenize_dataset, TokenizeSpec, cache_root
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset, cache_root
 
 
 @pytest.fixture()
@@ -22,22 +23,22 @@ def check_report(ds, rep, n_rows):
     assert rep.n_rows == n_rows and rep.n_kept + rep.n_dropped == n_rows
     assert len(ds) == rep.n_kept and min(ds['n_trained']) > 0
     assert sorted(set(ds['index'])) == ds['index']  # source order kept, each row once
-    assert rep.n_tokens == sum(ds['length']) and rep.n_trained == sum(ds['n_trained'])
+    assert rep.n_real == sum(ds['length']) and rep.n_trained == sum(ds['n_trained'])
 
 
 @pytest.mark.parametrize('mode', ['all_assistant', 'last_assistant'])
 def test_alpaca(shared, tiny_tok, tmp_path, mode):
-    ds, rep = tokenize_dataset(shared / 'datasets/alpaca_en_demo.json', tiny_tok, TokenizeSpec(mode=mode, max_length=256), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(shared / 'datasets/alpaca_en_demo.json', tiny_tok, TokenizeConfig(mode=mode, max_length=256), cache_dir=tmp_path)
     check_report(ds, rep, 999)
     assert rep.dropped.get('too_long', 0) > 0 and max(ds['length']) <= 256
     ds2, rep2 = tokenize_dataset(shared / 'datasets/alpaca_en_demo.json', tiny_tok,
-                                 TokenizeSpec(mode=mode, max_length=256, truncation='keep_start'), cache_dir=tmp_path)
+                                 TokenizeConfig(mode=mode, max_length=256, truncation='keep_start'), cache_dir=tmp_path)
     assert 'too_long' not in rep2.dropped and rep2.n_kept + rep2.dropped.get('empty_mask', 0) == 999 and rep2.max_length == 256
 
 
 def test_glaive_tool_calls(shared, qwen_tok, qwen_template, tmp_path):
     ds, rep = tokenize_dataset(shared / 'datasets/glaive_toolcall_en_demo.json', qwen_tok,
-                               TokenizeSpec(template=qwen_template, max_length=4096), cache_dir=tmp_path)
+                               TokenizeConfig(chat_template=qwen_template, max_length=4096), cache_dir=tmp_path)
     check_report(ds, rep, 300)
     row = ds[0]
     text = qwen_tok.decode([i for i, m in zip(row['input_ids'], row['loss_mask']) if m])
@@ -49,17 +50,17 @@ def test_bad_rows_reported_not_fatal(tiny_tok, tmp_path):
             {'messages': [{'role': 'alien', 'content': 'hi'}]},
             {'conversations': 'nope'},
             {'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': None, 'tool_calls': '{"name": '}]}]
-    ds, rep = tokenize_dataset(rows, tiny_tok, TokenizeSpec(format='messages'), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(rows, tiny_tok, TokenizeConfig(format='messages'), cache_dir=tmp_path)
     assert len(ds) == 1 and rep.dropped == {'bad_format': 3}
     assert [b[0] for b in rep.bad_rows] == [1, 2, 3]
     assert 'not valid JSON' in rep.bad_rows[2][2]
     with pytest.raises(BadRow, match="row 1: message 0: unknown role 'alien'"):
-        tokenize_dataset(rows, tiny_tok, TokenizeSpec(format='messages'), cache_dir=tmp_path, on_bad_row='raise')
+        tokenize_dataset(rows, tiny_tok, TokenizeConfig(format='messages'), cache_dir=tmp_path, on_bad_row='raise')
 
 
 def test_parallel_equals_serial(shared, qwen_tok, qwen_template, tmp_path):
     src = shared / 'datasets/glaive_toolcall_en_demo.json'
-    spec = TokenizeSpec(template=qwen_template, max_length=4096)
+    spec = TokenizeConfig(chat_template=qwen_template, max_length=4096)
     a, ra = tokenize_dataset(src, qwen_tok, spec, cache_dir=tmp_path / 'a', batch_size=64)
     b, rb = tokenize_dataset(src, qwen_tok, spec, cache_dir=tmp_path / 'b', num_proc=2, batch_size=64)
     assert a.to_dict() == b.to_dict() and ra == rb
@@ -71,9 +72,9 @@ def test_cache_is_content_addressed(shared, tiny_tok, qwen_tok, qwen_template, t
     hit, rep_hit = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
     assert hit.to_dict() == ds.to_dict() and rep_hit == rep
     assert len(list(tmp_path.iterdir())) == 1
-    other, _ = tokenize_dataset(src, qwen_tok, TokenizeSpec(template=qwen_template), cache_dir=tmp_path)  # other template + tokenizer
+    other, _ = tokenize_dataset(src, qwen_tok, TokenizeConfig(chat_template=qwen_template), cache_dir=tmp_path)  # other template + tokenizer
     assert len(list(tmp_path.iterdir())) == 2 and other['input_ids'] != ds['input_ids']
-    tokenize_dataset(src, tiny_tok, TokenizeSpec(chat_template_kwargs={'enable_thinking': False}), cache_dir=tmp_path)
+    tokenize_dataset(src, tiny_tok, TokenizeConfig(chat_template_kwargs={'enable_thinking': False}), cache_dir=tmp_path)
     assert len(list(tmp_path.iterdir())) == 3
 
 
@@ -109,7 +110,7 @@ def test_cache_altered_in_place_is_detected(shared, tiny_tok, tmp_path):
     assert again.to_dict() == expected and rep2 == rep
     report = entry / 'report.json'
     text = report.read_text()
-    n = f'"n_tokens": {rep.n_tokens}'
+    n = f'"n_real": {rep.n_real}'
     report.write_text(text.replace(n, n[:-1] + str((int(n[-1]) + 1) % 10)))  # one digit changed, same size
     assert report.stat().st_size == len(text)
     with pytest.warns(UserWarning, match=r'fails its content check \(report.json\)'):
@@ -119,9 +120,9 @@ def test_cache_altered_in_place_is_detected(shared, tiny_tok, tmp_path):
 def test_turns_reduced_to_end_of_turn_are_reported(shared, tiny_tok, qwen_tok, qwen_template, tmp_path):
     "A template that drops tool calls (plain ChatML) leaves turns that train only <|im_end|>: counted and warned about."
     src = shared / 'datasets/glaive_toolcall_en_demo.json'
-    _, rep = tokenize_dataset(src, tiny_tok, TokenizeSpec(max_length=4096), cache_dir=tmp_path)
+    _, rep = tokenize_dataset(src, tiny_tok, TokenizeConfig(max_length=4096), cache_dir=tmp_path)
     assert rep.eot_only_turns > 100 and 'WARNING' in str(rep)
-    _, rep = tokenize_dataset(src, qwen_tok, TokenizeSpec(template=qwen_template, max_length=4096), cache_dir=tmp_path)
+    _, rep = tokenize_dataset(src, qwen_tok, TokenizeConfig(chat_template=qwen_template, max_length=4096), cache_dir=tmp_path)
     assert rep.eot_only_turns == 0 and 'WARNING' not in str(rep)
 
 
@@ -132,8 +133,8 @@ def test_fast_mask_equals_offset_overlap(shared, qwen_tok, qwen_template, name):
     from sft_nb.tokenize import tokenize_rows, mask_from_offsets
     ds = load_source(shared / 'datasets' / name)
     rows = [row_dict(r) for r in ds] + [{'messages': [{'role': 'user', 'content': 'héllo 🙂'}, {'role': 'assistant', 'content': 'ça va 🙂🙂'}]}]
-    good, _ = tokenize_rows(rows[:-1], qwen_tok, TokenizeSpec(template=qwen_template, max_length=None), detect_format(source_columns(ds)))
-    good += tokenize_rows(rows[-1:], qwen_tok, TokenizeSpec(template=qwen_template, max_length=None), 'messages')[0]
+    good, _ = tokenize_rows(rows[:-1], qwen_tok, TokenizeConfig(chat_template=qwen_template, max_length=None), detect_format(source_columns(ds)))
+    good += tokenize_rows(rows[-1:], qwen_tok, TokenizeConfig(chat_template=qwen_template, max_length=None), 'messages')[0]
     assert len(good) > 100
     for _, ex in good:
         assert ex.loss_mask == mask_from_offsets(ex.offsets, ex.spans)

@@ -51,7 +51,7 @@ def test_split_invariance(tiny_path, tmp_path, ray_session, packed, weighted):
         with SFTTrainer(make_cfg(tiny_path, tmp_path / str(i), **extra, **s), train_data=WROWS if weighted else ROWS,
                         eval_data=evals if weighted and i == 2 else None) as t:
             m = t.step()
-            if weighted: assert 'loss_weights' in t.train_sets[0].column_names
+            if weighted: assert 'loss_weights' in t.data.train_sets[0].column_names
             if weighted and i == 2:
                 e = t.evaluate()
                 assert abs(e['x2.5_loss'] - e['plain_loss']) <= 1e-6 * e['plain_loss'], e
@@ -158,10 +158,10 @@ def test_prefetch_and_sampler_in_checkpoint(tiny_path, tmp_path, ray_session):
     from sft_nb.config import ConfigError
     with SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=3, train__sampler='sequential'), train_data=ROWS) as t:
         t.step()
-        (nxt, fut), = t._pending.items()
+        (nxt, fut), = t.data.pending.items()
         assert nxt == 1
-        (pre, n_trained, n_tokens), (ref, n_trained2, n_tokens2) = fut.result(), t._rank_batches(t.global_batch(1))
-        assert (n_trained, n_tokens) == (n_trained2, n_tokens2) and n_tokens > 0
+        (pre, n_trained, n_real), (ref, n_trained2, n_real2) = fut.result(), t.data.rank_batches(t.data.global_batch(1))
+        assert (n_trained, n_real) == (n_trained2, n_real2) and n_real > 0
         for a, b in zip(pre[0], ref[0]): assert all(torch.equal(a[k], b[k]) for k in ('input_ids', 'labels'))
         ck = t.save()
     t2 = SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=3), train_data=ROWS)

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 from sft_nb.config import ConfigError
 from helpers import run_cfg
-from sft_nb.tokenize import TokenizeSpec, tokenize_conversation
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_conversation
 from sft_nb.vision import vision_conversation, tokenize_vision, tokenize_vision_dataset, tokenize_vision_rows
 
 
@@ -78,13 +79,13 @@ def test_content_parts_data_uri_and_pil(proc, shared):
 def test_bad_and_truncated_image_rows(proc, demo, shared, tmp_path):
     (tmp_path / 'broken.jpg').write_bytes(b'\xff\xd8 not really')
     rows = [demo[1], {**demo[1], 'images': [str(tmp_path / 'broken.jpg')]}, {**demo[1], 'images': ['mllm_demo_data/gone.jpg']}]
-    good, bad = tokenize_vision_rows(rows, proc, TokenizeSpec(max_length=None), shared / 'datasets')
+    good, bad = tokenize_vision_rows(rows, proc, TokenizeConfig(max_length=None), shared / 'datasets')
     assert [g[0] for g in good] == [0]
     assert [b[:2] for b in bad] == [(1, 'bad_image'), (2, 'bad_image')]
     assert 'broken.jpg' in bad[0][2] and 'gone.jpg' in bad[1][2]
     # a cut inside the image: dropped and reported, never cut inside an image
     full = good[0][1]
-    spec = TokenizeSpec(max_length=full.image_tokens[0][0] + 3, truncation='keep_start')
+    spec = TokenizeConfig(max_length=full.image_tokens[0][0] + 3, truncation='keep_start')
     src = tmp_path / 'd.json'; src.write_text(json.dumps([demo[1]]))
     (tmp_path / 'mllm_demo_data').symlink_to(shared / 'datasets' / 'mllm_demo_data')
     ds, rep = tokenize_vision_dataset(str(src), proc, spec, use_cache=False)
@@ -104,12 +105,12 @@ def test_vlm_trains_mixed_rows_and_resumes(shared, tmp_path, ray_session):
     from sft_nb.trainer import SFTTrainer
     with SFTTrainer(vlm_cfg(shared, tmp_path / 'full')) as t:
         assert t.processor is not None and t.data_report.n_dropped == 0
-        kinds = [{'image' if 'pixel_values' in t._collate(mb) else 'text'} for mb in
-                 [t.global_batch(s)[j:j + 4] for s in range(10) for j in (0, 4)]]
+        kinds = [{'image' if 'pixel_values' in t.data.collate_items(mb) else 'text'} for mb in
+                 [t.data.global_batch(s)[j:j + 4] for s in range(10) for j in (0, 4)]]
         assert {'image'} in kinds and {'text'} in kinds  # micro-batches of both kinds (and mixed ones)
-        assert any(len({bool(t._example(k).get('image_grid_thw')) for k in t.global_batch(s)}) == 2 for s in range(10))
+        assert any(len({bool(t.data.example(k).get('image_grid_thw')) for k in t.data.global_batch(s)}) == 2 for s in range(10))
         full = t.fit()['loss'].tolist()
-        ev = t.evaluate() if t.eval_sets else None
+        ev = t.evaluate() if t.data.eval_sets else None
     print('losses', [round(x, 3) for x in full])
     assert len(full) == 10 and full[-1] < full[0] and np.mean(full[-3:]) < np.mean(full[:3])
     with SFTTrainer(vlm_cfg(shared, tmp_path / 'half')) as t:

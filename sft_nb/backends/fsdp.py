@@ -190,7 +190,7 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_glob
         s, k = self._nll(self._to_dev(mb))
         (s * scale).backward()
         nll += float(s.detach()); n += k
-    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+    return {'nll_sum': nll, 'n_trained': n}
 
 @patch
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
@@ -218,7 +218,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
         for mb in micro_batches:
             s, k = self._nll(self._to_dev(mb))
             nll += float(s); n += k
-    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+    return {'nll_sum': nll, 'n_trained': n}
 
 @patch
 def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:

@@ -273,7 +273,7 @@ def forward_backward(self: MegatronWorker, micro_batches: list[dict], n_trained_
     "Accumulate gradients of Σ NLL / n_trained_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
     self.model.train()
     nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_trained_global if n_trained_global > 0 else 1))
-    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+    return {'nll_sum': nll, 'n_trained': n}
 
 @patch
 def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
@@ -301,7 +301,7 @@ def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
     import torch
     self.model.eval()
     with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
-    return {'nll_sum': nll, 'n_trained': n, 'n_tokens': n}  # n_tokens: the old name of n_trained
+    return {'nll_sum': nll, 'n_trained': n}
 
 @patch
 def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
