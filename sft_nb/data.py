@@ -15,8 +15,8 @@ from .config import SourceConfig, DataConfig
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
            'normalize_tools', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
-           'file_digest', 'iter_json_rows', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint',
-           'mix_counts', 'mix_indices']
+           'file_digest', 'json_line', 'bad_row_marker', 'iter_json_rows', 'load_source', 'row_dict', 'source_columns',
+           'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -289,26 +289,30 @@ def _unique_keys(pairs: list) -> dict:
     if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
 
+def json_line(raw: bytes, # one line of a JSONL file, as read
+              p, n: int, # the file and the line number (1-based), for the reason
+             ) -> tuple[str | None, dict | BadRow] | None:
+    "The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8, not JSON, a key twice, not an object)."
+    if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
+    if not raw.strip(): return None
+    try: text = raw.decode('utf-8').strip()
+    except UnicodeDecodeError as e:
+        return None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)", kind='bad_encoding')
+    try: row = json.loads(text, object_pairs_hook=_unique_keys)
+    except json.JSONDecodeError as e: return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
+    except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
+    if isinstance(row, dict): return text, row
+    return None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
+
+def bad_row_marker(row: BadRow, line: int | None = None) -> dict:
+    "How a reader stores a row it could not read, so the tokenizer reports it as that row's BadRow."
+    return {BAD_ROW_KEY: {'kind': row.kind, 'reason': row.reason} | ({} if line is None else {'line': line})}
+
 def _line_records(f, p: Path, digest=None):
     "JSONL: `(line, text, row | BadRow)` per non-blank line."
     for n, raw in enumerate(f, 1):
         if digest is not None: digest.update(raw)
-        if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
-        if not raw.strip(): continue
-        try: text = raw.decode('utf-8').strip()
-        except UnicodeDecodeError as e:
-            yield n, None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)",
-                                  kind='bad_encoding')
-            continue
-        try: row = json.loads(text, object_pairs_hook=_unique_keys)
-        except json.JSONDecodeError as e:
-            yield n, None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
-            continue
-        except _DuplicateKey as e:
-            yield n, None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
-            continue
-        if isinstance(row, dict): yield n, text, row
-        else: yield n, None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
+        if (rec := json_line(raw, p, n)) is not None: yield n, *rec
 
 # %% ../nbs/01_data.ipynb #a1d0e009
 _UNDECODABLE = re.compile('[\udc80-\udcff]')  # bytes that were not UTF-8, kept by errors='surrogateescape'
@@ -413,7 +417,7 @@ def _load_json(p: Path, fill: bool = False):
     from datasets.table import InMemoryTable
     digest, chunks, texts = new_digest(), [], []
     for line, text, row in _json_records(p, digest):
-        if isinstance(row, BadRow): text = json.dumps({BAD_ROW_KEY: {'kind': row.kind, 'reason': row.reason, 'line': line}}, ensure_ascii=False)
+        if isinstance(row, BadRow): text = json.dumps(bad_row_marker(row, line), ensure_ascii=False)
         elif fill: text = json.dumps(_fill_null_content(row), ensure_ascii=False)
         texts.append(text)
         if len(texts) == 8192: chunks.append(pa.array(texts, pa.string())); texts = []  # record batches, not one Python list

@@ -4,14 +4,13 @@
 
 # %% ../nbs/05b_stream.ipynb #3a643f52
 from __future__ import annotations
-import codecs, json
 from dataclasses import replace
 from itertools import islice
 from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BAD_ROW_KEY, BadRow, DataReport, detect_format, iter_json_rows, load_source, row_dict
+from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, detect_format, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template
 from .tokenize import make_renderer
 from .collate import collate_packed
@@ -24,14 +23,7 @@ __all__ = ['stream_rows', 'check_stream', 'source_name', 'StreamPlan', 'example_
 def _json_rows(path: Path, start: int):
     for batch in iter_json_rows(path, batch_rows=256):
         for i, row in batch:
-            if i >= start: yield i, ({BAD_ROW_KEY: {'kind': row.kind, 'reason': row.reason}} if isinstance(row, BadRow) else row), None
-
-def _line_row(raw: bytes, p: Path, n: int) -> dict:
-    "One JSONL line → its row, or the data stage's bad-row marker (bad_encoding, bad_json)."
-    try: row = json.loads(raw.decode('utf-8'))
-    except UnicodeDecodeError as e: return {BAD_ROW_KEY: {'kind': 'bad_encoding', 'reason': f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)"}}
-    except json.JSONDecodeError as e: return {BAD_ROW_KEY: {'kind': 'bad_json', 'reason': f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})"}}
-    return row if isinstance(row, dict) else {BAD_ROW_KEY: {'kind': 'bad_json', 'reason': f"{p}: line {n}: expected a JSON object, got {type(row).__name__}"}}
+            if i >= start: yield i, (bad_row_marker(row) if isinstance(row, BadRow) else row), None
 
 def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
     "`(index, row, cursor)` of a JSONL file; `cursor` = [byte offset, line] after the row: a resume seeks there instead of re-reading."
@@ -41,9 +33,8 @@ def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
         f.seek(off)
         for raw in iter(f.readline, b''):
             n += 1; off += len(raw)
-            if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
-            if not raw.strip(): continue
-            if i >= start: yield i, _line_row(raw, p, n), [off, n]
+            if (rec := json_line(raw, p, n)) is None: continue  # blank
+            if i >= start: yield i, (bad_row_marker(rec[1]) if isinstance(rec[1], BadRow) else rec[1]), [off, n]
             i += 1
 
 def _hf_rows(ds, start: int):

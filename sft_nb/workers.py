@@ -11,8 +11,8 @@ from typing import Any
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'WorkerError',
-           'WorkerGroup']
+__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
+           'WorkerError', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -131,6 +131,19 @@ def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
     np.random.set_state((name, t['numpy'].numpy().astype(np.uint32), pos, has_gauss, cached))
     if use_gpu and 'cuda' in t: torch.cuda.set_rng_state(t['cuda'])
     return True
+
+# %% ../nbs/07_workers.ipynb #b7d3e511
+def save_hf_folder(model, # a Hugging Face model holding the full weights
+                   path, # the folder to write
+                   source: str, # the model folder the run started from (processor config, default tokenizer)
+                   tokenizer_path: str | None = None, # a tokenizer folder other than `source`
+                  ) -> None:
+    "`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json` goes along."
+    import shutil
+    from transformers import AutoTokenizer
+    model.save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_path or source).save_pretrained(path)
+    if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
 
 # %% ../nbs/07_workers.ipynb #de47446a
 class WorkerError(RuntimeError):

@@ -38,7 +38,7 @@ OVERRIDES = [
     ('model.path=/nonexistent/model', "model.path: '/nonexistent/model' does not exist"), ("model.path=''", 'model.path: empty'),
     ('model.path=no-such-org/no-such-model', "model.path: cannot load 'no-such-org/no-such-model'"),
     ('model.lora_dropout=1.5', 'model.lora_dropout: must be'), ('data.train=[{path: /nonexistent/x.json}]', "'/nonexistent/x.json' does not exist"),
-    ('data.train=[{path: x.json, weight: .nan}]', 'data.train[0].weight: must be'), ('train.sampler=os:getcwd', 'is not a subclass of sft_nb.trainer.Sampler'),
+    ('data.train=[{path: x.json, weight: .nan}]', 'data.train[0].weight: must be'), ('train.sampler=os:getcwd', 'is not a subclass of sft_nb.dataplan.Sampler'),
     ('checkpoint.resume=/nonexistent/ckpt', 'checkpoint.resume: /nonexistent/ckpt is not a complete checkpoint'),
     ('train.on_nonfinite=ignore', "train.on_nonfinite: 'ignore' is not allowed"), ('data.train=[]', 'data.train: no train source given'),
 ]

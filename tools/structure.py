@@ -2,7 +2,7 @@
 
     python tools/structure.py          # exit 1 when anything is reported
 
-Rules (issue 15, item 4; STYLE.md):
+Rules (issue 15, item 4; docs/STYLE.md):
 
 - **cycle**: the import graph of `sft_nb` has no cycle. Every `import` / `from ... import` in a module counts,
   at any depth (function-level imports too), and so does a `'sft_nb.x...'` string passed to

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json, os, random
 from pathlib import Path
 import numpy as np
-from ..workers import DistWorker, save_rng, load_rng
+from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
 from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
@@ -269,17 +269,12 @@ def load(self: FSDPWorker, path: str) -> int:
 @patch
 def export_hf(self: FSDPWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
     "save_pretrained the full model (LoRA merged), or the LoRA adapter alone (`lora_export='adapter'`), on rank 0; every rank takes part in gathering."
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     state = self.full_state()
     if self.rank == 0:
         model = self._build_model('cpu')
         model.load_state_dict(state, strict=False)
         if self.mcfg['lora_r'] > 0 and lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
-        model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
-        if Path(self.path, 'preprocessor_config.json').exists():  # vision-language: the image processor travels too
-            import shutil; shutil.copy(Path(self.path, 'preprocessor_config.json'), path)
+        save_hf_folder(model, path, self.path, tokenizer_path)
     return True
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed

@@ -8,7 +8,7 @@ import json, random
 from pathlib import Path
 import numpy as np
 from ..config import ConfigError
-from ..workers import DistWorker, save_rng, load_rng
+from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
 from ..optim import lr_at
 from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
@@ -390,13 +390,12 @@ def load(self: MegatronWorker, path: str) -> int:
 def export_hf(self: MegatronWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
     "save_pretrained the full model on rank 0; every rank takes part in gathering (no LoRA here: `lora_export` is unused)."
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
     state = self.full_state()
     if self.rank == 0:
         model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
         model.load_state_dict(state, strict=True)
-        model.save_pretrained(path)
-        AutoTokenizer.from_pretrained(tokenizer_path or self.path).save_pretrained(path)
+        save_hf_folder(model, path, self.path, tokenizer_path)
     return True
 
 # %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
