@@ -399,7 +399,8 @@ def _verify_cost(tok, template, n_rows, repeats):
     "Cost of the tokenization cache's content check (sizes + xxh3-128 digests) on a cache of `n_rows` alpaca-style rows."
     import json, time
     from sft_nb.config import TokenizeConfig
-    from sft_nb.tokenize import tokenize_dataset, _load_entry, _verify
+    from sft_nb.tokenize import tokenize_dataset
+    from sft_nb.cache import load_entry, verify_entry
     demo = json.loads(DATASETS['alpaca'].read_text())
     big = [{**r, 'instruction': f"{r['instruction']} (#{k})"} for k in range(-(-n_rows // len(demo))) for r in demo][:n_rows]
     spec = TokenizeConfig(chat_template=template, max_length=None)
@@ -414,11 +415,11 @@ def _verify_cost(tok, template, n_rows, repeats):
         files = [p for p in entry.rglob('*') if p.is_file()]
         size = sum(p.stat().st_size for p in files)
         manifest = json.loads((entry / 'MANIFEST.json').read_text())
-        runs = {'load entry, with content check': lambda: _load_entry(entry),
-                'load entry, no check': lambda: _load_entry(entry, verify=False),
-                'content check alone (sizes + digests)': lambda: _verify(entry, manifest),
+        runs = {'load entry, with content check': lambda: load_entry(entry),
+                'load entry, no check': lambda: load_entry(entry, verify=False),
+                'content check alone (sizes + digests)': lambda: verify_entry(entry, manifest),
                 'tokenize_dataset cache hit (reads + fingerprints the source too)': lambda: tokenize_dataset(str(src), tok, spec, cache_dir=str(cache))}
-        assert _verify(entry, manifest) == '' and _load_entry(entry) is not None
+        assert verify_entry(entry, manifest) == '' and load_entry(entry) is not None
         best = {k: float('inf') for k in runs}
         for _ in range(repeats):
             for k, fn in runs.items():

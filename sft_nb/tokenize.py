@@ -10,18 +10,17 @@ from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
 from .data import BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
-from .paths import sft_nb_home, file_digest
-from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, template_key, render, load_template,
+from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
+from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template,
                               chat_ids, common_prefix)
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans', 'mask_from_offsets',
-           'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts', 'trained_parts',
-           'encode_texts', 'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows',
-           'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback',
-           'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
-           'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts', 'load_entry',
-           'commit_entry', 'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'locate_messages', 'assistant_spans', 'mask_from_offsets', 'turn_spans',
+           'trained_turns', 'message_segments', 'render_turns', 'turn_parts', 'trained_parts', 'encode_texts',
+           'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer',
+           'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback', 'JsonlRows',
+           'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts',
+           'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -553,8 +552,6 @@ def make_renderer(obj, # a tokenizer, a processor (`import sft_nb.vision` regist
                     "(it registers ProcessorRenderer)")
 
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 6  # bump when stored examples change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam)
-
 def example_features(renderer: Renderer):
     "The stored schema: the base columns every row has, then the renderer's extra columns."
     import datasets
@@ -732,79 +729,6 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
             with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
         stats.append(st)
     return stats
-
-# %% ../nbs/02_tokenize.ipynb #ef1077a4
-def cache_root(cache_dir: str | None = None) -> Path:
-    return Path(cache_dir).expanduser() if cache_dir else sft_nb_home() / 'tokenized'  # '~/cache' is the home folder's
-
-def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeConfig, fmt: str) -> str:
-    from sft_nb import __version__
-    parts = [data_fingerprint, template_key(tokenizer, spec.chat_template, spec.chat_template_kwargs), spec.mode,
-             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
-    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
-
-def file_fingerprint(source) -> str | None:
-    "The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it; None otherwise."
-    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
-    if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
-    fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
-    return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
-
-# %% ../nbs/02_tokenize.ipynb #b600947f
-def _manifest(folder: Path, digests: bool = True) -> dict:
-    "{file: [size, content digest]} of a cache entry (the digest is computed only when asked)."
-    return {str(p.relative_to(folder)): [p.stat().st_size, file_digest(p) if digests else None]
-            for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'MANIFEST.json'}
-
-def _verify(folder: Path, recorded: dict) -> str:
-    "'' if every file of the entry has its recorded size and digest, else the first file that does not."
-    sizes = _manifest(folder, digests=False)
-    if not isinstance(recorded, dict) or sizes.keys() != recorded.keys(): return 'file list'
-    for name, (size, _) in sizes.items():  # cheap size check first; a truncated file never gets hashed
-        if not isinstance(recorded[name], list) or recorded[name][0] != size: return name
-    return next((n for n in sizes if file_digest(folder / n) != recorded[n][1]), '')
-
-def index_parts(folder: Path, features, fingerprint: str):
-    "Write what `datasets.load_from_disk` reads next to the parts (state.json, dataset_info.json): the folder is a saved Dataset."
-    files = sorted(p.name for p in Path(folder).glob('data-*.arrow'))
-    (folder / 'state.json').write_text(json.dumps({'_data_files': [{'filename': f} for f in files], '_fingerprint': fingerprint,
-        '_format_columns': None, '_format_kwargs': {}, '_format_type': None, '_output_all_columns': False, '_split': None}, indent=2))
-    (folder / 'dataset_info.json').write_text(json.dumps({'citation': '', 'description': '', 'features': features.to_dict(),
-                                                          'homepage': '', 'license': ''}, indent=2))
-
-def open_parts(folder: Path):
-    "The memory-mapped Dataset of a parts folder; `loss_weights` dropped when no row has fractional weights."
-    import datasets, pyarrow.compute as pc
-    ds = datasets.load_from_disk(str(folder))
-    if not pc.sum(pc.list_value_length(ds.data.column('loss_weights'))).as_py():
-        ds = ds.remove_columns(['loss_weights'])  # 0/1 rows: loss_mask is the weight, no column
-    return ds
-
-def load_entry(folder: Path, verify: bool = True): # verify=False: the entry this process just wrote
-    "A complete cache entry → (Dataset, DataReport); anything incomplete or altered → None (altered: with a warning)."
-    import warnings
-    m = folder / 'MANIFEST.json'
-    try:
-        if not m.exists(): return None
-        if verify and (bad := _verify(folder, json.loads(m.read_text()))):
-            warnings.warn(f"tokenization cache entry {folder} fails its content check ({bad}); rebuilding it", stacklevel=3)
-            return None
-        rep = json.loads((folder / 'report.json').read_text())
-        rep['bad_rows'] = [tuple(b) for b in rep['bad_rows']]
-        return open_parts(folder / 'data'), DataReport(**rep)
-    except Exception: return None
-
-# %% ../nbs/02_tokenize.ipynb #ecb0ec91
-def commit_entry(tmp: Path, folder: Path, report: DataReport):
-    "Finish an entry built in `tmp` (parts under tmp/data): report, then the manifest last, then one rename into place."
-    (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
-    (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
-    if folder.exists(): shutil.rmtree(folder, ignore_errors=True)  # a corrupt entry we decided to rebuild
-    try: os.rename(tmp, folder)
-    except OSError:  # a concurrent tokenization committed the same entry first (ENOTEMPTY/EEXIST): its copy is equally good
-        if load_entry(folder) is None: raise
-
-_load_entry = load_entry  # the names bench/tokenize.py used
 
 # %% ../nbs/02_tokenize.ipynb #fe6580df
 def _report(n_rows: int, stats: list[dict]) -> DataReport:

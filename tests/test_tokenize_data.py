@@ -6,7 +6,8 @@ from transformers import AutoTokenizer
 from sft_nb.data import BadRow
 from sft_nb.templates import add_family_specials
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_dataset, cache_root
+from sft_nb.tokenize import tokenize_dataset
+from sft_nb.cache import cache_root
 
 
 @pytest.fixture()
