@@ -7,7 +7,7 @@ from __future__ import annotations
 import hashlib, json, os, shutil
 from pathlib import Path
 from .config import SourceConfig, TokenizeConfig
-from .data import DataReport
+from .data import DataReport, source_path
 from .paths import sft_nb_home, file_digest
 from .templates import template_key
 
@@ -29,7 +29,7 @@ def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeConfig, fmt: str) 
 
 def file_fingerprint(source) -> str | None:
     "The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it; None otherwise."
-    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    path = source_path(source)
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
     fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
     return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')

@@ -15,8 +15,8 @@ from .config import SourceConfig, DataConfig
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
            'normalize_tools', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
-           'file_digest', 'json_line', 'bad_row_marker', 'iter_json_rows', 'load_source', 'row_dict', 'source_columns',
-           'source_fingerprint', 'mix_counts', 'mix_indices']
+           'file_digest', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path', 'source_name', 'load_source',
+           'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -425,6 +425,16 @@ def _load_json(p: Path, fill: bool = False):
     fp = digest.hexdigest() if not fill else hashlib.sha256(f"{digest.hexdigest()}/null_content=empty".encode()).hexdigest()
     return datasets.Dataset(InMemoryTable(table), fingerprint=fp)  # the file's sha256: no second read to fingerprint it
 
+# %% ../nbs/01_data.ipynb #e2a6b8c3
+def source_path(src) -> str | None:
+    "The path or name a source gives (a `SourceConfig`'s `path`, a string, a `Path`); None for rows in memory."
+    if isinstance(src, SourceConfig): return src.path
+    return str(src) if isinstance(src, (str, Path)) else None
+
+def source_name(src, k: int) -> str:
+    "How reports name source `k`: its path or name, else `source k`."
+    return source_path(src) or f'source {k}'
+
 # %% ../nbs/01_data.ipynb #10daeb69
 def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a list of dicts, or a Dataset
                 split: str = 'train',
@@ -494,7 +504,7 @@ def source_columns(ds) -> list[str]:
 
 def source_fingerprint(src, ds) -> str:
     "Content fingerprint of a source for cache keys: file bytes for local files, the Arrow fingerprint otherwise."
-    p = Path(src.path if isinstance(src, SourceConfig) else str(src)) if isinstance(src, (SourceConfig, str, Path)) else None
+    p = Path(path) if (path := source_path(src)) is not None else None
     if p is not None and str(p).startswith('sft_nb:'): return ds._fingerprint + f"{src}"
     if p is not None and p.is_file():
         h = hashlib.sha256()

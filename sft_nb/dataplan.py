@@ -10,9 +10,9 @@ from dataclasses import replace
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import DataReport, mix_indices, mix_counts
+from .data import DataReport, mix_indices, mix_counts, source_name
 from .tokenize import tokenize_dataset, make_renderer
-import sft_nb.vision  # registers ProcessorRenderer: a vision-language processor gets its renderer from `make_renderer`
+from .vision import ProcessorRenderer
 from .collate import collate_padded, collate_packed
 
 # %% auto #0
@@ -89,8 +89,9 @@ class DataPlan:
                  eval_data: dict | None = None, # {name: rows} eval sets instead of cfg.data.eval
                 ):
         self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data = cfg, tokenizer, processor, train_data, eval_data
-        model_input = processor if processor is not None else tokenizer  # what tokenizes the rows: the renderer's input
-        self.renderer = make_renderer(model_input, cfg.tokenize) if model_input is not None else None
+        # what turns rows into examples: a vision-language processor's renderer, or the tokenizer's chat template
+        self.renderer = (ProcessorRenderer(processor, cfg.tokenize) if processor is not None else
+                         make_renderer(tokenizer, cfg.tokenize) if tokenizer is not None else None)
         self.train_sets, self.eval_sets, self.data_report, self.mix_counts = [], {}, None, {}
         self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)  # (source, row) pairs: train, held out
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
@@ -130,7 +131,7 @@ def prepare(self: DataPlan) -> DataPlan:
         self.train_sets = [ds for ds, _ in tok]
         self.data_report = sum((r for _, r in tok), DataReport())
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
-        names = [s.path if isinstance(s, SourceConfig) else s if isinstance(s, str) else f'source {k}' for k, s in enumerate(sources)]
+        names = [source_name(s, k) for k, s in enumerate(sources)]
     sizes = [len(d) for d in self.train_sets]
     if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}")
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)

@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 from .collate import collate_padded, collate_packed
 from .config import ConfigError, SourceConfig
-from .data import detect_format, load_source, row_dict, source_columns
+from .data import detect_format, load_source, row_dict, source_columns, source_name
 from .config import TokenizeConfig
 from .tokenize import tokenize_rows
 from .callbacks import TrainerBusy
@@ -25,7 +25,7 @@ def train_source_names(trainer) -> list[str]:
     "A name per train source: the inspector and the ranked-rows table use the same ones."
     if trainer.train_data is not None: return ['train_data']
     if trainer.cfg.data.synthetic_rows: return ['synthetic']
-    return [s.path if isinstance(s, SourceConfig) else str(s) for s in trainer.cfg.data.train]
+    return [source_name(s, k) for k, s in enumerate(trainer.cfg.data.train)]
 
 def _split_pairs(trainer, split: str) -> list[tuple]:
     "(dataset, row number, source name) of every example of a split."

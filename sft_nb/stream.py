@@ -10,14 +10,14 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, detect_format, iter_json_rows, json_line, load_source, row_dict
+from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template
 from .tokenize import make_renderer
 from .collate import collate_packed
 from .dataplan import DataPlan
 
 # %% auto #0
-__all__ = ['stream_rows', 'check_stream', 'source_name', 'StreamPlan', 'example_row']
+__all__ = ['stream_rows', 'check_stream', 'StreamPlan', 'example_row']
 
 # %% ../nbs/05b_stream.ipynb #a57b69d3
 def _json_rows(path: Path, start: int):
@@ -76,10 +76,6 @@ def check_stream(cfg: SFTConfig):
     cfg.data.check_streaming()
 
 # %% ../nbs/05b_stream.ipynb #c125bf2d
-def source_name(src, k: int) -> str:
-    "A train source as the data report names it."
-    return src.path if isinstance(src, SourceConfig) else src if isinstance(src, str) else f'source {k}'
-
 class StreamPlan(DataPlan):
     "A `DataPlan` over a stream: rows read lazily, tokenized a few at a time into a window of `data.stream_buffer` examples, each step drawn (or packed) from it."
     render_batch = 64  # rows rendered per tokenizer call

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
-from .data import BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .data import source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template,
                               chat_ids, common_prefix)
@@ -625,7 +625,7 @@ class JsonlRows:
 
 def stream_source(source) -> JsonlRows | None:
     "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
-    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    path = source_path(source)
     if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
     if getattr(source, 'null_content', None) == 'empty': return None  # `load_source` fills null assistant content
     rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
@@ -745,7 +745,7 @@ def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
 def _base_dir(source) -> Path | None:
-    path = source.path if isinstance(source, SourceConfig) else str(source) if isinstance(source, (str, Path)) else None
+    path = source_path(source)
     return Path(path).expanduser().parent if path and not path.startswith('sft_nb:') else None
 
 def _raise_first(ds, report, on_bad_row):
