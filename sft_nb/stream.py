@@ -94,6 +94,59 @@ class StreamPlan(DataPlan):
     @property
     def epoch(self) -> int: return min(self.passes, default=0)  # passes every source has completed
 
+    def prepare(self) -> StreamPlan:
+        "Detect each source's format, tokenize the eval sets (as `DataPlan`), and fill the window."
+        c = self.cfg
+        if self.processor is not None: raise ConfigError("data.streaming: image rows (a vision-language processor) cannot be streamed yet; set data.streaming=false")
+        if not self.sources: raise ConfigError("data.train: no train source given")
+        self.data_report, self.fmts = self.report(), [self.detect(s) for s in range(len(self.sources))]
+        tpl = load_template(c.tokenize.chat_template)  # a template file's text (as tokenize_dataset reads it)
+        self.renderer = make_renderer(self.tokenizer, replace(c.tokenize, chat_template=tpl))
+        for fmt in set(self.fmts): self.renderer.check(fmt)
+        evals = self.eval_data if self.eval_data is not None else c.data.eval
+        self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
+        self.fill()
+        return self
+
+    def plan(self) -> StreamPlan:
+        "A stream's steps are `train.num_steps` (the trainer's 'epoch' is the whole run); packing plans each step from the window."
+        c = self.cfg
+        self.capacity = (c.packing.capacity or c.tokenize.max_length) if c.packing.enabled else None
+        self.total_steps = self.steps_per_epoch = c.train.num_steps
+        self.pack_plan, self.items, self.sampler = None, [], None
+        return self
+
+    def global_batch(self, step: int) -> list:
+        "Items of optimizer step `step` (examples, or bins of examples when packing); steps are drawn in order."
+        if step in self._drawn: return self._drawn[step]
+        if step < self.next_step:
+            raise RuntimeError(f"step {step}: a stream cannot go back (its next step is {self.next_step}); resume from a checkpoint of that step")
+        while self.next_step <= step:
+            self._snaps[self.next_step] = self.snapshot()
+            self._drawn[self.next_step] = self.draw()
+            self.next_step += 1
+            for d in (self._snaps, self._drawn):
+                for k in [k for k in d if k < self.next_step - self.keep]: del d[k]
+        return self._drawn[step]
+
+    def ckpt_state(self, step: int) -> dict:
+        "The plan's part of a checkpoint taken after `step` steps, with the stream's state before step `step`'s batch."
+        return {**super().ckpt_state(step), 'stream': self.state_dict(step)}
+
+    def restore(self, state: dict, path):
+        "Continue the stream from checkpoint `path`'s `state` (a map-style run's checkpoint is refused)."
+        super().restore(state, path)
+        self.load_state_dict(state['stream'])
+
+    def collate_items(self, mb: list) -> dict:
+        "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the dummy."
+        if not mb: return self.dummy()
+        if not self.cfg.packing.enabled: return self.collate(mb)
+        form = 'additive' if self.cfg.model.attn_implementation == 'eager' else 'bool'
+        b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity, mask_form=form)
+        b.pop('seq_lens'); b.pop('cu_seqlens')
+        return b
+
 # %% ../nbs/05b_stream.ipynb #58aabe9b
 @patch
 def read_source(self: StreamPlan, s: int, n: int) -> list:
@@ -186,30 +239,6 @@ def detect(self: StreamPlan, s: int) -> str:
     if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
     return detect_format(sorted({k for r in head if BAD_ROW_KEY not in r for k in r}))
 
-@patch
-def prepare(self: StreamPlan) -> StreamPlan:
-    "Detect each source's format, tokenize the eval sets (as `DataPlan`), and fill the window."
-    c = self.cfg
-    if self.processor is not None: raise ConfigError("data.streaming: image rows (a vision-language processor) cannot be streamed yet; set data.streaming=false")
-    if not self.sources: raise ConfigError("data.train: no train source given")
-    self.data_report, self.fmts = self.report(), [self.detect(s) for s in range(len(self.sources))]
-    tpl = load_template(c.tokenize.chat_template)  # a template file's text (as tokenize_dataset reads it)
-    self.renderer = make_renderer(self.tokenizer, replace(c.tokenize, chat_template=tpl))
-    for fmt in set(self.fmts): self.renderer.check(fmt)
-    evals = self.eval_data if self.eval_data is not None else c.data.eval
-    self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
-    self.fill()
-    return self
-
-@patch
-def plan(self: StreamPlan) -> StreamPlan:
-    "A stream's steps are `train.num_steps` (the trainer's 'epoch' is the whole run); packing plans each step from the window."
-    c = self.cfg
-    self.capacity = (c.packing.capacity or c.tokenize.max_length) if c.packing.enabled else None
-    self.total_steps = self.steps_per_epoch = c.train.num_steps
-    self.pack_plan, self.items, self.sampler = None, [], None
-    return self
-
 # %% ../nbs/05b_stream.ipynb #5c64f955
 @patch
 def draw(self: StreamPlan) -> list:
@@ -236,20 +265,6 @@ def snapshot(self: StreamPlan) -> dict:
 
 # %% ../nbs/05b_stream.ipynb #2d69aea5
 @patch
-def global_batch(self: StreamPlan, step: int) -> list:
-    "Items of optimizer step `step` (examples, or bins of examples when packing); steps are drawn in order."
-    if step in self._drawn: return self._drawn[step]
-    if step < self.next_step:
-        raise RuntimeError(f"step {step}: a stream cannot go back (its next step is {self.next_step}); resume from a checkpoint of that step")
-    while self.next_step <= step:
-        self._snaps[self.next_step] = self.snapshot()
-        self._drawn[self.next_step] = self.draw()
-        self.next_step += 1
-        for d in (self._snaps, self._drawn):
-            for k in [k for k in d if k < self.next_step - self.keep]: del d[k]
-    return self._drawn[step]
-
-@patch
 def state_dict(self: StreamPlan, step: int | None = None) -> dict:
     "The stream's state before step `step` is drawn (default: the next one): what a checkpoint taken after `step` steps stores."
     step = self.next_step if step is None else step
@@ -267,26 +282,3 @@ def load_state_dict(self: StreamPlan, d: dict):
     self.rng = np.random.default_rng(); self.rng.bit_generator.state = d['rng']
     self.reports = [DataReport(**{**r, 'bad_rows': [tuple(b) for b in r['bad_rows']]}) for r in d['reports']]
     self.data_report = self.report()
-
-# %% ../nbs/05b_stream.ipynb #c7f5adfb
-@patch
-def ckpt_state(self: StreamPlan, step: int) -> dict:
-    "The plan's part of a checkpoint taken after `step` steps, with the stream's state before step `step`'s batch."
-    return {**DataPlan.ckpt_state(self, step), 'stream': self.state_dict(step)}
-
-@patch
-def restore(self: StreamPlan, state: dict, path):
-    "Continue the stream from checkpoint `path`'s `state` (a map-style run's checkpoint is refused)."
-    DataPlan.restore(self, state, path)
-    self.load_state_dict(state['stream'])
-
-# %% ../nbs/05b_stream.ipynb #6b60f668
-@patch
-def collate_items(self: StreamPlan, mb: list) -> dict:
-    "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the dummy."
-    if not mb: return self.dummy()
-    if not self.cfg.packing.enabled: return self.collate(mb)
-    form = 'additive' if self.cfg.model.attn_implementation == 'eager' else 'bool'
-    b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity, mask_form=form)
-    b.pop('seq_lens'); b.pop('cu_seqlens')
-    return b
