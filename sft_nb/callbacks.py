@@ -29,7 +29,7 @@ class Callback:
     def on_train_end(self, trainer): pass
     def on_epoch_start(self, trainer, epoch: int): pass
     def on_epoch_end(self, trainer, epoch: int): pass
-    def on_step_start(self, trainer, step: int): pass
+    def on_step_start(self, trainer, step: int): pass  # `step`: the number of the step starting, 1-based like metrics['step']
     def on_step_end(self, trainer, metrics: dict): pass
     def on_evaluate(self, trainer, metrics: dict): pass
     def on_save(self, trainer, path: str): pass
@@ -79,7 +79,7 @@ class Profiler(Callback):
     "A torch.profiler window on the workers over steps `start` … `start + steps - 1` (1-based; `start=0`: none)."
     def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)): self.start, self.steps, self.ranks = start, steps, ranks
     def on_step_start(self, trainer, step):
-        if self.start and step + 1 == self.start: trainer.workers.profile('start', None, self.ranks)
+        if self.start and step == self.start: trainer.workers.profile('start', None, self.ranks)
     def on_step_end(self, trainer, m):
         if self.start and m['step'] == self.start + self.steps - 1:
             trainer.profile_dir = trainer.run_dir / 'profile' / f"steps_{self.start}-{m['step']}"
