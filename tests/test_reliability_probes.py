@@ -38,3 +38,30 @@ def test_template_allocation_is_bounded(tiny_tok, payload):
     template = "{% for m in messages %}{{ m.content }}{% endfor %}" + payload
     with pytest.raises(Exception, match=r'chat template: .* would make a value of [\d,]+ characters or items \(limit 16,777,216\)'):
         tokenize_dataset(CHAT, tiny_tok, TokenizeConfig(chat_template=template), use_cache=False)
+
+
+def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
+    "Item 11: `report.json` of a cache entry with odd types (manifest rewritten to match) gave a raw TypeError later on."
+    from sft_nb.tokenize import _manifest
+    ds, rep = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
+    [entry] = [p for p in tmp_path.iterdir() if not p.name.startswith('.')]
+    (entry / 'report.json').write_text(json.dumps({**rep.to_dict(), 'n_kept': 'one'}))
+    (entry / 'MANIFEST.json').write_text(json.dumps(_manifest(entry)))
+    with pytest.warns(UserWarning, match=rf"{entry / 'report.json'}: field 'n_kept' is 'one', expected a non-negative integer; rebuilding it"):
+        _, again = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
+    assert again == rep
+
+
+@pytest.mark.parametrize('record, message', [({'step': 1, 'loss': [1]}, "history[0] field 'loss' is [1], expected a number"),
+                                             ({'step': '1', 'loss': 1.0}, "history[0] field 'step' is '1'"),
+                                             ('x', 'history is out of range')])
+def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message):
+    "Item 11: odd types in trainer_state.json's history resumed, then failed with a raw TypeError when the history was read."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'))); ck.claim()
+    try:
+        path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'history': [record]})
+        with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
+            ck.resolve(str(path), 4, 'random')
+    finally: ck.release()
