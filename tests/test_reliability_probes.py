@@ -65,3 +65,67 @@ def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message)
         with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
             ck.resolve(str(path), 4, 'random')
     finally: ck.release()
+
+
+@pytest.mark.parametrize('fault', [OSError(28, 'No space left on device'),
+                                   RuntimeError("worker rank 0 failed in save: CheckpointException(ranks: {0: [RuntimeError('[enforce fail "
+                                                "at inline_container.cc:626] . unexpected pos 704 vs 598')]})")])
+def test_disk_full_during_save_names_the_space(tmp_path, fault):
+    "Item 11: a full disk during save was `CheckpointException(... unexpected pos 704 vs 598)` with no word of space."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=1)); ck.claim()
+    try:
+        good = ck.save(1, lambda tmp: (tmp / 'shard').write_bytes(b'x'), {'global_step': 1, 'total_steps': 4, 'history': [{'step': 1}]})
+        def full(tmp):
+            (tmp / 'shard').write_bytes(b'half')
+            raise fault
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'}: no space left on the disk of {ck.dir} "
+                                                  r"\(\d+ MiB free\) while saving: .*The earlier checkpoints are kept; free space, then save again"):
+            ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'history': [{'step': 1}, {'step': 2}]})
+        assert ck.checkpoints() == [good] and (ck.dir / 'latest').read_text() == good.name and not list(ck.dir.glob('.tmp_step_*'))
+    finally: ck.release()
+
+
+def test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped(tmp_path):
+    "Item 11: a `metrics.jsonl` cut short by a kill was a raw JSONDecodeError naming no file (on resume and in compare)."
+    import warnings
+    from sft_nb.callbacks import JSONLTracker
+    from sft_nb.runs import read_run
+    (tmp_path / 'config.yaml').write_text('train: {num_steps: 4}\n')
+    m = tmp_path / 'metrics.jsonl'
+    m.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match=rf"{m}: its last line 3 is cut short"):
+        assert read_run(tmp_path)['metrics']['step'].tolist() == [1, 2]
+    with pytest.warns(UserWarning, match=rf"{m}: line 3 is not valid JSON \(cut short"):
+        JSONLTracker(m).truncate(2)  # what a resume from step 2 does
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert [json.loads(l)['step'] for l in m.read_text().splitlines()] == [1, 2] and len(read_run(tmp_path)['metrics']) == 2
+    m.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damaged inside, not cut short: an error naming the line
+    with pytest.raises(ValueError, match=rf"{m}: line 2 is not JSON"): read_run(tmp_path)
+    (tmp_path / 'summary.json').write_text('{"steps": 4, "fin')
+    m.write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'summary.json'}: not valid JSON"): read_run(tmp_path)
+
+
+@pytest.mark.parametrize('damage, message', [
+    (lambda ck: (ck / 'trainer_state.json').write_text('{"global_step": 4, "tot'), r'trainer_state\.json: its content differs'),
+    (lambda ck: (ck / '__0_0.distcp').write_bytes((ck / '__0_0.distcp').read_bytes()[:5]), r'__0_0\.distcp: its content differs'),
+    (lambda ck: (ck / '__0_0.distcp').unlink(), r'__0_0\.distcp is missing; the checkpoint is incomplete'),
+    (lambda ck: (ck / 'worker_state.json').unlink(), r'worker_state\.json is missing; the checkpoint is incomplete'),
+    (lambda ck: (ck / 'digests.json').unlink(), r'digests\.json is missing')])
+def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage, message):
+    "Item 11: truncated trainer_state.json, truncated or deleted shards, a deleted worker_state.json: reprs naming no file, no fallback."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=3)); ck.claim()
+    def write(tmp):
+        (tmp / '__0_0.distcp').write_bytes(os.urandom(64)); (tmp / 'worker_state.json').write_text('{"rank": 0}')
+    try:
+        for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'history': [{'step': i + 1} for i in range(s)]})
+        damage(ck.dir / 'step_000004')
+        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'), 4, 'random')
+        with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):
+            assert ck.resolve('latest', 4, 'random') == ck.dir / 'step_000002'
+    finally: ck.release()
