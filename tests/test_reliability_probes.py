@@ -129,3 +129,40 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
         with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):
             assert ck.resolve('latest', 4, 'random') == ck.dir / 'step_000002'
     finally: ck.release()
+
+
+@pytest.mark.parametrize('source, tokenize, reason', [
+    ({'format': 'alpaca'}, {}, 'row 0: bad_format: alpaca: instruction, input and output must be strings'),
+    ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
+def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
+    "Item 11: 'No usable rows after tokenization; see trainer.data_report' (a CLI user has no trainer), after a false 'has no rows; mixing the others'."
+    import yaml
+    data = tmp_path / 'rows.jsonl'
+    data.write_text('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'general kenobi'}]})
+                              for _ in range(3)) + '\n')
+    cfg = tmp_path / 'cfg.yaml'
+    cfg.write_text(yaml.safe_dump({'model': {'path': 'tiny'}, 'data': {'train': [{'path': str(data), **source}]}, 'tokenize': tokenize,
+                                   'checkpoint': {'run_dir': str(tmp_path / 'run')}}))
+    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'train', str(cfg)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'})
+    assert r.returncode == 2 and 'no usable rows after tokenization: 3 of 3 rows dropped' in r.stderr and reason in r.stderr, r.stderr[-2000:]
+    assert 'has no rows; mixing the others' not in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone(tmp_path):
+    "Item 9: `.tmp_step_*` folders of a killed save were never cleaned; a live trainer's save in progress must never be."
+    import socket
+    from sft_nb.checkpoint import Checkpointer, RunDirBusy
+    from sft_nb.config import CheckpointConfig
+    cfg = CheckpointConfig(run_dir=str(tmp_path / 'run'), resume='latest')
+    live = Checkpointer(cfg); live.claim()
+    saving = live.dir / '.tmp_step_000003'
+    (saving / 'shard').parent.mkdir(parents=True); (saving / 'shard').write_bytes(b'x')  # the live trainer's save, mid-way
+    with pytest.raises(RunDirBusy): Checkpointer(cfg).claim()
+    assert saving.exists()
+    live.release()
+    gone = subprocess.Popen([sys.executable, '-c', 'pass']); gone.wait()  # a trainer killed mid-save: its lock names a dead PID
+    (tmp_path / 'run' / '.lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': gone.pid, 'start': None}))
+    after = Checkpointer(cfg); after.claim()
+    try: assert not saving.exists() and not list(after.dir.glob('.tmp_step_*'))
+    finally: after.release()
