@@ -73,9 +73,11 @@ def load_entry(folder: Path, verify: bool = True): # verify=False: the entry thi
         if verify and (bad := verify_entry(folder, json.loads(m.read_text()))):
             warnings.warn(f"tokenization cache entry {folder} fails its content check ({bad}); rebuilding it", stacklevel=3)
             return None
-        rep = json.loads((folder / 'report.json').read_text())
-        rep['bad_rows'] = [tuple(b) for b in rep['bad_rows']]
-        return open_parts(folder / 'data'), DataReport(**rep)
+        try: rep = DataReport.from_dict(json.loads((folder / 'report.json').read_text()), str(folder / 'report.json'))
+        except ValueError as e:  # odd types (an edited entry whose manifest was rewritten too): named, then rebuilt
+            warnings.warn(f"tokenization cache entry {folder}: {e}; rebuilding it", stacklevel=3)
+            return None
+        return open_parts(folder / 'data'), rep
     except Exception: return None
 
 # %% ../nbs/02b_cache.ipynb #77a44e6f

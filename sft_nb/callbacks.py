@@ -4,16 +4,16 @@
 
 # %% ../nbs/08a_callbacks.ipynb #b07669a2
 from __future__ import annotations
-import functools, json, math, signal, sys, threading, warnings
+import functools, json, math, os, signal, sys, threading, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['Control', 'Callback', 'EarlyStopping', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule', 'Profiler', 'builtin_callbacks',
-           'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'ConsoleTracker', 'JSONLTracker',
-           'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers', 'split_answer', 'prompt_messages',
-           'data_prompts', 'SamplesCallback']
+__all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule', 'Profiler',
+           'builtin_callbacks', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'Preempted', 'SaveOnSignal',
+           'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers',
+           'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -89,7 +89,7 @@ def builtin_callbacks(cfg) -> list[Callback]:
     "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
     lg = cfg.logging
     return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
-            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)]
+            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)] + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else [])
 
 # %% ../nbs/08a_callbacks.ipynb #0dfbbcd2
 class TrainerBusy(RuntimeError):
@@ -140,6 +140,32 @@ def hold_interrupts(what: str): # what the block does, for the message ("step 3"
     try: yield
     finally: signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
     if held: raise KeyboardInterrupt(f"interrupted during {what}, which finished first")
+
+# %% ../nbs/08a_callbacks.ipynb #1d7b9521
+SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's environment
+
+class Preempted(RuntimeError):
+    "SIGTERM/SIGINT stopped training at a step boundary; the message says where to resume, `exit_code` is 128 + the signal's number."
+    def __init__(self, message: str, signame: str): super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
+
+class SaveOnSignal(Callback):
+    "SIGTERM during `fit` (main thread only) stops it after the current step, saves a checkpoint and raises `Preempted` naming it."
+    def __init__(self): self.got, self.prev = [], None
+    def on_train_start(self, trainer):
+        self.got = []
+        if threading.current_thread() is threading.main_thread():  # Ray's start installs its own handler: this one wins during fit
+            self.prev = signal.signal(signal.SIGTERM, self.on_signal)
+    def on_signal(self, signum, frame):
+        self.got.append(signal.Signals(signum).name)
+        if len(self.got) == 1: print(f"{self.got[0]}: saving a checkpoint at the end of this step", file=sys.stderr, flush=True)
+    def on_step_end(self, trainer, m):
+        if self.got: trainer.control.should_stop = True
+    def on_train_end(self, trainer):
+        if self.prev is not None: signal.signal(signal.SIGTERM, self.prev); self.prev = None
+        if not self.got: return
+        where = trainer.save() if trainer.global_step > 0 else None
+        raise Preempted(f"stopped by {self.got[0]} at step {trainer.global_step} of {trainer.total_steps}; "
+                        + (f"checkpoint {where}" if where else "no step was trained, nothing to resume"), self.got[0])
 
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:

@@ -130,6 +130,10 @@ def check_state(state, path) -> dict:
     if m and int(m[1]) != state['global_step']:
         raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
     if not isinstance(state.get('sampler', ''), str): raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
+    num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    for i, r in enumerate(state['history']):  # the metrics a resumed run reports and plots
+        k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
+        if k: raise CheckpointError(f"{f}: history[{i}] field {k!r} is {r.get(k)!r}, expected a number")
     return state
 
 def verify_checkpoint(path) -> dict:

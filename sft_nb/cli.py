@@ -8,10 +8,11 @@ import argparse, ast, json, os, signal, sys, threading, time
 from contextlib import contextmanager
 from pathlib import Path
 import yaml
+from .callbacks import SAVE_ON_SIGNAL, Preempted
 
 # %% auto #0
-__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'run_notebook', 'Preempted',
-           'check_overrides', 'stop_on_signals', 'build_parser', 'main']
+__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
+           'forward_signals', 'run_notebook', 'check_overrides', 'stop_on_signals', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(ValueError):
@@ -51,8 +52,52 @@ def check_parameters(declared: dict, given: dict) -> dict:
         out[k] = float(v) if t == 'float' else v
     return out
 
+# %% ../nbs/11_cli.ipynb #98bcc790
+def in_thread(fn):
+    "`fn()` in a thread while the main thread waits, free to run signal handlers; its result, or its exception raised here."
+    box = {}
+    def run():
+        try: box['out'] = fn()
+        except BaseException as e: box['err'] = e
+    th = threading.Thread(target=run, daemon=True); th.start()
+    while th.is_alive(): th.join(0.2)
+    if 'err' in box: raise box['err']
+    return box.get('out')
+
+def kernel_pids() -> list[int]:
+    "PIDs of this process's children that are Jupyter kernels (jupyter_client starts them in a session of their own: no Ctrl-C reaches them)."
+    me, found = os.getpid(), []
+    for p in Path('/proc').glob('[0-9]*'):
+        try:
+            if int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == me and b'kernel' in (p / 'cmdline').read_bytes(): found.append(int(p.name))
+        except (OSError, ValueError, IndexError): pass
+    return found
+
+@contextmanager
+def forward_signals(grace_s: float): # seconds until the kernel is killed and the process exits (128 + signum)
+    "SIGTERM/SIGINT go to the notebook's kernel as SIGTERM (`SaveOnSignal` saves there); yields the names of the signals received."
+    got, prev, timer = [], {}, []
+    def on_signal(signum, frame):
+        got.append(signal.Signals(signum).name)
+        for pid in kernel_pids(): os.kill(pid, signal.SIGTERM)
+        if len(got) > 1: return
+        print(f"sft-nb run: {got[0]}: the notebook saves a checkpoint at the end of its step (within {grace_s:g}s)", file=sys.stderr, flush=True)
+        def give_up():
+            for pid in kernel_pids(): os.kill(pid, signal.SIGKILL)
+            print(f"sft-nb run: {got[0]}: no step boundary within {grace_s:g}s; the kernel is killed without a new checkpoint "
+                  "(resume from the last one with -p resume latest)", file=sys.stderr, flush=True)
+            os._exit(128 + signum)
+        timer.append(threading.Timer(grace_s, give_up)); timer[0].daemon = True; timer[0].start()
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT): prev[s] = signal.signal(s, on_signal)
+    try: yield got
+    finally:
+        for s, h in prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+        for tm in timer: tm.cancel()
+
 # %% ../nbs/11_cli.ipynb #517daef8
-def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None) -> Path:
+def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
+                 grace_s: float = 120) -> Path: # seconds from SIGTERM/SIGINT to a checkpoint in the kernel; then it is killed
     "Validate `params`, then execute `notebook` with papermill; returns the executed notebook's path."
     import papermill as pm
     declared = notebook_parameters(notebook)
@@ -66,20 +111,28 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     target = out.with_name(f'.{out.stem}.running.ipynb') if out.exists() else out
     env_before = dict(os.environ)
     os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0'); os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
+    os.environ[SAVE_ON_SIGNAL] = '1'  # the kernel's trainers save at a step boundary on SIGTERM (SaveOnSignal)
+    stopped = []
     try:
-        pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True, progress_bar=False,
-                            execution_timeout=timeout, cwd=None, kernel_name='python3')
-    except pm.PapermillExecutionError as e:
-        if target != out: target = target.replace(out.with_suffix('.failed.ipynb'))
-        first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
+        with forward_signals(grace_s) as stopped:  # papermill runs in a thread: the main thread takes the signals
+            in_thread(lambda: pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True, progress_bar=False,
+                                                  execution_timeout=timeout, cwd=None, kernel_name='python3'))
+    except Exception as e:
+        if not (stopped or isinstance(e, pm.PapermillExecutionError)): raise
+        if target != out and target.exists(): target = target.replace(out.with_suffix('.failed.ipynb'))
         kept = f"; the earlier run's record {out} is kept" if target != out else ''
+        if stopped:
+            said = (e.evalue.replace('stopped by SIGTERM', f'stopped by {stopped[0]}', 1) if getattr(e, 'ename', None) == 'Preempted'
+                    else f"stopped by {stopped[0]} outside training ({type(e).__name__}): no new checkpoint")
+            raise Preempted(f"{said} (executed notebook: {target}{kept}); continue with the same command and -p resume latest",
+                            stopped[0]) from None
+        first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
         raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {e.evalue} "
                            f"(executed notebook: {target}{kept})") from None
     finally:
         os.environ.clear(); os.environ.update(env_before)
     if target != out: target.replace(out)
     return out
-
 
 # %% ../nbs/11_cli.ipynb #bbe33bbe
 def _cmd_run(a):
@@ -93,12 +146,8 @@ def _cmd_run(a):
         except yaml.YAMLError as e: raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
         except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
     for name, value in a.param or []: params[name] = parse_value(value)
-    out = run_notebook(a.notebook, params, a.run_dir, a.timeout)
+    out = run_notebook(a.notebook, params, a.run_dir, a.timeout, grace_s=a.grace)
     print(f"executed notebook: {out}")
-
-class Preempted(RuntimeError):
-    "SIGTERM/SIGINT stopped `sft-nb train`; the message says where to resume, `exit_code` is 128 + the signal's number."
-    def __init__(self, message: str, signame: str): super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
 
 def check_overrides(overrides: list[str]):
     "Name the override whose value is not valid YAML (the config parser would raise a bare YAML traceback)."
@@ -183,6 +232,7 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument('-f', '--file', help='YAML file of parameters')
     r.add_argument('--run-dir', help="run folder (sets the notebook's run_dir parameter)")
     r.add_argument('--timeout', type=int, default=3600, help='seconds allowed per cell')
+    r.add_argument('--grace', type=float, default=120, help="seconds from SIGTERM/SIGINT to a checkpoint in the notebook's trainer; then the kernel is killed")
     t = sub.add_parser('train', help='train from a YAML config (no notebook)', description='Train from CONFIG with key.sub=value overrides.')
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
     t.add_argument('--dry-run', action='store_true', help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), trains nothing')

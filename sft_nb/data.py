@@ -234,6 +234,19 @@ class DataReport:
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
                 'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows),
                 'sources': [dict(s) for s in self.sources]}
+    @classmethod
+    def from_dict(cls, d, where: str) -> 'DataReport': # where: the file `d` was read from, for the message
+        "The report `to_dict` wrote; a field of another type is a `ValueError` naming `where` and the field."
+        def bad(k, want): raise ValueError(f"{where}: field {k!r} is {d.get(k)!r}, expected {want}")
+        if not isinstance(d, dict): raise ValueError(f"{where}: holds a {type(d).__name__}, not a report object")
+        is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+        for k in ('n_rows', 'n_kept', 'n_real', 'n_trained', 'max_length', 'eot_only_turns', 'n_examples'):
+            if not is_int(d.get(k, 0)): bad(k, 'a non-negative integer')
+        if not (isinstance(d.get('dropped', {}), dict) and all(isinstance(k, str) and is_int(v) for k, v in d.get('dropped', {}).items())): bad('dropped', 'a {reason: count} object')
+        if not (isinstance(d.get('bad_rows', []), list) and all(isinstance(b, list) and len(b) == 3 and is_int(b[0]) for b in d.get('bad_rows', []))): bad('bad_rows', 'a list of [row, kind, message]')
+        if not (isinstance(d.get('eot_only_rows', []), list) and all(map(is_int, d.get('eot_only_rows', [])))): bad('eot_only_rows', 'a list of row indices')
+        if not (isinstance(d.get('sources', []), list) and all(isinstance(s, dict) for s in d.get('sources', []))): bad('sources', 'a list of objects')
+        return cls(**{**d, 'bad_rows': [tuple(b) for b in d.get('bad_rows', [])]})
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],

@@ -4,11 +4,12 @@
 
 # %% ../nbs/00a_paths.ipynb #9f08b7ce
 from __future__ import annotations
-import os, shutil, tempfile
+import fcntl, os, shutil, tempfile, time
+from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['sft_nb_home', 'atomic_build', 'file_digest']
+__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'file_digest']
 
 # %% ../nbs/00a_paths.ipynb #7e17eb6c
 def sft_nb_home() -> Path:
@@ -33,6 +34,39 @@ def atomic_build(dst: Path, # the final folder
             if not (dst / '.complete').exists(): raise
     finally: shutil.rmtree(tmp, ignore_errors=True)
     return dst
+
+# %% ../nbs/00a_paths.ipynb #e23508bc
+@contextmanager
+def live_tmp(root: Path, prefix: str):
+    "A new temp folder under `root`, locked as live while the block runs (`.owner` flock'ed); removed after unless renamed away."
+    tmp = Path(tempfile.mkdtemp(dir=root, prefix=prefix))
+    fd = os.open(tmp / '.owner.new', os.O_CREAT | os.O_WRONLY, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.rename(tmp / '.owner.new', tmp / '.owner')  # `.owner` appears already locked: a cleaner never sees it free
+        yield tmp
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True); os.close(fd)
+
+def clean_stale_tmp(root: Path, pattern: str, # glob of the temp folders, e.g. '.*.tmp*'
+                    min_age_s: float = 86400) -> list[Path]: # a folder without `.owner` is stale only when this old
+    "Remove the temp folders under `root` that no live writer holds; returns them."
+    removed = []
+    for p in Path(root).glob(pattern):
+        if not p.is_dir(): continue
+        try:
+            fd = os.open(p / '.owner', os.O_RDONLY)
+        except FileNotFoundError:
+            try: stale = time.time() - p.stat().st_mtime > min_age_s
+            except FileNotFoundError: continue
+            if stale: shutil.rmtree(p, ignore_errors=True); removed.append(p)
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live writer: BlockingIOError
+            shutil.rmtree(p, ignore_errors=True); removed.append(p)
+        except BlockingIOError: pass
+        finally: os.close(fd)
+    return removed
 
 # %% ../nbs/00a_paths.ipynb #6044298c
 def file_digest(path, # a file

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08d_runs.ipynb #77771b42
 from __future__ import annotations
-import json
+import json, warnings
 from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
@@ -22,12 +22,15 @@ def read_run(run_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{p}: no config.yaml, so not a sft_nb run folder (SFTTrainer.setup() writes one into checkpoint.run_dir)")
     if not (p / 'metrics.jsonl').exists():
         raise FileNotFoundError(f"{p}: no metrics.jsonl, so no curves to compare: the run's logging.trackers lacked 'jsonl'")
-    recs = []
-    for n, line in enumerate((p / 'metrics.jsonl').read_text().splitlines(), 1):
+    recs, lines = [], (p / 'metrics.jsonl').read_text(errors='replace').splitlines()
+    for n, line in enumerate(lines, 1):
         if not line.strip(): continue
         try: recs.append(json.loads(line))
-        except json.JSONDecodeError as e: raise ValueError(f"{p / 'metrics.jsonl'}: line {n} is not JSON ({e.msg})") from None
-    summary = json.loads((p / 'summary.json').read_text()) if (p / 'summary.json').exists() else {}
+        except json.JSONDecodeError as e:
+            if n < len(lines): raise ValueError(f"{p / 'metrics.jsonl'}: line {n} is not JSON ({e.msg})") from None
+            warnings.warn(f"{p / 'metrics.jsonl'}: its last line {n} is cut short (the run was killed while writing it); dropped")
+    try: summary = json.loads((p / 'summary.json').read_text()) if (p / 'summary.json').exists() else {}
+    except ValueError as e: raise ValueError(f"{p / 'summary.json'}: not valid JSON ({e}); the file is truncated or damaged") from None
     return {'path': p, 'config': yaml.safe_load((p / 'config.yaml').read_text()) or {}, 'metrics': pd.DataFrame(recs), 'summary': summary}
 
 # %% ../nbs/08d_runs.ipynb #700c41fc

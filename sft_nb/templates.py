@@ -9,9 +9,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags',
-           'TemplateRenderer', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
-           'collapse_template', 'add_family_specials']
+__all__ = ['MAX_TEMPLATE_VALUE', 'MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids',
+           'has_generation_tags', 'TemplateRenderer', 'bounded_template', 'TemplateInfo', 'common_prefix',
+           'probe_template', 'template_key', 'template_info', 'collapse_template', 'add_family_specials']
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
 class TemplateError(ValueError):
@@ -65,7 +65,7 @@ class TemplateRenderer:
                                                  return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
             return out[0], [tuple(s) for s in idx[0]]
         key = tools is not None
-        if key not in self._compiled: self._compiled[key] = ctu._compile_jinja_template(self.text(tools))
+        if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools))
         msgs = []
         for m in messages:
             m = {k: v for k, v in m.items() if v is not None}
@@ -73,6 +73,56 @@ class TemplateRenderer:
             msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
         return self._compiled[key].render(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None,
                                           documents=None, add_generation_prompt=gen, **self.variables)
+
+# %% ../nbs/02a_templates.ipynb #cfdbdc00
+MAX_TEMPLATE_VALUE = 1 << 24  # 16M characters: ~100x the longest conversation a model takes, far below an out-of-memory
+
+def _refuse(what: str, n: int):
+    raise TemplateError(f"chat template: {what} would make a value of {n:,} characters or items (limit {MAX_TEMPLATE_VALUE:,}); "
+                        "a chat template renders conversations and has no use for one this large: fix the template")
+
+def _size(x) -> int: return len(x) if isinstance(x, (str, list, tuple)) else 0
+
+def bounded_template(text: str):
+    "`text` compiled in transformers' chat-template sandbox, with every value it builds bounded by `MAX_TEMPLATE_VALUE`."
+    import jinja2
+    from jinja2.compiler import CodeGenerator
+    from jinja2.sandbox import SandboxedEnvironment
+    from transformers.utils.chat_template_utils import _compile_jinja_template
+    env = _compile_jinja_template('').environment.overlay()  # never compiled there: its constant folding is unbounded
+    env.filters = dict(env.filters)  # the overlay shares transformers' dict otherwise
+    def widths(fmt: str) -> int: return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0)
+    def call_binop(context, op, a, b):
+        n = b if isinstance(a, (str, list, tuple)) else a if isinstance(b, (str, list, tuple)) else None
+        if op == '*' and isinstance(n, int) and n * max(_size(a), _size(b)) > MAX_TEMPLATE_VALUE: _refuse(f"'{op}'", n * max(_size(a), _size(b)))
+        if op == '**' and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 1000: _refuse("'**'", b)
+        if op == '%' and isinstance(a, str) and widths(a) > MAX_TEMPLATE_VALUE: _refuse("'%' formatting", widths(a))
+        if op == '+' and _size(a) + _size(b) > MAX_TEMPLATE_VALUE: _refuse("'+'", _size(a) + _size(b))
+        return SandboxedEnvironment.call_binop(env, context, op, a, b)
+    def call(context, obj, *args, **kwargs):
+        if isinstance(getattr(obj, '__self__', None), str):
+            if obj.__name__ in ('center', 'ljust', 'rjust', 'zfill') and args and isinstance(args[0], int) and args[0] > MAX_TEMPLATE_VALUE: _refuse(f'{obj.__name__}()', args[0])
+            if obj.__name__ in ('format', 'format_map') and widths(obj.__self__) > MAX_TEMPLATE_VALUE: _refuse('format()', widths(obj.__self__))
+        return SandboxedEnvironment.call(env, context, obj, *args, **kwargs)
+    def join(parts):
+        out, n = [], 0
+        for p in parts:
+            n += len(p) if isinstance(p, str) else len(str(p))
+            if n > MAX_TEMPLATE_VALUE: _refuse('the rendered text', n)
+            out.append(p)
+        return ''.join(out)
+    for name in ('center', 'indent'):
+        f = env.filters[name]
+        def checked(value, width=80, *a, _f=f, _name=name, **k):
+            if isinstance(width, int) and width > MAX_TEMPLATE_VALUE: _refuse(f'the {_name} filter', width)
+            return _f(value, width, *a, **k)
+        env.filters[name] = checked
+    class Codegen(CodeGenerator):
+        def visit_Concat(self, node, frame):  # `a ~ b`: its result checked too
+            self.write('environment.concat(('); super().visit_Concat(node, frame); self.write(',))')
+    env.intercepted_binops = frozenset({'*', '**', '+', '%'})
+    env.call_binop, env.call, env.concat, env.code_generator_class = call_binop, call, join, Codegen
+    return env.from_string(text)
 
 # %% ../nbs/02a_templates.ipynb #2afbea8d
 MECHANISMS = {'tags': 'the template marks assistant output with {% generation %} blocks: the spans are its own',
@@ -143,9 +193,10 @@ def common_prefix(a: str, b: str) -> int:
 
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
-    kw = chat_template_kwargs or {}
+    renderer = TemplateRenderer(tokenizer, template, chat_template_kwargs)  # the bounded sandbox (bounded_template)
     def r(msgs, gen=False):
-        try: return render(tokenizer, msgs, template=template, add_generation_prompt=gen, **kw)
+        try: return renderer(msgs, gen=gen)
+        except TemplateError: raise
         except Exception as e: raise TemplateError(f"chat template failed on a plain user/assistant conversation: {e}") from e
     u1, a1 = {'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}
     u2, a2 = {'role': 'user', 'content': _U2}, {'role': 'assistant', 'content': _A2}

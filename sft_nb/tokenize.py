@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
 from .data import source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template,
                               chat_ids, common_prefix)
@@ -802,8 +803,8 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     renderer.check(fmt)
     root = folder.parent if use_cache else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=root, prefix=f'.{key}.tmp'))
-    try:
+    if use_cache: clean_stale_tmp(root, '.*.tmp*')  # what killed tokenizations left; a live one's folder is locked
+    with live_tmp(root, f'.{key}.tmp') as tmp:
         (tmp / 'data').mkdir()
         run = ray_parts if ray_shards > 0 else write_parts
         try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
@@ -815,5 +816,4 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
         report = _report(len(raw), stats)
         if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
         commit_entry(tmp, folder, report)
-    finally: shutil.rmtree(tmp, ignore_errors=True)
     return _raise_first(*load_entry(folder, verify=False), on_bad_row)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_workers.ipynb #e5d925d0
 from __future__ import annotations
-import json, os, random, socket, time
+import json, os, random, re, socket, time
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
@@ -12,7 +12,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'WorkerError', 'WorkerGroup']
+           'WorkerError', 'death_message', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -151,6 +151,17 @@ class WorkerError(RuntimeError):
 
 RESTART_HINT = "call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() and set up again)"
 
+_MEMORY = re.compile(r'out of memory|low on memory|memory pressure|\bOOM\b|OutOfMemory', re.I)
+
+def death_message(rank: int, what: str, e: BaseException) -> str:
+    "Why rank `rank` stopped during `what`; a kill for memory (Ray's memory monitor, the kernel's OOM killer) says so and what to change."
+    text = f"{type(e).__name__}: {e}"
+    if _MEMORY.search(text):
+        why = next((l.strip() for l in text.splitlines() if _MEMORY.search(l)), text.splitlines()[0])
+        return (f"worker rank {rank} was killed for lack of memory during {what} ({why[:300]}); give its node more memory, "
+                "set fewer placement.workers_per_node, or a smaller model, train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)")
+    return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
+
 class WorkerGroup:
     "One Ray actor per rank, placed by a placement group; `call` fans a method out to all ranks."
     def __init__(self, worker_cls, # a DistWorker subclass
@@ -185,11 +196,9 @@ class WorkerGroup:
             for ref in done:
                 i = pending.pop(ref); r = ranks[i] if ranks else i
                 try: out[i] = ray.get(ref)
-                except ray.exceptions.RayActorError as e: self._fail(f"worker rank {r} died during {what}: {str(e).splitlines()[0]}", e)
-                except ray.exceptions.RayTaskError as e: self._fail(f"worker rank {r} failed in {what}: {e.cause!r}", e)
-                except ray.exceptions.OutOfMemoryError as e:
-                    self._fail(f"worker rank {r} was killed by Ray for lack of memory during {what}; give its node more memory, "
-                               f"run fewer workers per node or a smaller model/batch: {str(e).splitlines()[0]}", e)
+                except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e: self._fail(death_message(r, what, e), e)
+                except ray.exceptions.RayTaskError as e:
+                    self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause)) else f"worker rank {r} failed in {what}: {e.cause!r}", e)
         return out
 
     def _fail(self, message: str, cause: BaseException):

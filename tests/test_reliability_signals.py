@@ -85,3 +85,31 @@ def test_no_usable_rows_lists_rows_and_reasons(tmp_path):
     assert r.returncode == 2, r.stderr[-3000:]
     assert "no usable rows after tokenization: 3 of 3 rows dropped (bad_format 3): row 0: bad_format: message 0: unknown role 'wizard'" in r.stderr
     assert 'has no rows; mixing the others' not in r.stderr
+
+
+def test_sigterm_in_sft_nb_run_saves_at_the_next_step(tmp_path):
+    """Issue item 10, `sft-nb run`: SIGTERM reached papermill, which shut the kernel down: the steps since the last save were
+    lost. Now the kernel's trainer saves at the next step boundary, the command exits 143 naming the checkpoint, and
+    `-p resume latest` continues to the same losses as a run that was never stopped."""
+    nb = ROOT / 'examples' / 'train.ipynb'
+    params = ['-p', 'max_steps', '60', '-p', 'export_hf', 'False', '-p', 'eval_samples', '0']
+    cut = tmp_path / 'cut'
+    p = subprocess.Popen([SFT_NB, 'run', nb, *params, '--run-dir', cut], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics = cut / 'metrics.jsonl'
+    deadline = time.time() + 300
+    while time.time() < deadline and p.poll() is None and not (metrics.exists() and len(train_losses(cut)) >= 3):
+        time.sleep(0.2)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
+    done = train_losses(cut)
+    step = done[-1][0]
+    assert 3 <= step < 60 and [s for s, _ in done] == list(range(1, step + 1))
+    ck = cut / 'checkpoints' / f'step_{step:06d}'
+    assert f"sft-nb run: stopped by SIGTERM at step {step} of 60; checkpoint {ck}" in err and '-p resume latest' in err, err[-3000:]
+    assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == step
+    r = sft_nb('run', nb, *params, '-p', 'resume', 'latest', '--run-dir', cut)
+    assert r.returncode == 0, r.stderr[-3000:]
+    r = sft_nb('run', nb, *params, '--run-dir', tmp_path / 'straight')
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert train_losses(cut) == train_losses(tmp_path / 'straight')

@@ -1,0 +1,168 @@
+"""Issue 29, the probes not covered elsewhere: leftovers of killed writers cleaned (only stale ones), a template's huge
+allocations, odd types in JSON a run reads back, a Ray OOM kill while workers start, a full disk during save.
+Each test names the issue item it covers; each failed on main 8b152b0."""
+import json, os, signal, subprocess, sys, time
+from pathlib import Path
+import pytest
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset
+
+CHAT = [{'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]}]
+
+
+def _writer(root: Path):
+    "Another process writing a temp folder of the cache (what a tokenization does), until it is killed."
+    code = (f"import time; from pathlib import Path; from sft_nb.paths import live_tmp\nwith live_tmp(Path({str(root)!r}), '.abc.tmp') as t:\n"
+            "    (t / 'data').mkdir(); print(t, flush=True); time.sleep(600)")
+    p = subprocess.Popen([sys.executable, '-c', code], stdout=subprocess.PIPE, text=True)
+    return p, Path(p.stdout.readline().strip())
+
+
+def test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept(tmp_path, tiny_tok):
+    "Item 9: `.KEY.tmp*` folders of a killed tokenization stayed in the cache forever; a concurrent live one must survive."
+    (killed, k_dir), (live, l_dir) = _writer(tmp_path), _writer(tmp_path)
+    try:
+        killed.send_signal(signal.SIGKILL); killed.wait()
+        old = tmp_path / '.0123.tmpxyz'  # left by a version of sft_nb that did not lock its temp folders
+        (old / 'data').mkdir(parents=True); os.utime(old, (time.time() - 3 * 86400,) * 2)
+        tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
+        assert not k_dir.exists() and not old.exists() and l_dir.exists()
+        assert len([p for p in tmp_path.iterdir() if not p.name.startswith('.')]) == 1  # the new entry
+    finally: live.kill(); live.wait()
+
+
+@pytest.mark.parametrize('payload', ["{{ 'a' * 10**8 }}", "{{ [0] * 10**9 }}", "{{ 'a'|center(10**9) }}", "{{ '%999999999s' % 'a' }}",
+                                     "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"])
+def test_template_allocation_is_bounded(tiny_tok, payload):
+    "Item 11: a template allocating `'a' * 10**8` (or 10**10: out of memory) ran; the sandbox now refuses it before it is made."
+    template = "{% for m in messages %}{{ m.content }}{% endfor %}" + payload
+    with pytest.raises(Exception, match=r'chat template: .* would make a value of [\d,]+ characters or items \(limit 16,777,216\)'):
+        tokenize_dataset(CHAT, tiny_tok, TokenizeConfig(chat_template=template), use_cache=False)
+
+
+def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
+    "Item 11: `report.json` of a cache entry with odd types (manifest rewritten to match) gave a raw TypeError later on."
+    from sft_nb.tokenize import _manifest
+    ds, rep = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
+    [entry] = [p for p in tmp_path.iterdir() if not p.name.startswith('.')]
+    (entry / 'report.json').write_text(json.dumps({**rep.to_dict(), 'n_kept': 'one'}))
+    (entry / 'MANIFEST.json').write_text(json.dumps(_manifest(entry)))
+    with pytest.warns(UserWarning, match=rf"{entry / 'report.json'}: field 'n_kept' is 'one', expected a non-negative integer; rebuilding it"):
+        _, again = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
+    assert again == rep
+
+
+@pytest.mark.parametrize('record, message', [({'step': 1, 'loss': [1]}, "history[0] field 'loss' is [1], expected a number"),
+                                             ({'step': '1', 'loss': 1.0}, "history[0] field 'step' is '1'"),
+                                             ('x', 'history is out of range')])
+def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message):
+    "Item 11: odd types in trainer_state.json's history resumed, then failed with a raw TypeError when the history was read."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'))); ck.claim()
+    try:
+        path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'history': [record]})
+        with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
+            ck.resolve(str(path), 4, 'random')
+    finally: ck.release()
+
+
+@pytest.mark.parametrize('fault', [OSError(28, 'No space left on device'),
+                                   RuntimeError("worker rank 0 failed in save: CheckpointException(ranks: {0: [RuntimeError('[enforce fail "
+                                                "at inline_container.cc:626] . unexpected pos 704 vs 598')]})")])
+def test_disk_full_during_save_names_the_space(tmp_path, fault):
+    "Item 11: a full disk during save was `CheckpointException(... unexpected pos 704 vs 598)` with no word of space."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=1)); ck.claim()
+    try:
+        good = ck.save(1, lambda tmp: (tmp / 'shard').write_bytes(b'x'), {'global_step': 1, 'total_steps': 4, 'history': [{'step': 1}]})
+        def full(tmp):
+            (tmp / 'shard').write_bytes(b'half')
+            raise fault
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'}: no space left on the disk of {ck.dir} "
+                                                  r"\(\d+ MiB free\) while saving: .*The earlier checkpoints are kept; free space, then save again"):
+            ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'history': [{'step': 1}, {'step': 2}]})
+        assert ck.checkpoints() == [good] and (ck.dir / 'latest').read_text() == good.name and not list(ck.dir.glob('.tmp_step_*'))
+    finally: ck.release()
+
+
+def test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped(tmp_path):
+    "Item 11: a `metrics.jsonl` cut short by a kill was a raw JSONDecodeError naming no file (on resume and in compare)."
+    import warnings
+    from sft_nb.callbacks import JSONLTracker
+    from sft_nb.runs import read_run
+    (tmp_path / 'config.yaml').write_text('train: {num_steps: 4}\n')
+    m = tmp_path / 'metrics.jsonl'
+    m.write_text('{"step": 1, "loss": 1.0}\n{"step": 2, "loss": 0.9}\n{"step": 3, "lo')
+    with pytest.warns(UserWarning, match=rf"{m}: its last line 3 is cut short"):
+        assert read_run(tmp_path)['metrics']['step'].tolist() == [1, 2]
+    with pytest.warns(UserWarning, match=rf"{m}: line 3 is not valid JSON \(cut short"):
+        JSONLTracker(m).truncate(2)  # what a resume from step 2 does
+    with warnings.catch_warnings():
+        warnings.simplefilter('error')
+        assert [json.loads(l)['step'] for l in m.read_text().splitlines()] == [1, 2] and len(read_run(tmp_path)['metrics']) == 2
+    m.write_text('{"step": 1}\n{"st\n{"step": 3}\n')  # damaged inside, not cut short: an error naming the line
+    with pytest.raises(ValueError, match=rf"{m}: line 2 is not JSON"): read_run(tmp_path)
+    (tmp_path / 'summary.json').write_text('{"steps": 4, "fin')
+    m.write_text('{"step": 1}\n')
+    with pytest.raises(ValueError, match=rf"{tmp_path / 'summary.json'}: not valid JSON"): read_run(tmp_path)
+
+
+@pytest.mark.parametrize('damage, message', [
+    (lambda ck: (ck / 'trainer_state.json').write_text('{"global_step": 4, "tot'), r'trainer_state\.json: its content differs'),
+    (lambda ck: (ck / '__0_0.distcp').write_bytes((ck / '__0_0.distcp').read_bytes()[:5]), r'__0_0\.distcp: its content differs'),
+    (lambda ck: (ck / '__0_0.distcp').unlink(), r'__0_0\.distcp is missing; the checkpoint is incomplete'),
+    (lambda ck: (ck / 'worker_state.json').unlink(), r'worker_state\.json is missing; the checkpoint is incomplete'),
+    (lambda ck: (ck / 'digests.json').unlink(), r'digests\.json is missing')])
+def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage, message):
+    "Item 11: truncated trainer_state.json, truncated or deleted shards, a deleted worker_state.json: reprs naming no file, no fallback."
+    from sft_nb.checkpoint import CheckpointError, Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=3)); ck.claim()
+    def write(tmp):
+        (tmp / '__0_0.distcp').write_bytes(os.urandom(64)); (tmp / 'worker_state.json').write_text('{"rank": 0}')
+    try:
+        for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'history': [{'step': i + 1} for i in range(s)]})
+        damage(ck.dir / 'step_000004')
+        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'), 4, 'random')
+        with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):
+            assert ck.resolve('latest', 4, 'random') == ck.dir / 'step_000002'
+    finally: ck.release()
+
+
+@pytest.mark.parametrize('source, tokenize, reason', [
+    ({'format': 'alpaca'}, {}, 'row 0: bad_format: alpaca: instruction, input and output must be strings'),
+    ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
+def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
+    "Item 11: 'No usable rows after tokenization; see trainer.data_report' (a CLI user has no trainer), after a false 'has no rows; mixing the others'."
+    import yaml
+    data = tmp_path / 'rows.jsonl'
+    data.write_text('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'general kenobi'}]})
+                              for _ in range(3)) + '\n')
+    cfg = tmp_path / 'cfg.yaml'
+    cfg.write_text(yaml.safe_dump({'model': {'path': 'tiny'}, 'data': {'train': [{'path': str(data), **source}]}, 'tokenize': tokenize,
+                                   'checkpoint': {'run_dir': str(tmp_path / 'run')}}))
+    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'train', str(cfg)], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'})
+    assert r.returncode == 2 and 'no usable rows after tokenization: 3 of 3 rows dropped' in r.stderr and reason in r.stderr, r.stderr[-2000:]
+    assert 'has no rows; mixing the others' not in r.stderr and 'Traceback' not in r.stderr
+
+
+def test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone(tmp_path):
+    "Item 9: `.tmp_step_*` folders of a killed save were never cleaned; a live trainer's save in progress must never be."
+    import socket
+    from sft_nb.checkpoint import Checkpointer, RunDirBusy
+    from sft_nb.config import CheckpointConfig
+    cfg = CheckpointConfig(run_dir=str(tmp_path / 'run'), resume='latest')
+    live = Checkpointer(cfg); live.claim()
+    saving = live.dir / '.tmp_step_000003'
+    (saving / 'shard').parent.mkdir(parents=True); (saving / 'shard').write_bytes(b'x')  # the live trainer's save, mid-way
+    with pytest.raises(RunDirBusy): Checkpointer(cfg).claim()
+    assert saving.exists()
+    live.release()
+    gone = subprocess.Popen([sys.executable, '-c', 'pass']); gone.wait()  # a trainer killed mid-save: its lock names a dead PID
+    (tmp_path / 'run' / '.lock').write_text(json.dumps({'host': socket.gethostname(), 'pid': gone.pid, 'start': None}))
+    after = Checkpointer(cfg); after.claim()
+    try: assert not saving.exists() and not list(after.dir.glob('.tmp_step_*'))
+    finally: after.release()
