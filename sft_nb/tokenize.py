@@ -17,11 +17,11 @@ from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_
 # %% auto #0
 __all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
            'mask_from_offsets', 'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts',
-           'trained_parts', 'encode_texts', 'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
-           'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch',
-           'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
-           'ray_part', 'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint', 'index_parts', 'open_parts',
-           'load_entry', 'commit_entry', 'tokenize_dataset']
+           'trained_parts', 'encode_texts', 'finish_tokens', 'check_turns', 'tokenize_conversation', 'expand_turns',
+           'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features',
+           'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part',
+           'part_name', 'write_parts', 'ray_part', 'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint',
+           'index_parts', 'open_parts', 'load_entry', 'commit_entry', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -172,24 +172,37 @@ def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
         if nxt is not None: e += len(nxt)
     return e
 
-def _tag_spans(renderer, messages, tools, info) -> tuple[str, dict]:
-    "The `{% generation %}` spans of the full render, one per assistant message, in order."
+def _own(renderer, messages, tools, info: TemplateInfo, T: str, i: int, end: int) -> tuple[int, int]:
+    "Where assistant message `i`'s own rendering lies in the full render `T`: after what `messages[:i]` render, up to where message i+1 starts."
+    if i == 0: lo = 0
+    else:
+        P, gen = renderer(messages[:i], tools, gen=True), info.gen_prompt
+        q = P[:len(P) - len(gen)] if gen and P.endswith(gen) else P
+        lo = len(q) if T.startswith(q) else _snap(T, common_prefix(q, T), info.specials)
+    if i == len(messages) - 1: return lo, len(T)
+    F = renderer(messages[:i + 1], tools)
+    hi = len(F) if T.startswith(F) else end
+    return lo, end if end > hi and T[hi:end] in info.specials else hi  # a stop token the next message opens with ends this turn
+
+def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
+    "The `{% generation %}` spans of the full render, one per assistant message, in order, and the own rendering of each of `turns`."
     text, idx = renderer(messages, tools, tags=True)
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if len(idx) != len(asst):
         raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
-    return text, {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
+    spans = {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
+    return text, spans, {i: _own(renderer, messages, tools, info, text, i, spans[i][1]) for i in turns}
 
 # %% ../nbs/02_tokenize.ipynb #5e7a0005
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
                history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
                text: str | None = None, # the full render, when the caller has it
-              ) -> tuple[str, dict[int, tuple[int, int]]]:
-    "(full render, {message index: (start, end)}) of assistant turns: from generation tags or prefix renders, never a text search."
-    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info)
+              ) -> tuple[str, dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+    "(full render, {message index: (start, end)} of assistant turns, {message index: its own rendering}): from tags or prefix renders, never a text search."
+    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
-    n, out, prev = len(messages), {}, 0
+    n, out, own, prev = len(messages), {}, {}, 0
     for i in sorted(turns):
         where = f"message {i}"
         if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
@@ -199,10 +212,10 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
         # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
         h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
-        if F.startswith(P): s = len(P)
+        if F.startswith(P): s, lo = len(P), len(P) - len(gen) if gen and P.endswith(gen) else len(P)
         else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
             base = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
-            s = base + len(h) if F.startswith(h, base) else base
+            s, lo = base + len(h) if F.startswith(h, base) else base, base
             if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
         if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
         moved = s < 0 or (F is not T and not T.startswith(F[:s]))
@@ -214,7 +227,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                         len((messages[i - 1].get('content') or '').strip()) + 1)
             if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
                 raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
-            s = a + (len(gen) if T.startswith(gen, a) else len(h))  # 'final': the turn as the full render shows it after its prompt
+            s, lo = a + (len(gen) if T.startswith(gen, a) else len(h)), a  # 'final': the turn as the full render shows it after its prompt
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
         if i == n - 1: e = len(T)
         elif not moved and T.startswith(F): e = len(F)
@@ -232,11 +245,13 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                 if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
                 j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
                 e = j + len(x)
+        nxt = e if i == n - 1 or (not moved and T.startswith(F)) else -1  # where the next message starts in T (-1: T writes this turn's end itself)
         e = _turn_end(T, s, e, info, i == n - 1)
+        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # a stop token the next message opens with (GLM-4) ends this turn
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
             raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
-        out[i], prev = (s, e), e
-    return T, out
+        out[i], own[i], prev = (s, e), (lo, hi), e
+    return T, out, own
 
 # %% ../nbs/02_tokenize.ipynb #5e7a0002
 def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str = 'error') -> set[int]:
@@ -278,15 +293,15 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
     return segs
 
 def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, history: str = 'error', segments: bool = False):
-    "(text, trained spans `[(start, end, message index)]`, segments or []) of one normalized conversation."
+    "(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of one normalized conversation."
     trained = trained_turns(messages, info, mode, history)
     try:
-        if mode == 'all': text, spans = renderer(messages, tools), {}
-        else: text, spans = turn_spans(renderer, messages, tools, info, trained, history)
+        if mode == 'all': text, spans, own = renderer(messages, tools), {}, {}
+        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, history)
         segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
     except (BadRow, TemplateError): raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
-    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs
+    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs, own
 
 # %% ../nbs/02_tokenize.ipynb #71036f25
 def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:
@@ -331,17 +346,27 @@ def _encodings(tokenizer, texts: list[str]):
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     return backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
 
-def _mask_from_encoding(enc, spans, n_text: int) -> list[int] | None:
-    "The overlap mask computed from span end points with `char_to_token` (no per-token offsets); None if a char is unmapped."
-    n = len(enc)
-    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
+def _token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
+    "[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points; `offsets` when given or a char is unmapped)."
+    if offsets is None:
+        n, out = len(enc), []
+        for s, e, *_ in spans:
+            if e <= s: out.append((0, 0)); continue
+            a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
+            c = enc.char_to_token(e) if e < n_text else n
+            if a is None or b is None or c is None: break
+            out.append((a, b + 1 if c == b else max(b + 1, c)))  # a token straddling `e` overlaps the span too
+        else: return out
+        offsets = enc.offsets
+    off, out = np.asarray(offsets, dtype=np.int64).reshape(-1, 2), []
     for s, e, *_ in spans:
-        if e <= s: continue
-        a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
-        c = enc.char_to_token(e) if e < n_text else n
-        if a is None or b is None or c is None: return None
-        z = b + 1 if c == b else max(b + 1, c)  # a token straddling `e` overlaps the span too
-        mask[a:z] = [1] * (z - a)
+        k = np.flatnonzero((off[:, 0] < e) & (off[:, 1] > s))
+        out.append((int(k[0]), int(k[-1]) + 1) if len(k) else (0, 0))
+    return out
+
+def _mask(n: int, ranges) -> list[int]:
+    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
+    for a, z in ranges: mask[a:z] = [1] * (z - a)
     return mask
 
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
@@ -353,6 +378,26 @@ def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[in
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
+# %% ../nbs/02_tokenize.ipynb #c4ec0002
+def check_turns(text: str, spans, ranges, own: dict, messages: list[dict],
+                chars, # token index → (start, end) character offsets
+               ) -> None:
+    "Raise `BadRow(kind='mask_check')` naming the message unless every trained token lies in its own turn's rendering `own[i]` and no two turns share one."
+    prev, z0 = None, 0
+    for (_, _, i), (a, z) in zip(spans, ranges):
+        if z <= a: continue
+        (lo, hi), (ta, _), (_, tz) = own[i], chars(a), chars(z - 1)
+        if prev is not None and prev != i and a < z0:
+            raise BadRow(f"message {i} (assistant): its trained token {text[ta:chars(a)[1]]!r} is also trained for message {prev}", kind='mask_check')
+        if ta < lo:
+            raise BadRow(f"message {i} (assistant): trained token {text[ta:chars(a)[1]]!r} starts at char {ta}, inside the text of the "
+                         f"messages before this turn (they end at char {lo}; the last is message {i - 1}, {messages[i - 1]['role']})", kind='mask_check')
+        if tz > hi:
+            j = i + 1
+            raise BadRow(f"message {i} (assistant): trained token {text[chars(z - 1)[0]:tz]!r} ends at char {tz}, past this turn's own "
+                         f"rendering (it ends at char {hi}; message {j}, {messages[j]['role'] if j < len(messages) else '?'}, follows)", kind='mask_check')
+        prev, z0 = i, z
+
 # %% ../nbs/02_tokenize.ipynb #f2ce589a
 def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
     "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
@@ -360,24 +405,21 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
     if not ws: return None
     out = np.asarray(mask, dtype=np.float32)
     for w in set(ws.values()):
-        sub = [sp for sp in spans if ws.get(sp[2]) == w]
-        m = _mask_from_encoding(enc, sub, n_text) if offsets is None else None  # the same token rule as the mask
-        if m is None: m = mask_from_offsets(enc.offsets if offsets is None else offsets, sub)
+        m = _mask(len(out), _token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))  # the mask's token rule
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
-def _chat_example(text, enc, messages, info, mode, spans, segs, max_length, truncation, keep_offsets: bool = True,
+def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
-    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` come from `render_turns`."
+    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
     masked = []
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
     else:
         spans, masked = trained_parts(text, spans, messages, info.eot, train_on_reasoning, train_on_tool_calls)
-        mask = _mask_from_encoding(enc, spans, len(text)) if offsets is None else None
-        if mask is None:
-            offsets = enc.offsets if offsets is None else offsets
-            mask = mask_from_offsets(offsets, spans)
+        ranges = _token_ranges(enc, offsets, spans, len(text))
+        check_turns(text, spans, ranges, own, messages, enc.token_to_chars if offsets is None else offsets.__getitem__)
+        mask = _mask(len(ids), ranges)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
@@ -430,11 +472,11 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
+    text, spans, segs, own = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
-                         spans, segs, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
+                         spans, segs, own, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
 
 # %% ../nbs/02_tokenize.ipynb #be107368
 def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
@@ -492,9 +534,9 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeSpec, fmt: str, ind
         encs = _encodings(tokenizer, [c[4] for c in chats])
     if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
     failed = set()
-    for (idx, _, msgs, mode, text, spans, segs), enc in zip(chats, encs):
+    for (idx, _, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
         if idx in failed: continue
-        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, spec.max_length, spec.truncation, keep_offsets,
+        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length, spec.truncation, keep_offsets,
                                              spec.train_on_reasoning, spec.train_on_tool_calls)))
         except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
     if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole
