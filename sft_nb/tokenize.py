@@ -15,9 +15,9 @@ from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_
                               chat_ids, common_prefix)
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'locate_messages', 'assistant_spans',
-           'mask_from_offsets', 'turn_spans', 'trained_turns', 'message_segments', 'render_turns', 'turn_parts',
-           'trained_parts', 'encode_texts', 'finish_tokens', 'check_turns', 'tokenize_conversation', 'expand_turns',
+__all__ = ['MODES', 'HISTORY', 'TokenizeSpec', 'ALGO_VERSION', 'Example', 'labels_for', 'content_text', 'turn_spans',
+           'trained_turns', 'message_segments', 'render_turns', 'turn_parts', 'trained_parts', 'encode_texts',
+           'token_ranges', 'mask_from_ranges', 'finish_tokens', 'check_turns', 'tokenize_conversation', 'expand_turns',
            'tokenize_turns', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features',
            'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part',
            'part_name', 'write_parts', 'ray_part', 'ray_parts', 'cache_root', 'cache_key', 'file_fingerprint',
@@ -53,83 +53,18 @@ class Example:
 
     def __len__(self): return len(self.input_ids)
 
-def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: str) -> int:
-    "End of the assistant header nearest `cursor` (templates whose earlier and final turns have different headers)."
-    hits = [(j, h) for h in info.headers if (j := text.find(h, cursor)) >= 0]
-    if not hits: raise BadRow(f"{where}: no assistant header {list(info.headers)!r} found in the rendered text", kind='template_error')
-    j = min(j for j, _ in hits)
-    at = [h for k, h in hits if k == j]
-    # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
-    return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
 
 # %% ../nbs/02_tokenize.ipynb #653a05ef
 def labels_for(ids, mask) -> list[int]:
     "Labels of one sequence: the id where trained, -100 elsewhere and always at position 0."
     return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]
 
-# %% ../nbs/02_tokenize.ipynb #3eeceb24
-def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:
-    "Walk the rendered `text` once: `(start, end, message index, role)` of each message's content (assistant: content + end-of-turn)."
-    segs, cursor = [], 0
-    for i, m in enumerate(messages):
-        content = m.get('content') or ''
-        if m['role'] != 'assistant':
-            for cand in (content, content.strip()):
-                j = text.find(cand, cursor) if cand else -1
-                if j >= 0: segs.append((j, j + len(cand), i, m['role'])); cursor = j + len(cand); break
-            continue
-        if info.headers: start = _header_end(text, cursor, info, last=i == len(messages) - 1, where=f"message {i}")
-        elif info.gen_prompt and info.full_render_matches_gen_prompt:
-            h = text.find(info.gen_prompt, cursor)
-            if h < 0: raise BadRow(f"message {i}: assistant header {info.gen_prompt!r} not found in the rendered text", kind='template_error')
-            start = h + len(info.gen_prompt)
-        else:
-            start = cursor + len(info.user_footer) if info.user_footer and text.startswith(info.user_footer, cursor) else cursor
-        c = content.strip()
-        k = text.find(c, start) if c else -1
-        after_content = k + len(c) if k >= 0 else start
-        if info.eot:
-            e = text.find(info.eot, after_content)
-            if e < 0: raise BadRow(f"message {i}: end-of-turn {info.eot!r} not found after the assistant content", kind='template_error')
-            end = e + len(info.eot)
-        else: end = after_content
-        segs.append((start, end, i, 'assistant'))
-        cursor = end
-    return segs
-
-# %% ../nbs/02_tokenize.ipynb #94e74851
-def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: str,
-                    segments: list | None = None, # `locate_messages` output, when the caller already has it
-                    history: str = 'error', # 'final' trains every turn as the full render shows it; see `tokenize_turns` for 'expand'
-                   ) -> list[tuple[int, int, int]]:
-    "Character spans `(start, end, message index)` of the trained assistant turns in the rendered `text`."
-    if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
-    asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
-    if not asst: raise BadRow("no assistant message to train")
-    if mode in ('last_assistant', 'completion_only'):
-        if messages[-1]['role'] != 'assistant':
-            raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
-        trained = {asst[-1]}
-    else:
-        if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
-        if info.rewrites_history and len(asst) > 1 and history != 'final':
-            raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
-                                "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
-                                "as the model would produce it; use history='expand' (tokenize_turns: one example per turn), "
-                                "history='final' (the full render as it is) or mode='last_assistant'")
-        trained = set(asst)
-    trained = {i for i in trained if messages[i].get('train', True) is not False}
-    segs = segments if segments is not None else locate_messages(text, messages, info)
-    return [(s, e, i) for s, e, i, role in segs if role == 'assistant' and i in trained]
-
-def mask_from_offsets(offsets, spans, n: int | None = None) -> list[int]:
-    "1 for every token whose character range overlaps a span."
-    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(off), dtype=np.int8)
-    for s, e, *_ in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)
-    return mask.tolist()
-
 # %% ../nbs/02_tokenize.ipynb #5e7a0001
+def content_text(message: dict, image: str = '') -> str:
+    "A message's content as text: a string, or its parts' text with each image part written as `image`."
+    c = message.get('content') or ''
+    return c if isinstance(c, str) else ''.join(p.get('text', '') if p.get('type', 'text') == 'text' else image for p in c)
+
 def _snap(text: str, k: int, specials) -> int:
     "`k` moved back to the start of a special-token string of `text` that it falls inside."
     for s in specials:
@@ -224,7 +159,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
             a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
-                        len((messages[i - 1].get('content') or '').strip()) + 1)
+                        len(content_text(messages[i - 1]).strip()) + 1)
             if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
                 raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
             s, lo = a + (len(gen) if T.startswith(gen, a) else len(h)), a  # 'final': the turn as the full render shows it after its prompt
@@ -274,7 +209,9 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
         trained = set(asst)
     return {i for i in trained if messages[i].get('train', True) is not False}
 
-def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo) -> list[tuple[int, int, int, str]]:
+def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo,
+                     image: str = '', # the text an image part renders as (image rows: the processor's placeholder)
+                    ) -> list[tuple[int, int, int, str]]:
     "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
     def end(j):
         try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
@@ -286,7 +223,7 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
     for j, (m, b) in enumerate(zip(messages, ends)):
         if j in spans: segs.append((*spans[j], j, m['role']))
         else:
-            c = (m.get('content') or '').strip()
+            c = content_text(m, image).strip()
             k = text.find(c, a, b) if c else -1  # inside this message's own text: a label for display, never a mask
             segs.append((k, k + len(c), j, m['role']) if k >= 0 else (a, b, j, m['role']))
         a = max(a, b)
@@ -314,7 +251,7 @@ def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict
         while r < body and text[r] == '\n': r += 1  # the newlines a template puts after </think>; the answer keeps its own spaces
     t = body
     if message.get('tool_calls'):
-        ans = (message.get('content') or '').split('</think>')[-1].strip()
+        ans = content_text(message).split('</think>')[-1].strip()
         a = text.find(ans, r, body) if ans else -1
         t = a + len(ans) if a >= 0 else r
     return {'reasoning': (start, r), 'answer': (r, t), 'tool_calls': (t, body), 'eot': (body, end)}
@@ -346,7 +283,7 @@ def _encodings(tokenizer, texts: list[str]):
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     return backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
 
-def _token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
+def token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
     "[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points; `offsets` when given or a char is unmapped)."
     if offsets is None:
         n, out = len(enc), []
@@ -364,7 +301,8 @@ def _token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
         out.append((int(k[0]), int(k[-1]) + 1) if len(k) else (0, 0))
     return out
 
-def _mask(n: int, ranges) -> list[int]:
+def mask_from_ranges(n: int, ranges) -> list[int]:
+    "The loss mask of `n` tokens: 1 inside the [a, z) token ranges."
     mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
     for a, z in ranges: mask[a:z] = [1] * (z - a)
     return mask
@@ -405,7 +343,7 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
     if not ws: return None
     out = np.asarray(mask, dtype=np.float32)
     for w in set(ws.values()):
-        m = _mask(len(out), _token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))  # the mask's token rule
+        m = mask_from_ranges(len(out), token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))  # the mask's token rule
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
@@ -417,9 +355,9 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
     else:
         spans, masked = trained_parts(text, spans, messages, info.eot, train_on_reasoning, train_on_tool_calls)
-        ranges = _token_ranges(enc, offsets, spans, len(text))
+        ranges = token_ranges(enc, offsets, spans, len(text))
         check_turns(text, spans, ranges, own, messages, enc.token_to_chars if offsets is None else offsets.__getitem__)
-        mask = _mask(len(ids), ranges)
+        mask = mask_from_ranges(len(ids), ranges)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
