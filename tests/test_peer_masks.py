@@ -1,6 +1,8 @@
 """Masks judged by cases other projects wrote (issue 26): each test names its source; inputs and expectations are
 ported as facts, the templates below are ours, written to reproduce the named template's behaviour at the place
 that matters (the real templates are not shipped with this repository; tests/fixtures/templates/qwen3.jinja is real).
+31 tests: 20 ported cases (transformers, TRL, SkyRL, the issue's 8) and 11 of the self-check every row passes (3 that make
+it fire, 8 peer templates it passes on). LLaMA-Factory's and Axolotl's cases: tests/test_peer_masks_lf_axolotl.py.
 
 Our contract (DESIGN.md): assistant content + its end-of-turn token trained; role headers, generation prompts,
 system/user/tool text never; template text after the end-of-turn (ChatML's newline) never.
