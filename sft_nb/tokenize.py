@@ -535,7 +535,7 @@ def make_renderer(obj, # a tokenizer, a processor (`import sft_nb.vision` regist
                     "(it registers ProcessorRenderer)")
 
 # %% ../nbs/02_tokenize.ipynb #fcae29a4
-ALGO_VERSION = 6  # bump when stored examples change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam)
+ALGO_VERSION = 7  # bump when stored examples change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam; 7: the per-row self-check)
 
 def example_features(renderer: Renderer):
     "The stored schema: the base columns every row has, then the renderer's extra columns."
