@@ -40,6 +40,11 @@ num_proc 1 -> 2 scaling.
 
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --methods ours cache_hit
+
+`--check-cost` measures what the self-check every trained row passes (`check_turns`, issue 26) costs: `tokenize_rows` on
+both demo sets with it and with it replaced by a no-op, interleaved rounds, best CPU seconds of `--repeats`.
+
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --check-cost --repeats 5
 """
 # This file is named tokenize.py: drop its folder from sys.path before anything imports the stdlib `tokenize`.
 import sys
@@ -172,9 +177,11 @@ def main():
     ap.add_argument('--rows', type=int, default=0, help='scale mode: this many generated alpaca-style rows, ours vs the limit')
     ap.add_argument('--methods', nargs='*', default=list(SCALE_METHODS), help='scale mode: which methods')
     ap.add_argument('--workdir', default=None, help='scale mode: where the generated source and cache go (default: a temp dir)')
+    ap.add_argument('--check-cost', action='store_true', help='only measure what the per-row self-check (check_turns) costs')
     ap.add_argument('--child', help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child: return _scale_child(a)
+    if a.check_cost: return _check_cost(a.repeats)
     if a.rows: return _scale(a)
 
     import datasets, transformers
@@ -376,6 +383,35 @@ def _scale(a):
         print(f"\nnum_proc 1 -> 2: {sp:.2f}x wall ({100 * sp / 2:.0f}% per-core efficiency); "
               f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {os.cpu_count()}")
     if 'cache_hit' in best: print(f"cache hit: {best['cache_hit']['wall']:.2f} s")
+
+def _check_cost(repeats):
+    "CPU seconds of `tokenize_rows` on both demo sets (all_assistant, batches of 256) with the self-check and with it replaced by a no-op, interleaved."
+    import sft_nb.tokenize as T
+    from transformers import AutoTokenizer
+    from sft_nb.data import load_source, row_dict, detect_format, source_columns
+    from sft_nb.models import smollm2_instruct
+    tok, template = AutoTokenizer.from_pretrained(smollm2_instruct()), TEMPLATE_PATH.read_text()
+    sets = []
+    for name in DATASETS:
+        raw = load_source(str(DATASETS[name]))
+        sets.append((detect_format(source_columns(raw)), [row_dict(r) for r in raw]))
+    spec, real, calls = T.TokenizeConfig(chat_template=template, max_length=None), T.check_turns, [0]
+    def run():
+        for fmt, rows in sets:
+            for s in range(0, len(rows), BATCH): T.tokenize_rows(rows[s:s + BATCH], tok, spec, fmt)
+    def counted(*a, **k): calls[0] += 1; return real(*a, **k)
+    T.check_turns = counted; run()  # warm (probe, Jinja compile) and count the checked rows
+    n_checked, best = calls[0], {'with the check': float('inf'), 'check replaced by a no-op': float('inf')}
+    for _ in range(repeats):
+        for k in best:
+            T.check_turns = counted if k == 'with the check' else (lambda *a, **k: None)
+            c0 = time.process_time(); run(); best[k] = min(best[k], time.process_time() - c0)
+    T.check_turns = real
+    rows = sum(len(r) for _, r in sets)
+    print(f"## self-check cost: tokenize_rows on {rows} rows ({', '.join(DATASETS)}), all_assistant, best of {repeats} (CPU seconds), "
+          f"{n_checked} rows checked per pass; load average {_load()}")
+    for k, v in best.items(): print(f"  {k:28s} {v:7.3f} s cpu  {rows / v:8,.0f} rows/cpu-s")
+    print(f"  check / total: {100 * (best['with the check'] - best['check replaced by a no-op']) / best['with the check']:+.1f}%")
 
 def _profile(tok, template, mode, name=TOOL_SET, top=25):
     "cProfile of `tokenize_rows` (batches of 256, warm) on one dataset: where our time goes."

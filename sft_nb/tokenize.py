@@ -16,12 +16,12 @@ from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_
                               chat_ids, common_prefix)
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'locate_messages', 'assistant_spans', 'mask_from_offsets', 'turn_spans',
-           'trained_turns', 'message_segments', 'render_turns', 'turn_parts', 'trained_parts', 'encode_texts',
-           'finish_tokens', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows', 'Renderer',
-           'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback', 'JsonlRows',
-           'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts',
-           'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'turn_spans', 'trained_turns', 'message_segments',
+           'render_turns', 'turn_parts', 'trained_parts', 'encode_texts', 'token_ranges', 'mask_from_ranges',
+           'finish_tokens', 'check_turns', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows',
+           'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback',
+           'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
+           'ray_parts', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -53,83 +53,18 @@ class Example:
 
     def __len__(self): return len(self.input_ids)
 
-def _header_end(text: str, cursor: int, info: TemplateInfo, last: bool, where: str) -> int:
-    "End of the assistant header nearest `cursor` (templates whose earlier and final turns have different headers)."
-    hits = [(j, h) for h in info.headers if (j := text.find(h, cursor)) >= 0]
-    if not hits: raise BadRow(f"{where}: no assistant header {list(info.headers)!r} found in the rendered text", kind='template_error')
-    j = min(j for j, _ in hits)
-    at = [h for k, h in hits if k == j]
-    # the final turn starts where the generation prompt ends (what the model is given); an earlier one after its longest header
-    return j + len(info.gen_prompt if last and info.gen_prompt in at else max(at, key=len))
 
 # %% ../nbs/02_tokenize.ipynb #653a05ef
 def labels_for(ids, mask) -> list[int]:
     "Labels of one sequence: the id where trained, -100 elsewhere and always at position 0."
     return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]
 
-# %% ../nbs/02_tokenize.ipynb #3eeceb24
-def locate_messages(text: str, messages: list[dict], info: TemplateInfo) -> list[tuple[int, int, int, str]]:
-    "Walk the rendered `text` once: `(start, end, message index, role)` of each message's content (assistant: content + end-of-turn)."
-    segs, cursor = [], 0
-    for i, m in enumerate(messages):
-        content = m.get('content') or ''
-        if m['role'] != 'assistant':
-            for cand in (content, content.strip()):
-                j = text.find(cand, cursor) if cand else -1
-                if j >= 0: segs.append((j, j + len(cand), i, m['role'])); cursor = j + len(cand); break
-            continue
-        if info.headers: start = _header_end(text, cursor, info, last=i == len(messages) - 1, where=f"message {i}")
-        elif info.gen_prompt and info.full_render_matches_gen_prompt:
-            h = text.find(info.gen_prompt, cursor)
-            if h < 0: raise BadRow(f"message {i}: assistant header {info.gen_prompt!r} not found in the rendered text", kind='template_error')
-            start = h + len(info.gen_prompt)
-        else:
-            start = cursor + len(info.user_footer) if info.user_footer and text.startswith(info.user_footer, cursor) else cursor
-        c = content.strip()
-        k = text.find(c, start) if c else -1
-        after_content = k + len(c) if k >= 0 else start
-        if info.eot:
-            e = text.find(info.eot, after_content)
-            if e < 0: raise BadRow(f"message {i}: end-of-turn {info.eot!r} not found after the assistant content", kind='template_error')
-            end = e + len(info.eot)
-        else: end = after_content
-        segs.append((start, end, i, 'assistant'))
-        cursor = end
-    return segs
-
-# %% ../nbs/02_tokenize.ipynb #94e74851
-def assistant_spans(text: str, messages: list[dict], info: TemplateInfo, mode: str,
-                    segments: list | None = None, # `locate_messages` output, when the caller already has it
-                    history: str = 'error', # 'final' trains every turn as the full render shows it; see `tokenize_turns` for 'expand'
-                   ) -> list[tuple[int, int, int]]:
-    "Character spans `(start, end, message index)` of the trained assistant turns in the rendered `text`."
-    if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
-    asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
-    if not asst: raise BadRow("no assistant message to train")
-    if mode in ('last_assistant', 'completion_only'):
-        if messages[-1]['role'] != 'assistant':
-            raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
-        trained = {asst[-1]}
-    else:
-        if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
-        if info.rewrites_history and len(asst) > 1 and history != 'final':
-            raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
-                                "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
-                                "as the model would produce it; use history='expand' (tokenize_turns: one example per turn), "
-                                "history='final' (the full render as it is) or mode='last_assistant'")
-        trained = set(asst)
-    trained = {i for i in trained if messages[i].get('train', True) is not False}
-    segs = segments if segments is not None else locate_messages(text, messages, info)
-    return [(s, e, i) for s, e, i, role in segs if role == 'assistant' and i in trained]
-
-def mask_from_offsets(offsets, spans, n: int | None = None) -> list[int]:
-    "1 for every token whose character range overlaps a span."
-    off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    mask = np.zeros(len(off), dtype=np.int8)
-    for s, e, *_ in spans: mask |= (off[:, 0] < e) & (off[:, 1] > s)
-    return mask.tolist()
-
 # %% ../nbs/02_tokenize.ipynb #5e7a0001
+def content_text(message: dict, image: str = '') -> str:
+    "A message's content as text: a string, or its parts' text with each image part written as `image`."
+    c = message.get('content') or ''
+    return c if isinstance(c, str) else ''.join(p.get('text', '') if p.get('type', 'text') == 'text' else image for p in c)
+
 def _snap(text: str, k: int, specials) -> int:
     "`k` moved back to the start of a special-token string of `text` that it falls inside."
     for s in specials:
@@ -172,24 +107,37 @@ def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
         if nxt is not None: e += len(nxt)
     return e
 
-def _tag_spans(renderer, messages, tools, info) -> tuple[str, dict]:
-    "The `{% generation %}` spans of the full render, one per assistant message, in order."
+def _own(renderer, messages, tools, info: TemplateInfo, T: str, i: int, end: int) -> tuple[int, int]:
+    "Where assistant message `i`'s own rendering lies in the full render `T`: after what `messages[:i]` render, up to where message i+1 starts."
+    if i == 0: lo = 0
+    else:
+        P, gen = renderer(messages[:i], tools, gen=True), info.gen_prompt
+        q = P[:len(P) - len(gen)] if gen and P.endswith(gen) else P
+        lo = len(q) if T.startswith(q) else _snap(T, common_prefix(q, T), info.specials)
+    if i == len(messages) - 1: return lo, len(T)
+    F = renderer(messages[:i + 1], tools)
+    hi = len(F) if T.startswith(F) else end
+    return lo, end if end > hi and T[hi:end] in info.specials else hi  # a stop token the next message opens with ends this turn
+
+def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
+    "The `{% generation %}` spans of the full render, one per assistant message, in order, and the own rendering of each of `turns`."
     text, idx = renderer(messages, tools, tags=True)
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if len(idx) != len(asst):
         raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
-    return text, {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
+    spans = {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
+    return text, spans, {i: _own(renderer, messages, tools, info, text, i, spans[i][1]) for i in turns}
 
 # %% ../nbs/02_tokenize.ipynb #5e7a0005
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
                history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
                text: str | None = None, # the full render, when the caller has it
-              ) -> tuple[str, dict[int, tuple[int, int]]]:
-    "(full render, {message index: (start, end)}) of assistant turns: from generation tags or prefix renders, never a text search."
-    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info)
+              ) -> tuple[str, dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
+    "(full render, {message index: (start, end)} of assistant turns, {message index: its own rendering}): from tags or prefix renders, never a text search."
+    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
-    n, out, prev = len(messages), {}, 0
+    n, out, own, prev = len(messages), {}, {}, 0
     for i in sorted(turns):
         where = f"message {i}"
         if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
@@ -199,10 +147,10 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
         # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
         h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
-        if F.startswith(P): s = len(P)
+        if F.startswith(P): s, lo = len(P), len(P) - len(gen) if gen and P.endswith(gen) else len(P)
         else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
             base = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
-            s = base + len(h) if F.startswith(h, base) else base
+            s, lo = base + len(h) if F.startswith(h, base) else base, base
             if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
         if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
         moved = s < 0 or (F is not T and not T.startswith(F[:s]))
@@ -211,10 +159,10 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
             a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
-                        len((messages[i - 1].get('content') or '').strip()) + 1)
+                        len(content_text(messages[i - 1]).strip()) + 1)
             if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
                 raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
-            s = a + (len(gen) if T.startswith(gen, a) else len(h))  # 'final': the turn as the full render shows it after its prompt
+            s, lo = a + (len(gen) if T.startswith(gen, a) else len(h)), a  # 'final': the turn as the full render shows it after its prompt
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
         if i == n - 1: e = len(T)
         elif not moved and T.startswith(F): e = len(F)
@@ -232,11 +180,13 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                 if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
                 j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
                 e = j + len(x)
+        nxt = e if i == n - 1 or (not moved and T.startswith(F)) else -1  # where the next message starts in T (-1: T writes this turn's end itself)
         e = _turn_end(T, s, e, info, i == n - 1)
+        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # a stop token the next message opens with (GLM-4) ends this turn
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
             raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
-        out[i], prev = (s, e), e
-    return T, out
+        out[i], own[i], prev = (s, e), (lo, hi), e
+    return T, out, own
 
 # %% ../nbs/02_tokenize.ipynb #5e7a0002
 def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str = 'error') -> set[int]:
@@ -259,7 +209,9 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
         trained = set(asst)
     return {i for i in trained if messages[i].get('train', True) is not False}
 
-def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo) -> list[tuple[int, int, int, str]]:
+def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo,
+                     image: str = '', # the text an image part renders as (image rows: the processor's placeholder)
+                    ) -> list[tuple[int, int, int, str]]:
     "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
     def end(j):
         try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
@@ -271,22 +223,22 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
     for j, (m, b) in enumerate(zip(messages, ends)):
         if j in spans: segs.append((*spans[j], j, m['role']))
         else:
-            c = (m.get('content') or '').strip()
+            c = content_text(m, image).strip()
             k = text.find(c, a, b) if c else -1  # inside this message's own text: a label for display, never a mask
             segs.append((k, k + len(c), j, m['role']) if k >= 0 else (a, b, j, m['role']))
         a = max(a, b)
     return segs
 
 def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, history: str = 'error', segments: bool = False):
-    "(text, trained spans `[(start, end, message index)]`, segments or []) of one normalized conversation."
+    "(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of one normalized conversation."
     trained = trained_turns(messages, info, mode, history)
     try:
-        if mode == 'all': text, spans = renderer(messages, tools), {}
-        else: text, spans = turn_spans(renderer, messages, tools, info, trained, history)
+        if mode == 'all': text, spans, own = renderer(messages, tools), {}, {}
+        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, history)
         segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
     except (BadRow, TemplateError): raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
-    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs
+    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs, own
 
 # %% ../nbs/02_tokenize.ipynb #71036f25
 def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:
@@ -299,7 +251,7 @@ def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict
         while r < body and text[r] == '\n': r += 1  # the newlines a template puts after </think>; the answer keeps its own spaces
     t = body
     if message.get('tool_calls'):
-        ans = (message.get('content') or '').split('</think>')[-1].strip()
+        ans = content_text(message).split('</think>')[-1].strip()
         a = text.find(ans, r, body) if ans else -1
         t = a + len(ans) if a >= 0 else r
     return {'reasoning': (start, r), 'answer': (r, t), 'tool_calls': (t, body), 'eot': (body, end)}
@@ -331,17 +283,28 @@ def _encodings(tokenizer, texts: list[str]):
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     return backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
 
-def _mask_from_encoding(enc, spans, n_text: int) -> list[int] | None:
-    "The overlap mask computed from span end points with `char_to_token` (no per-token offsets); None if a char is unmapped."
-    n = len(enc)
-    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
+def token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
+    "[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points; `offsets` when given or a char is unmapped)."
+    if offsets is None:
+        n, out = len(enc), []
+        for s, e, *_ in spans:
+            if e <= s: out.append((0, 0)); continue
+            a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
+            c = enc.char_to_token(e) if e < n_text else n
+            if a is None or b is None or c is None: break
+            out.append((a, b + 1 if c == b else max(b + 1, c)))  # a token straddling `e` overlaps the span too
+        else: return out
+        offsets = enc.offsets
+    off, out = np.asarray(offsets, dtype=np.int64).reshape(-1, 2), []
     for s, e, *_ in spans:
-        if e <= s: continue
-        a, b = enc.char_to_token(s), enc.char_to_token(e - 1)
-        c = enc.char_to_token(e) if e < n_text else n
-        if a is None or b is None or c is None: return None
-        z = b + 1 if c == b else max(b + 1, c)  # a token straddling `e` overlaps the span too
-        mask[a:z] = [1] * (z - a)
+        k = np.flatnonzero((off[:, 0] < e) & (off[:, 1] > s))
+        out.append((int(k[0]), int(k[-1]) + 1) if len(k) else (0, 0))
+    return out
+
+def mask_from_ranges(n: int, ranges) -> list[int]:
+    "The loss mask of `n` tokens: 1 inside the [a, z) token ranges."
+    mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save
+    for a, z in ranges: mask[a:z] = [1] * (z - a)
     return mask
 
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
@@ -353,6 +316,26 @@ def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[in
     if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
     return ids, mask, truncated
 
+# %% ../nbs/02_tokenize.ipynb #c4ec0002
+def check_turns(text: str, spans, ranges, own: dict, messages: list[dict],
+                chars, # token index → (start, end) character offsets
+               ) -> None:
+    "Raise `BadRow(kind='mask_check')` naming the message unless every trained token lies in its own turn's rendering `own[i]` and no two turns share one."
+    prev, z0 = None, 0
+    for (_, _, i), (a, z) in zip(spans, ranges):
+        if z <= a: continue
+        (lo, hi), (ta, _), (_, tz) = own[i], chars(a), chars(z - 1)
+        if prev is not None and prev != i and a < z0:
+            raise BadRow(f"message {i} (assistant): its trained token {text[ta:chars(a)[1]]!r} is also trained for message {prev}", kind='mask_check')
+        if ta < lo:
+            raise BadRow(f"message {i} (assistant): trained token {text[ta:chars(a)[1]]!r} starts at char {ta}, inside the text of the "
+                         f"messages before this turn (they end at char {lo}; the last is message {i - 1}, {messages[i - 1]['role']})", kind='mask_check')
+        if tz > hi:
+            j = i + 1
+            raise BadRow(f"message {i} (assistant): trained token {text[chars(z - 1)[0]:tz]!r} ends at char {tz}, past this turn's own "
+                         f"rendering (it ends at char {hi}; message {j}, {messages[j]['role'] if j < len(messages) else '?'}, follows)", kind='mask_check')
+        prev, z0 = i, z
+
 # %% ../nbs/02_tokenize.ipynb #f2ce589a
 def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
     "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
@@ -360,24 +343,21 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
     if not ws: return None
     out = np.asarray(mask, dtype=np.float32)
     for w in set(ws.values()):
-        sub = [sp for sp in spans if ws.get(sp[2]) == w]
-        m = _mask_from_encoding(enc, sub, n_text) if offsets is None else None  # the same token rule as the mask
-        if m is None: m = mask_from_offsets(enc.offsets if offsets is None else offsets, sub)
+        m = mask_from_ranges(len(out), token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))  # the mask's token rule
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
-def _chat_example(text, enc, messages, info, mode, spans, segs, max_length, truncation, keep_offsets: bool = True,
+def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
-    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` come from `render_turns`."
+    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
     masked = []
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
     else:
         spans, masked = trained_parts(text, spans, messages, info.eot, train_on_reasoning, train_on_tool_calls)
-        mask = _mask_from_encoding(enc, spans, len(text)) if offsets is None else None
-        if mask is None:
-            offsets = enc.offsets if offsets is None else offsets
-            mask = mask_from_offsets(offsets, spans)
+        ranges = token_ranges(enc, offsets, spans, len(text))
+        check_turns(text, spans, ranges, own, messages, enc.token_to_chars if offsets is None else offsets.__getitem__)
+        mask = mask_from_ranges(len(ids), ranges)
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
@@ -430,11 +410,11 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
+    text, spans, segs, own = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
-                         spans, segs, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
+                         spans, segs, own, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
 
 # %% ../nbs/02_tokenize.ipynb #be107368
 def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
@@ -490,9 +470,9 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
         encs = _encodings(tokenizer, [c[4] for c in chats])
     if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
     failed = set()
-    for (idx, _, msgs, mode, text, spans, segs), enc in zip(chats, encs):
+    for (idx, _, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
         if idx in failed: continue
-        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, spec.max_length, spec.truncation, keep_offsets,
+        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length, spec.truncation, keep_offsets,
                                              spec.train_on_reasoning, spec.train_on_tool_calls)))
         except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
     if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole

@@ -10,9 +10,10 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
-from .templates import TemplateError, template_info, load_template
-from .tokenize import (Example, TokenizeConfig, Renderer, assistant_spans, locate_messages, mask_from_offsets, trained_parts,
-                             encode_texts, finish_tokens, tokenize_dataset)
+from .config import TokenizeConfig
+from .templates import TemplateError, TemplateRenderer, template_info, load_template
+from .tokenize import (Example, Renderer, render_turns, message_segments, trained_parts, token_ranges, mask_from_ranges,
+                             check_turns, encode_texts, finish_tokens, tokenize_dataset)
 
 # %% auto #0
 __all__ = ['IMAGE_MARKER', 'load_image', 'vision_conversation', 'VisionExample', 'image_placeholder', 'expand_placeholders',
@@ -112,11 +113,6 @@ def image_placeholder(processor, template: str | None = None) -> str:
                                       chat_template=template, tokenize=False)
     return t[t.index(a) + len(a):t.index(b)]
 
-def _flat(messages, placeholder: str) -> list[dict]:
-    "Messages with image parts written as the template's placeholder text (what `locate_messages` searches for)."
-    return [{**m, 'content': ''.join(placeholder if p['type'] == 'image' else p['text'] for p in m['content'])}
-            if isinstance(m['content'], list) else m for m in messages]
-
 def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tuple]) -> tuple[str, list[tuple], list[tuple[int, int]]]:
     "Repeat the k-th `token` in `text` `counts[k]` times; shift `spans`' end points; return (text', spans', char range of each image)."
     starts = [m.start() for m in re.finditer(re.escape(token), text)]
@@ -140,13 +136,12 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     "Render once, expand image placeholders, tokenize once: ids equal `processor.apply_chat_template(..., tokenize=True)`."
     kw, tok, msgs, images, tools = chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images'], conv.get('tools')
     template = template or processor.chat_template
-    ph = image_placeholder(processor, template)
-    flat = _flat(msgs, ph)
-    info = template_info(tok, template, kw)
-    try: text = processor.apply_chat_template(msgs, chat_template=template, tools=tools, tokenize=False, **kw)
-    except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
-    spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(
-        text, assistant_spans(text, flat, info, mode, history=history), flat, info.eot, train_on_reasoning, train_on_tool_calls)
+    ph, info = image_placeholder(processor, template), template_info(tok, template, kw)
+    # the span finder of text rows (generation tags, else prefix renders), on the messages with their image parts
+    renderer = TemplateRenderer(tok, template, kw)
+    text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, history)
+    segs = message_segments(renderer, msgs, tools, text, {i: (s, e) for s, e, i in spans}, info, image=ph)  # the views' labels, images in their message
+    spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls)
     pv, grid = None, []
     if images:
         out = processor.image_processor(images=images, return_tensors='np')
@@ -155,10 +150,13 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     text_x, spans_x, ranges = expand_placeholders(text, processor.image_token, counts, spans)
     ids, offsets = encode_texts(tok, [text_x])[0]
     off = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
-    mask = np.asarray(mask_from_offsets(offsets, spans_x), dtype=np.int8)
-    segs = locate_messages(text, flat, info)
     _, segs_x, _ = expand_placeholders(text, processor.image_token, counts, segs)
     _, masked_x, _ = expand_placeholders(text, processor.image_token, counts, masked)
+    tr = token_ranges(None, offsets, spans_x, len(text_x))
+    if mode != 'all':  # the self-check of text rows, on the expanded text
+        own_x = {i: (lo, hi) for lo, hi, i in expand_placeholders(text, processor.image_token, counts, [(lo, hi, i) for i, (lo, hi) in own.items()])[1]}
+        check_turns(text_x, spans_x, tr, own_x, msgs, offsets.__getitem__)
+    mask = np.asarray(mask_from_ranges(len(ids), tr), dtype=np.int8)
     img_tok = []
     pre = ph.index(processor.image_token); post = len(ph) - pre - len(processor.image_token)
     for s, e in ranges:  # the whole placeholder (<|vision_start|> … <|vision_end|>) is input, never a target
