@@ -171,10 +171,10 @@ def render(self: StreamPlan, rows: list) -> list[dict]:
         first = {k for k in at if rows[k][1] == 0}
         self.count(s, len(first), [(rows[k][2], e) for k, e in good if k in first], [(rows[k][2], kd, m) for k, kd, m in bad if k in first])
         done += [(k, s, e) for k, e in good]
+    self.data_report = self.report()  # before any refusal: the report says per row why
     for s, r in enumerate(self.reports):
         if self.passes[s] and not r.n_examples:
             raise ConfigError(f"data.train: no usable rows in one pass over {self.names[s]} ({r}); first bad rows: {r.bad_rows[:3]}")
-    self.data_report = self.report()
     return [example_row(s, rows[k][2], e) for k, s, e in sorted(done, key=lambda d: d[0])]
 
 # %% ../nbs/05b_stream.ipynb #5b6eb0dd
