@@ -9,22 +9,43 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags',
-           'TemplateRenderer', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
-           'collapse_template', 'add_family_specials']
+__all__ = ['CHAT_TEMPLATES', 'MECHANISMS', 'FAMILY_SPECIALS', 'shipped_template', 'templates_with', 'TemplateError',
+           'load_template', 'render', 'chat_ids', 'has_generation_tags', 'TemplateRenderer', 'TemplateInfo',
+           'common_prefix', 'probe_template', 'template_key', 'template_info', 'collapse_template',
+           'add_family_specials', 'template_features']
+
+# %% ../nbs/02a_templates.ipynb #e30b0002
+CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
+    'chatml': ('chatml', frozenset({'system'})),
+    'llama3': ('llama-3-instruct', frozenset({'system'})),
+    'mistral': ('mistral-instruct', frozenset({'system'})),
+    'gemma': ('gemma-it', frozenset({'system'})),
+    'phi3': ('phi-3', frozenset({'system'})),
+    'qwen2.5': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool'})),
+    'qwen3': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool', 'reasoning'})),
+}
+
+def shipped_template(name: str) -> str:
+    "The text of one of our tagged training templates (a key of `CHAT_TEMPLATES`)."
+    from importlib.resources import files
+    return (files('sft_nb') / 'chat_templates' / f'{name}.jinja').read_text()
+
+def templates_with(feature: str) -> list[str]:
+    "Shipped templates that render `feature`: 'system' | 'tools' | 'tool_calls' | 'tool' | 'reasoning'."
+    return [n for n, (_, fs) in CHAT_TEMPLATES.items() if feature in fs]
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
 class TemplateError(ValueError):
     "A chat template behaves in a way that would make masks wrong; the message names the behaviour."
 
 def load_template(template: str | None) -> str | None:
-    "Template text from inline Jinja or a file path (`~` expanded); a path-like value naming no file is an error, not template text."
-    if template is None: return None
+    "Template text from inline Jinja, a shipped template's name (`CHAT_TEMPLATES`) or a file path (`~` expanded); anything else is an error, not template text."
+    if template is None or '{' in template: return template
+    if template in CHAT_TEMPLATES: return shipped_template(template)
     p = Path(template).expanduser()
-    if '{' not in template and p.suffix in ('.jinja', '.j2', '.txt'):
-        if not p.is_file(): raise TemplateError(f"tokenize.chat_template: {template!r} names no file (a template path must exist; inline Jinja has {{% or {{{{)")
-        return p.read_text()
-    return template
+    if p.is_file(): return p.read_text()
+    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template "
+                        f"({', '.join(CHAT_TEMPLATES)}); a template path must exist, inline Jinja has {{% or {{{{")
 
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
     "The conversation as the template renders it (one string)."
@@ -224,3 +245,24 @@ def add_family_specials(tokenizer, family: str):
     named, extra = FAMILY_SPECIALS[family]
     tokenizer.add_special_tokens({**named, 'additional_special_tokens': extra})
     return tokenizer
+
+# %% ../nbs/02a_templates.ipynb #e30b0005
+_FEATURE_PROBES = {  # feature → (messages, tools, the marker that must reach the text)
+    'system': ([{'role': 'system', 'content': 'qzxSYS'}, {'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}], None, 'qzxSYS'),
+    'tools': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}],
+              [{'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}], 'qzxTOOL'),
+    'tool_calls': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
+                   {'type': 'function', 'function': {'name': 'qzxCALL', 'arguments': {'x': 1}}}]}], None, 'qzxCALL'),
+    'tool': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
+              {'type': 'function', 'function': {'name': 'f', 'arguments': {}}}]}, {'role': 'tool', 'content': 'qzxRES'},
+              {'role': 'assistant', 'content': 'a'}], None, 'qzxRES'),
+    'reasoning': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'qzxTHINK'}], None, 'qzxTHINK'),
+}
+
+def template_features(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> frozenset:
+    "What of `_FEATURE_PROBES` a template (text, path or shipped name) renders (a feature it refuses or drops is absent)."
+    template = load_template(template)
+    def shows(msgs, tools, marker):
+        try: return marker in render(tokenizer, msgs, tools, template=template, **(chat_template_kwargs or {}))
+        except Exception: return False
+    return frozenset(f for f, probe in _FEATURE_PROBES.items() if shows(*probe))
