@@ -262,32 +262,48 @@ class DataReport:
     n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
     eot_only_rows: list[int] = field(default_factory=list)  # row indices behind eot_only_turns (first 1000), when the tokenizer gives them
     sources: list[dict] = field(default_factory=list)  # per train source after mixing (`mix_counts`): rows, rows used and cut, examples per epoch
+    lost: dict[str, int] = field(default_factory=dict)  # 'reasoning' | 'tool_calls' → trained turns whose field the template does not render
+    lost_rows: list[int] = field(default_factory=list)  # row indices behind `lost` (first 1000)
+    keeps: dict[str, list[str]] = field(default_factory=dict)  # kind in `lost` → shipped templates that render it (sft_nb.tokenize fills it)
     def drop(self, index: int, kind: str, msg: str):
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
+    def lose(self, index: int, kind: str):
+        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens."
+        self.lost[kind] = self.lost.get(kind, 0) + 1
+        if len(self.lost_rows) < 1000 and index not in self.lost_rows[-1:]: self.lost_rows.append(index)
     @property
     def n_dropped(self): return sum(self.dropped.values())
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_tokens': self.n_tokens,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
                 'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows),
-                'sources': [dict(s) for s in self.sources]}
+                'sources': [dict(s) for s in self.sources], 'lost': dict(self.lost), 'lost_rows': list(self.lost_rows),
+                'keeps': dict(self.keeps)}
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_tokens + o.n_tokens, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
                           self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000],
-                          self.sources + o.sources)
+                          self.sources + o.sources, {k: self.lost.get(k, 0) + o.lost.get(k, 0) for k in {**self.lost, **o.lost}},
+                          (self.lost_rows + o.lost_rows)[:1000], {**self.keeps, **o.keeps})
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
         warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
                 "drops their content, e.g. tool calls; see lint_template)" + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')
                 ) if self.eot_only_turns else ''
+        warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         mix = ('; per epoch: ' + ', '.join(f"{s['source']}: {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
                                           + (f" ({s['n_cut']} cut)" if s['n_cut'] else '') for s in self.sources)) if len(self.sources) > 1 else ''
         return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_tokens:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
+    def _lost_line(self, kind: str) -> str:
+        field = 'reasoning_content' if kind == 'reasoning' else kind
+        fix = f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}" if self.keeps.get(kind) else ''
+        return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
+                f"the tokens ({_first(self.lost_rows)}){fix}")
+
 
 # %% ../nbs/01_data.ipynb #a1d0e01a
 @patch

@@ -12,7 +12,7 @@ import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
 from .data import BAD_ROW_KEY, BadRow, DataReport, detect_format, iter_json_rows, load_source, row_dict
-from .templates import load_template
+from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .collate import collate_packed
 from .dataplan import DataPlan
@@ -150,6 +150,8 @@ def count(self: StreamPlan, s: int, n_rows: int, good: list, bad: list):
     rep.n_kept += len({i for i, _ in good}); rep.n_examples += len(good); rep.n_tokens += sum(lens)
     rep.n_trained += sum(e.n_trained for _, e in good); rep.max_length = max([rep.max_length, *lens])
     rep.eot_only_turns += sum(e.eot_only_turns for _, e in good)
+    for i, e in good:
+        for _, kind in e.lost: rep.lose(i, kind); rep.keeps[kind] = templates_with(kind)
 
 @patch
 def report(self: StreamPlan) -> DataReport:

@@ -75,3 +75,15 @@ def test_failed_setup_leaves_a_report(tiny_path, tmp_path):
         t.setup()
     assert t.data_report is not None and t.data_report.n_rows == 1 and t.data_report.n_kept == 0
     assert t.data_report.bad_rows[0][:2] == (0, 'bad_format') and "['citation']" in t.data_report.bad_rows[0][2]
+
+
+def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
+    "The tiny ChatML has no place for reasoning_content or tool_calls: the report says so and names the shipped template that keeps them."
+    _, rep = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
+    assert rep.lost == {'reasoning': 2, 'tool_calls': 1} and rep.lost_rows == [1]
+    assert "2 trained assistant turns carry reasoning_content the chat template does not render: it never reaches the tokens (row 1); " \
+           "a template that renders it: tokenize.chat_template: qwen3" in str(rep)
+    assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template: qwen2.5 | qwen3' in str(rep)
+    _, rep3 = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512, chat_template='qwen3'), cache_dir=str(tmp_path))
+    assert rep3.lost == {} and rep3.n_kept == 3 and 'WARNING' not in str(rep3)
+    assert rep3.n_trained > rep.n_trained  # the reasoning and the call are trained now
