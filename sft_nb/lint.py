@@ -112,7 +112,8 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeSpec.history)
                  ) -> pd.DataFrame:
     "One row per check in `CHECKS`: status ('pass' | 'fail' | 'n/a'), the offending sample and an example."
-    template, kw = load_template(template), chat_template_kwargs or {}
+    template, kw = load_template(template), dict(chat_template_kwargs or {})
+    kw_tools = kw.pop('tools', None)  # tools given as a template variable: those of samples without their own (as sft_nb.tokenize renders)
     convs, unread = _conversations(sample_conversations)
     found, na, probe, notes = {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap
     def fail(check, i, example): found.setdefault(check, (i, example))
@@ -136,7 +137,7 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
     bos, specials, n_refused = tokenizer.bos_token_id, set(tokenizer.all_special_ids), 0
     if bos is None: na['bos_doubled'] = 'the tokenizer has no BOS token'
     for i, c in convs.items():
-        msgs, tools = c['messages'], c['tools']
+        msgs, tools = c['messages'], c['tools'] or kw_tools
         r = lambda m, gen=False: render(tokenizer, m, tools, template=template, add_generation_prompt=gen, **kw)
         try: full = r(msgs)
         except Exception as e:

@@ -71,8 +71,9 @@ class TemplateRenderer:
     `render_jinja_template` and also returns the `{% generation %}` character spans."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
         from transformers.utils.chat_template_utils import _plain_template_data
-        self.tokenizer, self.template = tokenizer, template
-        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
+        kw = dict(chat_template_kwargs or {})
+        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
+        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **kw})
         self._text, self._compiled = {}, {}
     def text(self, tools=None) -> str:
         "The template text used for a conversation with (or without) tools."
@@ -81,6 +82,7 @@ class TemplateRenderer:
         return self._text[key]
     def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
         from transformers.utils import chat_template_utils as ctu
+        tools = tools if tools is not None else self.tools
         if tags:
             out, idx = ctu.render_jinja_template([ctu._normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
                                                  return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
@@ -263,6 +265,6 @@ def template_features(tokenizer, template: str | None = None, chat_template_kwar
     "What of `_FEATURE_PROBES` a template (text, path or shipped name) renders (a feature it refuses or drops is absent)."
     template = load_template(template)
     def shows(msgs, tools, marker):
-        try: return marker in render(tokenizer, msgs, tools, template=template, **(chat_template_kwargs or {}))
+        try: return marker in render(tokenizer, msgs, tools, template=template, **{k: v for k, v in (chat_template_kwargs or {}).items() if k != 'tools'})
         except Exception: return False
     return frozenset(f for f, probe in _FEATURE_PROBES.items() if shows(*probe))
