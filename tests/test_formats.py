@@ -87,3 +87,20 @@ def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
     _, rep3 = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512, chat_template='qwen3'), cache_dir=str(tmp_path))
     assert rep3.lost == {} and rep3.n_kept == 3 and 'WARNING' not in str(rep3)
     assert rep3.n_trained > rep.n_trained  # the reasoning and the call are trained now
+
+
+def test_inspect_example_runs_all_on_unreadable_rows(tmp_path):
+    "examples/inspect.ipynb on a file whose only row cannot be read, with a shipped template by name: every cell runs; the lint reports the row."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('sft_nb_screenshot', Path(__file__).resolve().parents[1] / 'tools' / 'screenshot.py')
+    shot = importlib.util.module_from_spec(spec); spec.loader.exec_module(shot)
+    out = shot.execute_example(tmp_path / 'inspect.ipynb', data=str(FIX / 'unknown_part.jsonl'), template='qwen3', row=0, cache_dir=str(tmp_path / 'c'))
+    nb = json.loads(out.read_text())
+    outputs = [o for c in nb['cells'] if c['cell_type'] == 'code' for o in c['outputs']]
+    assert not [o for o in outputs if o['output_type'] == 'error']
+    texts = ''.join(''.join(o.get('text', '')) for o in outputs) + ''.join(''.join(o.get('data', {}).get('text/plain', '')) for o in outputs)
+    htmls = ''.join(''.join(o.get('data', {}).get('text/html', '')) for o in outputs)
+    assert 'not trained — bad_format: message 1: content parts of type' in htmls  # the inspector (HTML-escaped)
+    assert "bad_format: message 1: content parts of type ['citation'] are not read" in texts  # the printed row
+    assert '1 of 1 samples not read; first: sample 0' in htmls  # the lint's 'reads' check (pandas cuts long cells)
+    assert 'no row of' in texts and 'survived tokenization' in texts
