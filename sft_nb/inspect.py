@@ -407,9 +407,10 @@ def inspect_main(argv: list[str] | None = None,
     p.add_argument('--history', default=None, choices=HISTORY, help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
-    p.add_argument('--template', default=None, help='chat template (.jinja path) replacing the tokenizer\'s')
+    p.add_argument('--template', default=None, help="chat template replacing the tokenizer's: a shipped name (chatml, llama3, mistral, gemma, phi3, qwen2.5, qwen3) or a .jinja path")
     p.add_argument('--family', default=None, choices=sorted(FAMILY_SPECIALS), help="add this template family's special tokens")
-    p.add_argument('--max-length', type=int, default=None, help='cut the row after this many tokens')
+    p.add_argument('--max-length', type=int, default=None, help='longest row in tokens (tokenize.max_length)')
+    p.add_argument('--truncation', default=None, choices=('drop', 'keep_start'), help='a longer row: dropped (default, as training) or cut')
     p.add_argument('--chat-template-kwargs', default='{}', help='JSON object of extra template variables')
     p.add_argument('--format', default='auto', help='source format (auto-detected by default)')
     p.add_argument('--view', default='tokens', choices=('tokens', 'text'))
@@ -422,6 +423,7 @@ def inspect_main(argv: list[str] | None = None,
     scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
     a.model, a.mode, a.history = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.history or run.get('history') or 'expand'
     a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
+    a.truncation = a.truncation or run.get('truncation') or 'drop'
     if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
     a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
     if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
@@ -430,7 +432,8 @@ def inspect_main(argv: list[str] | None = None,
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
     spec = TokenizeSpec(mode=a.mode, max_length=a.max_length, template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
-                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls)
+                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
+                        truncation=a.truncation)
     exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'
     if not exs:

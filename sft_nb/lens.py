@@ -302,5 +302,5 @@ def run_scorer(run_dir) -> tuple[RunScorer, dict]:
     "`sft-nb inspect --run`: the run's scorer and the settings its rows were tokenized with (its tokenizer first)."
     s = RunScorer(run_dir)
     t = s.cfg.tokenize
-    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'history': t.history,
+    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'truncation': t.truncation, 'history': t.history,
                'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning, 'train_on_tool_calls': t.train_on_tool_calls}
