@@ -16,7 +16,7 @@ __all__ = ['ALGO_VERSION', 'cache_root', 'cache_key', 'file_fingerprint', 'verif
            'load_entry', 'commit_entry']
 
 # %% ../nbs/02b_cache.ipynb #7c06f737
-ALGO_VERSION = 7  # bump when stored examples change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam; 7: the per-row self-check)
+ALGO_VERSION = 8  # bump when stored examples or reports change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam; 7: the per-row self-check; 8: reports count lost reasoning/tool calls)
 
 def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else sft_nb_home() / 'tokenized'  # '~/cache' is the home folder's

@@ -13,10 +13,11 @@ from fastcore.basics import patch
 from .config import SourceConfig, DataConfig
 
 # %% auto #0
-__all__ = ['ROLES', 'SHAREGPT_ROLES', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
-           'normalize_tools', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
-           'file_digest', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path', 'source_name', 'load_source',
-           'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts', 'mix_indices']
+__all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
+           'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts', 'normalize_message',
+           'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest', 'json_line', 'bad_row_marker',
+           'iter_json_rows', 'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns',
+           'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -28,17 +29,6 @@ class BadRow(ValueError):
 ROLES = ('system', 'user', 'assistant', 'tool')
 SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
                   'function_call': 'assistant', 'observation': 'tool', 'tool': 'tool', 'function': 'tool'}
-
-def _text(content, where: str) -> str:
-    "Message content as a string: None → '', a list of text parts → their concatenation."
-    if content is None: return ''
-    if isinstance(content, str): return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        if any(p.get('type', 'text') != 'text' for p in content):
-            kinds = sorted({p.get('type') for p in content} - {'text'})
-            raise BadRow(f"{where}: content parts of type {kinds} are not text (use a vision-language model/processor)")
-        return ''.join(str(p.get('text', '')) for p in content)
-    raise BadRow(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 def _json(value, where: str):
     if isinstance(value, str):
@@ -62,7 +52,7 @@ def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
         if args is None: args = {}
         if not isinstance(args, dict): raise BadRow(f"{where}[{i}].arguments: expected an object, got {type(args).__name__}")
         call = {'type': 'function', 'function': {'name': fn['name'], 'arguments': args}}
-        if c.get('id') is not None: call['id'] = c['id']
+        if c.get('id', c.get('call_id')) is not None: call['id'] = c.get('id', c.get('call_id'))  # responses API: call_id
         out.append(call)
     return out
 
@@ -80,6 +70,50 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
         if not isinstance(fn.get('name'), str): raise BadRow(f"{where}[{i}]: tool schema without a name")
         out.append({'type': 'function', 'function': fn})
     return out
+
+# %% ../nbs/01_data.ipynb #e30a0001
+PART_TYPES = {'text': 'text', 'input_text': 'text', 'output_text': 'text',  # part type → what it becomes in the message
+              'reasoning': 'reasoning', 'thinking': 'reasoning', 'reasoning_text': 'reasoning',
+              'tool_call': 'tool_call', 'tool_calls': 'tool_call', 'function_call': 'tool_call',
+              'tool_result': 'text', 'function_call_output': 'text'}
+IMAGE_PARTS = ('image', 'image_url', 'input_image', 'video', 'audio')
+PART_FORMATS = ("LLaMA-Factory v1 {'type': 'text'|'reasoning'|'tool_call', 'value': ...}; OpenAI {'type': 'text', 'text': ...}; "
+                "OpenAI responses 'input_text'|'output_text'|'reasoning' (text or summary)|'function_call'|'function_call_output'; "
+                "'thinking'|'tool_result' blocks")
+
+def _part_text(p: dict, where: str) -> str:
+    "The text of one part: under 'text', 'value', 'thinking', 'output' or 'content', or a responses-style 'summary' list."
+    for k in ('text', 'value', 'thinking', 'output', 'content'):
+        if k in p: return _text(p[k], where)
+    if isinstance(p.get('summary'), list): return '\n'.join(s.get('text', '') if isinstance(s, dict) else str(s) for s in p['summary'])
+    raise BadRow(f"{where}: a {p.get('type', 'text')!r} part without text (keys {sorted(p)}; expected 'text' or 'value')")
+
+def content_parts(content, where: str) -> dict:
+    "Message content → `{'text', 'reasoning', 'tool_calls'}`: a string, or a list of parts in any of `PART_FORMATS`."
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content): return {'text': _text(content, where)}
+    kinds = [p.get('type', 'text') for p in content]
+    if unknown := sorted({str(k) for k in kinds if k not in PART_TYPES}):
+        hint = ("image/audio parts need a vision-language model/processor" if set(unknown) <= set(IMAGE_PARTS) else
+                "put tool schemas in the row's 'tools' column" if unknown == ['tools'] else f"known formats: {PART_FORMATS}")
+        raise BadRow(f"{where}: content parts of type {unknown} are not read ({hint})")
+    out = {'text': [], 'reasoning': [], 'tool_calls': []}
+    for j, (p, k) in enumerate(zip(content, kinds)):
+        if PART_TYPES[k] == 'tool_call':
+            call = p.get('value', p.get('function', {k2: v for k2, v in p.items() if k2 in ('name', 'arguments', 'id', 'call_id')}))
+            out['tool_calls'] += normalize_tool_calls(call, f"{where}.content[{j}]") or []
+        else: out[PART_TYPES[k]].append(_part_text(p, f"{where}.content[{j}]"))
+    return {'text': ''.join(out['text']), 'reasoning': '\n'.join(out['reasoning']), 'tool_calls': out['tool_calls']}
+
+def _text(content, where: str) -> str:
+    "Content that must be text as a string: None → '', a list of text parts → their concatenation."
+    if content is None: return ''
+    if isinstance(content, str): return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts = content_parts(content, where)
+        if parts['reasoning'] or parts['tool_calls']: raise BadRow(f"{where}: reasoning or tool-call parts where only text is read")
+        return parts['text']
+    raise BadRow(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
 
 # %% ../nbs/01_data.ipynb #a1d0e017
 NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: null` and no tool calls becomes
@@ -103,12 +137,17 @@ def normalize_message(m, i: int,
     role = m.get('role')
     if role is None: raise BadRow(f"{where}: missing 'role'")
     if role not in ROLES: raise BadRow(f"{where}: unknown role {role!r} (allowed: {', '.join(ROLES)})")
-    out = {'role': role, 'content': _text(m.get('content'), where)}
+    parts = content_parts(m.get('content'), where)
+    out = {'role': role, 'content': parts['text']}
     tc = m.get('tool_calls')
-    if not (tc in (None, []) or (isinstance(tc, str) and tc.strip() in ('', '[]', 'null'))):  # placeholders (APIGen-MT's "[]") are no calls
+    calls = [] if tc in (None, []) or (isinstance(tc, str) and tc.strip() in ('', '[]', 'null')) else \
+            normalize_tool_calls(tc, f"{where}.tool_calls") or []  # placeholders (APIGen-MT's "[]") are no calls
+    if calls := calls + parts.get('tool_calls', []):
         if role != 'assistant': raise BadRow(f"{where}: tool_calls on a {role!r} message")
-        out['tool_calls'] = normalize_tool_calls(m['tool_calls'], f"{where}.tool_calls")
-    if m.get('reasoning_content'): out['reasoning_content'] = _text(m['reasoning_content'], f"{where}.reasoning_content")
+        out['tool_calls'] = calls
+    key = 'reasoning_content' if m.get('reasoning_content') else 'reasoning'  # 'reasoning': OpenRouter's and vLLM's name for it
+    reasoning = '\n'.join(r for r in (_text(m.get(key), f"{where}.{key}") if m.get(key) else '', parts.get('reasoning', '')) if r)
+    if reasoning: out['reasoning_content'] = reasoning
     if role == 'assistant' and m.get('content') is None and not out.get('tool_calls') and not out.get('reasoning_content') \
             and null_content != 'empty':
         raise BadRow(f"{where}: assistant content is null (no text, no tool calls); set data.null_content='empty' "
@@ -224,16 +263,24 @@ class DataReport:
     n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
     eot_only_rows: list[int] = field(default_factory=list)  # row indices behind eot_only_turns (first 1000), when the tokenizer gives them
     sources: list[dict] = field(default_factory=list)  # per train source after mixing (`mix_counts`): rows, rows used and cut, examples per epoch
+    lost: dict[str, int] = field(default_factory=dict)  # 'reasoning' | 'tool_calls' → trained turns whose field the template does not render
+    lost_rows: list[int] = field(default_factory=list)  # row indices behind `lost` (first 1000)
+    keeps: dict[str, list[str]] = field(default_factory=dict)  # kind in `lost` → shipped templates that render it (sft_nb.tokenize fills it)
     def drop(self, index: int, kind: str, msg: str):
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
+    def lose(self, index: int, kind: str):
+        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens."
+        self.lost[kind] = self.lost.get(kind, 0) + 1
+        if len(self.lost_rows) < 1000 and index not in self.lost_rows[-1:]: self.lost_rows.append(index)
     @property
     def n_dropped(self): return sum(self.dropped.values())
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_real': self.n_real,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
                 'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows),
-                'sources': [dict(s) for s in self.sources]}
+                'sources': [dict(s) for s in self.sources], 'lost': dict(self.lost), 'lost_rows': list(self.lost_rows),
+                'keeps': dict(self.keeps)}
     @classmethod
     def from_dict(cls, d, where: str) -> 'DataReport': # where: the file `d` was read from, for the message
         "The report `to_dict` wrote; a field of another type is a `ValueError` naming `where` and the field."
@@ -252,17 +299,25 @@ class DataReport:
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_real + o.n_real, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
                           self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000],
-                          self.sources + o.sources)
+                          self.sources + o.sources, {k: self.lost.get(k, 0) + o.lost.get(k, 0) for k in {**self.lost, **o.lost}},
+                          (self.lost_rows + o.lost_rows)[:1000], {**self.keeps, **o.keeps})
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
         warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
                 "drops their content, e.g. tool calls; see lint_template)" + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')
                 ) if self.eot_only_turns else ''
+        warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         mix = ('; per epoch: ' + ', '.join(f"{s['source']}: {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
                                           + (f" ({s['n_cut']} cut)" if s['n_cut'] else '') for s in self.sources)) if len(self.sources) > 1 else ''
         return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
+    def _lost_line(self, kind: str) -> str:
+        field = 'reasoning_content' if kind == 'reasoning' else kind
+        fix = f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}" if self.keeps.get(kind) else ''
+        return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
+                f"the tokens ({_first(self.lost_rows)}){fix}")
+
 
 # %% ../nbs/01_data.ipynb #a1d0e01a
 @patch
@@ -570,8 +625,9 @@ def mix_indices(sizes: list[int], # rows (examples) per source
     if len(weights) != len(sizes) or not all(math.isfinite(w) and w > 0 for w in weights):
         raise ValueError(f"weights: expected {len(sizes)} finite numbers > 0, got {weights}")
     live = [s for s, n in enumerate(sizes) if n > 0]
-    if len(live) < len(sizes): warnings.warn(f"mix: {', '.join(names[s] for s in range(len(sizes)) if s not in live)} "
-                                             "has no rows; mixing the others", stacklevel=2)
+    if live and len(live) < len(sizes):  # say what is mixed: the others, or the one source left
+        rest = 'mixing the others' if len(live) > 1 else f"training on {names[live[0]]} alone"
+        warnings.warn(f"mix: {', '.join(names[s] for s in range(len(sizes)) if s not in live)} has no rows; {rest}", stacklevel=2)
     if len(live) <= 1: return [(s, i) for s in live for i in range(sizes[s])]
     n, p = np.asarray([sizes[s] for s in live]), np.asarray([weights[s] for s in live], float)
     draws = _mix_draws(n, p / p.sum(), seed, stop)

@@ -41,7 +41,8 @@ def lengths_fig(lengths: pd.DataFrame, # from `row_lengths`
     "Histogram of tokens and trained tokens per row, dropped-for-length rows, and the `max_length` cut."
     import plotly.graph_objects as go
     kept, gone = lengths[lengths.kept], lengths[~lengths.kept & lengths.tokens.notna()]
-    top = int(max([lengths.tokens.max(skipna=True) or 1, max_length or 1]))
+    longest = lengths.tokens.max(skipna=True)  # NA when no row is kept and none was dropped for length
+    top = int(max(1 if pd.isna(longest) else longest, max_length or 1))
     size = max(1, -(-top // nbins))
     bins = dict(start=0, end=size * (nbins + 1), size=size)
     fig = go.Figure()

@@ -4,9 +4,10 @@
 
 # %% ../nbs/03_inspect.ipynb #01331bfa
 from __future__ import annotations
-import argparse, html, json, os, sys
+import argparse, dataclasses, html, json, os, sys
 from pathlib import Path
 from typing import NamedTuple
+from .config import TokenizeConfig
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .config import TokenizeConfig
@@ -255,8 +256,7 @@ def inspect_examples(rows, # a loaded source (datasets.Dataset)
                      fmt: str | None = None, # format; None = detect from the columns
                      base_dir: str | Path | None = None, # folder of relative image paths (processor only)
                     ) -> tuple[list[Example], str]:
-    "Row `index` tokenized as the pipeline would: `([Example, ...], '')` (several when `history='expand'` splits it), or `([], reason)`."
-    spec = TokenizeConfig(**{**spec.__dict__, 'truncation': 'keep_start'})
+    "Row `index` tokenized as training does, truncation included: `([Example, ...], '')` (several when `history='expand'` splits it), or `([], reason)`."
     if _is_processor(tokenizer):  # the trainer's vision path: processor-exact ids, image placeholders never trained
         from sft_nb.vision import tokenize_vision_rows
         good, bad = tokenize_vision_rows([row_dict(rows[int(index)])], tokenizer, spec, base_dir, [int(index)])
@@ -282,35 +282,29 @@ class Inspector:
     "Token/mask inspector: every token of a row as a chip coloured by trained/masked and by role."
     def __init__(self, source, # path, list of dicts, DataFrame, Dataset, or {name: any of these}
                  tokenizer, # fast HF tokenizer (with the template's special tokens)
-                 *, mode: str = 'all_assistant', # masking mode, one of MODES
-                 template: str | None = None, # template text or path replacing the tokenizer's
-                 chat_template_kwargs: dict | None = None, # extra template variables
-                 history: str = 'expand', # all_assistant on a history-rewriting template: expand | final | error
-                 train_on_reasoning: bool = True, # train <think>…</think> blocks of trained turns
-                 train_on_tool_calls: bool = True, # train the tool calls of trained turns
-                 max_length: int | None = None, # cut rows beyond this many tokens (flagged as truncated)
-                 row: int = 0, # first row shown
-                 format: str = 'auto', # source format; 'auto' detects it
+                 config: TokenizeConfig | None = None, # the tokenize settings training uses (mode, max_length, truncation, template, kwargs, ...)
+                 *, row: int = 0, # first row shown
                  view: str = 'tokens', # 'tokens' | 'text'
                  trainer=None, # loss mode: anything with `token_losses(examples, k=...)` (an `SFTTrainer`, a `sft_nb.lens.RunScorer`)
                  k: int = 3, # loss mode: alternatives shown per token
                 ):
         import ipywidgets as W
-        self.tokenizer, self.template, self.format, self._loaded = tokenizer, load_template(template), format, {}
+        c = self.base = config if config is not None else TokenizeConfig()  # the controls start from it; `spec` is it with their values
+        self.tokenizer, self.template, self.format, self._loaded = tokenizer, load_template(c.chat_template), c.format, {}
         self.sources = _named_sources(source)
         self.base_dirs = {name: _base_dir(src) for name, src in self.sources.items()}
         self.source = W.Dropdown(options=list(self.sources), description='source')
         self.row = W.IntSlider(value=0, min=0, max=0, description='row', continuous_update=False)
         self.row_box = W.BoundedIntText(value=0, min=0, max=0, layout=W.Layout(width='90px'))
         W.link((self.row, 'value'), (self.row_box, 'value')); W.link((self.row, 'max'), (self.row_box, 'max'))
-        self.mode = W.Dropdown(options=MODES, value=mode, description='mode')
+        self.mode = W.Dropdown(options=MODES, value=c.mode, description='mode')
         # a browser cuts a long description at the default 90px ('template …'): size the label to its text
-        self.kwargs = W.Text(value=json.dumps(chat_template_kwargs or {}), description='template kwargs',
+        self.kwargs = W.Text(value=json.dumps(c.chat_template_kwargs or {}), description='template kwargs',
                              style={'description_width': 'initial'}, layout=W.Layout(width='420px'))
-        self.history = W.Dropdown(options=HISTORY, value=history, description='history')
-        self.reasoning = W.Checkbox(value=train_on_reasoning, description='train reasoning', indent=False)
-        self.tool_calls = W.Checkbox(value=train_on_tool_calls, description='train tool calls', indent=False)
-        self.max_length = W.IntText(value=max_length or 0, description='max_length', layout=W.Layout(width='180px'))
+        self.history = W.Dropdown(options=HISTORY, value=c.history, description='history')
+        self.reasoning = W.Checkbox(value=c.train_on_reasoning, description='train reasoning', indent=False)
+        self.tool_calls = W.Checkbox(value=c.train_on_tool_calls, description='train tool calls', indent=False)
+        self.max_length = W.IntText(value=c.max_length or 0, description='max_length', layout=W.Layout(width='180px'))
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
         self.scorer, self.k, self.losses, self.first_losses = trainer, k, [], {}
@@ -337,11 +331,12 @@ def _load(self: Inspector):
 
 @patch(as_prop=True)
 def spec(self: Inspector) -> TokenizeConfig:
-    "The current controls as a `TokenizeConfig` (raises on template kwargs that are not a JSON object)."
+    "The inspector's `TokenizeConfig` with the controls' values (raises on template kwargs that are not a JSON object)."
     kw = json.loads(self.kwargs.value or '{}')
     if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
-    return TokenizeConfig(mode=self.mode.value, max_length=self.max_length.value or None, chat_template=self.template, chat_template_kwargs=kw,
-                        history=self.history.value, train_on_reasoning=self.reasoning.value, train_on_tool_calls=self.tool_calls.value)
+    return dataclasses.replace(self.base, mode=self.mode.value, max_length=self.max_length.value or None, chat_template=self.template,
+                               chat_template_kwargs=kw, history=self.history.value, train_on_reasoning=self.reasoning.value,
+                               train_on_tool_calls=self.tool_calls.value)
 
 # %% ../nbs/03_inspect.ipynb #1acabf46
 @patch
@@ -413,9 +408,10 @@ def inspect_main(argv: list[str] | None = None,
     p.add_argument('--history', default=None, choices=HISTORY, help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
-    p.add_argument('--template', default=None, help='chat template (.jinja path) replacing the tokenizer\'s')
+    p.add_argument('--template', default=None, help="chat template replacing the tokenizer's: a shipped name (chatml, llama3, mistral, gemma, phi3, qwen2.5, qwen3) or a .jinja path")
     p.add_argument('--family', default=None, choices=sorted(FAMILY_SPECIALS), help="add this template family's special tokens")
-    p.add_argument('--max-length', type=int, default=None, help='cut the row after this many tokens')
+    p.add_argument('--max-length', type=int, default=None, help='longest row in tokens (tokenize.max_length)')
+    p.add_argument('--truncation', default=None, choices=('drop', 'keep_start'), help='a longer row: dropped (default, as training) or cut')
     p.add_argument('--chat-template-kwargs', default='{}', help='JSON object of extra template variables')
     p.add_argument('--format', default='auto', help='source format (auto-detected by default)')
     p.add_argument('--view', default='tokens', choices=('tokens', 'text'))
@@ -428,6 +424,7 @@ def inspect_main(argv: list[str] | None = None,
     scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
     a.model, a.mode, a.history = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.history or run.get('history') or 'expand'
     a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
+    a.truncation = a.truncation or run.get('truncation') or 'drop'
     if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
     a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
     if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
@@ -436,7 +433,8 @@ def inspect_main(argv: list[str] | None = None,
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
     spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
-                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls)
+                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
+                        truncation=a.truncation)
     exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'
     if not exs:

@@ -189,12 +189,9 @@ def lens_sources(trainer, split: str = 'train') -> dict:
     return {split: evals[split]}
 
 def inspector_for(trainer, split: str = 'train', **kw):
-    "An `Inspector` in loss mode on the raw rows of `split`, with the trainer's tokenize settings (`kw` override them)."
+    "An `Inspector` in loss mode on the raw rows of `split`, with the trainer's tokenize config (`kw`: row, view, trainer, k)."
     from sft_nb.inspect import Inspector
-    t = trainer.cfg.tokenize
-    opts = dict(mode=t.mode, template=t.chat_template, chat_template_kwargs=t.chat_template_kwargs, history=t.history,
-                train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls, max_length=t.max_length, trainer=trainer)
-    return Inspector(lens_sources(trainer, split), trainer.tokenizer, **(opts | kw))
+    return Inspector(lens_sources(trainer, split), trainer.tokenizer, trainer.cfg.tokenize, **({'trainer': trainer} | kw))
 
 # %% ../nbs/08c_lens.ipynb #11b04004
 class RankedRows:
@@ -303,5 +300,5 @@ def run_scorer(run_dir) -> tuple[RunScorer, dict]:
     "`sft-nb inspect --run`: the run's scorer and the settings its rows were tokenized with (its tokenizer first)."
     s = RunScorer(run_dir)
     t = s.cfg.tokenize
-    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'history': t.history,
+    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'truncation': t.truncation, 'history': t.history,
                'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning, 'train_on_tool_calls': t.train_on_tool_calls}

@@ -7,17 +7,19 @@ from __future__ import annotations
 from contextlib import contextmanager
 from datetime import datetime
 import pandas as pd
-from .data import BadRow, detect_format, normalize_row
-from .templates import TemplateError, load_template, probe_template, render
+from .data import BAD_ROW_KEY, BadRow, detect_format, normalize_row
+from .templates import TemplateError, load_template, probe_template, render, template_features, templates_with
 from .tokenize import tokenize_turns
 
 # %% auto #0
-__all__ = ['CHECKS', 'STRATEGY', 'lint_template', 'failed']
+__all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'data_features', 'unrendered', 'lint_template', 'failed']
 
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
     'mechanism': 'how assistant spans are found: the template\'s generation tags, prefix rendering, or prefix rendering of a history-rewriting template (see sft_nb.templates.MECHANISMS)',
+    'reads': 'every sample is a conversation sft_nb.data reads (a row it cannot read is reported, the others are linted)',
     'renders': 'every sample renders (templates may refuse tool turns, a system message or non-alternating roles)',
+    'unrendered': 'what the samples carry reaches the render: a system turn, tool schemas, tool_calls, tool results, reasoning_content (a template with no place for one drops it silently)',
     'rewrites_history': 'adding later turns must not change the text of earlier ones (Qwen3 drops earlier reasoning)',
     'default_system_prompt': 'no system prompt appears that no message asked for (Qwen2.5, SmolLM2 inject one)',
     'date_dependent': 'the text must not depend on the date or time it is rendered (Llama 3.2 inserts today\'s date)',
@@ -39,8 +41,17 @@ def _conversation(sample, i: int) -> dict:
     "A sample (a message list, or a row in any supported format) → `{'messages', 'tools'}`."
     row = {'messages': sample} if isinstance(sample, list) else sample
     if not isinstance(row, dict): raise BadRow(f'sample {i}: expected a list of messages or a row dict', index=i)
+    if BAD_ROW_KEY in row: raise BadRow(f"sample {i}: {row[BAD_ROW_KEY]['reason']}", index=i)  # a line the reader could not read
     try: return normalize_row(row, detect_format(row.keys()))
     except BadRow as e: raise BadRow(f'sample {i}: {e.reason}', index=i) from None
+
+def _conversations(samples: list) -> tuple[dict, list]:
+    "({sample index: conversation} of the readable samples, [(index, why)] of the others)."
+    convs, unread = {}, []
+    for i, s in enumerate(samples):
+        try: convs[i] = _conversation(s, i)
+        except BadRow as e: unread.append((i, e.reason))
+    return convs, unread
 
 # %% ../nbs/03a_lint.ipynb #6e96fec9
 @contextmanager
@@ -73,6 +84,26 @@ def _injected_system(tokenizer, template, kw) -> str | None:
     if x.startswith(pre) and x.endswith(between) and len(x) > len(pre) + len(between): return x[len(pre):len(x) - len(between)]
     return ''
 
+# %% ../nbs/03a_lint.ipynb #e30c0002
+FEATURE_NAMES = {'system': 'a system turn', 'tools': 'tool schemas', 'tool_calls': 'tool_calls', 'tool': 'tool results',
+                 'reasoning': 'reasoning_content'}
+
+def data_features(conv: dict) -> set[str]:
+    "What of `FEATURE_NAMES` one conversation carries."
+    ms = conv['messages']
+    return ({'tools'} if conv.get('tools') else set()) | {f for m in ms for f, has in (('system', m['role'] == 'system'),
+            ('tool', m['role'] == 'tool'), ('tool_calls', bool(m.get('tool_calls'))), ('reasoning', bool(m.get('reasoning_content')))) if has}
+
+def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
+    "(first sample, what it carries that the template does not render, and the shipped templates that do), or None."
+    have, missing = template_features(tokenizer, template, kw), {}
+    for i, c in convs.items():
+        for f in sorted(data_features(c) - have): missing.setdefault(f, i)
+    if not missing: return None
+    fix = lambda f: ' | '.join(templates_with(f)) or 'none shipped'
+    return min(missing.values()), '; '.join(f"{FEATURE_NAMES[f]} (sample {i}): not rendered, never reaches the tokens; "
+                                            f"templates that render it: tokenize.chat_template: {fix(f)}" for f, i in missing.items())
+
 # %% ../nbs/03a_lint.ipynb #3a355e82
 def lint_template(tokenizer, # fast HF tokenizer (with the template's special tokens)
                   sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
@@ -81,17 +112,20 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
                  ) -> pd.DataFrame:
     "One row per check in `CHECKS`: status ('pass' | 'fail' | 'n/a'), the offending sample and an example."
-    template, kw = load_template(template), chat_template_kwargs or {}
-    convs = [_conversation(s, i) for i, s in enumerate(sample_conversations)]
+    template, kw = load_template(template), dict(chat_template_kwargs or {})
+    kw_tools = kw.pop('tools', None)  # tools given as a template variable: those of samples without their own (as sft_nb.tokenize renders)
+    convs, unread = _conversations(sample_conversations)
     found, na, probe, notes = {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap
     def fail(check, i, example): found.setdefault(check, (i, example))
+    if unread: fail('reads', unread[0][0], f"{len(unread)} of {len(sample_conversations)} samples not read; first: {unread[0][1]}")
+    if (u := unrendered(tokenizer, convs, template, kw)): fail('unrendered', *u)
     try: info = probe_template(tokenizer, template, kw)
     except TemplateError as e: info = None; probe['renders'] = (None, f'probe conversation: {e}')
     if info is None: na['mechanism'] = 'the probe conversation does not render: no mechanism'
     injected = _injected_system(tokenizer, template, kw)
     if injected is None: na['default_system_prompt'] = 'the template refuses a system message'
     elif injected:
-        fail('default_system_prompt', next((i for i, c in enumerate(convs) if c['messages'][0]['role'] != 'system'), None), injected)
+        fail('default_system_prompt', next((i for i, c in convs.items() if c['messages'][0]['role'] != 'system'), None), injected)
     if info is not None:
         notes['mechanism'] = f'{info.mechanism}: {info.why}'
         if info.rewrites_history: probe['rewrites_history'] = (None, 'probe: an earlier turn changes when a turn is added')
@@ -102,8 +136,8 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
         if info.after_eot: fail('text_after_eot', None, f'{info.eot!r} is followed by {info.after_eot!r}' if info.eot else f'assistant turns end with {info.after_eot!r}, no end-of-turn token')
     bos, specials, n_refused = tokenizer.bos_token_id, set(tokenizer.all_special_ids), 0
     if bos is None: na['bos_doubled'] = 'the tokenizer has no BOS token'
-    for i, c in enumerate(convs):
-        msgs, tools = c['messages'], c['tools']
+    for i, c in convs.items():
+        msgs, tools = c['messages'], c['tools'] or kw_tools
         r = lambda m, gen=False: render(tokenizer, m, tools, template=template, add_generation_prompt=gen, **kw)
         try: full = r(msgs)
         except Exception as e:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib.util, os, random
 from pathlib import Path
 from .paths import sft_nb_home, atomic_build
-from .templates import FAMILY_SPECIALS, add_family_specials, load_template
+from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials, load_template
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
@@ -164,12 +164,13 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
                    template: str | None = None, # template text or .jinja path replacing the tokenizer's
                    family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`)
                   ):
-    "(tokenizer, template text): a template file named after a family (`qwen2.5-instruct.jinja`) brings its special tokens. A vision-language model gives its processor."
+    "(tokenizer, template text): a template file named after a family (`qwen2.5-instruct.jinja`) or a shipped template's name (`qwen3`) brings its special tokens. A vision-language model gives its processor."
     from transformers import AutoTokenizer
     path = resolve_model_path(model)
     if is_vlm(path): return load_processor(path), load_template(template)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
+    if family is None and template in CHAT_TEMPLATES: family = CHAT_TEMPLATES[template][0]  # a shipped template's name
     if family: add_family_specials(tokenizer, family)
     return tokenizer, load_template(template)
 

@@ -11,7 +11,7 @@ import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
 from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
-from .templates import load_template
+from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .collate import collate_packed
 from .dataplan import DataPlan
@@ -190,6 +190,8 @@ def count(self: StreamPlan, s: int, n_rows: int, good: list, bad: list):
     rep.n_kept += len({i for i, _ in good}); rep.n_examples += len(good); rep.n_real += sum(lens)
     rep.n_trained += sum(e.n_trained for _, e in good); rep.max_length = max([rep.max_length, *lens])
     rep.eot_only_turns += sum(e.eot_only_turns for _, e in good)
+    for i, e in good:
+        for _, kind in e.lost: rep.lose(i, kind); rep.keeps[kind] = templates_with(kind)
 
 @patch
 def report(self: StreamPlan) -> DataReport:
@@ -211,10 +213,10 @@ def render(self: StreamPlan, rows: list) -> list[dict]:
         first = {k for k in at if rows[k][1] == 0}
         self.count(s, len(first), [(rows[k][2], e) for k, e in good if k in first], [(rows[k][2], kd, m) for k, kd, m in bad if k in first])
         done += [(k, s, e) for k, e in good]
+    self.data_report = self.report()  # before any refusal: the report says per row why
     for s, r in enumerate(self.reports):
         if self.passes[s] and not r.n_examples:
             raise ConfigError(f"data.train: no usable rows in one pass over {self.names[s]} ({r}); first bad rows: {r.bad_rows[:3]}")
-    self.data_report = self.report()
     return [example_row(s, rows[k][2], e) for k, s, e in sorted(done, key=lambda d: d[0])]
 
 # %% ../nbs/05b_stream.ipynb #5b6eb0dd

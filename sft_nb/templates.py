@@ -9,22 +9,43 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['MAX_TEMPLATE_VALUE', 'MECHANISMS', 'FAMILY_SPECIALS', 'TemplateError', 'load_template', 'render', 'chat_ids',
-           'has_generation_tags', 'TemplateRenderer', 'bounded_template', 'TemplateInfo', 'common_prefix',
-           'probe_template', 'template_key', 'template_info', 'collapse_template', 'add_family_specials']
+__all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MECHANISMS', 'FAMILY_SPECIALS', 'shipped_template', 'templates_with',
+           'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags', 'TemplateRenderer',
+           'bounded_template', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
+           'collapse_template', 'add_family_specials', 'template_features']
+
+# %% ../nbs/02a_templates.ipynb #e30b0002
+CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
+    'chatml': ('chatml', frozenset({'system'})),
+    'llama3': ('llama-3-instruct', frozenset({'system'})),
+    'mistral': ('mistral-instruct', frozenset({'system'})),
+    'gemma': ('gemma-it', frozenset({'system'})),
+    'phi3': ('phi-3', frozenset({'system'})),
+    'qwen2.5': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool'})),
+    'qwen3': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool', 'reasoning'})),
+}
+
+def shipped_template(name: str) -> str:
+    "The text of one of our tagged training templates (a key of `CHAT_TEMPLATES`)."
+    from importlib.resources import files
+    return (files('sft_nb') / 'chat_templates' / f'{name}.jinja').read_text()
+
+def templates_with(feature: str) -> list[str]:
+    "Shipped templates that render `feature`: 'system' | 'tools' | 'tool_calls' | 'tool' | 'reasoning'."
+    return [n for n, (_, fs) in CHAT_TEMPLATES.items() if feature in fs]
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
 class TemplateError(ValueError):
     "A chat template behaves in a way that would make masks wrong; the message names the behaviour."
 
 def load_template(template: str | None) -> str | None:
-    "Template text from inline Jinja or a file path (`~` expanded); a path-like value naming no file is an error, not template text."
-    if template is None: return None
+    "Template text from inline Jinja, a shipped template's name (`CHAT_TEMPLATES`) or a file path (`~` expanded); anything else is an error, not template text."
+    if template is None or '{' in template: return template
+    if template in CHAT_TEMPLATES: return shipped_template(template)
     p = Path(template).expanduser()
-    if '{' not in template and p.suffix in ('.jinja', '.j2', '.txt'):
-        if not p.is_file(): raise TemplateError(f"tokenize.chat_template: {template!r} names no file (a template path must exist; inline Jinja has {{% or {{{{)")
-        return p.read_text()
-    return template
+    if p.is_file(): return p.read_text()
+    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template "
+                        f"({', '.join(CHAT_TEMPLATES)}); a template path must exist, inline Jinja has {{% or {{{{")
 
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
     "The conversation as the template renders it (one string)."
@@ -50,8 +71,9 @@ class TemplateRenderer:
     `render_jinja_template` and also returns the `{% generation %}` character spans."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
         from transformers.utils.chat_template_utils import _plain_template_data
-        self.tokenizer, self.template = tokenizer, template
-        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **(chat_template_kwargs or {})})
+        kw = dict(chat_template_kwargs or {})
+        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
+        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **kw})
         self._text, self._compiled = {}, {}
     def text(self, tools=None) -> str:
         "The template text used for a conversation with (or without) tools."
@@ -60,6 +82,7 @@ class TemplateRenderer:
         return self._text[key]
     def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
         from transformers.utils import chat_template_utils as ctu
+        tools = tools if tools is not None else self.tools
         if tags:
             out, idx = ctu.render_jinja_template([ctu._normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
                                                  return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
@@ -275,3 +298,24 @@ def add_family_specials(tokenizer, family: str):
     named, extra = FAMILY_SPECIALS[family]
     tokenizer.add_special_tokens({**named, 'additional_special_tokens': extra})
     return tokenizer
+
+# %% ../nbs/02a_templates.ipynb #e30b0005
+_FEATURE_PROBES = {  # feature → (messages, tools, the marker that must reach the text)
+    'system': ([{'role': 'system', 'content': 'qzxSYS'}, {'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}], None, 'qzxSYS'),
+    'tools': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}],
+              [{'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}], 'qzxTOOL'),
+    'tool_calls': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
+                   {'type': 'function', 'function': {'name': 'qzxCALL', 'arguments': {'x': 1}}}]}], None, 'qzxCALL'),
+    'tool': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
+              {'type': 'function', 'function': {'name': 'f', 'arguments': {}}}]}, {'role': 'tool', 'content': 'qzxRES'},
+              {'role': 'assistant', 'content': 'a'}], None, 'qzxRES'),
+    'reasoning': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'qzxTHINK'}], None, 'qzxTHINK'),
+}
+
+def template_features(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> frozenset:
+    "What of `_FEATURE_PROBES` a template (text, path or shipped name) renders (a feature it refuses or drops is absent)."
+    template = load_template(template)
+    def shows(msgs, tools, marker):
+        try: return marker in render(tokenizer, msgs, tools, template=template, **{k: v for k, v in (chat_template_kwargs or {}).items() if k != 'tools'})
+        except Exception: return False
+    return frozenset(f for f, probe in _FEATURE_PROBES.items() if shows(*probe))

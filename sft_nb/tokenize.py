@@ -12,16 +12,16 @@ from .config import SourceConfig, TokenizeConfig
 from .data import source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
-from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template,
+from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with,
                               chat_ids, common_prefix)
 
 # %% auto #0
 __all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'turn_spans', 'trained_turns', 'message_segments',
            'render_turns', 'turn_parts', 'trained_parts', 'encode_texts', 'token_ranges', 'mask_from_ranges',
-           'finish_tokens', 'check_turns', 'tokenize_conversation', 'expand_turns', 'tokenize_turns', 'tokenize_rows',
-           'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch', 'SourceFallback',
-           'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
-           'ray_parts', 'tokenize_dataset']
+           'finish_tokens', 'check_turns', 'lost_fields', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
+           'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch',
+           'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
+           'ray_part', 'ray_parts', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -40,6 +40,7 @@ class Example:
     eot: str = ''  # the template's trained end-of-turn text
     masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls') kept out of training
     loss_weights: list[float] | None = None  # per-token loss weight (0 where untrained) when a trained message has a fractional loss_weight; None: loss_mask is the weight
+    lost: list[tuple[int, str]] = field(default_factory=list)  # (message index, 'reasoning'|'tool_calls') of trained turns whose field the template does not render
     @property
     def n_trained(self) -> int: return int(sum(self.loss_mask))
     @property
@@ -347,6 +348,15 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
+def lost_fields(text: str, messages: list[dict], turns) -> list[tuple[int, str]]:
+    "(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out of `text`."
+    out = []
+    for m in sorted(turns):
+        r = (messages[m].get('reasoning_content') or '').strip()
+        if r and r not in text: out.append((m, 'reasoning'))
+        if any(c['function']['name'] not in text for c in messages[m].get('tool_calls') or []): out.append((m, 'tool_calls'))
+    return out
+
 def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
@@ -362,7 +372,8 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
-    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None)
+    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None,
+                   lost_fields(text, messages, {sp[2] for sp in spans if sp[2] >= 0}))
 
 def _bad_text(texts: list[str]) -> dict[int, str]:
     "{position: reason} of the texts a tokenizer cannot take (a lone surrogate: not UTF-8)."
@@ -630,7 +641,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
     "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
     import pyarrow as pa
     schema = example_features(renderer).arrow_schema
-    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_real': 0, 'n_trained': 0, 'max_length': 0}
+    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_real': 0, 'n_trained': 0, 'max_length': 0, 'lost': []}
     sink = pa.OSFile(str(path), 'wb') if path is not None else pa.BufferOutputStream()
     w, gc_on = pa.ipc.new_stream(sink, schema), gc.isenabled()
     try:
@@ -642,6 +653,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
             b = example_batch(good, renderer, schema)
             st['bad'] += sorted(bad, key=lambda b: b[0])
             st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})
+            st['lost'] += [(i, kind) for i, x in good for _, kind in x.lost]
             lens = b.column('length').to_numpy()
             st['n_real'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
             st['max_length'] = max(st['max_length'], int(lens.max(initial=0)))
@@ -718,6 +730,8 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
         for idx, kind, msg in st['bad']: rep.drop(idx, kind, msg)
         rep.n_kept += st['n_kept']; rep.n_examples += st['n_examples']; rep.n_real += st['n_real']
         rep.n_trained += st['n_trained']; rep.eot_only_turns += st['eot_only']; rep.max_length = max(rep.max_length, st['max_length'])
+        for idx, kind in st.get('lost', ()): rep.lose(idx, kind)
+    rep.keeps = {k: templates_with(k) for k in rep.lost}
     return rep
 
 def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:

@@ -123,8 +123,8 @@ def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
 @patch
 def _prepare_data(self: SFTTrainer) -> DataPlan:
     "The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned)."
-    self.data = plan_class(self.cfg)(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data).prepare()
-    return self.data
+    self.data = plan_class(self.cfg)(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data)
+    return self.data.prepare()  # assigned first: when no row is usable, `trainer.data_report` says per row why
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
 @patch

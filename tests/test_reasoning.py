@@ -221,7 +221,7 @@ def _trainer_data(tiny_path, tmp_path, rows, **tokenize):
 def test_trainer_config_reaches_tokenization(tiny_path, tmp_path, opts):
     "tokenize.history / train_on_reasoning / train_on_tool_calls in a trainer config give the examples tokenize_turns gives."
     tok, tpl = AutoTokenizer.from_pretrained(tiny_path), (FIX / 'qwen3.jinja').read_text()
-    ds = _trainer_data(tiny_path, tmp_path, [{'messages': REASONING}, {'messages': AGENT}], **opts).train_sets[0]
+    ds = _trainer_data(tiny_path, tmp_path, [{'messages': REASONING}, {'messages': AGENT}], **opts).data.train_sets[0]
     want = [(i, e) for i, m in enumerate([REASONING, AGENT]) for e in tokenize_turns(m, tok, template=tpl, **opts)]
     assert ds['index'] == [i for i, _ in want]
     assert ds['input_ids'] == [e.input_ids for _, e in want] and ds['loss_mask'] == [e.loss_mask for _, e in want]

@@ -1,0 +1,107 @@
+"""Formats people export (issue 30): LLaMA-Factory v1 content parts, OpenAI `reasoning_content` + `tool_calls`, OpenAI
+responses items, per-message `loss_weight`; an unknown part type is a bad row that names it; after a failure the report
+says per row why.
+
+Shapes of the fixtures in tests/fixtures/formats/ (facts, not code): LLaMA-Factory v1 `src/llamafactory/v1/extras/types.py`
+(`Content = {type: text|reasoning|tool_call|..., value: str}`, `Message = {role, content: list[Content], loss_weight}`) and
+its `plugins/data_plugins/converter.py` (a tool call's value is `json.dumps({name, arguments})`, `tools` a JSON string on
+the row, `loss_weight` 0.0 on user/system turns); OpenAI responses items `reasoning` (with `summary` of `summary_text`),
+`function_call` (`call_id`, `name`, `arguments` as a JSON string), `function_call_output` (`output`).
+"""
+import json
+from types import SimpleNamespace
+from pathlib import Path
+import pytest
+from helpers import run_cfg, trained_runs
+from sft_nb.config import ConfigError
+from sft_nb.data import BadRow, load_source, normalize_row, row_dict
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset
+
+FIX = Path(__file__).parent / 'fixtures' / 'formats'
+rows = lambda name: [json.loads(l) for l in (FIX / name).read_text().splitlines()]
+WEATHER = {'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': 'Paris'}}}
+
+
+def test_llamafactory_v1_rows_keep_their_content():
+    "Text parts under `value`, reasoning parts → reasoning_content, tool_call parts → tool_calls, loss_weight 0 → untrained."
+    convs = [normalize_row(r, 'messages') for r in rows('llamafactory_v1.jsonl')]
+    assert convs[0]['messages'] == [{'role': 'system', 'content': 'You are terse.', 'train': False},
+                                    {'role': 'user', 'content': 'What is 2 + 2?', 'train': False},
+                                    {'role': 'assistant', 'content': '4.'}]
+    call = convs[1]['messages'][1]
+    assert call == {'role': 'assistant', 'content': '', 'tool_calls': [WEATHER], 'reasoning_content': 'The user wants the weather; call the tool.'}
+    assert convs[1]['messages'][3]['reasoning_content'] == '18 C is mild.' and convs[1]['messages'][3]['content'] == '18 degrees and mild.'
+    assert convs[1]['tools'][0]['function']['name'] == 'get_weather'
+    assert convs[2]['messages'][1]['train'] is False and convs[2]['messages'][3]['loss_weight'] == 0.5
+
+
+def test_openai_shapes():
+    oa = [normalize_row(r, 'messages') for r in rows('openai_reasoning_tools.jsonl')]
+    assert oa[0]['messages'][1] == {'role': 'assistant', 'content': '', 'reasoning_content': 'I should look it up.',
+                                    'tool_calls': [{'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': 'Oslo'}}, 'id': 'call_1'}]}
+    assert oa[1]['messages'][0]['content'] == 'Name a prime.'
+    rs = normalize_row(rows('openai_responses.jsonl')[0], 'messages')['messages']
+    assert [m['role'] for m in rs] == ['user', 'assistant', 'tool', 'assistant']
+    assert rs[1] == {'role': 'assistant', 'content': '', 'reasoning_content': 'Call the weather tool.',
+                     'tool_calls': [{'type': 'function', 'function': {'name': 'get_weather', 'arguments': {'city': 'Rome'}}, 'id': 'fc_1'}]}
+    assert rs[2]['content'] == '{"temp_c": 25}' and rs[3]['content'] == '25 degrees: warm.'
+
+
+def test_unknown_part_is_a_bad_row_naming_the_type():
+    with pytest.raises(BadRow) as e: normalize_row(rows('unknown_part.jsonl')[0], 'messages')
+    msg = str(e.value)
+    assert "message 1: content parts of type ['citation'] are not read" in msg and 'LLaMA-Factory v1' in msg and 'OpenAI responses' in msg
+    assert 'vision-language' not in msg  # the misleading hint is for image parts only
+
+
+@pytest.mark.parametrize('name', ['llamafactory_v1.jsonl', 'openai_reasoning_tools.jsonl', 'openai_responses.jsonl'])
+def test_every_row_trains_its_answers(name, tiny_tok, tmp_path):
+    "Tokenized with the tiny ChatML model: every row kept, the assistant text of trained turns in the trained tokens."
+    ds, rep = tokenize_dataset(FIX / name, tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
+    assert rep.n_kept == rep.n_rows == len(rows(name)) and not rep.bad_rows
+    for k in range(len(ds)):
+        conv = normalize_row(rows(name)[int(ds[k]['index'])], 'messages')
+        answers = [m['content'] for m in conv['messages'] if m['role'] == 'assistant' and m.get('train', True) and m['content']]
+        trained = ''.join(trained_runs(SimpleNamespace(**ds[k]), tiny_tok))
+        for a in answers: assert a in trained, (name, k, a, trained)
+
+
+def test_failed_setup_leaves_a_report(tiny_path, tmp_path):
+    "'no usable rows': the error and `trainer.data_report` say per row why (tokenization runs before Ray starts)."
+    from sft_nb.trainer import SFTTrainer
+    cfg = run_cfg(tiny_path, tmp_path / 'run', data__train=[{'path': str(FIX / 'unknown_part.jsonl')}], tokenize__cache_dir=str(tmp_path / 'c'))
+    t = SFTTrainer(cfg)
+    with pytest.raises(ConfigError, match="no usable rows after tokenization: 1 of 1 rows dropped.*row 0: bad_format: message 1: content parts of type"):
+        t.setup()
+    assert t.data_report is not None and t.data_report.n_rows == 1 and t.data_report.n_kept == 0
+    assert t.data_report.bad_rows[0][:2] == (0, 'bad_format') and "['citation']" in t.data_report.bad_rows[0][2]
+
+
+def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
+    "The tiny ChatML has no place for reasoning_content or tool_calls: the report says so and names the shipped template that keeps them."
+    _, rep = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
+    assert rep.lost == {'reasoning': 2, 'tool_calls': 1} and rep.lost_rows == [1]
+    assert "2 trained assistant turns carry reasoning_content the chat template does not render: it never reaches the tokens (row 1); " \
+           "a template that renders it: tokenize.chat_template: qwen3" in str(rep)
+    assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template: qwen2.5 | qwen3' in str(rep)
+    _, rep3 = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512, chat_template='qwen3'), cache_dir=str(tmp_path))
+    assert rep3.lost == {} and rep3.n_kept == 3 and 'WARNING' not in str(rep3)
+    assert rep3.n_trained > rep.n_trained  # the reasoning and the call are trained now
+
+
+def test_inspect_example_runs_all_on_unreadable_rows(tmp_path):
+    "examples/inspect.ipynb on a file whose only row cannot be read, with a shipped template by name: every cell runs; the lint reports the row."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('sft_nb_screenshot', Path(__file__).resolve().parents[1] / 'tools' / 'screenshot.py')
+    shot = importlib.util.module_from_spec(spec); spec.loader.exec_module(shot)
+    out = shot.execute_example(tmp_path / 'inspect.ipynb', data=str(FIX / 'unknown_part.jsonl'), template='qwen3', row=0, cache_dir=str(tmp_path / 'c'))
+    nb = json.loads(out.read_text())
+    outputs = [o for c in nb['cells'] if c['cell_type'] == 'code' for o in c['outputs']]
+    assert not [o for o in outputs if o['output_type'] == 'error']
+    texts = ''.join(''.join(o.get('text', '')) for o in outputs) + ''.join(''.join(o.get('data', {}).get('text/plain', '')) for o in outputs)
+    htmls = ''.join(''.join(o.get('data', {}).get('text/html', '')) for o in outputs)
+    assert 'not trained — bad_format: message 1: content parts of type' in htmls  # the inspector (HTML-escaped)
+    assert "bad_format: message 1: content parts of type ['citation'] are not read" in texts  # the printed row
+    assert '1 of 1 samples not read; first: sample 0' in htmls  # the lint's 'reads' check (pandas cuts long cells)
+    assert 'no row of' in texts and 'survived tokenization' in texts
