@@ -51,7 +51,7 @@ def test_gemma2_trains_packed_and_padded(gemma2_path, tmp_path, ray_session):
     runs = {}
     for name, packing in (('padded', False), ('packed', True)):
         cfg = run_cfg(gemma2_path, tmp_path / name, train__num_steps=3, train__micro_batch_size=2, packing__enabled=packing,
-                      packing__capacity=256)
+                      packing__capacity=256, tokenize__max_length=256)
         with SFTTrainer(cfg, train_data=[{'messages': r} for r in rows(24)]) as t:
             runs[name] = t.fit()
             assert t.model_info['attn_implementation'] == 'eager'

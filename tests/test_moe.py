@@ -103,7 +103,7 @@ def test_trainer_logs_aux_loss_packed_equals_padded(moe_path, tmp_path, ray_sess
     runs = {}
     for name, packing in (('padded', False), ('packed', True)):
         cfg = run_cfg(moe_path, tmp_path / name, train__num_steps=3, train__micro_batch_size=2, placement__workers_per_node=2,
-                      packing__enabled=packing, packing__capacity=256)
+                      packing__enabled=packing, packing__capacity=256, tokenize__max_length=256)
         with SFTTrainer(cfg, train_data=[{'messages': r} for r in rows(24)]) as t:
             runs[name] = t.fit()
             assert t.model_info['router_aux_coef'] == COEF

@@ -100,17 +100,49 @@ def _shard(self: FSDPWorker, model, dtype):
 
 @patch
 def _load_sharded(self: FSDPWorker, dtype):
-    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0."
-    import torch
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0 (`_receive_shards`)."
     full = self._build_model('cpu').state_dict() if self.rank == 0 else {}
     model = self._shard(checkpoint_blocks(self._build_model('meta'), self.mcfg['activation_checkpointing']), dtype)
     model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
     rebuild_buffers(model, self.device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    self._receive_shards(model, full)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == 'meta']
     if left: raise RuntimeError(f"sharded load left {left[:3]} on the meta device")
     return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #6cc86aac
+@patch
+def _receive_shards(self: FSDPWorker, model, full: dict):
+    "Fill the sharded `model` from rank 0's `full` state dict (emptied as it goes): each rank receives only its own rows of each parameter."
+    import torch, torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    W, dev, seen = self.world_size, self.device, set()
+    key = lambda n: n.replace(_CHECKPOINT_PREFIX, '')  # a checkpointed block's names, as the checkpoint has them
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:  # a tied weight's second name: sent with the first
+                if self.rank == 0: full.pop(key(name))
+                continue
+            seen.add(id(p))
+            local, rows = p.to_local(), -(-p.shape[0] // W)  # FSDP2's Shard(0): ceil(n / W) rows a rank, the last ones fewer
+            direct = local.shape[0] == rows and local.is_contiguous() and local.device == dev
+            buf = local if direct else torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=dev)
+            parts = None
+            if self.rank == 0:
+                t = full.pop(key(name)).to(device=dev, dtype=p.dtype)
+                parts = list(torch.chunk(t, W, 0)); parts += [t[:0]] * (W - len(parts))
+                parts = [c.contiguous() if len(c) == rows else torch.cat([c, c.new_zeros((rows - len(c), *c.shape[1:]))]) for c in parts]
+            dist.scatter(buf, parts, src=0)
+            if not direct: local.copy_(buf[:local.shape[0]])
+            del buf, parts
+        for mname, m in model.named_modules():  # persistent buffers are not sharded: broadcast whole
+            for k, b in m._buffers.items():
+                if b is None or k in m._non_persistent_buffers_set: continue  # rebuilt on every rank (`rebuild_buffers`)
+                t = b.to(dev)
+                if self.rank == 0: t.copy_(full.pop(key(f'{mname}.{k}' if mname else k)))
+                dist.broadcast(t, 0)
+                if t is not b: b.copy_(t)
+    if full: raise RuntimeError(f"sharded load: checkpoint keys {list(full)[:3]} match no parameter or buffer of the model")
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
 _SAVE_OPS = None
