@@ -224,8 +224,7 @@ def collate_items(self: DataPlan, mb: list) -> dict:
     "Collate micro-batch `mb` of items (rows, or bins when packing); [] is the dummy."
     if not mb: return self.dummy()
     if self.pack_plan is None: return self.collate([self.example(k) for k in mb])
-    form = 'additive' if self.cfg.model.attn_implementation == 'eager' else 'bool'
-    b = collate_packed([[self.example(k) for k in bin_] for bin_ in mb], self.tokenizer.pad_token_id, self.capacity, mask_form=form)
+    b = collate_packed([[self.example(k) for k in bin_] for bin_ in mb], self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
     b.pop('seq_lens'); b.pop('cu_seqlens')
     return b
 

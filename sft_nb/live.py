@@ -13,7 +13,7 @@ from .callbacks import Callback
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
-           'samples_text', 'data_html', 'TrainerPanel']
+           'samples_text', 'data_html', 'TrainerPanel', 'dry_run_state']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -178,6 +178,7 @@ class TrainerPanel(Callback):
         self.step_button, self.fit_button = B('Step', 'step-forward'), B('Fit', 'play', button_style='success')
         self.stop_button = B('Stop', 'stop', button_style='danger')
         self.eval_button, self.save_button = B('Evaluate', 'check'), B('Save', 'save')
+        self.dry_button = B('Dry run', 'tachometer', tooltip='one step per rank on the largest micro-batch: fits, or what to change')
         self.progress, self.status = W.IntProgress(min=0, max=1, layout=W.Layout(width='300px')), W.HTML()
         self.data_line = W.HTML()  # what the run trains on (set once the trainer is set up)
         self.step_button.on_click(lambda _: self.start('step', self.trainer.step))
@@ -185,7 +186,8 @@ class TrainerPanel(Callback):
         self.eval_button.on_click(lambda _: self.start('evaluate', self.trainer.evaluate))
         self.save_button.on_click(lambda _: self.start('save', self.trainer.save))
         self.stop_button.on_click(lambda _: self.stop())
-        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button]
+        self.dry_button.on_click(lambda _: self.start('dry_run', self.trainer.dry_run))
+        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button, self.dry_button]
         self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
         self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.log.widget])
         for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
@@ -208,7 +210,7 @@ def refresh(self):
                          + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
                          + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
     for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
-    for b in (self.eval_button, self.save_button): b.disabled = bool(running)
+    for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
     self.stop_button.disabled = running not in ('fit', 'train') or stopping
     plan = getattr(t, 'data', None)
     self.data_line.value = data_html(plan.data_report if plan is not None else None)
@@ -229,6 +231,7 @@ def start(self, name: str, fn):
                 r = fn()
                 if name == 'fit' and self.stopped: self.state = f'stopped at step {self.trainer.global_step}'
                 elif name == 'save': self.log.write(f'saved {r}\n'); self.state = 'idle'
+                elif name == 'dry_run': self.state = dry_run_state(r, self.log)
                 else: self.state = 'idle'
             except Exception as e: self.log.error(e); self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
             finally: self.stopped = False
@@ -251,6 +254,17 @@ def wait(self, timeout: float | None = None):
     th = self.thread
     if th is not None: th.join(timeout)
     self.refresh()
+
+# %% ../nbs/08b_live.ipynb #5e25fc9d
+def dry_run_state(verdict: dict, # what `trainer.dry_run()` returned
+                  log: PanelLog | None = None, # the panel's output area: gets the message and each rank's peak
+                 ) -> str:
+    "The status-line word of a dry run's verdict (HTML); its full message written to `log`."
+    if log is not None:
+        log.write(f"dry run: {verdict['message']}\n" + ''.join(
+            f"  rank {r['rank']}: peak {r['peak'] / 2**30:.2f} GiB of {r['capacity'] / 2**30:.2f} GiB ({r['capacity_from']})\n" for r in verdict['ranks']))
+    colour, word = ('#1b7f1b', 'fits') if verdict['fits'] else ('#b00020', 'does not fit: see the output below')
+    return f'<span style="color:{colour}">dry run: {word}</span>'
 
 # %% ../nbs/08b_live.ipynb #6450a894
 @patch_to(TrainerPanel)

@@ -9,12 +9,13 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from fastcore.basics import patch
-from .collate import token_nll_sum
+from .collate import token_nll_sum, additive_mask
 
 # %% auto #0
 __all__ = ['chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for',
            'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs',
-           'flex_attention_runs_on', 'eval_metrics']
+           'flex_attention_runs_on', 'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits',
+           'eval_metrics']
 
 # %% ../nbs/06c_loss.ipynb #e79abf73
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -177,27 +178,91 @@ def document_block_mask(position_ids: torch.Tensor, # [B, T] restarting position
 # %% ../nbs/06c_loss.ipynb #0e7c5062
 def resolve_attn_implementation(impl: str, # `model.attn_implementation`
                                 device_type: str, # 'cpu' or 'cuda'
+                                model_cls: type | None = None, # the model's class (its `_supports_sdpa` / `_supports_flex_attn`); None: both
                                ) -> str:
-    "'auto' → 'flex_attention' on CUDA (when this torch has it), 'sdpa' elsewhere; any other value as given."
+    "'auto' → 'flex_attention' on CUDA (when this torch and the model class have it), else 'sdpa', else 'eager' (a class with neither, e.g. Gemma 2 on CPU); any other value as given."
     if impl != 'auto': return impl
-    if device_type != 'cuda': return 'sdpa'
-    try: import torch.nn.attention.flex_attention  # noqa: F401 (torch >= 2.5)
-    except ImportError: return 'sdpa'
-    return 'flex_attention'
+    has = lambda flag: model_cls is None or bool(getattr(model_cls, flag, True))
+    if device_type == 'cuda' and has('_supports_flex_attn'):
+        try:
+            import torch.nn.attention.flex_attention  # noqa: F401 (torch >= 2.5)
+            return 'flex_attention'
+        except ImportError: pass
+    return 'sdpa' if has('_supports_sdpa') else 'eager'
 
-def attention_inputs(batch: dict, # a micro-batch (already on its device)
+def attention_inputs(batch: dict, # a micro-batch (position_ids on the device for flex_attention)
                      impl: str, # the resolved attention implementation
                     ) -> dict:
-    "The batch with a packed row's dense [B, 1, T, T] mask replaced by a document BlockMask when `impl` is flex_attention."
+    "The batch with a packed row's dense bool [B, 1, T, T] mask in the form `impl` takes: a document BlockMask for flex_attention, the additive float mask for eager."
     am = batch.get('attention_mask')
-    if impl != 'flex_attention' or am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
-    return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
+    if am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
+    if impl == 'flex_attention': return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
+    if impl == 'eager' and am.dtype == torch.bool: return {**batch, 'attention_mask': additive_mask(am)}
+    return batch
 
 # %% ../nbs/06c_loss.ipynb #a7a7b112
 def flex_attention_runs_on(device_type: str, # 'cpu' or 'cuda'
                           ) -> bool:
     "Whether FlexAttention can run compiled on this device: on CPU, only with a vector ISA (torch's capability not DEFAULT)."
     return device_type != 'cpu' or torch.backends.cpu.get_cpu_capability() != 'DEFAULT'
+
+# %% ../nbs/06c_loss.ipynb #8ec85eb3
+def router_aux_coef(model) -> float:
+    "The router load-balancing weight the model's config asks for: `router_aux_loss_coef` when `output_router_logits` is true, else 0."
+    c = model.config.get_text_config()
+    return float(getattr(c, 'router_aux_loss_coef', 0) or 0) if getattr(c, 'output_router_logits', False) else 0.0
+
+def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
+    "[B·T] sequence number of each token of a micro-batch (-1: padding, fill or dummy rows: no trained target) and the number of sequences."
+    labels = batch['labels']
+    B, T = labels.shape
+    pos, am = batch.get('position_ids'), batch.get('attention_mask')
+    doc = document_ids(pos) if pos is not None else torch.ones_like(labels)  # no position_ids (a VLM batch): a row is a sequence
+    if am is not None and am.dim() == 2: doc = doc * am.long()  # padded rows: padding is no sequence
+    key = (torch.arange(B, device=labels.device)[:, None] * (T + 1) + doc).reshape(-1)
+    key[doc.reshape(-1) == 0] = -1
+    trained = torch.zeros(B * (T + 1), dtype=torch.bool, device=labels.device)
+    trained[key[(labels.reshape(-1) != -100) & (key >= 0)]] = True
+    keep = (key >= 0) & trained[key.clamp(min=0)]
+    _, inv = torch.unique(key[keep], return_inverse=True)
+    seq = torch.full_like(key, -1)
+    seq[keep] = inv
+    return seq, (int(inv.max()) + 1 if inv.numel() else 0)
+
+# %% ../nbs/06c_loss.ipynb #ef0cd88f
+def router_aux_sum(router_logits: list[torch.Tensor], # per MoE layer [B·T, E] (what the model records as `router_logits`)
+                   seq: torch.Tensor, # [B·T] `sequence_index`
+                   n_seqs: int, # sequences in the micro-batch
+                   top_k: int, # experts per token (`num_experts_per_tok`)
+                  ) -> torch.Tensor:
+    "Σ over the sequences of each one's Switch load-balancing loss (transformers' `load_balancing_loss_func` on that sequence alone)."
+    if n_seqs == 0 or not router_logits: return torch.zeros((), device=seq.device)
+    keep = seq >= 0
+    s, E = seq[keep], router_logits[0].shape[-1]
+    counts = torch.zeros(n_seqs, E, device=seq.device)
+    probs = torch.zeros(n_seqs, E, device=seq.device)
+    for lg in router_logits:
+        p = F.softmax(lg[keep].float(), -1)
+        counts = counts.index_add(0, s, torch.zeros_like(p).scatter_(1, p.topk(top_k, -1).indices, 1.0))
+        probs = probs.index_add(0, s, p)
+    n = torch.bincount(s, minlength=n_seqs).float()[:, None] * len(router_logits)  # tokens × layers of each sequence
+    return (E * ((counts / n) * (probs / n)).sum(-1)).sum()
+
+class RouterLogits:
+    "Context manager: the router logits of one forward, from hooks on the modules the model records as `router_logits`."
+    def __init__(self, model, on: bool = True): self.model, self.on, self.logits, self._hooks = model, on, [], []
+
+    def __enter__(self):
+        if not self.on: return self
+        rec = (getattr(self.model, '_can_record_outputs', None) or {}).get('router_logits')
+        if rec is None: raise ValueError(f"model.path: {type(self.model).__name__} asks for a router aux loss but records no router_logits")
+        for m in self.model.modules():
+            if isinstance(m, rec.target_class): self._hooks.append(m.register_forward_hook(lambda mod, a, out: self.logits.append(out[rec.index])))
+        return self
+
+    def __exit__(self, *exc):  # before backward: a checkpointed block's recomputation is not recorded again
+        for h in self._hooks: h.remove()
+        self._hooks = []
 
 # %% ../nbs/06c_loss.ipynb #70c3a2a1
 def eval_metrics(step: int, results: dict[str, list[dict]]) -> dict:

@@ -142,8 +142,7 @@ class StreamPlan(DataPlan):
         "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the dummy."
         if not mb: return self.dummy()
         if not self.cfg.packing.enabled: return self.collate(mb)
-        form = 'additive' if self.cfg.model.attn_implementation == 'eager' else 'bool'
-        b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity, mask_form=form)
+        b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
         b.pop('seq_lens'); b.pop('cu_seqlens')
         return b
 

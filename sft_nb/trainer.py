@@ -166,6 +166,7 @@ def step(self: SFTTrainer) -> dict:
             dt, self.global_step = time.perf_counter() - t0, step + 1
             m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
                  'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
+            if 'aux_sum' in fb[0]: m['aux_loss'] = sum(r['aux_sum'] for r in fb) / max(1, sum(r['n_seqs'] for r in fb))  # MoE router loss, apart from the NLL
             self.rows_history.append(m)
     except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
         if self.global_step == step: self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")

@@ -69,3 +69,36 @@ def test_cli_train_dry_run(tiny_path, tmp_path, ray_session, capsys):
     assert e.value.code == 0
     assert capsys.readouterr().out.startswith('fits: rank ')
     assert not (tmp_path / 'cli' / 'checkpoints').exists() or not any((tmp_path / 'cli' / 'checkpoints').iterdir())
+
+
+def test_panel_button_runs_the_dry_run(tiny_path, tmp_path, ray_session):
+    "The panel's Dry run button calls trainer.dry_run in its thread; the verdict is in the status line and the output area; no step is taken."
+    from sft_nb.live import TrainerPanel
+    with SFTTrainer(cfg(tiny_path, tmp_path / 'panel')) as t:
+        calls = []
+        real = t.dry_run
+        t.dry_run = lambda: calls.append(real()) or calls[-1]  # the button's call, and what it returned
+        panel = TrainerPanel(t)
+        panel.dry_button.click(); panel.wait(300)
+        assert len(calls) == 1 and calls[0]['fits'] and t.global_step == 0 and not t.rows_history
+        assert 'dry run: fits' in panel.status.value, panel.status.value
+        assert f"dry run: {calls[0]['message']}" in panel.log.text and 'rank 1: peak ' in panel.log.text
+        assert not panel.dry_button.disabled
+
+
+def test_papermill_dry_run_parameter_stops_after_the_dry_run(tmp_path):
+    "`sft-nb run examples/train.ipynb -p dry_run true`: the verdict printed and in dry_run.json, then nothing trained, evaluated or saved."
+    import json, subprocess, sys
+    from pathlib import Path
+    import nbformat
+    root, run = Path(__file__).resolve().parents[1], tmp_path / 'nb'
+    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'run', str(root / 'examples' / 'train.ipynb'), '-p', 'dry_run', 'true',
+                        '-p', 'max_steps', '3', '-p', 'workers_per_node', '2', '--run-dir', str(run)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    verdict = json.loads((run / 'dry_run.json').read_text())
+    assert verdict['fits'] and len(verdict['ranks']) == 2, verdict
+    out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))
+    assert verdict['message'] in out
+    assert not (run / 'summary.json').exists() and not (run / 'checkpoints').exists() and not (run / 'hf').exists()
+    metrics = run / 'metrics.jsonl'
+    assert not metrics.exists() or not [l for l in metrics.read_text().splitlines() if '"train"' in l or '"eval"' in l]

@@ -11,6 +11,7 @@ from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
 from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
+from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
 from fastcore.basics import patch
 
 # %% auto #0
@@ -23,6 +24,12 @@ def _model_cls(path):
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from sft_nb.vlm_models import is_vlm
     return AutoModelForImageTextToText if is_vlm(path) else AutoModelForCausalLM
+
+def _arch_cls(path):
+    "The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers does not map its config."
+    from transformers import AutoConfig
+    try: return _model_cls(path)._model_mapping[type(AutoConfig.from_pretrained(path))]
+    except (KeyError, ValueError): return None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #37de5637
 class FSDPWorker(DistWorker):
@@ -93,17 +100,49 @@ def _shard(self: FSDPWorker, model, dtype):
 
 @patch
 def _load_sharded(self: FSDPWorker, dtype):
-    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0."
-    import torch
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, StateDictOptions
+    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0 (`_receive_shards`)."
     full = self._build_model('cpu').state_dict() if self.rank == 0 else {}
     model = self._shard(checkpoint_blocks(self._build_model('meta'), self.mcfg['activation_checkpointing']), dtype)
     model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
     rebuild_buffers(model, self.device)
-    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    self._receive_shards(model, full)
     left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == 'meta']
     if left: raise RuntimeError(f"sharded load left {left[:3]} on the meta device")
     return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #6cc86aac
+@patch
+def _receive_shards(self: FSDPWorker, model, full: dict):
+    "Fill the sharded `model` from rank 0's `full` state dict (emptied as it goes): each rank receives only its own rows of each parameter."
+    import torch, torch.distributed as dist
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    W, dev, seen = self.world_size, self.device, set()
+    key = lambda n: n.replace(_CHECKPOINT_PREFIX, '')  # a checkpointed block's names, as the checkpoint has them
+    with torch.no_grad():
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen:  # a tied weight's second name: sent with the first
+                if self.rank == 0: full.pop(key(name))
+                continue
+            seen.add(id(p))
+            local, rows = p.to_local(), -(-p.shape[0] // W)  # FSDP2's Shard(0): ceil(n / W) rows a rank, the last ones fewer
+            direct = local.shape[0] == rows and local.is_contiguous() and local.device == dev
+            buf = local if direct else torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=dev)
+            parts = None
+            if self.rank == 0:
+                t = full.pop(key(name)).to(device=dev, dtype=p.dtype)
+                parts = list(torch.chunk(t, W, 0)); parts += [t[:0]] * (W - len(parts))
+                parts = [c.contiguous() if len(c) == rows else torch.cat([c, c.new_zeros((rows - len(c), *c.shape[1:]))]) for c in parts]
+            dist.scatter(buf, parts, src=0)
+            if not direct: local.copy_(buf[:local.shape[0]])
+            del buf, parts
+        for mname, m in model.named_modules():  # persistent buffers are not sharded: broadcast whole
+            for k, b in m._buffers.items():
+                if b is None or k in m._non_persistent_buffers_set: continue  # rebuilt on every rank (`rebuild_buffers`)
+                t = b.to(dev)
+                if self.rank == 0: t.copy_(full.pop(key(f'{mname}.{k}' if mname else k)))
+                dist.broadcast(t, 0)
+                if t is not b: b.copy_(t)
+    if full: raise RuntimeError(f"sharded load: checkpoint keys {list(full)[:3]} match no parameter or buffer of the model")
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
 _SAVE_OPS = None
@@ -142,7 +181,8 @@ def setup(self: FSDPWorker):
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     self.path = resolve_model_path(self.mcfg['path'])
     dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
-    self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type)  # auto: sdpa on CPU, flex on CUDA
+    # auto: sdpa on CPU, flex on CUDA, eager for a model class without them (Gemma 2 has no sdpa)
+    self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type, _arch_cls(self.path))
     # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
     # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
     self.sharded = self.world_size > 1 or dtype != torch.float32
@@ -154,43 +194,62 @@ def setup(self: FSDPWorker):
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
     self.model = model
+    self.aux_coef, self.top_k = router_aux_coef(model), getattr(model.config.get_text_config(), 'num_experts_per_tok', 0)
+    for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        if getattr(c, 'output_router_logits', False): c.output_router_logits = False  # the worker computes it per sequence (`_nll`)
     params = [p for p in model.parameters() if p.requires_grad]
     o = self.ocfg
     self.opt = torch.optim.AdamW(params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
     # sharded parameters are DTensors, whose numel() is already the whole tensor's
     return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
-            'packable': self.packable}
+            'packable': self.packable, 'attn_implementation': self.attn, 'router_aux_coef': self.aux_coef}
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #dd411351
 @patch
 def _to_dev(self: FSDPWorker, mb):
     import torch
     if self.attn == 'flex_attention' and 'position_ids' in mb:  # a packed row's dense mask never goes to the GPU
-        mb = attention_inputs({**mb, 'position_ids': mb['position_ids'].to(self.device)}, self.attn)
+        mb = {**mb, 'position_ids': mb['position_ids'].to(self.device)}
+    mb = attention_inputs(mb, self.attn)
     return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
 @patch
-def _nll(self: FSDPWorker, mb: dict):
-    "Σ NLL and target count of one micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."
+def _nll(self: FSDPWorker, mb: dict, aux: bool = False):
+    """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
+    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."""
     sel, tgt = trained_targets(mb['labels'])
     w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
     wt = None if w is None else target_weights(mb['labels'], w)
-    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head:
+    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**model_inputs(mb)).logits
-    return head.nll(out, mb['labels'], w)
+    s, k = head.nll(out, mb['labels'], w)
+    return s, k, (router_aux_sum(router.logits, *sequence_index(mb), self.top_k) if aux else None)
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #96468808
 @patch
+def _sum_over_ranks(self: FSDPWorker, n: int) -> int:
+    "Σ of `n` over the ranks (a collective: every rank calls it)."
+    if self.world_size == 1: return n
+    import torch, torch.distributed as dist
+    t = torch.tensor([n], device=self.device)
+    dist.all_reduce(t)
+    return int(t.item())
+
+@patch
 def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-    "Accumulate gradients of Σ NLL / n_trained_global over this rank's micro-batches (with fractional weights: Σ weight·NLL / Σ weight)."
+    "Accumulate gradients of Σ NLL / n_trained_global (with fractional weights: Σ weight·NLL / Σ weight), plus coef · mean router aux loss over the global batch's sequences (MoE)."
     self.model.train()
-    scale = (self.world_size if self.sharded else 1) / (n_trained_global if n_trained_global > 0 else 1)
-    nll, n = 0.0, 0
+    ranks = self.world_size if self.sharded else 1  # FSDP averages gradients over ranks
+    scale, aux = ranks / (n_trained_global if n_trained_global > 0 else 1), self.aux_coef > 0
+    n_seqs = sum(sequence_index(mb)[1] for mb in micro_batches) if aux else 0
+    aux_scale = self.aux_coef * ranks / max(1, self._sum_over_ranks(n_seqs)) if aux else 0.0
+    nll, n, aux_sum = 0.0, 0, 0.0
     for mb in micro_batches:
-        s, k = self._nll(self._to_dev(mb))
-        (s * scale).backward()
+        s, k, a = self._nll(self._to_dev(mb), aux)
+        (s * scale + (a * aux_scale if aux else 0)).backward()
         nll += float(s.detach()); n += k
-    return {'nll_sum': nll, 'n_trained': n}
+        if aux: aux_sum += float(a.detach())
+    return {'nll_sum': nll, 'n_trained': n} | ({'aux_sum': aux_sum, 'n_seqs': n_seqs} if aux else {})
 
 @patch
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
@@ -216,7 +275,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
     nll, n = 0.0, 0
     with torch.no_grad():
         for mb in micro_batches:
-            s, k = self._nll(self._to_dev(mb))
+            s, k, _ = self._nll(self._to_dev(mb))
             nll += float(s); n += k
     return {'nll_sum': nll, 'n_trained': n}
 

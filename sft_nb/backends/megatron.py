@@ -27,7 +27,10 @@ def load_hf_state(path: str) -> dict:
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
 def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False):
-    "A megatron `TransformerConfig` equivalent to a Llama-family HF config."
+    "A megatron `TransformerConfig` equivalent to a Llama-family HF config (dense models only)."
+    if any(getattr(hf_cfg, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
+        raise ConfigError(f"model.path: {hf_cfg.model_type} is a mixture-of-experts model; the megatron backend builds dense "
+                          "models only (no experts, no router load-balancing loss): use placement.backend=fsdp")
     import torch, torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
     rope = getattr(hf_cfg, 'rope_parameters', None) or getattr(hf_cfg, 'rope_scaling', None) or {}
