@@ -12,6 +12,7 @@ from ..optim import lr_at
 from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
+from .ulysses import sp_shard, check_heads, register_ulysses
 from fastcore.basics import patch
 
 # %% auto #0
@@ -38,7 +39,7 @@ class FSDPWorker(DistWorker):
                  placement: dict | None = None):
         super().__init__(rank, world_size)
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
-        self.step = 0
+        self.step, self.sp = 0, (placement or {}).get('sequence_parallel', 1)  # sp: ranks that share each row (Ulysses)
 
     @property
     def device(self):
@@ -190,6 +191,7 @@ def setup(self: FSDPWorker):
     if not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
     elif self.mcfg['load'] == 'rank0': model = self._load_sharded(dtype)
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
+    if self.sp > 1: self._setup_sp(model)
     self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
@@ -204,6 +206,44 @@ def setup(self: FSDPWorker):
     return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
             'packable': self.packable, 'attn_implementation': self.attn, 'router_aux_coef': self.aux_coef}
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #a28f0002
+@patch
+def _setup_sp(self: FSDPWorker, model):
+    "The (dp, sp) device mesh, this rank's sp group and place in it, and the model's attention behind the head all-to-all."
+    from torch.distributed.device_mesh import init_device_mesh
+    from sft_nb.config import ConfigError
+    if self.world_size % self.sp: raise ConfigError(f"placement.sequence_parallel: {self.sp} does not divide world size {self.world_size}")
+    check_heads(model.config, self.sp)
+    if self.attn not in ('sdpa', 'eager', 'flex_attention'):
+        raise ConfigError(f"model.attn_implementation: {self.attn!r} with placement.sequence_parallel > 1; use sdpa, eager or flex_attention")
+    if model.get_output_embeddings() is None: raise ConfigError("placement.sequence_parallel: this model has no output embeddings to select trained positions")
+    mesh = init_device_mesh(self.device.type, (self.world_size // self.sp, self.sp), mesh_dim_names=('dp', 'sp'))
+    self.sp_group, self.sp_rank = mesh.get_group('sp'), mesh.get_local_rank('sp')
+    model.set_attn_implementation(register_ulysses(self.attn))
+
+@patch
+def _sp_sum(self: FSDPWorker, nll: float, n: int | float) -> tuple:
+    "(Σ NLL, Σ targets) over the sp group: the replica's totals (each rank holds the targets of its own tokens)."
+    if self.sp == 1: return nll, n
+    import torch, torch.distributed as dist
+    t = torch.tensor([nll, n], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=self.sp_group)
+    return float(t[0]), (int(t[1]) if isinstance(n, int) else float(t[1]))
+
+@patch
+def _sp_gather(self: FSDPWorker, stats: dict, sel) -> dict | None:
+    "Per-target arrays of the sp group in the whole row's order (row by row, rank by rank) on sp rank 0; others get None."
+    if self.sp == 1: return stats
+    import torch.distributed as dist
+    got = [None] * self.sp
+    dist.all_gather_object(got, (stats, sel.sum(1).tolist()), group=self.sp_group)
+    if self.sp_rank: return None
+    offs, parts = [0] * self.sp, []
+    for b in range(sel.shape[0]):
+        for r, (_, counts) in enumerate(got): parts.append((r, offs[r], offs[r] + counts[b])); offs[r] += counts[b]
+    return {k: np.concatenate([got[r][0][k][a:e] for r, a, e in parts]) for k in stats}
+
+
 # %% ../../nbs/07a_backends.fsdp.ipynb #dd411351
 @patch
 def _to_dev(self: FSDPWorker, mb):
@@ -214,15 +254,25 @@ def _to_dev(self: FSDPWorker, mb):
     return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
 @patch
+def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
+    "(model inputs, [B, T] positions whose next token is trained, those tokens, their weights or None) of this rank's part of `mb`."
+    if self.sp > 1:  # this rank's 1/sp of every row; targets shifted on the whole row first
+        sh = sp_shard(mb, self.sp, self.sp_rank, self.attn)
+        inputs = {k: sh[k] for k in ('input_ids', 'position_ids', 'attention_mask')} | {'sp_group': self.sp_group}
+        return inputs, sh['sel'], sh['targets'], sh['weights']
+    sel, tgt = trained_targets(mb['labels'])
+    w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
+    return model_inputs(mb), sel, tgt, None if w is None else target_weights(mb['labels'], w)
+
+@patch
 def _nll(self: FSDPWorker, mb: dict, aux: bool = False):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
     the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."""
-    sel, tgt = trained_targets(mb['labels'])
-    w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
-    wt = None if w is None else target_weights(mb['labels'], w)
+    if aux and self.sp > 1: raise NotImplementedError("model: the MoE router aux loss with placement.sequence_parallel > 1 is not supported yet; set model.router_aux_loss_coef=0 or sequence_parallel=1")
+    inputs, sel, tgt, wt = self._loss_inputs(mb)
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
-        out = self.model(**model_inputs(mb)).logits
-    s, k = head.nll(out, mb['labels'], w)
+        out = self.model(**inputs).logits
+    s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
     return s, k, (router_aux_sum(router.logits, *sequence_index(mb), self.top_k) if aux else None)
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #96468808
@@ -249,6 +299,7 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_glob
         (s * scale + (a * aux_scale if aux else 0)).backward()
         nll += float(s.detach()); n += k
         if aux: aux_sum += float(a.detach())
+    nll, n = self._sp_sum(nll, n)
     return {'nll_sum': nll, 'n_trained': n} | ({'aux_sum': aux_sum, 'n_seqs': n_seqs} if aux else {})
 
 @patch
@@ -277,6 +328,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
         for mb in micro_batches:
             s, k, _ = self._nll(self._to_dev(mb))
             nll += float(s); n += k
+    nll, n = self._sp_sum(nll, n)
     return {'nll_sum': nll, 'n_trained': n}
 
 @patch
@@ -352,24 +404,24 @@ def trained_token_stats(logits, # [n, V] logits at the positions whose next toke
 
 @patch
 def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
-    "Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered)."
+    "Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered; with sp, rank 0 of each sp group answers)."
     import torch
     self.model.eval()
     out = []
     with torch.no_grad():
         for mb in micro_batches:
             mb = self._to_dev(mb)
-            sel, tgt = trained_targets(mb['labels'])
+            inputs, sel, tgt, _ = self._loss_inputs(mb)
             head = self.model.get_output_embeddings()
             def only_trained(module, args):  # [B, T, H] hidden states → [n_trained, H]
                 return (args[0][sel],) + args[1:] if args[0].shape[:2] == sel.shape else None
             hook = head.register_forward_pre_hook(only_trained) if head is not None else None
-            try: logits = self.model(**model_inputs(mb)).logits
+            try: logits = self.model(**inputs).logits
             finally:
                 if hook is not None: hook.remove()
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
-            out.append(trained_token_stats(logits, tgt, k))
-    return out
+            out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
+    return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
 def rank_memory(use_gpu: bool = False) -> dict:
