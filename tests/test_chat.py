@@ -1,0 +1,48 @@
+"""Issue 30, chat with the model: `trainer.chat` streams a reply from the current weights on the workers (2 FSDP ranks:
+rank 0 picks each token and broadcasts it), between steps only; the workers show no progress bars (their stderr is a
+red box in a notebook)."""
+import threading, time
+import pytest
+from sft_nb.demo_data import identity_rows
+from sft_nb.trainer import SFTTrainer, TrainerBusy
+from sft_nb.live import TrainerPanel
+from helpers import run_cfg
+
+ROWS = identity_rows()
+
+
+def test_chat_streams_the_current_weights(tiny_path, tmp_path, ray_session):
+    cfg = run_cfg(tiny_path, tmp_path, optim__lr=3e-3, train__micro_batch_size=4, train__num_steps=200, eval__samples=0,
+                  placement__workers_per_node=2)
+    with SFTTrainer(cfg, train_data=ROWS['train']) as t:
+        t.fit(4)
+        msgs = [{'role': 'user', 'content': 'Who are you?'}]
+        pieces = []
+        reply = t.chat(msgs, max_new_tokens=16, on_text=pieces.append)
+        assert len(pieces) > 1 and ''.join(pieces) == reply  # streamed, piece by piece, into the same text
+        assert reply.strip() == t.generate([msgs], 16)[0]  # greedy: what HF's generate answers with the same weights
+        a, b = (t.chat('Who are you?', 16, temperature=1.0, top_p=0.95, seed=7) for _ in range(2))
+        assert a == b  # sampled, the same seed: the same reply (both ranks drew the token rank 0 picked)
+        t.step()
+        assert t.chat(msgs, 16).strip() == t.generate([msgs], 16)[0]  # after a step: the new weights answer, no stale cache
+        # while a fit runs in another thread (the panel's Fit), chat is refused; after Stop it answers
+        panel = TrainerPanel(t)
+        panel.fit_button.click()
+        while t.global_step < 7: time.sleep(0.02)
+        with pytest.raises(TrainerBusy, match='trainer.fit\\(\\) is running in another thread'): t.chat(msgs, 4)
+        assert panel.chat.send_button.disabled
+        panel.stop_button.click(); panel.wait(120)
+        assert not panel.chat.send_button.disabled
+        panel.chat.text.value = 'Who are you?'; panel.chat.send_button.click(); panel.wait(120)
+        assert panel.chat.messages[-1] == {'role': 'assistant', 'content': t.chat(msgs, 128)}
+        assert 'model:</b>' in panel.chat.output.value
+
+
+def test_workers_show_no_progress_bars(ray_session):
+    "The workers' transformers/hub progress bars are off (init_ray's worker environment)."
+    import ray
+    @ray.remote
+    def bars_on():
+        from transformers.utils import logging
+        return logging.is_progress_bar_enabled()
+    assert ray.get(bars_on.remote()) is False
