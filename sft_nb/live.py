@@ -128,9 +128,9 @@ def eval_groups(samples: list[dict]) -> list[list[dict]]:
     return groups
 
 # %% ../nbs/08b_live.ipynb #af6ef28e
-def samples_html(samples: list[dict], max_evals: int = 5) -> str:
+def samples_html(samples: list[dict], max_evals: int = 5, why: str = '') -> str: # why: the reason there are none (`trainer.samples_why`)
     "The last `max_evals` evaluations' samples, newest first, each answer diffed against the previous one."
-    if not samples: return ''
+    if not samples: return f'<div class="sft-nb-samples-why" style="font-size:12px;color:#8a5a00">{html.escape(why)}</div>' if why else ''
     out = []
     for g in eval_groups(samples)[::-1][:max_evals]:
         rows = ''.join(
@@ -272,7 +272,7 @@ def on_train_end(self, trainer): self.refresh()
 @patch_to(TrainerPanel)
 def on_evaluate(self, trainer, metrics):
     self.log.write(eval_line(metrics) + '\n')
-    self.samples.value = samples_html(getattr(trainer, 'samples', []))  # the SamplesCallback ran before the panel
+    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))  # the SamplesCallback ran before the panel
     self.refresh()
 @patch_to(TrainerPanel)
 def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')

@@ -1,7 +1,8 @@
 """Issue 30, chat with the model: `trainer.chat` streams a reply from the current weights on the workers (2 FSDP ranks:
 rank 0 picks each token and broadcasts it), between steps only; the workers show no progress bars (their stderr is a
 red box in a notebook)."""
-import threading, time
+import json, threading, time
+from pathlib import Path
 import pytest
 from sft_nb.demo_data import identity_rows
 from sft_nb.trainer import SFTTrainer, TrainerBusy
@@ -46,3 +47,28 @@ def test_workers_show_no_progress_bars(ray_session):
         from transformers.utils import logging
         return logging.is_progress_bar_enabled()
     assert ray.get(bars_on.remote()) is False
+
+
+FIX = Path(__file__).parent / 'fixtures'
+
+
+def test_tool_call_samples_and_panel_lines(tiny_path, tmp_path, ray_session):
+    """Tool-calling eval data: the samples answer with the rows' tools in the prompt, their references show the tool calls;
+    the panel prints one line per evaluation (no eval_loss beside the set's own loss) and one per save."""
+    data = str(FIX / 'tool_calls.jsonl')
+    cfg = run_cfg(tiny_path, tmp_path, train__num_steps=2, train__eval_every=2, eval__max_new_tokens=8,
+                  tokenize__chat_template=str(FIX / 'templates' / 'qwen3.jinja'), data__train=[{'path': data}], data__eval={'tools': {'path': data}})
+    with SFTTrainer(cfg) as t:
+        panel = TrainerPanel(t)
+        panel.fit_button.click(); panel.wait(300)
+        s = t.samples
+        assert [r['step'] for r in s] == [2] * 4 and t.samples_why == ''
+        assert s[0]['reference'] == '→ get_weather({"city": "Paris"})' and s[1]['reference'] == 'Oslo is at 17 °C: not warm.'
+        assert s[1]['messages'][-1]['role'] == 'tool' and s[1]['prompt'] == '{"city": "Oslo", "celsius": 17}'
+        prompt = t.tokenizer.decode(t.prompt_ids(s[0]['messages'], json.loads(Path(data).read_text().splitlines()[0])['tools']))
+        assert 'Current weather of a city' in prompt and prompt.endswith('<|im_start|>assistant\n')  # the rows' tools, the run's template
+        assert '→ get_weather(' in panel.samples.value
+        evals = [l for l in panel.log.text.splitlines() if l.startswith('eval at step')]
+        assert evals == [f"eval at step 2: tools loss {t.last_eval['tools_loss']:.4f} ppl {t.last_eval['tools_ppl']:.2f}"], evals
+        panel.save_button.click(); panel.wait(120)
+        assert [l for l in panel.log.text.splitlines() if 'step_000002' in l] == [f"checkpoint {t.run_dir / 'checkpoints' / 'step_000002'}"]
