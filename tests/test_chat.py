@@ -65,10 +65,29 @@ def test_tool_call_samples_and_panel_lines(tiny_path, tmp_path, ray_session):
         assert [r['step'] for r in s] == [2] * 4 and t.samples_why == ''
         assert s[0]['reference'] == '→ get_weather({"city": "Paris"})' and s[1]['reference'] == 'Oslo is at 17 °C: not warm.'
         assert s[1]['messages'][-1]['role'] == 'tool' and s[1]['prompt'] == '{"city": "Oslo", "celsius": 17}'
-        prompt = t.tokenizer.decode(t.prompt_ids(s[0]['messages'], json.loads(Path(data).read_text().splitlines()[0])['tools']))
+        prompt = t.tokenizer.decode(t.prompt_ids([{'role': 'user', 'content': s[0]['prompt']}], json.loads(Path(data).read_text().splitlines()[0])['tools']))
         assert 'Current weather of a city' in prompt and prompt.endswith('<|im_start|>assistant\n')  # the rows' tools, the run's template
         assert '→ get_weather(' in panel.samples.value
         evals = [l for l in panel.log.text.splitlines() if l.startswith('eval at step')]
         assert evals == [f"eval at step 2: tools loss {t.last_eval['tools_loss']:.4f} ppl {t.last_eval['tools_ppl']:.2f}"], evals
         panel.save_button.click(); panel.wait(120)
         assert [l for l in panel.log.text.splitlines() if 'step_000002' in l] == [f"checkpoint {t.run_dir / 'checkpoints' / 'step_000002'}"]
+
+
+def test_early_stopping_keeps_the_best_model(tiny_path, tmp_path, ray_session):
+    """interactive.ipynb's pair of callbacks on its defaults (the tiny model at lr 3e-3 overfits the identity rows):
+    EarlyStopping ends the fit before num_steps, and run_dir/best holds the model of the lowest eval loss."""
+    from transformers import AutoModelForCausalLM
+    from sft_nb.callbacks import EarlyStopping, KeepBest
+    cfg = run_cfg(tiny_path, tmp_path, optim__lr=3e-3, optim__schedule='cosine', optim__warmup_steps=10, train__micro_batch_size=4,
+                  train__num_steps=300, train__eval_every=10, data__eval_fraction=0.1, eval__samples=0)
+    with SFTTrainer(cfg, [EarlyStopping(patience=3), KeepBest()], train_data=ROWS['train']) as t:
+        t.fit()
+        losses = [(e['step'], e['eval_loss']) for e in t.eval_history]
+        best = min(losses, key=lambda e: e[1])
+        assert t.global_step < 300 and t.global_step == losses[-1][0] == best[0] + 30, losses  # 3 evaluations without a new best
+        assert t.best['step'] == best[0] and t.best['eval_loss'] == best[1]
+        assert json.loads((t.run_dir / 'best' / 'best.json').read_text())['step'] == best[0]
+        ref = {k: v.detach().clone() for k, v in t.workers.full_state()[0].items()}
+    hf = AutoModelForCausalLM.from_pretrained(t.run_dir / 'best')
+    assert any(not (hf.state_dict()[k] == v).all() for k, v in ref.items() if k in hf.state_dict())  # best is not the last step's model
