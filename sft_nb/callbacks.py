@@ -10,10 +10,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule', 'Profiler',
-           'builtin_callbacks', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'Preempted', 'SaveOnSignal',
-           'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers',
-           'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
+__all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'KeepBest', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule',
+           'Profiler', 'builtin_callbacks', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'Preempted',
+           'SaveOnSignal', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker',
+           'make_trackers', 'answer_text', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -48,7 +48,21 @@ class EarlyStopping(Callback):
         if v < self.best - self.min_delta: self.best, self.bad = v, 0
         else:
             self.bad += 1
-            if self.bad >= self.patience: trainer.control.should_stop = True
+            if self.bad >= self.patience:
+                trainer.control.should_stop = True
+                print(f"early stopping: {self.metric} {v:.4f}, not below its best {self.best:.4f} for {self.bad} evaluations; the fit stops")
+
+# %% ../nbs/08a_callbacks.ipynb #3193aebf
+class KeepBest(Callback):
+    "At each evaluation that lowers `metric`, export the model to `run_dir/<name>` (with best.json: step, metric); `trainer.best` says which."
+    def __init__(self, metric: str = 'eval_loss', name: str = 'best'): self.metric, self.name, self.best = metric, name, None
+    def on_evaluate(self, trainer, metrics):
+        v = metrics.get(self.metric)
+        if v is None or (self.best is not None and v >= self.best[self.metric]): return
+        path = trainer.export(Path(trainer.run_dir) / self.name)
+        self.best = trainer.best = {'step': metrics['step'], self.metric: v, 'path': str(path)}
+        (path / 'best.json').write_text(json.dumps(self.best))
+        print(f"best {self.metric} so far: {v:.4f} at step {metrics['step']}; model exported to {path}")
 
 # %% ../nbs/08a_callbacks.ipynb #4bb98f9c
 class NonFiniteLoss(RuntimeError):
@@ -259,10 +273,16 @@ def make_trackers(names: list[str], run_dir: str | Path, project: str = 'sft_nb'
     return [make[n]() for n in names] + samples
 
 # %% ../nbs/08a_callbacks.ipynb #584ed4ab
+def answer_text(message: dict) -> str:
+    "An assistant turn as text: its content, then one `→ name(arguments)` line per tool call."
+    calls = [c.get('function', c) for c in message.get('tool_calls') or []]
+    args = lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)
+    return '\n'.join([message.get('content') or ''] + [f"→ {c.get('name')}({args(c.get('arguments'))})" for c in calls]).strip()
+
 def split_answer(messages: list[dict]) -> tuple[list[dict], str | None]:
-    "A conversation → (the messages before its last assistant turn, that turn's text); no assistant turn: (messages, None)."
+    "A conversation → (the messages before its last assistant turn, that turn as text: `answer_text`); no assistant turn: (messages, None)."
     last = max((k for k, m in enumerate(messages) if m.get('role') == 'assistant'), default=None)
-    return (messages, None) if last is None else (messages[:last], messages[last].get('content'))
+    return (messages, None) if last is None else (messages[:last], answer_text(messages[last]))
 
 def prompt_messages(prompt) -> list[dict]:
     "A prompt as chat messages: a string is one user message."
@@ -270,7 +290,8 @@ def prompt_messages(prompt) -> list[dict]:
 
 # %% ../nbs/08a_callbacks.ipynb #0df184c6
 def _text_chat(conv: dict) -> bool:
-    return bool(conv.get('messages')) and all(isinstance(m.get('content'), str) for m in conv['messages'])
+    "Every message's content is text (or empty, as on a tool-call turn): nothing the text-only `generate` cannot render."
+    return bool(conv.get('messages')) and all(m.get('content') is None or isinstance(m.get('content'), str) for m in conv['messages'])
 
 def _candidates(trainer):
     "(set name, [(source, tokenized dataset, example)]) in order of preference: first eval set, held-out rows, train rows."
@@ -282,11 +303,12 @@ def _candidates(trainer):
     if trainer.data.heldout: yield 'heldout', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.heldout]
     yield 'train', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.rows]
 
-def data_prompts(trainer, n: int) -> tuple[str | None, list[dict]]:
-    "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'reference', 'row'}]); (None, []) when none has any."
+def data_prompts(trainer, n: int) -> tuple[str | None, list[dict], dict[str, int]]:
+    "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'tools', 'reference', 'row'}], {why rows were skipped: count}); (None, [], skipped) when none has any."
     from sft_nb.data import load_source, source_columns, detect_format, normalize_row, row_dict, BadRow
-    if trainer.cfg.data.synthetic_rows: return None, []
-    loaded = {}
+    if trainer.cfg.data.synthetic_rows: return None, [], {'synthetic (no text)': trainer.cfg.data.synthetic_rows}
+    loaded, skipped = {}, {}
+    skip = lambda why: skipped.__setitem__(why, skipped.get(why, 0) + 1)
     for name, items in _candidates(trainer):
         out, seen = [], set()
         for src, ds, i in items:
@@ -299,15 +321,17 @@ def data_prompts(trainer, n: int) -> tuple[str | None, list[dict]]:
                 loaded[id(src)] = raw, detect_format(source_columns(raw)) if fmt == 'auto' else fmt
             raw, fmt = loaded[id(src)]
             r = row_dict(raw[row])
-            if r.get('images') or r.get('image'): continue  # an image row: its prompt needs the image (generate takes text)
+            if r.get('images') or r.get('image'): skip('with images (generate takes text)'); continue
             try: conv = normalize_row(r, fmt)
-            except BadRow: continue
-            if not _text_chat(conv): continue
+            except BadRow as e: skip(f'unreadable ({str(e)[:60]})'); continue
+            if not conv.get('messages'): skip(f'not chats ({fmt} format)'); continue
+            if not _text_chat(conv): skip('with content parts that are not text'); continue
             msgs, ref = split_answer(conv['messages'])
-            if msgs: out.append({'messages': msgs, 'reference': ref, 'row': row})
+            if not msgs: skip('with nothing before the answer'); continue
+            out.append({'messages': msgs, 'tools': conv.get('tools'), 'reference': ref, 'row': row})
             if len(out) == n: break
-        if out: return name, out
-    return None, []
+        if out: return name, out, skipped
+    return None, [], skipped
 
 # %% ../nbs/08a_callbacks.ipynb #7cbf630f
 class SamplesCallback(JSONLTracker):
@@ -316,23 +340,27 @@ class SamplesCallback(JSONLTracker):
                  max_new_tokens: int = 64):
         super().__init__(path)
         self.spec, self.max_new_tokens = samples, max_new_tokens
-        self.prompts, self.samples = None, []  # prompts are chosen at the first evaluation
+        self.prompts, self.samples, self.why = None, [], ''  # prompts are chosen at the first evaluation; why: none was found
 
     def choose(self, trainer) -> list[dict]:
         "The prompts: `eval.samples` as given, or that many rows of the trainer's data."
         if isinstance(self.spec, int):
-            name, found = data_prompts(trainer, self.spec)
+            name, found, skipped = data_prompts(trainer, self.spec)
+            if not found:
+                rows = ', '.join(f'{k} rows {why}' for why, k in skipped.items()) or 'the data has no rows'
+                self.why = f"eval.samples={self.spec}: no sample prompts ({rows}); set eval.samples to a list of prompts"
+                warnings.warn(self.why)
             return [{'eval': name, **p} for p in found]
-        return [{'eval': 'prompts', 'messages': prompt_messages(p), 'reference': None, 'row': None} for p in self.spec]
+        return [{'eval': 'prompts', 'messages': prompt_messages(p), 'tools': None, 'reference': None, 'row': None} for p in self.spec]
 
     def on_log(self, trainer, metrics): pass  # samples only: the metrics go to metrics.jsonl
     def on_evaluate(self, trainer, metrics):
         if self.prompts is None:
             self.prompts = self.choose(trainer)
             if self.path.exists(): self.samples = [json.loads(l) for l in self.path.read_text().splitlines() if l]  # a resumed run's
-        trainer.samples = self.samples
+        trainer.samples, trainer.samples_why = self.samples, self.why
         if not self.prompts: return
-        answers = trainer.generate([p['messages'] for p in self.prompts], self.max_new_tokens)
+        answers = trainer.generate([p['messages'] for p in self.prompts], self.max_new_tokens, [p['tools'] for p in self.prompts])
         prev = {s['prompt_id']: s['answer'] for s in self.samples}  # the latest answer to each prompt
         for k, (p, a) in enumerate(zip(self.prompts, answers)):
             rec = {'step': metrics['step'], 'eval': p['eval'], 'prompt_id': k, 'row': p['row'], 'prompt': p['messages'][-1]['content'],

@@ -13,7 +13,7 @@ from .callbacks import Callback
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
-           'samples_text', 'data_html', 'TrainerPanel', 'dry_run_state']
+           'samples_text', 'data_html', 'eval_line', 'TrainerPanel', 'dry_run_state', 'ChatBox']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -128,9 +128,9 @@ def eval_groups(samples: list[dict]) -> list[list[dict]]:
     return groups
 
 # %% ../nbs/08b_live.ipynb #af6ef28e
-def samples_html(samples: list[dict], max_evals: int = 5) -> str:
+def samples_html(samples: list[dict], max_evals: int = 5, why: str = '') -> str: # why: the reason there are none (`trainer.samples_why`)
     "The last `max_evals` evaluations' samples, newest first, each answer diffed against the previous one."
-    if not samples: return ''
+    if not samples: return f'<div class="sft-nb-samples-why" style="font-size:12px;color:#8a5a00">{html.escape(why)}</div>' if why else ''
     out = []
     for g in eval_groups(samples)[::-1][:max_evals]:
         rows = ''.join(
@@ -166,6 +166,13 @@ def data_html(report) -> str:
         for s in report.sources) if len(report.sources) > 1 else ''
     return f"data: {report.n_kept:,} of {report.n_rows:,} rows kept{drop}{mix}"
 
+# %% ../nbs/08b_live.ipynb #558e4198
+def eval_line(metrics: dict) -> str:
+    "`eval at step N: <set> loss L ppl P · ...` from an `evaluate()` result (its `eval_loss`/`eval_ppl` aliases left out)."
+    sets = [k[:-5] for k in metrics if k.endswith('_loss') and k != 'eval_loss'] or (['eval'] if 'eval_loss' in metrics else [])
+    parts = [f"{s} loss {metrics[f'{s}_loss']:.4f} ppl {metrics[f'{s}_ppl']:.2f}" for s in sets]
+    return f"eval at step {metrics['step']}: " + (' · '.join(parts) or 'no eval set (samples only)')
+
 # %% ../nbs/08b_live.ipynb #21525d35
 class TrainerPanel(Callback):
     "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
@@ -188,8 +195,9 @@ class TrainerPanel(Callback):
         self.stop_button.on_click(lambda _: self.stop())
         self.dry_button.on_click(lambda _: self.start('dry_run', self.trainer.dry_run))
         buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button, self.dry_button]
+        self.chat = ChatBox(self)  # talk to the current weights between steps
         self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.log.widget])
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.chat.widget, self.log.widget])
         for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
         self.refresh()
 
@@ -212,6 +220,7 @@ def refresh(self):
     for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
     for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
     self.stop_button.disabled = running not in ('fit', 'train') or stopping
+    self.chat.send_button.disabled = bool(running)
     plan = getattr(t, 'data', None)
     self.data_line.value = data_html(plan.data_report if plan is not None else None)
 
@@ -230,7 +239,6 @@ def start(self, name: str, fn):
             try:
                 r = fn()
                 if name == 'fit' and self.stopped: self.state = f'stopped at step {self.trainer.global_step}'
-                elif name == 'save': self.log.write(f'saved {r}\n'); self.state = 'idle'
                 elif name == 'dry_run': self.state = dry_run_state(r, self.log)
                 else: self.state = 'idle'
             except Exception as e: self.log.error(e); self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
@@ -277,8 +285,8 @@ def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
 def on_train_end(self, trainer): self.refresh()
 @patch_to(TrainerPanel)
 def on_evaluate(self, trainer, metrics):
-    self.log.write(f"eval at step {metrics['step']}: " + '  '.join(f'{k}={v:.4f}' for k, v in metrics.items() if k != 'step') + '\n')
-    self.samples.value = samples_html(getattr(trainer, 'samples', []))  # the SamplesCallback ran before the panel
+    self.log.write(eval_line(metrics) + '\n')
+    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))  # the SamplesCallback ran before the panel
     self.refresh()
 @patch_to(TrainerPanel)
 def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')
@@ -286,3 +294,48 @@ def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')
 def _ipython_display_(self):
     from IPython.display import display
     display(self.widget)
+
+# %% ../nbs/08b_live.ipynb #840b1e1a
+class ChatBox:
+    "A text box, Send / Clear, greedy or sampled decoding, and the conversation, its last reply streamed in (`trainer.chat`)."
+    def __init__(self, panel): # the `TrainerPanel` whose trainer answers and whose thread runs the reply
+        self.panel, self.messages, self.reply = panel, [], None  # reply: the text streamed so far (None: not replying)
+        self.text = W.Textarea(placeholder='Message the model (Send: the current weights answer)', layout=W.Layout(width='60%', height='60px'))
+        self.send_button, self.clear_button = W.Button(description='Send', icon='paper-plane'), W.Button(description='Clear', icon='eraser')
+        self.mode = W.ToggleButtons(options=['greedy', 'sample'], value='greedy', style={'button_width': '70px'})
+        F, lay = W.BoundedFloatText, W.Layout(width='150px')
+        self.temperature, self.top_p = F(0.7, min=0.01, max=5, step=0.1, description='temperature', layout=lay), F(0.9, min=0.01, max=1, step=0.05, description='top_p', layout=lay)
+        self.max_new_tokens = W.BoundedIntText(128, min=1, max=4096, description='tokens', layout=lay)
+        self.output = W.HTML()
+        self.send_button.on_click(lambda _: self.send()); self.clear_button.on_click(lambda _: self.clear())
+        self.widget = W.VBox([self.output, W.HBox([self.text, W.VBox([self.send_button, self.clear_button])]),
+                              W.HBox([self.mode, self.temperature, self.top_p, self.max_new_tokens])])
+        for w, c in ((self.widget, 'sft-nb-chat'), (self.output, 'sft-nb-chat-output'), (self.text, 'sft-nb-chat-input'), (self.send_button, 'sft-nb-chat-send')): w.add_class(c)
+        self.render()
+
+    def send(self):
+        "Send the text box's message; the reply streams into the output area from the panel's thread."
+        msg = self.text.value.strip()
+        if not msg: return
+        if self.panel.busy: self.panel.log.write(f'chat: the panel is already running {self.panel.thread.name}\n'); return
+        self.messages.append({'role': 'user', 'content': msg}); self.text.value, self.reply = '', ''
+        sample = self.mode.value == 'sample'
+        def reply():
+            try: r = self.panel.trainer.chat(list(self.messages), self.max_new_tokens.value, self.temperature.value if sample else 0.0,
+                                             self.top_p.value if sample else 1.0, seed=len(self.messages), on_text=self.piece)
+            except BaseException: self.messages.pop(); self.text.value = msg; raise  # no half turn; the message is kept to resend
+            finally: self.reply = None
+            self.messages.append({'role': 'assistant', 'content': r}); self.render()
+        self.render(); self.panel.start('chat', reply)
+
+    def piece(self, text: str): self.reply += text; self.render()
+    def clear(self): self.messages, self.reply = [], None; self.render()
+
+    def render(self):
+        "The conversation as HTML, the reply being streamed last (with a cursor)."
+        turn = lambda who, text, cls: f'<div class="{cls}"><b>{who}:</b> {html.escape(text)}</div>'
+        rows = [turn('you' if m['role'] == 'user' else 'model', m['content'], f"sft-nb-chat-{m['role']}") for m in self.messages]
+        if self.reply is not None: rows.append(turn('model', self.reply + '▌', 'sft-nb-chat-assistant sft-nb-chat-streaming'))
+        hint = '<span style="color:#777">chat with the current weights: type below and Send (between steps, or after Stop)</span>'
+        self.output.value = '<div style="font-family:monospace;font-size:12px;white-space:pre-wrap;max-height:240px;overflow:auto">' + (''.join(rows) or hint) + '</div>'
+

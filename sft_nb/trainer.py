@@ -12,11 +12,11 @@ from fastcore.basics import patch
 from .config import SFTConfig, load_config, save_config
 from .stream import StreamPlan
 from .dataplan import DataPlan, synthetic_dataset
-from .templates import chat_ids
+from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path
 from .loss import eval_metrics
 from .checkpoint import Checkpointer, model_fingerprint, check_model
-from .callbacks import Control, Callback, Exclusive, action, hold_interrupts, builtin_callbacks, make_trackers
+from .callbacks import Control, Callback, Exclusive, action, hold_interrupts, builtin_callbacks, make_trackers, prompt_messages
 from .workers import init_ray, stop_ray
 from .backends import start_workers
 
@@ -257,12 +257,40 @@ def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
     return path
 
 @patch
+def prompt_ids(self: SFTTrainer, messages: list[dict], tools: list | None = None) -> list[int]:
+    "A conversation as the ids the model answers: the run's chat template (`tokenize.chat_template` and its kwargs) and the generation prompt."
+    tk = self.cfg.tokenize
+    return chat_ids(self.tokenizer, messages, tools, template=load_template(tk.chat_template), add_generation_prompt=True, **tk.chat_template_kwargs)
+
+@patch
 @action('generate')
-def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32) -> list[str]:
+def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32,
+             tools_list: list[list | None] | None = None) -> list[str]: # each conversation's tool schemas (None: no tools)
     "Greedy answers of the current model to chat prompts."
-    prompts = [chat_ids(self.tokenizer, msgs, add_generation_prompt=True) for msgs in messages_list]
+    prompts = [self.prompt_ids(msgs, tools) for msgs, tools in zip(messages_list, tools_list or [None] * len(messages_list))]
     outs = self.workers.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
     return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
+
+# %% ../nbs/08_trainer.ipynb #47ae9b47
+@patch
+@action('chat')
+def chat(self: SFTTrainer, messages: str | list[dict], # a user message, or a conversation that ends in a user turn
+         max_new_tokens: int = 128, temperature: float = 0.0, # 0: greedy; > 0: sampled (`next_token`)
+         top_p: float = 1.0, seed: int = 0, # nucleus mass, and the sampler's seed
+         on_text=None, # on_text(piece): each new piece of the reply, as it is generated
+         tools: list | None = None) -> str: # tool schemas for the template
+    "The current model's reply with the run's chat template; streamed token by token to `on_text`."
+    tok, eos = self.tokenizer, self.tokenizer.eos_token_id
+    prompt, new, text = self.prompt_ids(prompt_messages(messages), tools), [], ''
+    while len(new) < max_new_tokens and (not new or new[-1] != eos):
+        got = self.workers.stream_tokens(None if new else prompt, 1, temperature, top_p, seed, eos)
+        if not got: break
+        new += got
+        full = tok.decode(new, skip_special_tokens=True)
+        if full.endswith('\ufffd'): continue  # a character split over tokens: wait for the rest of it
+        if on_text is not None and len(full) > len(text): on_text(full[len(text):])
+        text = full
+    return text
 
 # %% ../nbs/08_trainer.ipynb #64ca74af
 @patch

@@ -25,7 +25,8 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     for k, v in RAY_ENV.items(): os.environ.setdefault(k, v)
     import ray
     if ray.is_initialized(): return False
-    env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0')}
+    # no progress bars in the workers: their stderr reaches the notebook as a red box over the cell ("Loading weights 0/272")
+    env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0'), 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
     if address: ray.init(address=address, runtime_env={'env_vars': env}, log_to_driver=True); return True
     # A local cluster's processes inherit the environment they start in: the workers get `env` without a runtime env,
     # so no worker start waits on the runtime-env agent. The driver's own environment is restored right after.

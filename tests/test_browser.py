@@ -24,10 +24,11 @@ def lab():
     if shutil.which('chromium') is None: pytest.fail('chromium is not installed: apt-get install -y chromium (.ci/run does this)')
     shutil.rmtree(LAB_DIR, ignore_errors=True); LAB_DIR.mkdir(parents=True); SHOTS.mkdir(parents=True, exist_ok=True)
     for nb in (ROOT / 'examples').glob('*.ipynb'): shutil.copy(nb, LAB_DIR / nb.name)
-    # the interactive example trains long enough for the test to use the panel mid-run
+    # the interactive example trains long enough for the test to use the panel mid-run, evaluating every 50 steps, never stopping early
     nb = json.loads((LAB_DIR / 'interactive.ipynb').read_text())
     params = next(c for c in nb['cells'] if 'parameters' in c['metadata'].get('tags', []))
-    params['source'] = [re.sub(r'^num_steps = \d+', 'num_steps = 3000', l) for l in params['source']]
+    for k, v in {'num_steps': 3000, 'eval_every': 50, 'early_stopping': 0}.items():
+        params['source'] = [re.sub(rf'^{k} = \d+', f'{k} = {v}', l) for l in params['source']]
     (LAB_DIR / 'interactive.ipynb').write_text(json.dumps(nb))
     port, token = _free_port(), secrets.token_hex(16)
     home = LAB_DIR / '.jupyter'

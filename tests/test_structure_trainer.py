@@ -70,5 +70,5 @@ def test_every_action_is_guarded():
     from sft_nb.trainer import SFTTrainer
     parts = _trainer_lines()
     assert {'SFTTrainer', 'setup', 'step', 'fit', 'evaluate', 'save', 'load', 'shutdown', 'dry_run', 'restart_workers'} <= set(parts), parts
-    for name in ('step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'shutdown', 'dry_run'):
+    for name in ('step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'chat', 'shutdown', 'dry_run'):
         assert hasattr(getattr(SFTTrainer, name), '__wrapped__'), f"SFTTrainer.{name} is not an @action"

@@ -36,6 +36,9 @@ class Backend(Protocol):
         "Per micro-batch, at its trained targets: {'nll', 'top_ids', 'top_p'} (None on ranks without the logits)."
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
         "Greedy continuations of token-id prompts."
+    def stream_tokens(self, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                      eos_token_id: int | None = None) -> list[int]:
+        "Up to `n` next tokens of one continuation (`next_token` picks each; every rank returns the same): a `prompt` starts one, None goes on with it; the last is `eos_token_id` when it ended."
     def full_state(self) -> dict: "The full (unsharded) model state dict."
     def save(self, path: str) -> bool: "Write this rank's shard of a checkpoint into folder `path`."
     def load(self, path: str) -> int: "Load this rank's shard of checkpoint `path`."
@@ -69,6 +72,8 @@ class BackendGroup:
     def setup(self) -> list[dict]: return self.group.call('setup')
     def optim_step(self, skip: bool = False) -> list[dict]: return self.group.call('optim_step', skip)
     def generate(self, prompts, max_new_tokens=32, eos_token_id=None) -> list: return self.group.call('generate', prompts, max_new_tokens, eos_token_id)
+    def stream_tokens(self, prompt, n=1, temperature=0.0, top_p=1.0, seed=0, eos_token_id=None) -> list[int]:
+        return self.group.call('stream_tokens', prompt, n, temperature, top_p, seed, eos_token_id)[0]  # ranks agree (rank 0 picks)
     def full_state(self) -> list[dict]: return self.group.call('full_state')
     def save(self, path: str) -> list: return self.group.call('save', path)
     def load(self, path: str) -> list: return self.group.call('load', path)

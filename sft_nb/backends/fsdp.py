@@ -423,6 +423,28 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
             out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #1218611b
+@patch
+def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                  eos_token_id: int | None = None) -> list[int]:
+    "Up to `n` next tokens of the continuation `prompt` starts (None: the current one), the KV cache kept between calls."
+    import inspect, torch, torch.distributed as dist
+    from sft_nb.sampling import next_token
+    kv = 'cache' if 'cache' in inspect.signature(self.model.forward).parameters else 'past_key_values'  # transformers renamed it in 5.x
+    if prompt is not None: self._stream = {'ids': torch.tensor([prompt], device=self.device), 'past': None, 'done': False,
+                                           'gen': torch.Generator().manual_seed(seed)}
+    st, out = getattr(self, '_stream', None), []
+    if st is None: raise RuntimeError("stream_tokens: no continuation was started (pass a prompt first)")
+    self.model.eval()
+    with torch.no_grad():
+        while len(out) < n and not st['done']:
+            o = self.model(input_ids=st['ids'], use_cache=True, **{kv: st['past']})
+            tok = torch.tensor([next_token(o.logits[0, -1], temperature, top_p, st['gen'])], device=self.device)
+            if dist.is_initialized() and self.world_size > 1: dist.broadcast(tok, 0)
+            st['ids'], st['past'] = tok.view(1, 1), o[kv]
+            out.append(int(tok)); st['done'] = out[-1] == eos_token_id
+    return out
+
 # %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
 def rank_memory(use_gpu: bool = False) -> dict:
     "This process's memory now: {'rss', 'peak'} bytes (host VmRSS/VmHWM on CPU; allocated / max allocated on the GPU)."

@@ -342,6 +342,24 @@ def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int
         outs.append(new)
     return outs
 
+# %% ../../nbs/07b_backends.megatron.ipynb #3ad4a3df
+@patch
+def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
+                  eos_token_id: int | None = None) -> list[int]:
+    "Up to `n` next tokens of the continuation `prompt` starts (None: the current one), recomputing the prefix each token as `generate` does."
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    from sft_nb.sampling import next_token
+    if prompt is not None: self._stream = {'ids': list(prompt), 'done': False, 'gen': torch.Generator().manual_seed(seed)}
+    st, out = getattr(self, '_stream', None), []
+    if st is None: raise RuntimeError("stream_tokens: no continuation was started (pass a prompt first)")
+    while len(out) < n and not st['done']:
+        lg = self.logits([st['ids']])  # the last stage picks (its tensor-parallel ranks alike: same logits, same seeded draw)
+        nxt = torch.tensor([next_token(lg[0, -1], temperature, top_p, st['gen']) if lg is not None else 0], device=self.device)
+        dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+        st['ids'].append(int(nxt)); out.append(int(nxt)); st['done'] = out[-1] == eos_token_id
+    return out
+
 # %% ../../nbs/07b_backends.megatron.ipynb #1cb55927
 @patch
 def _local_state(self: MegatronWorker) -> dict:

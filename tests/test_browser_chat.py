@@ -1,0 +1,66 @@
+"""Issue 30 in a real JupyterLab + headless Chromium (the harness of tests/test_browser.py): `interactive.ipynb` on a
+tool-calling file and a reasoning file (tests/fixtures) with a named template file (Qwen3's, which renders tool calls and
+reasoning), a few steps of Fit, then a chat in the panel: type, Send, the reply streams in (several partial texts seen
+on the page) and is what the kernel's chat box holds. No red stderr box from the workers' weight loading.
+Screenshot: build/browser/panel_chat.png."""
+from __future__ import annotations
+import json, re, shutil
+from pathlib import Path
+import pytest
+from test_browser import lab, browser, Notebook, LAB_DIR, ROOT, _status  # noqa: F401 (fixtures used by name)
+
+pytestmark = pytest.mark.timeout(900)
+FIX = ROOT / 'tests' / 'fixtures'
+PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3.jinja'", 'num_steps': '6', 'eval_every': '3'}
+
+
+def _notebook(name: str) -> str:
+    "interactive.ipynb with PARAMS set in its parameters cell (what papermill -p does), next to its data, in the lab folder."
+    for f in ('tool_calls.jsonl', 'reasoning.jsonl', 'templates/qwen3.jinja'): shutil.copy(FIX / f, LAB_DIR / Path(f).name)
+    nb = json.loads((ROOT / 'examples' / 'interactive.ipynb').read_text())
+    params = next(c for c in nb['cells'] if 'parameters' in c['metadata'].get('tags', []))
+    src = ''.join(params['source'])
+    for k, v in PARAMS.items():
+        src, n = re.subn(rf'^{k} = [^#\n]*', f'{k} = {v}  ', src, flags=re.M)
+        assert n == 1, f'interactive.ipynb has no parameter {k}'
+    params['source'] = src.splitlines(keepends=True)
+    (LAB_DIR / name).write_text(json.dumps(nb))
+    return name
+
+
+def test_chat_in_panel_on_agent_data(lab, browser):
+    nb = Notebook(browser, lab, _notebook('interactive_agent.ipynb'))
+    nb.run_all()
+    panel = nb.page.locator('.sft-nb-panel')
+    data = nb.page.locator('.sft-nb-data').inner_text()
+    assert 'tool_calls.jsonl' in data and 'reasoning.jsonl' in data, data  # both files train
+    panel.locator('button', has_text=re.compile(r'^\s*Fit\s*$')).click()
+    nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('done: every step ran')", timeout=300_000)
+    assert 'step 6/6' in _status(nb)
+    # every text the streaming reply shows, as the page sees it
+    nb.page.evaluate('''() => { window.__stream = []; const out = document.querySelector('.sft-nb-chat-output');
+        new MutationObserver(() => { const s = out.querySelector('.sft-nb-chat-streaming');
+            if (s) window.__stream.push(s.textContent); }).observe(out, {subtree: true, childList: true, characterData: true}); }''')
+    box = nb.page.locator('.sft-nb-chat-input textarea')
+    box.click(); box.type('What is the weather in Paris?')
+    nb.page.locator('.sft-nb-chat-send').click()
+    nb.page.locator('.sft-nb-chat-output .sft-nb-chat-user', has_text='What is the weather in Paris?').wait_for(timeout=60_000)
+    nb.page.wait_for_function("() => document.querySelector('.sft-nb-chat-output .sft-nb-chat-assistant:not(.sft-nb-chat-streaming)')", timeout=300_000)
+    shown = nb.page.locator('.sft-nb-chat-output .sft-nb-chat-assistant').inner_text()
+    partial = nb.page.evaluate('() => [...new Set(window.__stream)]')
+    assert len(partial) >= 3, partial  # the reply grew on the page piece by piece
+    final = shown.removeprefix('model:').strip()
+    assert all(final.startswith(p.removeprefix('model:').strip().rstrip('▌').strip()) for p in partial), (partial, final)
+    cell = nb.run_new_cell("import json; print('CHAT', json.dumps(panel.chat.messages))")
+    out = cell.locator('.jp-OutputArea-output', has_text='CHAT')
+    out.wait_for(timeout=60_000)
+    msgs = json.loads(out.inner_text().split('CHAT', 1)[1])
+    assert msgs[0] == {'role': 'user', 'content': 'What is the weather in Paris?'} and msgs[1]['role'] == 'assistant'
+    assert msgs[1]['content'].strip() == final  # the page shows what the kernel's chat holds
+    stderr = nb.page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').all_inner_texts()
+    assert not [s for s in stderr if 'Loading weights' in s], stderr  # the workers' load progress is not a red box
+    panel.scroll_into_view_if_needed(); nb.shot('panel_chat', panel)
+    nb.check_clean()
+    cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
+    cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
+    nb.close()
