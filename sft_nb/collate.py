@@ -9,8 +9,8 @@ import torch
 from .tokenize import labels_for  # the labels rule lives with the examples it reads
 
 # %% auto #0
-__all__ = ['VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'token_nll_sum',
-           'target_weights', 'trained_targets', 'model_inputs', 'collate_vision']
+__all__ = ['VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'model_inputs',
+           'collate_vision']
 
 # %% ../nbs/05_collate.ipynb #4c36b45c
 def _ids_mask(ex) -> tuple[list[int], list[int]]:
@@ -102,28 +102,6 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
             'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_real': sum(flat)} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #2520c07d
-def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
-                  weights: torch.Tensor | None = None, # `loss_weights` of the batch (fractional loss weights), aligned with labels
-                 ) -> tuple[torch.Tensor, int | float]:
-    "Σ NLL over targets (labels shifted by one) and the number of targets; with `weights`, Σ weight·NLL and Σ weight."
-    tgt = labels[:, 1:].reshape(-1)
-    lg = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    if weights is None: return torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction='sum'), int((tgt != -100).sum())
-    keep = tgt != -100
-    w = weights[:, 1:].reshape(-1)[keep]
-    return (torch.nn.functional.cross_entropy(lg[keep], tgt[keep], reduction='none') * w).sum(), float(w.sum())
-
-def target_weights(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    "The weights of the targets `trained_targets` selects, flat, in the same order."
-    return weights[:, 1:][labels[:, 1:] != -100]
-
-def trained_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    "Boolean [B, T] selection of the positions whose *next* token is trained, and those next tokens (flat, same order)."
-    nxt = labels[:, 1:] != -100
-    sel = torch.zeros_like(labels, dtype=torch.bool)
-    sel[:, :-1] = nxt
-    return sel, labels[:, 1:][nxt]
-
 def model_inputs(batch: dict) -> dict:
     "The tensors a HF causal LM takes from a padded or packed batch."
     return {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') + VISION_KEYS if k in batch}

@@ -9,13 +9,36 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from fastcore.basics import patch
-from .collate import token_nll_sum, additive_mask
+from .collate import additive_mask
 
 # %% auto #0
-__all__ = ['chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for',
-           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs',
-           'flex_attention_runs_on', 'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits',
-           'eval_metrics']
+__all__ = ['token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll',
+           'chunked_nll', 'TrainedHead', 'loss_chunk_for', 'document_ids', 'document_block_mask',
+           'resolve_attn_implementation', 'attention_inputs', 'flex_attention_runs_on', 'router_aux_coef',
+           'sequence_index', 'router_aux_sum', 'RouterLogits', 'eval_metrics']
+
+# %% ../nbs/06c_loss.ipynb #2520c07e
+def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
+                  weights: torch.Tensor | None = None, # `loss_weights` of the batch (fractional loss weights), aligned with labels
+                 ) -> tuple[torch.Tensor, int | float]:
+    "Σ NLL over targets (labels shifted by one) and the number of targets; with `weights`, Σ weight·NLL and Σ weight."
+    tgt = labels[:, 1:].reshape(-1)
+    lg = logits[:, :-1].reshape(-1, logits.size(-1)).float()
+    if weights is None: return torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction='sum'), int((tgt != -100).sum())
+    keep = tgt != -100
+    w = weights[:, 1:].reshape(-1)[keep]
+    return (torch.nn.functional.cross_entropy(lg[keep], tgt[keep], reduction='none') * w).sum(), float(w.sum())
+
+def target_weights(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    "The weights of the targets `trained_targets` selects, flat, in the same order."
+    return weights[:, 1:][labels[:, 1:] != -100]
+
+def trained_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    "Boolean [B, T] selection of the positions whose *next* token is trained, and those next tokens (flat, same order)."
+    nxt = labels[:, 1:] != -100
+    sel = torch.zeros_like(labels, dtype=torch.bool)
+    sel[:, :-1] = nxt
+    return sel, labels[:, 1:][nxt]
 
 # %% ../nbs/06c_loss.ipynb #e79abf73
 def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -107,7 +107,8 @@ def test_lora_wrapped_head(tiny_path, tiny_tok):
     "LoRA on lm_head too: the head is a peft wrapper, not an nn.Linear, so each chunk is checkpointed; same gradients."
     from transformers import AutoModelForCausalLM
     from peft import LoraConfig, get_peft_model
-    from sft_nb.collate import trained_targets, target_weights, model_inputs
+    from sft_nb.loss import trained_targets, target_weights
+    from sft_nb.collate import model_inputs
     from sft_nb.loss import TrainedHead
     torch.manual_seed(0)
     model = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32),

@@ -5,7 +5,8 @@ import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 from sft_nb.numerics import assert_rel_close
-from sft_nb.collate import collate_packed, collate_padded, model_inputs, token_nll_sum
+from sft_nb.loss import token_nll_sum
+from sft_nb.collate import collate_packed, collate_padded, model_inputs
 from sft_nb.packing import STRATEGIES, PackPlan, bin_examples, lower_bound, pack
 
 

@@ -9,7 +9,8 @@ from pathlib import Path
 import numpy as np
 from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
 from ..optim import lr_at
-from ..collate import token_nll_sum, trained_targets, target_weights, model_inputs
+from ..loss import trained_targets, target_weights
+from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
 from .ulysses import sp_shard, check_heads, register_ulysses
@@ -412,13 +413,8 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
         for mb in micro_batches:
             mb = self._to_dev(mb)
             inputs, sel, tgt, _ = self._loss_inputs(mb)
-            head = self.model.get_output_embeddings()
-            def only_trained(module, args):  # [B, T, H] hidden states → [n_trained, H]
-                return (args[0][sel],) + args[1:] if args[0].shape[:2] == sel.shape else None
-            hook = head.register_forward_pre_hook(only_trained) if head is not None else None
-            try: logits = self.model(**inputs).logits
-            finally:
-                if hook is not None: hook.remove()
+            with TrainedHead(self.model.get_output_embeddings(), sel, tgt):  # the head sees only trained positions: [n_trained, V]
+                logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
             out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers

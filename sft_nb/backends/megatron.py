@@ -421,7 +421,7 @@ def export_hf(self: MegatronWorker, path: str, tokenizer_path: str | None = None
 
 # %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
 from fastcore.basics import patch
-from ..collate import trained_targets
+from ..loss import trained_targets
 from .fsdp import trained_token_stats
 
 @patch

@@ -85,7 +85,7 @@ def test_document_block_mask_compiled_matches_dense():
 def test_flex_attention_backward_matches_sdpa(tiny_path):
     "Tiny model on CUDA, packed rows: flex_attention + document BlockMask vs sdpa + dense mask, loss and every gradient (fp32)."
     from transformers import AutoModelForCausalLM
-    from sft_nb.collate import token_nll_sum
+    from sft_nb.loss import token_nll_sum
     mb = {k: (v.to(DEV) if isinstance(v, torch.Tensor) else v) for k, v in _packed_batch().items()}
     out = {}
     for impl in ('sdpa', 'flex_attention'):
