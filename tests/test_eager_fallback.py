@@ -5,8 +5,7 @@ from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
-from helpers import run_cfg
-from test_moe import rows
+from test_moe import rows, layout_cfg
 
 
 @pytest.fixture(scope='module')
@@ -46,13 +45,11 @@ def test_auto_falls_back_to_eager_and_packed_equals_padded(gemma2_path, tiny_tok
 
 
 def test_gemma2_trains_packed_and_padded(gemma2_path, tmp_path, ray_session):
-    "The trainer (1 Ray worker, auto attention) trains the tiny Gemma 2 for 3 steps, padded and packed, with equal losses."
+    "The trainer (1 Ray worker, auto attention) trains the tiny Gemma 2 for 3 steps on the same rows padded and packed, with equal losses."
     from sft_nb.trainer import SFTTrainer
     runs = {}
     for name, packing in (('padded', False), ('packed', True)):
-        cfg = run_cfg(gemma2_path, tmp_path / name, train__num_steps=3, train__micro_batch_size=2, packing__enabled=packing,
-                      packing__capacity=256, tokenize__max_length=256)
-        with SFTTrainer(cfg, train_data=[{'messages': r} for r in rows(24)]) as t:
+        with SFTTrainer(layout_cfg(gemma2_path, tmp_path / name, packing)) as t:
             runs[name] = t.fit()
             assert t.model_info['attn_implementation'] == 'eager'
     a, b = runs['padded'], runs['packed']

@@ -97,16 +97,23 @@ def test_packed_equals_padded_on_the_aux_loss(moe_path, tiny_tok):
     for k in ga: torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-7, msg=k)
 
 
+def layout_cfg(path, run_dir, packing: bool, workers: int = 1) -> dict:
+    """3 steps on the same rows padded or packed: 24 synthetic rows of 32 tokens in data order, two to a packed row of 64
+    (greedy packing keeps them in order), so step k trains rows 8k..8k+7 in both layouts."""
+    return run_cfg(path, run_dir, data__synthetic_rows=24, tokenize__max_length=32, train__sampler='sequential', train__num_steps=3,
+                   train__global_batch_size=4 if packing else 8, train__micro_batch_size=1 if packing else 2,
+                   packing__enabled=packing, packing__strategy='greedy', packing__capacity=64, placement__workers_per_node=workers)
+
+
 def test_trainer_logs_aux_loss_packed_equals_padded(moe_path, tmp_path, ray_session):
     "The trainer on 2 Ray workers: 3 steps padded and 3 packed; `aux_loss` logged apart from `loss` (in metrics.jsonl too), both equal across layouts, and it trains."
     from sft_nb.trainer import SFTTrainer
     runs = {}
     for name, packing in (('padded', False), ('packed', True)):
-        cfg = run_cfg(moe_path, tmp_path / name, train__num_steps=3, train__micro_batch_size=2, placement__workers_per_node=2,
-                      packing__enabled=packing, packing__capacity=256, tokenize__max_length=256)
-        with SFTTrainer(cfg, train_data=[{'messages': r} for r in rows(24)]) as t:
+        with SFTTrainer(layout_cfg(moe_path, tmp_path / name, packing, workers=2)) as t:
             runs[name] = t.fit()
             assert t.model_info['router_aux_coef'] == COEF
+            if packing: assert [len(b) for b in t.data.items] == [2] * 12
         logged = [json.loads(l) for l in (tmp_path / name / 'metrics.jsonl').read_text().splitlines()]
         assert all('aux_loss' in m and 'loss' in m for m in logged if 'grad_norm' in m), logged
     a, b = runs['padded'], runs['packed']
