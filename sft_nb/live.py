@@ -333,7 +333,8 @@ class ChatBox:
 
     def render(self):
         "The conversation as HTML, the reply being streamed last (with a cursor)."
-        turn = lambda who, text, cls: f'<div class="{cls}"><b>{who}:</b> {html.escape(text)}</div>'
+        empty = '<i style="color:#777">(an empty reply: only blanks or special tokens)</i>'
+        turn = lambda who, text, cls: f'<div class="{cls}"><b>{who}:</b> {html.escape(text) if text.strip() else empty}</div>'
         rows = [turn('you' if m['role'] == 'user' else 'model', m['content'], f"sft-nb-chat-{m['role']}") for m in self.messages]
         if self.reply is not None: rows.append(turn('model', self.reply + '▌', 'sft-nb-chat-assistant sft-nb-chat-streaming'))
         hint = '<span style="color:#777">chat with the current weights: type below and Send (between steps, or after Stop)</span>'

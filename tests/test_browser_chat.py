@@ -11,7 +11,7 @@ from test_browser import lab, browser, Notebook, LAB_DIR, ROOT, _status  # noqa:
 
 pytestmark = pytest.mark.timeout(900)
 FIX = ROOT / 'tests' / 'fixtures'
-PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3.jinja'", 'num_steps': '6', 'eval_every': '3'}
+PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3.jinja'", 'num_steps': '40', 'eval_every': '20'}
 
 
 def _notebook(name: str) -> str:
@@ -36,7 +36,7 @@ def test_chat_in_panel_on_agent_data(lab, browser):
     assert 'tool_calls.jsonl' in data and 'reasoning.jsonl' in data, data  # both files train
     panel.locator('button', has_text=re.compile(r'^\s*Fit\s*$')).click()
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('done: every step ran')", timeout=300_000)
-    assert 'step 6/6' in _status(nb)
+    assert 'step 40/40' in _status(nb)
     # every text the streaming reply shows, as the page sees it
     nb.page.evaluate('''() => { window.__stream = []; const out = document.querySelector('.sft-nb-chat-output');
         new MutationObserver(() => { const s = out.querySelector('.sft-nb-chat-streaming');
@@ -50,6 +50,7 @@ def test_chat_in_panel_on_agent_data(lab, browser):
     partial = nb.page.evaluate('() => [...new Set(window.__stream)]')
     assert len(partial) >= 3, partial  # the reply grew on the page piece by piece
     final = shown.removeprefix('model:').strip()
+    assert final, shown  # after 40 steps the model says something visible (not only blanks or special tokens)
     assert all(final.startswith(p.removeprefix('model:').strip().rstrip('▌').strip()) for p in partial), (partial, final)
     cell = nb.run_new_cell("import json; print('CHAT', json.dumps(panel.chat.messages))")
     out = cell.locator('.jp-OutputArea-output', has_text='CHAT')
@@ -59,6 +60,7 @@ def test_chat_in_panel_on_agent_data(lab, browser):
     assert msgs[1]['content'].strip() == final  # the page shows what the kernel's chat holds
     stderr = nb.page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').all_inner_texts()
     assert not [s for s in stderr if 'Loading weights' in s], stderr  # the workers' load progress is not a red box
+    nb.page.set_viewport_size({'width': 1400, 'height': 1900})  # the whole panel: buttons, chart, samples, chat, log
     panel.scroll_into_view_if_needed(); nb.shot('panel_chat', panel)
     nb.check_clean()
     cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")

@@ -439,6 +439,7 @@ def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temper
             if dist.is_initialized() and self.world_size > 1: dist.broadcast(tok, 0)
             st['ids'], st['past'] = tok.view(1, 1), o[kv]
             out.append(int(tok)); st['done'] = out[-1] == eos_token_id
+    if st['done']: st['past'] = None  # a finished reply holds no memory on the worker
     return out
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
