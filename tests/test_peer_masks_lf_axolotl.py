@@ -1,7 +1,8 @@
 """Masks judged by LLaMA-Factory's and Axolotl's own mask tests (issue 26), ported as facts: their conversations and
 which text they train, checked against ours. Each case names its source file. Templates are the real ones of
 `../shared/templates` (Llama 3, Gemma, Qwen2.5, Phi-3, ChatML), `tests/fixtures/templates/qwen3.jinja`, the two
-that Axolotl's `tests/prompt_strategies/conftest.py` ships as text (Mistral v0.3, Gemma 2), or ours written to the
+that Axolotl's `tests/prompt_strategies/conftest.py` ships as text (Gemma 2 whole; Mistral v0.3 the part a tool-free
+conversation takes), or ours written to the
 layout the peer's test spells out (Llama 4, Phi-4). The tokenizer is the tests' tiny one with each family's special
 tokens added.
 
