@@ -1,11 +1,12 @@
 """Masks judged by LLaMA-Factory's and Axolotl's own mask tests (issue 26), ported as facts: their conversations and
 which text they train, checked against ours. Each case names its source file. Templates are the real ones of
 `../shared/templates` (Llama 3, Gemma, Qwen2.5, Phi-3, ChatML), `tests/fixtures/templates/qwen3.jinja`, the two
-that Axolotl's `tests/prompt_strategies/conftest.py` ships as text (Mistral v0.3, Gemma 2), or ours written to the
+that Axolotl's `tests/prompt_strategies/conftest.py` ships as text (Gemma 2 whole; Mistral v0.3 the part a tool-free
+conversation takes), or ours written to the
 layout the peer's test spells out (Llama 4, Phi-4). The tokenizer is the tests' tiny one with each family's special
 tokens added.
 
-Suite: 28 cases in `CASES` (asserted by `test_case_count`) + 7 tests below, over 10 template families here and 15 with
+Suite: 28 cases in `CASES` (asserted by `test_case_count`) + 8 ported test cases below (38 collected with the two counting tests), over 10 template families here and 15 with
 `tests/test_peer_masks.py` (asserted by `test_families`). Axolotl's `tests/prompt_strategies/test_chat_template_utils.py`
 is not ported: it tests choosing a template by name (no masks).
 
@@ -232,3 +233,16 @@ def test_axolotl_toolcalling_row(fam):
     runs = trained_runs(ex, tok)
     assert len(runs) == 2 and 'get_current_temperature' in runs[0] and runs[0].endswith('<|im_end|>')
     assert runs[1] == 'The temperature in Paris is 22.0 degrees Celsius.<|im_end|>' and '22.0' not in runs[0]
+
+
+# ---- Axolotl tests/prompt_strategies/test_chat_templates_thinking.py: messages_w_reasoning on Qwen3
+def test_axolotl_split_thinking(fam):
+    """Its `<think>lorem</think>\\nwelcome` renders as its expected ids spell out ('<think>\\nlorem\\n</think>\\n\\nwelcome<|im_end|>\\n'),
+    the answer trained with its thought. Stated difference: its split_thinking also turns `<|begin_of_thought|>…` and
+    `<reasoning>…` into reasoning_content; we keep such content as written (Qwen3's template splits only `<think>`)."""
+    tok, q3 = fam['qwen3']
+    ex = tokenize_conversation([U('hello'), A('<think>lorem</think>\nwelcome')], tok, template=q3)
+    assert ex.text == '<|im_start|>user\nhello<|im_end|>\n<|im_start|>assistant\n<think>\nlorem\n</think>\n\nwelcome<|im_end|>\n'
+    assert trained_runs(ex, tok) == ['<think>\nlorem\n</think>\n\nwelcome<|im_end|>']
+    other = tokenize_conversation([U('hello'), A('<reasoning>lorem</reasoning>\nwelcome')], tok, template=q3)
+    assert trained_runs(other, tok) == ['<think>\n\n</think>\n\n<reasoning>lorem</reasoning>\nwelcome<|im_end|>']
