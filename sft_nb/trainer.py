@@ -349,6 +349,8 @@ def _advice(cfg, ranks: list[dict]) -> list[str]:
     if c.packing.enabled: out.append(f"packing.capacity={c.packing.capacity or c.tokenize.max_length} → smaller")
     else: out.append(f"tokenize.max_length={c.tokenize.max_length} → smaller (or the longest rows dropped)")
     out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards weights, gradients and optimizer state over them")
+    if c.placement.backend == 'fsdp':  # a row too long for one worker: its activations spread over the sp ranks that share it
+        out.append(f"placement.sequence_parallel={c.placement.sequence_parallel} → larger (a divisor of the attention heads and of the ranks): each rank holds 1/sp of every row's activations")
     if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
     return out
 
