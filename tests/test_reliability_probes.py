@@ -167,7 +167,7 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
 
 
 @pytest.mark.parametrize('source, tokenize, reason', [
-    ({'format': 'alpaca'}, {}, 'row 0: bad_format: alpaca: instruction, input and output must be strings'),
+    ({'format': 'alpaca'}, {}, "row 0: bad_format: alpaca: no 'instruction' and no 'output' field (the row has 'messages'); is it another format?"),
     ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
 def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
     "Item 11: 'No usable rows after tokenization; see trainer.data_report' (a CLI user has no trainer), after a false 'has no rows; mixing the others'."
@@ -176,7 +176,8 @@ def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, toke
     data.write_text('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'general kenobi'}]})
                               for _ in range(3)) + '\n')
     cfg = tmp_path / 'cfg.yaml'
-    cfg.write_text(yaml.safe_dump({'model': {'path': 'tiny'}, 'data': {'train': [{'path': str(data), **source}]}, 'tokenize': tokenize,
+    cfg.write_text(yaml.safe_dump({'model': {'path': 'tiny'}, 'data': {'train': [{'path': str(data), **source}]},
+                                   'tokenize': {**tokenize, 'cache_dir': str(tmp_path / 'cache')},
                                    'checkpoint': {'run_dir': str(tmp_path / 'run')}}))
     r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'train', str(cfg)], capture_output=True, text=True, timeout=300,
                        env={**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'})
