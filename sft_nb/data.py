@@ -225,7 +225,9 @@ def normalize_row(row: dict, fmt: str,
     if fmt == 'alpaca':
         ins, inp, out = row.get('instruction'), row.get('input') or '', row.get('output')
         if not isinstance(ins, str) or not isinstance(out, str) or not isinstance(inp, str):
-            raise BadRow("alpaca: instruction, input and output must be strings")
+            missing = [k for k in ('instruction', 'output') if k not in row]
+            raise BadRow(f"alpaca: no {' and no '.join(map(repr, missing))} field (the row has {', '.join(map(repr, row))}); is it another format?"
+                         if missing else "alpaca: instruction, input and output must be strings")
         msgs = []
         for j, pair in enumerate(row.get('history') or []):
             if not (isinstance(pair, (list, tuple)) and len(pair) == 2): raise BadRow(f"history[{j}]: expected [question, answer]")

@@ -152,15 +152,19 @@ class WorkerError(RuntimeError):
 
 RESTART_HINT = "call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() and set up again)"
 
-_MEMORY = re.compile(r'out of memory|low on memory|memory pressure|\bOOM\b|OutOfMemory', re.I)
+_MEMORY = re.compile(r'out of memory|low on memory|memory pressure|OUT_OF_MEMORY|OutOfMemory', re.I)  # Ray's memory monitor killed it
+_MAYBE_MEMORY = re.compile(r'\bOOM\b')  # a worker that exited without a word: Ray lists the kernel's OOM killer among the causes
+_MEMORY_FIX = "give its node more memory, set fewer placement.workers_per_node, or a smaller model, train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)"
 
 def death_message(rank: int, what: str, e: BaseException) -> str:
     "Why rank `rank` stopped during `what`; a kill for memory (Ray's memory monitor, the kernel's OOM killer) says so and what to change."
     text = f"{type(e).__name__}: {e}"
     if _MEMORY.search(text):
         why = next((l.strip() for l in text.splitlines() if _MEMORY.search(l)), text.splitlines()[0])
-        return (f"worker rank {rank} was killed for lack of memory during {what} ({why[:300]}); give its node more memory, "
-                "set fewer placement.workers_per_node, or a smaller model, train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)")
+        return f"worker rank {rank} was killed for lack of memory during {what} ({why[:300]}); {_MEMORY_FIX}"
+    if _MAYBE_MEMORY.search(text):
+        return (f"worker rank {rank} died during {what} without an error of its own ({text.splitlines()[0]}); the likeliest cause is "
+                f"the kernel's OOM killer (check `dmesg` or the node's memory): if memory is short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
 class WorkerGroup:
