@@ -22,7 +22,7 @@ def row(length: int, vocab: int, docs: int = 4, seed: int = 0) -> dict:
     exs = [{'input_ids': torch.randint(0, vocab, (n,), generator=g).tolist(), 'loss_mask': [0] + [1] * (n - 1)} for n in cuts]
     b = collate_packed([exs], pad_id=0)
     n = b['n_trained']
-    for k in ('n_trained', 'n_real', 'n_tokens', 'seq_lens', 'cu_seqlens'): b.pop(k, None)
+    for k in ('n_trained', 'n_real', 'seq_lens', 'cu_seqlens'): b.pop(k, None)
     return b, n
 
 
