@@ -4,16 +4,15 @@
 
 # %% ../nbs/08a_callbacks.ipynb #b07669a2
 from __future__ import annotations
-import functools, json, math, os, signal, sys, threading, warnings
-from contextlib import contextmanager
+import json, math, os, signal, sys, threading, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'KeepBest', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule',
-           'Profiler', 'builtin_callbacks', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'Preempted',
-           'SaveOnSignal', 'ConsoleTracker', 'JSONLTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker',
-           'make_trackers', 'answer_text', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
+           'Profiler', 'builtin_callbacks', 'Preempted', 'SaveOnSignal', 'ConsoleTracker', 'JSONLTracker',
+           'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers', 'answer_text', 'split_answer',
+           'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -104,56 +103,6 @@ def builtin_callbacks(cfg) -> list[Callback]:
     lg = cfg.logging
     return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
             Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)] + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else [])
-
-# %% ../nbs/08a_callbacks.ipynb #0dfbbcd2
-class TrainerBusy(RuntimeError):
-    "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
-
-class Exclusive:
-    "`with guard('fit'):` holds the trainer for one thread's action; `action` names it (None when idle)."
-    def __init__(self): self._lock, self._owner, self.action = threading.Lock(), None, None
-    @contextmanager
-    def __call__(self, action: str):
-        me = threading.get_ident()
-        with self._lock:
-            if self._owner not in (None, me):
-                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.action}() is running in another thread "
-                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
-            outer = self._owner is None
-            if outer: self._owner, self.action = me, action
-        try: yield
-        finally:
-            if outer:
-                with self._lock: self._owner, self.action = None, None
-
-def action(name: str, setup: bool = True):
-    "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."
-    def wrap(f):
-        @functools.wraps(f)
-        def run(self, *args, **kwargs):
-            with self._exclusive(name):
-                if setup: self.setup()
-                return f(self, *args, **kwargs)
-        return run
-    return wrap
-
-# %% ../nbs/08a_callbacks.ipynb #0a871643
-@contextmanager
-def hold_interrupts(what: str): # what the block does, for the message ("step 3")
-    """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt` once
-    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is,
-    and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary itself)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-        yield; return
-    held = []
-    def hold(signum, frame):
-        held.append(signum)
-        if len(held) > 1: raise KeyboardInterrupt(f"interrupted twice during {what}")
-        print(f"Interrupt: finishing {what} first (interrupt again to abort it)", file=sys.stderr, flush=True)
-    prev = signal.signal(signal.SIGINT, hold)
-    try: yield
-    finally: signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
-    if held: raise KeyboardInterrupt(f"interrupted during {what}, which finished first")
 
 # %% ../nbs/08a_callbacks.ipynb #1d7b9521
 SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's environment

@@ -12,7 +12,6 @@ from .config import ConfigError, SourceConfig
 from .data import detect_format, load_source, row_dict, source_columns, source_name
 from .config import TokenizeConfig
 from .tokenize import tokenize_rows
-from .callbacks import TrainerBusy
 from .dataplan import split_for_ranks
 
 # %% auto #0
@@ -123,8 +122,6 @@ def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', 
     from tqdm.auto import tqdm
     trainer.setup()
     if trainer.processor is not None: raise NotImplementedError("token_losses: vision-language rows are not supported yet")
-    if trainer.action is not None and trainer.action != 'token_losses':
-        raise TrainerBusy(f"SFTTrainer.token_losses() refused: trainer.{trainer.action}() is running (e.g. the panel's Fit); wait for it or stop it")
     exs = lens_rows(trainer, rows_or_split, indices)
     dp, micro = trainer.cfg.placement.dp_size, micro_batch_size or max(1, trainer.cfg.train.micro_batch_size) * 4
     per_call, out = dp * micro * 4, []

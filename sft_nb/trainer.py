@@ -4,7 +4,8 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import math, time
+import functools, math, signal, sys, threading, time
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 import pandas as pd
@@ -16,12 +17,63 @@ from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path
 from .loss import eval_metrics
 from .checkpoint import Checkpointer, model_fingerprint, check_model
-from .callbacks import Control, Callback, Exclusive, action, hold_interrupts, builtin_callbacks, make_trackers, prompt_messages
+from .callbacks import Control, Callback, builtin_callbacks, make_trackers, prompt_messages
 from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['plan_class', 'SFTTrainer', 'dry_run_batch', 'dry_run_verdict']
+__all__ = ['TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'dry_run_batch',
+           'dry_run_verdict']
+
+# %% ../nbs/08_trainer.ipynb #0dfbbcd2
+class TrainerBusy(RuntimeError):
+    "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
+
+class Exclusive:
+    "`with guard('fit'):` holds the trainer for one thread's action; `action` names it (None when idle)."
+    def __init__(self): self._lock, self._owner, self.action = threading.Lock(), None, None
+    @contextmanager
+    def __call__(self, action: str):
+        me = threading.get_ident()
+        with self._lock:
+            if self._owner not in (None, me):
+                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.action}() is running in another thread "
+                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
+            outer = self._owner is None
+            if outer: self._owner, self.action = me, action
+        try: yield
+        finally:
+            if outer:
+                with self._lock: self._owner, self.action = None, None
+
+def action(name: str, setup: bool = True):
+    "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."
+    def wrap(f):
+        @functools.wraps(f)
+        def run(self, *args, **kwargs):
+            with self._exclusive(name):
+                if setup: self.setup()
+                return f(self, *args, **kwargs)
+        return run
+    return wrap
+
+# %% ../nbs/08_trainer.ipynb #0a871643
+@contextmanager
+def hold_interrupts(what: str): # what the block does, for the message ("step 3")
+    """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt` once
+    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is,
+    and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary itself)."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield; return
+    held = []
+    def hold(signum, frame):
+        held.append(signum)
+        if len(held) > 1: raise KeyboardInterrupt(f"interrupted twice during {what}")
+        print(f"Interrupt: finishing {what} first (interrupt again to abort it)", file=sys.stderr, flush=True)
+    prev = signal.signal(signal.SIGINT, hold)
+    try: yield
+    finally: signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
+    if held: raise KeyboardInterrupt(f"interrupted during {what}, which finished first")
 
 # %% ../nbs/08_trainer.ipynb #1cfd7c40
 def plan_class(cfg: SFTConfig) -> type:
@@ -71,15 +123,6 @@ class SFTTrainer:
         "This run's complete checkpoints, oldest first."
         return self.ckpt.checkpoints()
 
-    def token_losses(self, rows_or_split='train', **kw) -> list[dict]:
-        "Per-token NLL and top-k alternatives of a split or of rows under the current weights (`sft_nb.lens.token_losses`)."
-        from sft_nb.lens import token_losses
-        return token_losses(self, rows_or_split, **kw)
-
-    def rank_rows(self, split: str = 'train', **kw) -> pd.DataFrame:
-        "The rows of `split`, hardest first by their token losses (`sft_nb.lens.rank_rows`)."
-        from sft_nb.lens import rank_rows
-        return rank_rows(self, split, **kw)
 
     @property
     def data_report(self):
@@ -107,6 +150,21 @@ class SFTTrainer:
         except Exception: pass
         try: self.ckpt.release()
         except Exception: pass
+
+# %% ../nbs/08_trainer.ipynb #b2c3d4e6
+@patch
+@action('token_losses')
+def token_losses(self: SFTTrainer, rows_or_split='train', **kw) -> list[dict]:
+    "Per-token NLL and top-k alternatives of a split or of rows under the current weights (`sft_nb.lens.token_losses`)."
+    from sft_nb.lens import token_losses
+    return token_losses(self, rows_or_split, **kw)
+
+@patch
+@action('rank_rows')
+def rank_rows(self: SFTTrainer, split: str = 'train', **kw) -> pd.DataFrame:
+    "The rows of `split`, hardest first by their token losses (`sft_nb.lens.rank_rows`)."
+    from sft_nb.lens import rank_rows
+    return rank_rows(self, split, **kw)
 
 # %% ../nbs/08_trainer.ipynb #226b0e83
 @patch
