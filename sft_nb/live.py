@@ -27,7 +27,7 @@ def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> g
 class LivePlot(Callback):
     "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s history when given one."
     def __init__(self, trainer=None):
-        rows, evals = (getattr(trainer, 'rows_history', []), getattr(trainer, 'eval_history', [])) if trainer is not None else ([], [])
+        rows, evals = (getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_history', [])) if trainer is not None else ([], [])
         self.fig = go.FigureWidget(loss_fig({'step': [r['step'] for r in rows], 'loss': [r['loss'] for r in rows]}, evals))
     def _append(self, trace: int, x, y):
         tr = self.fig.data[trace]
@@ -207,7 +207,7 @@ def refresh(self):
     "Redraw the status line, the progress bar and which buttons can be pressed now."
     t = self.trainer
     total, running = getattr(t, 'total_steps', None), t.action
-    h = t.rows_history[-1] if t.rows_history else None
+    h = t.step_metrics[-1] if t.step_metrics else None
     self.progress.max, self.progress.value = max(1, total or 1), t.global_step
     done = total is not None and t.global_step >= total
     where = ' (from the panel)' if self.busy else ' (from a cell)'

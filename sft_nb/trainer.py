@@ -92,7 +92,7 @@ class SFTTrainer:
         self.cfg = cfg if isinstance(cfg, SFTConfig) else load_config(cfg, overrides)
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
-        self.control, self.global_step, self.rows_history, self.callbacks = Control(), 0, [], []
+        self.control, self.global_step, self.step_metrics, self.callbacks = Control(), 0, [], []
         self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
         self.group, self.workers = None, None  # the WorkerGroup and its typed view (BackendGroup)
@@ -142,7 +142,7 @@ class SFTTrainer:
     @property
     def history(self) -> pd.DataFrame:
         "Metrics of every step so far (loss, grad_norm, lr, tokens/s, trained tokens, epoch, step time)."
-        return pd.DataFrame(self.rows_history)
+        return pd.DataFrame(self.step_metrics)
     def __enter__(self): return self.setup()
     def __exit__(self, *exc): self.shutdown()
     def __del__(self):  # try/except, not contextlib.suppress: at interpreter exit the module's globals may be gone
@@ -225,7 +225,7 @@ def step(self: SFTTrainer) -> dict:
             m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
                  'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
             if 'aux_sum' in fb[0]: m['aux_loss'] = sum(r['aux_sum'] for r in fb) / max(1, sum(r['n_seqs'] for r in fb))  # MoE router loss, apart from the NLL
-            self.rows_history.append(m)
+            self.step_metrics.append(m)
     except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
         if self.global_step == step: self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")
         raise
@@ -277,7 +277,7 @@ def evaluate(self: SFTTrainer) -> dict:
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-    state = {'global_step': self.global_step, 'history': self.rows_history, 'model': self.model_fingerprint,
+    state = {'global_step': self.global_step, 'history': self.step_metrics, 'model': self.model_fingerprint,
              **self.data.ckpt_state(self.global_step)}
     final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
     self._emit('on_save', str(final))
@@ -297,7 +297,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     check_model(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.workers.load(str(path))
-    self.global_step, self.rows_history = state['global_step'], state['history']
+    self.global_step, self.step_metrics = state['global_step'], state['history']
     self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
@@ -371,7 +371,7 @@ def restart_workers(self: SFTTrainer) -> int:
         self.workers = start_workers(self.cfg, self.total_steps)
         self.group, self.model_info = self.workers.group, self.workers.setup()[0]
         if self.ckpt.resolve('latest', self.total_steps, self.cfg.train.sampler) is not None: return self.load('latest')
-        self.global_step, self.rows_history, self.eval_history = 0, [], []
+        self.global_step, self.step_metrics, self.eval_history = 0, [], []
         self.data.restore(self.data.ckpt_state(0), self.run_dir)
         self._emit('on_load', 0)
         return 0

@@ -50,7 +50,7 @@ def test_dry_run_says_what_to_change(tiny_path, tmp_path, ray_session):
     with SFTTrainer(cfg(tiny_path, tmp_path / 'cap')) as t:
         peak = max(d['peak'] for d in t.dry_run()['ranks'])
         r = t.dry_run(memory_limit=peak // 2)
-        assert t.global_step == 0 and not t.rows_history  # told before training starts
+        assert t.global_step == 0 and not t.step_metrics  # told before training starts
     assert not r['fits'] and all(d['capacity_from'] == 'memory_limit' for d in r['ranks'])
     msg = r['message']
     print(msg)
@@ -80,7 +80,7 @@ def test_panel_button_runs_the_dry_run(tiny_path, tmp_path, ray_session):
         t.dry_run = lambda: calls.append(real()) or calls[-1]  # the button's call, and what it returned
         panel = TrainerPanel(t)
         panel.dry_button.click(); panel.wait(300)
-        assert len(calls) == 1 and calls[0]['fits'] and t.global_step == 0 and not t.rows_history
+        assert len(calls) == 1 and calls[0]['fits'] and t.global_step == 0 and not t.step_metrics
         assert 'dry run: fits' in panel.status.value, panel.status.value
         assert f"dry run: {calls[0]['message']}" in panel.log.text and 'rank 1: peak ' in panel.log.text
         assert not panel.dry_button.disabled
