@@ -13,7 +13,7 @@ from .callbacks import Callback
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
-           'samples_text', 'data_html', 'eval_line', 'TrainerPanel', 'dry_run_state', 'ChatBox']
+           'samples_text', 'data_html', 'eval_line', 'TrainerPanel', 'ChatBox', 'dry_run_state']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -263,17 +263,6 @@ def wait(self, timeout: float | None = None):
     if th is not None: th.join(timeout)
     self.refresh()
 
-# %% ../nbs/08b_live.ipynb #5e25fc9d
-def dry_run_state(verdict: dict, # what `trainer.dry_run()` returned
-                  log: PanelLog | None = None, # the panel's output area: gets the message and each rank's peak
-                 ) -> str:
-    "The status-line word of a dry run's verdict (HTML); its full message written to `log`."
-    if log is not None:
-        log.write(f"dry run: {verdict['message']}\n" + ''.join(
-            f"  rank {r['rank']}: peak {r['peak'] / 2**30:.2f} GiB of {r['capacity'] / 2**30:.2f} GiB ({r['capacity_from']})\n" for r in verdict['ranks']))
-    colour, word = ('#1b7f1b', 'fits') if verdict['fits'] else ('#b00020', 'does not fit: see the output below')
-    return f'<span style="color:{colour}">dry run: {word}</span>'
-
 # %% ../nbs/08b_live.ipynb #6450a894
 @patch_to(TrainerPanel)
 def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
@@ -340,3 +329,14 @@ class ChatBox:
         hint = '<span style="color:#777">chat with the current weights: type below and Send (between steps, or after Stop)</span>'
         self.output.value = '<div style="font-family:monospace;font-size:12px;white-space:pre-wrap;max-height:240px;overflow:auto">' + (''.join(rows) or hint) + '</div>'
 
+
+# %% ../nbs/08b_live.ipynb #5e25fc9d
+def dry_run_state(verdict: dict, # what `trainer.dry_run()` returned
+                  log: PanelLog | None = None, # the panel's output area: gets the message and each rank's peak
+                 ) -> str:
+    "The status-line word of a dry run's verdict (HTML); its full message written to `log`."
+    if log is not None:
+        log.write(f"dry run: {verdict['message']}\n" + ''.join(
+            f"  rank {r['rank']}: peak {r['peak'] / 2**30:.2f} GiB of {r['capacity'] / 2**30:.2f} GiB ({r['capacity_from']})\n" for r in verdict['ranks']))
+    colour, word = ('#1b7f1b', 'fits') if verdict['fits'] else ('#b00020', 'does not fit: see the output below')
+    return f'<span style="color:{colour}">dry run: {word}</span>'
