@@ -22,7 +22,7 @@ def gemma2_path(tmp_path_factory, tiny_tok):
 
 
 def test_auto_falls_back_to_eager_and_packed_equals_padded(gemma2_path, tiny_tok):
-    "One in-process worker: auto resolves to eager; the same 6 sequences padded or packed give the same NLL and gradients."
+    "One in-process worker: auto resolves to eager; the same 6 sequences padded or packed give the same NLL and gradients; it trains."
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
     from sft_nb.collate import collate_padded, collate_packed
@@ -39,13 +39,16 @@ def test_auto_falls_back_to_eager_and_packed_equals_padded(gemma2_path, tiny_tok
         assert info['attn_implementation'] == 'eager' and w.model.config._attn_implementation == 'eager'
         r = w.forward_backward(mbs, n)
         res[name] = r['nll_sum'], {k: p.grad.clone() for k, p in w.model.named_parameters()}
+        if name == 'packed':  # and it trains: 4 more steps on the same rows lower their loss
+            losses = [w.optim_step() and w.forward_backward(mbs, n)['nll_sum'] / n for _ in range(4)]
+            assert losses[-1] < r['nll_sum'] / n and all(np.isfinite(losses)), losses
     (a, ga), (b, gb) = res['padded'], res['packed']
     np.testing.assert_allclose(b, a, rtol=1e-5)
     for k in ga: torch.testing.assert_close(gb[k], ga[k], rtol=1e-4, atol=1e-7, msg=k)
 
 
 def test_gemma2_trains_packed_and_padded(gemma2_path, tmp_path, ray_session):
-    "The trainer (1 Ray worker, auto attention) trains the tiny Gemma 2 for 3 steps on the same rows padded and packed, with equal losses."
+    "The trainer (1 Ray worker, auto attention) runs 3 steps of the tiny Gemma 2 on the same rows padded and packed, with equal losses and gradient norms."
     from sft_nb.trainer import SFTTrainer
     runs = {}
     for name, packing in (('padded', False), ('packed', True)):
@@ -56,4 +59,4 @@ def test_gemma2_trains_packed_and_padded(gemma2_path, tmp_path, ray_session):
     print(a[['loss', 'grad_norm']], b[['loss', 'grad_norm']])
     np.testing.assert_allclose(b['loss'], a['loss'], rtol=1e-4)
     np.testing.assert_allclose(b['grad_norm'], a['grad_norm'], rtol=1e-3)
-    assert a['loss'].iloc[-1] < a['loss'].iloc[0]
+    assert np.isfinite(a['loss']).all() and (a['grad_norm'] > 0).all()  # random-id rows: nothing to learn in 3 steps (see the test above)
