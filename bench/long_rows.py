@@ -8,7 +8,9 @@ SmolLM2-135M has 9 attention heads (3 KV heads): sp must divide 9, so the sequen
     HF_HUB_OFFLINE=1 python bench/long_rows.py --length 2048
     HF_HUB_OFFLINE=1 python bench/long_rows.py --lengths 1024,2048,3072 --cap 3.0e9
 """
-import argparse, json, time
+import argparse, json, sys, time
+from pathlib import Path
+sys.path = [p for p in sys.path if Path(p or '.').resolve() != Path(__file__).resolve().parent]  # bench/tokenize.py shadows the stdlib
 from dataclasses import asdict
 import torch
 import torch.multiprocessing as mp
