@@ -77,7 +77,7 @@ def test_template_allocation_is_bounded(tiny_tok, payload):
 
 def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
     "Item 11: `report.json` of a cache entry with odd types (manifest rewritten to match) gave a raw TypeError later on."
-    from sft_nb.tokenize import _manifest
+    from sft_nb.cache import _manifest
     ds, rep = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
     [entry] = [p for p in tmp_path.iterdir() if not p.name.startswith('.')]
     (entry / 'report.json').write_text(json.dumps({**rep.to_dict(), 'n_kept': 'one'}))
