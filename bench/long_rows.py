@@ -41,8 +41,8 @@ def rank(r, world, sp, port, length, out):
         reset_peak_memory()
         t = time.perf_counter()
         res = w.forward_backward([mb], n)
-        out.put({'rank': r, 'peak': rank_memory()['peak'], 'before': before, 'loss': res['nll_sum'] / res['n_trained'],
-                 'n_trained': res['n_trained'], 'seconds': time.perf_counter() - t})
+        out.put({'rank': r, 'peak': rank_memory()['peak'], 'before': before, 'loss': res['nll_sum'] / res['weight_sum'],
+                 'n_trained': res['weight_sum'], 'seconds': time.perf_counter() - t})
     finally: w.shutdown()
 
 

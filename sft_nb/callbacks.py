@@ -4,15 +4,15 @@
 
 # %% ../nbs/08a_callbacks.ipynb #b07669a2
 from __future__ import annotations
-import json, math, os, signal, sys, threading, warnings
+import importlib, json, math, os, signal, sys, threading, warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
 __all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'KeepBest', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule',
            'Profiler', 'builtin_callbacks', 'Preempted', 'SaveOnSignal', 'ConsoleTracker', 'JSONLTracker',
-           'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers', 'answer_text', 'split_answer',
-           'prompt_messages', 'data_prompts', 'SamplesCallback']
+           'optional_tracker', 'ScalarTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers',
+           'answer_text', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -92,11 +92,11 @@ class Profiler(Callback):
     "A torch.profiler window on the workers over steps `start` … `start + steps - 1` (1-based; `start=0`: none)."
     def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)): self.start, self.steps, self.ranks = start, steps, ranks
     def on_step_start(self, trainer, step):
-        if self.start and step == self.start: trainer.workers.profile('start', None, self.ranks)
+        if self.start and step == self.start: trainer.backend.profile('start', None, self.ranks)
     def on_step_end(self, trainer, m):
         if self.start and m['step'] == self.start + self.steps - 1:
             trainer.profile_dir = trainer.run_dir / 'profile' / f"steps_{self.start}-{m['step']}"
-            trainer.workers.profile('stop', str(trainer.profile_dir), self.ranks)
+            trainer.backend.profile('stop', str(trainer.profile_dir), self.ranks)
 
 def builtin_callbacks(cfg) -> list[Callback]:
     "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
@@ -176,38 +176,38 @@ class JSONLTracker(Callback):
             if isinstance(rec, dict) and isinstance(rec.get('step'), int) and rec['step'] <= step: keep.append(line)
         self.path.write_text(''.join(l + '\n' for l in keep))
 
-class TensorBoardTracker(Callback):
-    "Scalars to `run_dir/tensorboard`."
+def optional_tracker(name: str):
+    "The module of an optional tracker package named in `logging.trackers`, or an error saying how to install it."
+    try: return importlib.import_module(name)
+    except ImportError: raise ImportError(f"logging.trackers includes {name!r} but {name} is not installed: pip install {name}") from None
+
+class ScalarTracker(Callback):
+    "A tracker of numbers: `write(metrics, 'train')` at every log, `write(metrics, 'eval')` after every evaluation."
+    def on_log(self, trainer, metrics): self.write(metrics, 'train')
+    def on_evaluate(self, trainer, metrics): self.write(metrics, 'eval')
+    def write(self, metrics: dict, prefix: str): raise NotImplementedError
+
+class TensorBoardTracker(ScalarTracker):
+    "Scalars to `run_dir/tensorboard`, as `train/<name>` and `eval/<name>`."
     def __init__(self, logdir: str | Path):
         from torch.utils.tensorboard import SummaryWriter
         self.w = SummaryWriter(str(logdir))
-    def on_log(self, trainer, metrics):
+    def write(self, metrics, prefix):
         for k, v in metrics.items():
-            if isinstance(v, (int, float)) and k != 'step': self.w.add_scalar(f'train/{k}', v, metrics['step'])
-    def on_evaluate(self, trainer, metrics):
-        for k, v in metrics.items():
-            if isinstance(v, (int, float)) and k != 'step': self.w.add_scalar(f'eval/{k}', v, metrics['step'])
+            if isinstance(v, (int, float)) and k != 'step': self.w.add_scalar(f'{prefix}/{k}', v, metrics['step'])
     def close(self): self.w.close()
 
-class WandbTracker(Callback):
+class WandbTracker(ScalarTracker):
     "Weights & Biases, only when installed and asked for."
-    def __init__(self, project: str, config: dict):
-        try: import wandb
-        except ImportError: raise ImportError("logging.trackers includes 'wandb' but wandb is not installed: pip install wandb") from None
-        self.run = wandb.init(project=project, config=config)
-    def on_log(self, trainer, metrics): self.run.log(metrics, step=metrics['step'])
-    def on_evaluate(self, trainer, metrics): self.run.log(metrics, step=metrics['step'])
+    def __init__(self, project: str, config: dict): self.run = optional_tracker('wandb').init(project=project, config=config)
+    def write(self, metrics, prefix): self.run.log(metrics, step=metrics['step'])
     def close(self): self.run.finish()
 
-class MLflowTracker(Callback):
+class MLflowTracker(ScalarTracker):
     "MLflow, only when installed and asked for."
     def __init__(self, project: str, config: dict):
-        try: import mlflow
-        except ImportError: raise ImportError("logging.trackers includes 'mlflow' but mlflow is not installed: pip install mlflow") from None
-        self.mlflow = mlflow; mlflow.set_experiment(project); mlflow.start_run()
-    def on_log(self, trainer, metrics):
-        self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
-    on_evaluate = on_log
+        self.mlflow = optional_tracker('mlflow'); self.mlflow.set_experiment(project); self.mlflow.start_run()
+    def write(self, metrics, prefix): self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
     def close(self): self.mlflow.end_run()
 
 # %% ../nbs/08a_callbacks.ipynb #5cd1e2ee

@@ -5,6 +5,7 @@
 # %% ../nbs/05a_dataplan.ipynb #21bb19c6
 from __future__ import annotations
 import importlib, math
+from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 import numpy as np
@@ -14,18 +15,18 @@ from .data import DataReport, mix_indices, mix_counts, source_name
 from .tokenize import tokenize_dataset, make_renderer
 from .vision import ProcessorRenderer
 from .collate import collate_padded, collate_packed
+from .packing import deal, pack
 
 # %% auto #0
-__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split', 'DataPlan']
+__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split', 'DataPlan',
+           'StepBatches']
 
 # %% ../nbs/05a_dataplan.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
-    "Split a global batch into `dp` contiguous chunks of micro-batches; every rank gets the same micro-batch count."
-    per = math.ceil(len(items) / dp)
-    ranks = [items[r * per:(r + 1) * per] for r in range(dp)]
-    mbs = [[chunk[i:i + micro] for i in range(0, len(chunk), micro)] for chunk in ranks]
+    "`deal` a global batch to `dp` ranks and cut each share into micro-batches; every rank gets the same micro-batch count."
+    mbs = [[share[i:i + micro] for i in range(0, len(share), micro)] for share in deal(items, dp)]
     n = max(1, max(len(m) for m in mbs))
-    return [m + [[]] * (n - len(m)) for m in mbs]  # [] = dummy micro-batch
+    return [m + [[]] * (n - len(m)) for m in mbs]  # [] = an empty micro-batch
 
 # %% ../nbs/05a_dataplan.ipynb #7631f11e
 class Sampler:
@@ -162,7 +163,6 @@ def plan(self: DataPlan) -> DataPlan:
                           "(time/height/width) rotary positions per sequence from the whole row, so restarting position_ids "
                           "per packed sequence does not reproduce them. Set packing.enabled=false")
     if c.packing.enabled:
-        from sft_nb.packing import pack
         self.capacity = c.packing.capacity or c.tokenize.max_length
         # planned independently of the worker count: step s packs the same rows on 1 or N workers,
         # which keeps losses identical across DP sizes and lets a run resume on another one
@@ -196,7 +196,7 @@ def _uses(v) -> bool: return v is not None and len(v) > 0
 @patch
 def fill_row(self: DataPlan) -> dict:
     "The renderer's untrained row that exercises every parameter (made once)."
-    if self._fill is None: self._fill = self.renderer.dummy()
+    if self._fill is None: self._fill = self.renderer.fill_row()
     return self._fill
 
 @patch
@@ -211,7 +211,7 @@ def collate(self: DataPlan, examples: list[dict]) -> dict:
 
 # %% ../nbs/05a_dataplan.ipynb #102383d0
 @patch
-def dummy(self: DataPlan, backward: bool = True) -> dict:
+def empty_batch(self: DataPlan, backward: bool = True) -> dict:
     "The micro-batch of a rank with nothing left: it joins every collective; nothing is trained or counted."
     if backward and self.renderer.features() and self.cfg.placement.dp_size > 1: b = self.collate([])
     else:
@@ -221,28 +221,33 @@ def dummy(self: DataPlan, backward: bool = True) -> dict:
 
 @patch
 def collate_items(self: DataPlan, mb: list) -> dict:
-    "Collate micro-batch `mb` of items (rows, or bins when packing); [] is the dummy."
-    if not mb: return self.dummy()
+    "Collate micro-batch `mb` of items (rows, or bins when packing); [] is the empty micro-batch."
+    if not mb: return self.empty_batch()
     if self.pack_plan is None: return self.collate([self.example(k) for k in mb])
     b = collate_packed([[self.example(k) for k in bin_] for bin_ in mb], self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
     b.pop('seq_lens'); b.pop('cu_seqlens')
     return b
 
 # %% ../nbs/05a_dataplan.ipynb #5de1b34a
+class StepBatches(NamedTuple):
+    "One optimizer step's work: per-replica micro-batches and the step's totals."
+    batches: list[list[dict]]  # [replica][micro-batch] collated tensors
+    weight_sum: int | float  # Σ target weight: the loss's divisor (the trained-target count without loss weights)
+    n_trained: int  # trained targets
+    n_real: int  # non-padding tokens
+
 @patch
-def rank_batches(self: DataPlan, items: list) -> tuple[list[list[dict]], int | float, int]:
-    "Per-replica micro-batches of `items`, the step's `n_trained` (the loss divisor) and `n_real`."
+def rank_batches(self: DataPlan, items: list) -> StepBatches:
+    "Per-replica micro-batches of `items` and the step's `weight_sum` (the loss divisor), `n_trained` and `n_real`."
     c = self.cfg
     per_rank = split_for_ranks(items, c.placement.dp_size, c.train.micro_batch_size)
     batches = [[self.collate_items(mb) for mb in mbs] for mbs in per_rank]
-    counts = [(b.pop('n_trained'), b.pop('weight_sum', None)) for mbs in batches for b in mbs]
-    n_trained = sum(n if w is None else w for n, w in counts)  # with fractional loss weights: Σ weight, the loss's divisor
-    n_real = sum(b.pop('n_real') for mbs in batches for b in mbs)
-    return batches, n_trained, n_real
+    counts = [(b.pop('n_trained'), b.pop('weight_sum', None), b.pop('n_real')) for mbs in batches for b in mbs]
+    return StepBatches(batches, sum(n if w is None else w for n, w, _ in counts), sum(n for n, _, _ in counts), sum(r for _, _, r in counts))
 
 # %% ../nbs/05a_dataplan.ipynb #d2dcd9a7
 @patch
-def batches(self: DataPlan, step: int, prefetch: bool = True) -> tuple[list[list[dict]], int | float, int]:
+def batches(self: DataPlan, step: int, prefetch: bool = True) -> StepBatches:
     "`rank_batches(global_batch(step))`, the prefetched one when ready; then step `step + 1`'s starts collating in a thread."
     f = self.pending.pop(step, None)
     out = f.result() if f is not None else self.rank_batches(self.global_batch(step))
@@ -288,4 +293,4 @@ def eval_batches(self: DataPlan):
     if self.heldout: sets['heldout'] = [(self.train_sets[s], int(i)) for s, i in self.heldout]
     for name, rows in sets.items():
         per_rank = split_for_ranks([_row(ds, i) for ds, i in rows], dp, micro * 4)
-        yield name, [[self.collate(mb) if mb else self.dummy(backward=False) for mb in mbs] for mbs in per_rank]
+        yield name, [[self.collate(mb) if mb else self.empty_batch(backward=False) for mb in mbs] for mbs in per_rank]

@@ -397,7 +397,7 @@ def score(self: Inspector, examples: list) -> list[dict]:
 # %% ../nbs/03_inspect.ipynb #50f14fb9
 def inspect_main(argv: list[str] | None = None,
                  run_loader=None, # `--run`: RUN_DIR → (scorer with `token_losses`, the run's tokenize settings); `sft-nb inspect` passes `sft_nb.lens.run_scorer`
-                 tokenizer_loader=None, # `--model` NAME → (tokenizer or processor, template); `sft-nb inspect` passes `sft_nb.models.load_tokenizer`
+                 tokenizer_loader=None, # (model, template, family) → tokenizer or processor; `sft-nb inspect` passes `sft_nb.models.load_tokenizer`
                 ) -> int:
     "CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the exit status (1: the row would not be trained, 2: no such row)."
     p = argparse.ArgumentParser(prog='sft-nb inspect', description='Show the tokens and loss mask of one dataset row.')
@@ -428,11 +428,11 @@ def inspect_main(argv: list[str] | None = None,
     if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
     a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
     if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
-    tokenizer, template = tokenizer_loader(a.model, a.template, a.family)
+    tokenizer = tokenizer_loader(a.model, a.template, a.family)
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
-    spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
+    spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=a.template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
                         history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
                         truncation=a.truncation)
     exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))

@@ -80,7 +80,7 @@ def fill_bins(lengths: list[int], capacity: int) -> list[list[int]]:
     return bins if bins[0] else []
 
 def lens_batch(trainer, exs: list[dict], packed: bool = False) -> dict:
-    "One micro-batch of `exs` as the workers take it (an empty list: the dummy batch every rank still runs)."
+    "One micro-batch of `exs` as the workers take it (an empty list: the empty micro-batch every rank still runs)."
     pad = trainer.tokenizer.pad_token_id
     if not exs: return collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
     if not packed: return collate_padded(exs, pad)
@@ -126,11 +126,14 @@ def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', 
     dp, micro = trainer.cfg.placement.dp_size, micro_batch_size or max(1, trainer.cfg.train.micro_batch_size) * 4
     per_call, out = dp * micro * 4, []
     for start in tqdm(range(0, len(exs), per_call), desc='token losses', unit='batch', disable=not (len(exs) > 64 if progress is None else progress)):
-        per_rank = split_for_ranks(exs[start:start + per_call], dp, micro)
+        chunk = exs[start:start + per_call]
+        per_rank, got = split_for_ranks(chunk, dp, micro), []
         batches = [[lens_batch(trainer, mb, packed) for mb in mbs] for mbs in per_rank]
-        for mbs, res in zip(per_rank, trainer.workers.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
+        for mbs, res in zip(per_rank, trainer.backend.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
             for mb, stats in zip(mbs, res):
-                if mb: out += _per_example(stats, mb, k)
+                if mb: got += _per_example(stats, mb, k)
+        dealt = [j for mbs in split_for_ranks(list(range(len(chunk))), dp, micro) for mb in mbs for j in mb]
+        out += [r for _, r in sorted(zip(dealt, got), key=lambda p: p[0])]  # back in the order asked for
     return [remember_first(trainer, r) for r in out]
 
 # %% ../nbs/08c_lens.ipynb #dd2af4fb

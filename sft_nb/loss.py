@@ -119,14 +119,14 @@ def chunked_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
 
 # %% ../nbs/06c_loss.ipynb #cc571d70
 class TrainedHead:
-    "Context manager: the LM head sees only trained positions; with `chunk` > 0 it returns their chunked Σ (weight·) NLL instead of logits."
+    "Context manager: the LM head sees only trained positions; with `chunk` > 0 it computes their chunked Σ (weight·) NLL (`.loss`) and makes no logits."
     def __init__(self, head: torch.nn.Module | None, # model.get_output_embeddings()
                  sel: torch.Tensor, # [B, T] bool: positions whose next token is trained (`trained_targets`)
                  targets: torch.Tensor, # [n_trained] next-token ids
                  weights: torch.Tensor | None = None, # [n_trained] loss weights (`target_weights`), or None
                  chunk: int = 0): # tokens per chunk; 0 = full [n_trained, V] logits
         self.head, self.sel, self.targets, self.weights, self.chunk = head, sel, targets, weights, chunk
-        self.selected, self.loss = False, None
+        self.selected, self.loss, self.no_logits = False, None, None
 
     def _select(self, module, args):
         if args[0].shape[:2] != self.sel.shape: return None
@@ -136,7 +136,8 @@ class TrainedHead:
     def _forward(self, h, *args, **kwargs):
         if not self.selected: return self._orig(h, *args, **kwargs)
         self.loss = chunked_nll(h, self.head, self.targets, self.weights, self.chunk, forward=self._orig)
-        return self.loss
+        self.no_logits = self.loss.reshape(1)[:0]  # the model's `.logits`: no logits, but a (zero-size) view of the loss, in its graph
+        return self.no_logits
 
 # %% ../nbs/06c_loss.ipynb #1e62c246
 @patch
@@ -167,10 +168,10 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
     if out.dim() == 3: return token_nll_sum(out, labels, loss_weights)  # the head never saw [B, T, H]
     n = int(self.targets.numel()) if self.weights is None else float(self.weights.sum())
     if self.loss is not None:
-        if out is not self.loss:
+        if out is not self.no_logits:
             raise RuntimeError("model.loss_chunk: this model changes the LM head's output before returning it "
                                "(logit soft-capping or scaling?); set model.loss_chunk: 0 for it")
-        return out, n
+        return self.loss + out.sum(), n  # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
     nll = F.cross_entropy(out.float(), self.targets, reduction='none' if self.weights is not None else 'sum')
     return (nll if self.weights is None else (nll * self.weights).sum()), n
 
@@ -236,7 +237,7 @@ def router_aux_coef(model) -> float:
     return float(getattr(c, 'router_aux_loss_coef', 0) or 0) if getattr(c, 'output_router_logits', False) else 0.0
 
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
-    "[B·T] sequence number of each token of a micro-batch (-1: padding, fill or dummy rows: no trained target) and the number of sequences."
+    "[B·T] sequence number of each token of a micro-batch (-1: padding, fill rows, empty micro-batches: no trained target) and the number of sequences."
     labels = batch['labels']
     B, T = labels.shape
     pos, am = batch.get('position_ids'), batch.get('attention_mask')
@@ -289,10 +290,10 @@ class RouterLogits:
 
 # %% ../nbs/06c_loss.ipynb #70c3a2a1
 def eval_metrics(step: int, results: dict[str, list[dict]]) -> dict:
-    "{'step', '<set>_loss', '<set>_ppl', ..., 'eval_loss', 'eval_ppl'} from each set's per-replica `{'nll_sum', 'n_trained'}`."
+    "{'step', '<set>_loss', '<set>_ppl', ..., 'eval_loss', 'eval_ppl'} from each set's per-replica `{'nll_sum', 'weight_sum'}`."
     out = {'step': step}
     for name, res in results.items():
-        n = sum(r['n_trained'] for r in res)
+        n = sum(r['weight_sum'] for r in res)
         out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
         out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))
     if results: out['eval_loss'], out['eval_ppl'] = out[f'{next(iter(results))}_loss'], out[f'{next(iter(results))}_ppl']

@@ -7,13 +7,14 @@ from __future__ import annotations
 import importlib.util, os, random
 from pathlib import Path
 from .paths import sft_nb_home, atomic_build
-from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials, load_template
+from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'build_tiny_tokenizer',
-           'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct',
-           'smollm2_chat_template', 'resolve_model_path', 'check_model_path', 'load_tokenizer', 'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'seeded_model',
+           'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm',
+           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path', 'load_tokenizer',
+           'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -24,6 +25,17 @@ def save_built(dir: str | Path | None, # the folder asked for; None = the shared
     def build(tmp):
         for part in make(): part.save_pretrained(tmp)
     return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / name, build)
+
+def seeded_model(seed: int, # torch's seed for the weight init: the same seed, the same weights
+                 build, # () -> a Hugging Face model
+                 eos_id: int, pad_id: int, # what its generation ends at and pads with
+                ):
+    "A test model `build()` makes under `torch.manual_seed(seed)`, its generation config set to end at `eos_id`."
+    import torch
+    torch.manual_seed(seed)
+    model = build()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos_id, pad_id
+    return model
 
 # %% ../nbs/06_models.ipynb #721e0bd0
 CHATML_TEMPLATE = (
@@ -81,10 +93,7 @@ def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the s
         tok = build_tiny_tokenizer()
         cfg = tiny_model_config(len(tok))
         cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-        model.generation_config.eos_token_id, model.generation_config.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        return model, tok
+        return seeded_model(seed, lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tok.eos_token_id, tok.pad_token_id), tok
     return save_built(dir, f'tiny-chatml-v{TINY_VERSION}-s{seed}', make)
 
 # %% ../nbs/06_models.ipynb #18f50c31
@@ -104,13 +113,11 @@ def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared c
              seed: int = 0, # weight init seed
             ) -> Path:
     "Build (once) and return the folder of the tiny Qwen2-VL model + processor."
-    import torch
     from transformers import Qwen2VLForConditionalGeneration
     def make():
         proc = build_tiny_processor()
-        torch.manual_seed(seed)
-        model = Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float()
-        model.generation_config.eos_token_id = model.generation_config.pad_token_id = proc.tokenizer.eos_token_id
+        eos = proc.tokenizer.eos_token_id
+        model = seeded_model(seed, lambda: Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float(), eos, eos)
         return model, proc.tokenizer, proc.image_processor
     return save_built(dir, f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', make)
 
@@ -171,18 +178,18 @@ def check_model_path(path: str) -> str:
 
 # %% ../nbs/06_models.ipynb #6e6327d2
 def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or hub id
-                   template: str | None = None, # template text or .jinja path replacing the tokenizer's
+                   template: str | None = None, # the chat template it will render (name, .jinja path or text): its family's special tokens are added
                    family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`)
                   ):
-    "(tokenizer, template text): a template file named after a family (`qwen2.5-instruct.jinja`) or a shipped template's name (`qwen3`) brings its special tokens. A vision-language model gives its processor."
+    "The tokenizer of `model` with the special tokens of `template`'s family (or of `family`); a vision-language model gives its processor."
     from transformers import AutoTokenizer
     path = resolve_model_path(model)
-    if is_vlm(path): return load_processor(path), load_template(template)
+    if is_vlm(path): return load_processor(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
     if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
     if family is None and template in CHAT_TEMPLATES: family = CHAT_TEMPLATES[template][0]  # a shipped template's name
     if family: add_family_specials(tokenizer, family)
-    return tokenizer, load_template(template)
+    return tokenizer
 
 # %% ../nbs/06_models.ipynb #5556384b
 def load_model_inputs(path: str) -> tuple:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 # %% auto #0
-__all__ = ['lr_at']
+__all__ = ['lr_at', 'take_step']
 
 # %% ../nbs/07c_optim.ipynb #47350bbb
 def lr_at(step: int, # optimizer steps already taken (0 for the first step)
@@ -26,3 +26,21 @@ def lr_at(step: int, # optimizer steps already taken (0 for the first step)
     frac = min(1.0, (step - warmup_steps) / decay)
     shape = 1 - frac if schedule == 'linear' else 0.5 * (1 + math.cos(math.pi * frac))
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
+
+# %% ../nbs/07c_optim.ipynb #38dd120f
+def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the `OptimConfig` as a dict), `step`, `total_steps`
+              grad_norm: float, # the global gradient norm, the same on every rank
+              skip: bool = False, # drop the gradients, no update (the driver's non-finite loss)
+              clip=None, # () -> None: scale the gradients before the update (when the backend did not clip already)
+             ) -> dict:
+    "Set this step's LR, update unless `skip` or the norm is not finite, drop the gradients, count the step; {'grad_norm', 'lr', 'skipped'}."
+    o = worker.ocfg
+    lr = lr_at(worker.step, o['lr'], worker.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
+    for g in worker.opt.param_groups: g['lr'] = lr
+    skip = bool(skip or not math.isfinite(grad_norm))
+    if not skip:
+        if clip is not None: clip()
+        worker.opt.step()
+    worker.opt.zero_grad(set_to_none=True)
+    worker.step += 1  # also when skipped: the LR schedule follows the trainer's step count
+    return {'grad_norm': grad_norm, 'lr': lr, 'skipped': skip}

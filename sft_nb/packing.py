@@ -13,7 +13,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['STRATEGIES', 'MIN_SLACK_MAX_ROWS', 'PLANNERS', 'clip_lengths', 'lower_bound', 'planner', 'plan_bins', 'PackPlan',
-           'pack', 'bin_examples']
+           'deal', 'pack', 'bin_examples']
 
 # %% ../nbs/04_packing.ipynb #21bbf4ad
 def clip_lengths(lengths: Sequence[int], # tokens per row
@@ -276,29 +276,21 @@ class PackPlan:
     def from_dict(cls, d: dict) -> PackPlan: return cls(**{f.name: d[f.name] for f in fields(cls) if f.name in d})
 
 # %% ../nbs/04_packing.ipynb #a6ccf9ea
-@patch
-def _dp(self: PackPlan, dp):
-    dp = dp or self.dp
-    if len(self.bins) % dp: raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
-    return dp
-
-@patch
-def shard(self: PackPlan, rank: int, dp: int | None = None) -> list[list[int]]:
-    "Rank `rank`'s bins (every dp-th bin), balanced by tokens when dp is the planned dp."
-    dp = self._dp(dp)
-    if not 0 <= rank < dp: raise ValueError(f"rank must be in [0, {dp}), got {rank}")
-    return self.bins[rank::dp]
+def deal(items: list, dp: int) -> list[list]:
+    "The one dealing rule: rank r of `dp` takes items r, r + dp, r + 2·dp, … of a global batch (rows or bins)."
+    if int(dp) < 1: raise ValueError(f"dp must be >= 1, got {dp}")
+    return [items[r::dp] for r in range(dp)]
 
 @patch
 def rank_tokens(self: PackPlan, dp: int | None = None) -> list[int]:
-    "Tokens per rank over the whole plan."
-    dp = self._dp(dp)
-    return [sum(self.tokens[r::dp]) for r in range(dp)]
+    "Tokens per rank over the whole plan: `deal` per step is `deal` of all bins, since every step is a multiple of dp bins."
+    dp = dp or self.dp
+    if len(self.bins) % dp: raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
+    return [sum(t) for t in deal(self.tokens, dp)]
 
 # %% ../nbs/04_packing.ipynb #0d03deee
 @patch
 def global_batches(self: PackPlan, bins_per_step: int | None = None, # bins per optimizer step (multiple of dp); None for per-batch plans
-                   rank: int | None = None, # only this rank's bins of each step
                   ) -> list[list[list[int]]]:
     "Bins grouped into global batches (optimizer steps); the last one may be shorter."
     if self.steps is not None:
@@ -308,8 +300,7 @@ def global_batches(self: PackPlan, bins_per_step: int | None = None, # bins per 
         if not bins_per_step or bins_per_step % self.dp:
             raise ValueError(f"bins_per_step must be a positive multiple of dp={self.dp}, got {bins_per_step}")
         cuts = list(range(0, len(self.bins), bins_per_step)) + [len(self.bins)]
-    out = [self.bins[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
-    return out if rank is None else [s[rank::self.dp] for s in out]
+    return [self.bins[a:b] for a, b in zip(cuts[:-1], cuts[1:])]
 
 # %% ../nbs/04_packing.ipynb #1bd6ded6
 @contextmanager

@@ -118,7 +118,7 @@ class PackingSimulator:
 
 # %% ../nbs/04a_packsim.ipynb #9cd2839d
 def pack_main(argv: list[str] | None = None,
-              tokenizer_loader=None, # `--model` NAME → (tokenizer, template); `sft-nb pack` passes `sft_nb.models.load_tokenizer`
+              tokenizer_loader=None, # (model, template) → tokenizer; `sft-nb pack` passes `sft_nb.models.load_tokenizer`
              ) -> int:
     "CLI entry (`sft-nb pack`): tokenize a dataset, print each planner's bins/efficiency/padding and the chosen plan."
     import argparse
@@ -141,9 +141,9 @@ def pack_main(argv: list[str] | None = None,
     from sft_nb.config import TokenizeConfig
     from sft_nb.tokenize import tokenize_dataset
     if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb pack` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
-    tok, template = tokenizer_loader(a.model, a.template)
+    tok = tokenizer_loader(a.model, a.template)
     src = Path(a.data) if Path(a.data).exists() else a.data
-    ds, report = tokenize_dataset(src, tok, TokenizeConfig(mode=a.mode, max_length=None, chat_template=template))
+    ds, report = tokenize_dataset(src, tok, TokenizeConfig(mode=a.mode, max_length=None, chat_template=a.template))
     lengths = ds['length']
     print(f'{a.data}: {report}')
     for cap in a.capacity:

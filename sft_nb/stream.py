@@ -139,8 +139,8 @@ class StreamPlan(DataPlan):
         self.load_state_dict(state['stream'])
 
     def collate_items(self, mb: list) -> dict:
-        "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the dummy."
-        if not mb: return self.dummy()
+        "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the empty micro-batch."
+        if not mb: return self.empty_batch()
         if not self.cfg.packing.enabled: return self.collate(mb)
         b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
         b.pop('seq_lens'); b.pop('cu_seqlens')

@@ -510,7 +510,7 @@ class Renderer:
     def fingerprint(self) -> str: return ''  # what else decides the examples (beyond the tokenizer, template and spec)
     def source_fingerprint(self, raw) -> str: return ''  # content the rows only reference (image files)
     def collate(self, examples: list, batch: dict) -> dict: return batch  # add the extra columns to a padded batch
-    def dummy(self) -> dict:
+    def fill_row(self) -> dict:
         "An untrained row that exercises every parameter (a rank with no data still runs the whole graph)."
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return {'input_ids': [pad, pad], 'loss_mask': [0, 0]}

@@ -95,7 +95,7 @@ class SFTTrainer:
         self.control, self.global_step, self.step_metrics, self.callbacks = Control(), 0, [], []
         self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
-        self.group, self.workers = None, None  # the WorkerGroup and its typed view (BackendGroup)
+        self.group, self.backend = None, None  # the WorkerGroup and its typed view (BackendGroup)
         self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
         self.ckpt = Checkpointer(self.cfg.checkpoint)  # run folder claim and checkpoints
         self._exclusive, self._ray_started = Exclusive(), False  # one action at a time: `with self._exclusive('fit'):`
@@ -194,8 +194,8 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
     if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
-    self.workers = start_workers(c, self.total_steps)
-    self.group, self.model_info = self.workers.group, self.workers.setup()[0]
+    self.backend = start_workers(c, self.total_steps)
+    self.group, self.model_info = self.backend.group, self.backend.setup()[0]
     self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)  # what a checkpoint must fit
     self.data.check_model(self.model_info)  # packing needs layers that attention masks separate
     save_config(c, self.run_dir / 'config.yaml')
@@ -212,17 +212,17 @@ def step(self: SFTTrainer) -> dict:
     if step % spe == 0: self._emit('on_epoch_start', step // spe)
     self._emit('on_step_start', step + 1)  # the step's number, as its metrics['step'] will say
     t0 = time.perf_counter()
-    batches, n_trained, n_real = self.data.batches(step)  # the next step's is collated in a thread meanwhile
+    batches, weight_sum, n_trained, n_real = self.data.batches(step)  # the next step's is collated in a thread meanwhile
     # An interrupt (Ctrl-C, Jupyter's "Interrupt kernel") between forward_backward and optim_step would leave the workers'
     # gradients accumulated, or the workers a step ahead of the driver: the step is finished first, then it is raised.
     try:
         with hold_interrupts(f'step {step + 1}'):
-            fb = self.workers.forward_backward(batches, n_trained)
-            loss = sum(r['nll_sum'] for r in fb) / (n_trained if n_trained > 0 else 1)
-            om = self.workers.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
+            fb = self.backend.forward_backward(batches, weight_sum)
+            loss = sum(r['nll_sum'] for r in fb) / (weight_sum if weight_sum > 0 else 1)
+            om = self.backend.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
             dt, self.global_step = time.perf_counter() - t0, step + 1
             m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
-                 'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
+                 'weight_sum': weight_sum, 'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
             if 'aux_sum' in fb[0]: m['aux_loss'] = sum(r['aux_sum'] for r in fb) / max(1, sum(r['n_seqs'] for r in fb))  # MoE router loss, apart from the NLL
             self.step_metrics.append(m)
     except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
@@ -265,7 +265,7 @@ def train(self: SFTTrainer) -> pd.DataFrame:
 @action('evaluate')
 def evaluate(self: SFTTrainer) -> dict:
     "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
-    self.last_eval = eval_metrics(self.global_step, {name: self.workers.eval_loss(b) for name, b in self.data.eval_batches()})
+    self.last_eval = eval_metrics(self.global_step, {name: self.backend.eval_loss(b) for name, b in self.data.eval_batches()})
     self.eval_history.append(self.last_eval)
     self._emit('on_evaluate', self.last_eval)
     return self.last_eval
@@ -278,7 +278,7 @@ def save(self: SFTTrainer) -> Path:
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
     state = {'global_step': self.global_step, 'history': self.step_metrics, 'model': self.model_fingerprint,
              **self.data.ckpt_state(self.global_step)}
-    final = self.ckpt.save(self.global_step, lambda tmp: self.workers.save(str(tmp)), state)
+    final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
     return final
 
@@ -295,7 +295,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     state = self.ckpt.state(path)
     check_model(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
-    self.workers.load(str(path))
+    self.backend.load(str(path))
     self.global_step, self.step_metrics = state['global_step'], state['history']
     self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
@@ -308,7 +308,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
 def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
     "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
     path = Path(path or self.run_dir / 'hf')
-    self.workers.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
+    self.backend.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
     if not any((path / f).exists() for f in ('config.json', 'adapter_config.json')):
         raise RuntimeError(f"export: the workers wrote no model into {path}")
     return path
@@ -325,7 +325,7 @@ def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: 
              tools_list: list[list | None] | None = None) -> list[str]: # each conversation's tool schemas (None: no tools)
     "Greedy answers of the current model to chat prompts."
     prompts = [self.prompt_ids(msgs, tools) for msgs, tools in zip(messages_list, tools_list or [None] * len(messages_list))]
-    outs = self.workers.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
+    outs = self.backend.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
     return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
 
 # %% ../nbs/08_trainer.ipynb #47ae9b47
@@ -340,7 +340,7 @@ def chat(self: SFTTrainer, messages: str | list[dict], # a user message, or a co
     tok, eos = self.tokenizer, self.tokenizer.eos_token_id
     prompt, new, text = self.prompt_ids(prompt_messages(messages), tools), [], ''
     while len(new) < max_new_tokens and (not new or new[-1] != eos):
-        got = self.workers.stream_tokens(None if new else prompt, 1, temperature, top_p, seed, eos)
+        got = self.backend.stream_tokens(None if new else prompt, 1, temperature, top_p, seed, eos)
         if not got: break
         new += got
         full = tok.decode(new, skip_special_tokens=True)
@@ -356,7 +356,7 @@ def shutdown(self: SFTTrainer):
     "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
     for cb in self.callbacks: cb.close()
     self.data.close()
-    if self.group is not None: self.group.shutdown(); self.group, self.workers = None, None
+    if self.group is not None: self.group.shutdown(); self.group, self.backend = None, None
     self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
 
@@ -367,8 +367,8 @@ def restart_workers(self: SFTTrainer) -> int:
     with self._exclusive('restart_workers'):
         if self.group is None: return self.setup().global_step
         self.group.kill()
-        self.workers = start_workers(self.cfg, self.total_steps)
-        self.group, self.model_info = self.workers.group, self.workers.setup()[0]
+        self.backend = start_workers(self.cfg, self.total_steps)
+        self.group, self.model_info = self.backend.group, self.backend.setup()[0]
         if self.ckpt.resolve('latest', self.total_steps, self.cfg.train.sampler) is not None: return self.load('latest')
         self.global_step, self.step_metrics, self.eval_history = 0, [], []
         self.data.restore(self.data.ckpt_state(0), self.run_dir)
@@ -430,5 +430,5 @@ def dry_run_verdict(cfg: SFTConfig, ranks: list[dict], shape: tuple) -> dict:
 def dry_run(self: SFTTrainer, memory_limit: int | None = None, full_length: bool = False) -> dict:
     "One step per rank on `dry_run_batch`, weights left as they were: {'fits', 'message' (what to change), 'ranks', 'shape'}; `memory_limit`: bytes a rank may use."
     mb = dry_run_batch(self.cfg, self.setup, full_length)
-    return dry_run_verdict(self.cfg, self.workers.dry_run(mb, memory_limit), tuple(mb['input_ids'].shape))
+    return dry_run_verdict(self.cfg, self.backend.dry_run(mb, memory_limit), tuple(mb['input_ids'].shape))
 

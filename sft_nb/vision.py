@@ -239,7 +239,7 @@ def collate(self: ProcessorRenderer, examples: list, batch: dict) -> dict:
     return batch
 
 @patch
-def dummy(self: ProcessorRenderer) -> dict:
+def fill_row(self: ProcessorRenderer) -> dict:
     "An untrained row holding the smallest image the image processor makes, its placeholder rendered and expanded by the processor."
     from PIL import Image
     ip = self.processor.image_processor

@@ -12,7 +12,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'WorkerError', 'death_message', 'WorkerGroup']
+           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -145,6 +145,20 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_path or source).save_pretrained(path)
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
+
+class TrainWorker(DistWorker):
+    "What every backend's training worker is given (the model and optim configs as dicts, the run's steps and seed, the placement) and how it exports."
+    def __init__(self, rank: int, world_size: int, model: dict, optim: dict, total_steps: int, seed: int = 0, use_gpu: bool = False,
+                 placement: dict | None = None):
+        super().__init__(rank, world_size)
+        self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
+        self.placement, self.step = placement or {}, 0  # step: optimizer steps taken
+
+    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
+        "`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank takes part in gathering."
+        state = self.full_state()
+        if self.rank == 0: save_hf_folder(self.hf_model(state, lora_export), path, self.path, tokenizer_path)
+        return True
 
 # %% ../nbs/07_workers.ipynb #de47446a
 class WorkerError(RuntimeError):

@@ -88,6 +88,6 @@ def test_early_stopping_keeps_the_best_model(tiny_path, tmp_path, ray_session):
         assert t.global_step < 300 and t.global_step == losses[-1][0] == best[0] + 30, losses  # 3 evaluations without a new best
         assert t.best['step'] == best[0] and t.best['eval_loss'] == best[1]
         assert json.loads((t.run_dir / 'best' / 'best.json').read_text())['step'] == best[0]
-        ref = {k: v.detach().clone() for k, v in t.workers.full_state()[0].items()}
+        ref = {k: v.detach().clone() for k, v in t.backend.full_state()[0].items()}
     hf = AutoModelForCausalLM.from_pretrained(t.run_dir / 'best')
     assert any(not (hf.state_dict()[k] == v).all() for k, v in ref.items() if k in hf.state_dict())  # best is not the last step's model

@@ -52,7 +52,7 @@ def test_exact_vs_hf_forward_padded_and_packed(tiny_path, tmp_path, ray_session)
 
 
 def test_two_ranks_equal_one(tiny_path, tmp_path, ray_session):
-    "FSDP over 2 ranks (an odd row count: one rank gets a dummy micro-batch) gives the 1-rank losses."
+    "FSDP over 2 ranks (an odd row count: one rank gets an empty micro-batch) gives the 1-rank losses."
     out = {}
     for w in (1, 2):
         with SFTTrainer(cfg(tiny_path, tmp_path / str(w), placement__workers_per_node=w), train_data=TRAIN) as t:

@@ -94,7 +94,7 @@ def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
         r0, g0 = grads_of(worker, mb, 0)
         for chunk in (5, 7):
             r1, g1 = grads_of(worker, mb, chunk)
-            assert r1['n_trained'] == r0['n_trained'] and r0['n_trained'] % chunk != 0
+            assert r1['weight_sum'] == r0['weight_sum'] and mb['n_trained'] % chunk != 0
             assert abs(r1['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum'], (name, r0, r1)
             assert g1.keys() == g0.keys()
             assert_rel_close(g1, g0, GRAD_TOL, f'{name}, chunks of {chunk}: gradients')
@@ -189,4 +189,4 @@ def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
         out = worker.eval_loss([mb])
     finally:
         worker.attn = 'sdpa'; worker.model.set_attn_implementation('sdpa')
-    assert out['n_trained'] == ref['n_trained'] and abs(out['nll_sum'] - ref['nll_sum']) <= 1e-5 * ref['nll_sum']
+    assert out['weight_sum'] == ref['weight_sum'] and abs(out['nll_sum'] - ref['nll_sum']) <= 1e-5 * ref['nll_sum']

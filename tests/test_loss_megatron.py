@@ -45,7 +45,7 @@ def test_chunked_equals_megatron_loss(worker, tiny_tok, weighted):
                      ('packed', collate_packed([exs[:3], exs[3:]], tiny_tok.pad_token_id))):
         r0, g0 = grads_of(worker, mb, 0)
         r1, g1 = grads_of(worker, mb, 7)
-        assert r1['n_trained'] == r0['n_trained'] and abs(r1['nll_sum'] - r0['nll_sum']) <= 1e-6 * r0['nll_sum'], (name, r0, r1)
+        assert r1['weight_sum'] == r0['weight_sum'] and abs(r1['nll_sum'] - r0['nll_sum']) <= 1e-6 * r0['nll_sum'], (name, r0, r1)
         assert g0.keys() == g1.keys()
         print(f"megatron {name} weighted={weighted}: |ΔΣNLL| {abs(r1['nll_sum'] - r0['nll_sum']):.1e}, gradients {rel_gap(g1, g0):.1e} of their size")
         assert_rel_close(g1, g0, 4e-6, f'{name} gradients')  # a whole model's gradients: test_loss.GRAD_TOL

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 from sft_nb.numerics import assert_rel_close
 from sft_nb.loss import token_nll_sum
 from sft_nb.collate import collate_packed, collate_padded, model_inputs
-from sft_nb.packing import STRATEGIES, PackPlan, bin_examples, lower_bound, pack
+from sft_nb.packing import STRATEGIES, PackPlan, bin_examples, deal, lower_bound, pack
 
 
 @st.composite
@@ -30,7 +30,7 @@ def test_plan_properties(kw):
     steps = p.global_batches() if kw['rows_per_step'] else p.global_batches(dp * 2)
     assert all(len(s) % dp == 0 and len(s) >= dp for s in steps)  # every rank gets a bin in every step
     assert [b for s in steps for b in s] == p.bins
-    assert sorted(map(sorted, (b for r in range(dp) for b in p.shard(r, dp)))) == sorted(map(sorted, p.bins))
+    assert [[b for s in steps for b in deal(s, dp)[r]] for r in range(dp)] == deal(p.bins, dp)  # dealt per step = dealt once: rank_tokens holds
     assert pack(**kw) == p  # same seed, same plan
     assert PackPlan.from_dict(json.loads(json.dumps(p.to_dict()))) == p
     if kw['rows_per_step']:  # a plan per global batch only mixes rows of that batch
@@ -119,7 +119,7 @@ def test_fewer_rows_than_ranks(alpaca, tiny_path, tiny_tok):
     sub = alpaca.select(rows)
     n_global, sums = 0, []
     for rank in range(4):
-        batch = collate_packed(bin_examples(plan.global_batches(rank=rank)[-1], sub, 256), pad_id=tiny_tok.pad_token_id, capacity=256)
+        batch = collate_packed(bin_examples(deal(last, 4)[rank], sub, 256), pad_id=tiny_tok.pad_token_id, capacity=256)
         with torch.no_grad(): logits = model(**model_inputs(batch)).logits
         assert torch.isfinite(logits).all()
         s, n = token_nll_sum(logits, batch['labels'])

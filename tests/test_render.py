@@ -126,11 +126,11 @@ def test_image_row_with_tool_calls_trains_them(proc, shared, tmp_path):
     assert len(ds[0]['image_grid_thw']) == 1
 
 
-def test_processor_dummy_comes_from_the_processor(proc):
-    "The dummy row: the smallest image the image processor makes, its placeholder as the template renders it, nothing trained."
+def test_processor_fill_row_comes_from_the_processor(proc):
+    "The fill row: the smallest image the image processor makes, its placeholder as the template renders it, nothing trained."
     from sft_nb.collate import collate_padded
     r = ProcessorRenderer(proc, TokenizeConfig())
-    dm = r.dummy()
+    dm = r.fill_row()
     grid = dm['image_grid_thw'][0]
     assert sum(dm['loss_mask']) == 0
     assert dm['input_ids'].count(proc.image_token_id) == int(np.prod(grid)) // proc.image_processor.merge_size ** 2

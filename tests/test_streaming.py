@@ -123,7 +123,7 @@ def test_packed_steps_train_the_window_rows(tiny_tok, jsonl):
         assert 0 < len(bins) <= 8 and all(sum(len(e['input_ids']) for e in b) <= 96 for b in bins)
         taken = [e for b in bins for e in b]
         assert all(any(e is w for w in window) for e in taken)  # packed from the window only
-        batches, n_trained, n_real = sp.rank_batches(bins)
+        batches, _, n_trained, n_real = sp.rank_batches(bins)
         labels = [mb['labels'] for mbs in batches for mb in mbs]
         got = [int(x) for lab in labels for row in lab for x in row if x != -100]
         want = [t for e in taken for t, m in zip(e['input_ids'], e['loss_mask']) if m]

@@ -28,10 +28,10 @@ def get_backend(name: str):
 class Backend(Protocol):
     "The worker methods the driver calls (each runs on every rank of a `WorkerGroup`)."
     def setup(self) -> dict: "Build model and optimizer; {'packable': bool, 'n_params': int, ...}."
-    def forward_backward(self, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-        "Accumulate gradients of Σ NLL / n_trained_global; {'nll_sum', 'n_trained'}."
+    def forward_backward(self, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
+        "Accumulate gradients of Σ weight·NLL / weight_sum_global; {'nll_sum', 'weight_sum'}."
     def optim_step(self, skip: bool = False) -> dict: "Apply (or drop, `skip`) the gradients; {'grad_norm', 'lr'}."
-    def eval_loss(self, micro_batches: list[dict]) -> dict: "No-grad {'nll_sum', 'n_trained'}."
+    def eval_loss(self, micro_batches: list[dict]) -> dict: "No-grad {'nll_sum', 'weight_sum'}."
     def token_losses(self, micro_batches: list[dict], k: int = 3) -> list[dict] | None:
         "Per micro-batch, at its trained targets: {'nll', 'top_ids', 'top_p'} (None on ranks without the logits)."
     def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
@@ -40,10 +40,11 @@ class Backend(Protocol):
                       eos_token_id: int | None = None) -> list[int]:
         "Up to `n` next tokens of one continuation (`next_token` picks each; every rank returns the same): a `prompt` starts one, None goes on with it; the last is `eos_token_id` when it ended."
     def full_state(self) -> dict: "The full (unsharded) model state dict."
+    def hf_model(self, state: dict, lora_export: str = 'merged'): "A CPU Hugging Face model holding `full_state()`'s state (what `export_hf` saves)."
     def save(self, path: str) -> bool: "Write this rank's shard of a checkpoint into folder `path`."
     def load(self, path: str) -> int: "Load this rank's shard of checkpoint `path`."
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-        "save_pretrained the model (rank 0 writes)."
+        "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from `hf_model`)."
     def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
     def shutdown(self): "Leave the process group."
 
@@ -60,8 +61,8 @@ class BackendGroup:
         res = self.group.call_per_rank(method, [(batches[d], *args) for d in self.dp_of_rank])
         return [res[self.dp_of_rank.index(d)] for d in range(len(batches))]  # count each replica once
 
-    def forward_backward(self, batches: list[list[dict]], n_trained_global: int | float) -> list[dict]:
-        return self._per_replica('forward_backward', batches, n_trained_global)
+    def forward_backward(self, batches: list[list[dict]], weight_sum_global: int | float) -> list[dict]:
+        return self._per_replica('forward_backward', batches, weight_sum_global)
     def eval_loss(self, batches: list[list[dict]]) -> list[dict]: return self._per_replica('eval_loss', batches)
     def token_losses(self, batches: list[list[dict]], k: int = 3) -> list[list[dict]]:
         "Per replica, per micro-batch target statistics; the replica's ranks that hold the logits answer (megatron: last stage)."

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json, os, random
 from pathlib import Path
 import numpy as np
-from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
-from ..optim import lr_at
+from ..workers import TrainWorker, save_rng, load_rng
+from ..optim import take_step
 from ..loss import trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
@@ -34,13 +34,10 @@ def _arch_cls(path):
     except (KeyError, ValueError): return None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #37de5637
-class FSDPWorker(DistWorker):
+class FSDPWorker(TrainWorker):
     "FSDP2 training worker (one per rank)."
-    def __init__(self, rank: int, world_size: int, model: dict, optim: dict, total_steps: int, seed: int = 0, use_gpu: bool = False,
-                 placement: dict | None = None):
-        super().__init__(rank, world_size)
-        self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
-        self.step, self.sp = 0, (placement or {}).get('sequence_parallel', 1)  # sp: ranks that share each row (Ulysses)
+    @property
+    def sp(self) -> int: return self.placement.get('sequence_parallel', 1)  # ranks that share each row (Ulysses)
 
     @property
     def device(self):
@@ -287,11 +284,11 @@ def _sum_over_ranks(self: FSDPWorker, n: int) -> int:
     return int(t.item())
 
 @patch
-def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-    "Accumulate gradients of Σ NLL / n_trained_global (with fractional weights: Σ weight·NLL / Σ weight), plus coef · mean router aux loss over the global batch's sequences (MoE)."
+def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
+    "Accumulate gradients of Σ weight·NLL / weight_sum_global (each target weighs 1 without loss weights), plus coef · mean router aux loss over the global batch's sequences (MoE)."
     self.model.train()
     ranks = self.world_size if self.sharded else 1  # FSDP averages gradients over ranks
-    scale, aux = ranks / (n_trained_global if n_trained_global > 0 else 1), self.aux_coef > 0
+    scale, aux = ranks / (weight_sum_global if weight_sum_global > 0 else 1), self.aux_coef > 0
     n_seqs = sum(sequence_index(mb)[1] for mb in micro_batches) if aux else 0
     aux_scale = self.aux_coef * ranks / max(1, self._sum_over_ranks(n_seqs)) if aux else 0.0
     nll, n, aux_sum = 0.0, 0, 0.0
@@ -301,23 +298,15 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], n_trained_glob
         nll += float(s.detach()); n += k
         if aux: aux_sum += float(a.detach())
     nll, n = self._sp_sum(nll, n)
-    return {'nll_sum': nll, 'n_trained': n} | ({'aux_sum': aux_sum, 'n_seqs': n_seqs} if aux else {})
+    return {'nll_sum': nll, 'weight_sum': n} | ({'aux_sum': aux_sum, 'n_seqs': n_seqs} if aux else {})
 
 @patch
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
     "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
     import torch
-    o = self.ocfg
-    lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
-    for g in self.opt.param_groups: g['lr'] = lr
-    params = [p for p in self.model.parameters() if p.requires_grad]
-    gn = torch.nn.utils.clip_grad_norm_(params, o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf'))
-    gn = float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn)  # the global norm: every rank decides alike
-    skip = bool(skip or not np.isfinite(gn))
-    if not skip: self.opt.step()
-    self.opt.zero_grad(set_to_none=True)
-    self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
-    return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
+    params, max_norm = [p for p in self.model.parameters() if p.requires_grad], self.ocfg['max_grad_norm']
+    gn = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float('inf'))  # clips in place
+    return take_step(self, float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn), skip)  # the global norm: every rank decides alike
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #5b05e072
 @patch
@@ -330,7 +319,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
             s, k, _ = self._nll(self._to_dev(mb))
             nll += float(s); n += k
     nll, n = self._sp_sum(nll, n)
-    return {'nll_sum': nll, 'n_trained': n}
+    return {'nll_sum': nll, 'weight_sum': n}
 
 @patch
 def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
@@ -379,15 +368,11 @@ def load(self: FSDPWorker, path: str) -> int:
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #76404bc8
 @patch
-def export_hf(self: FSDPWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-    "save_pretrained the full model (LoRA merged), or the LoRA adapter alone (`lora_export='adapter'`), on rank 0; every rank takes part in gathering."
-    state = self.full_state()
-    if self.rank == 0:
-        model = self._build_model('cpu')
-        model.load_state_dict(state, strict=False)
-        if self.mcfg['lora_r'] > 0 and lora_export != 'adapter': model = model.merge_and_unload()  # else: PeftModel.save_pretrained writes the adapter only
-        save_hf_folder(model, path, self.path, tokenizer_path)
-    return True
+def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
+    "A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."
+    model = self._build_model('cpu')
+    model.load_state_dict(state, strict=False)
+    return model.merge_and_unload() if self.mcfg['lora_r'] > 0 and lora_export != 'adapter' else model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed
 from fastcore.basics import patch

@@ -8,8 +8,8 @@ import json, random
 from pathlib import Path
 import numpy as np
 from ..config import ConfigError
-from ..workers import DistWorker, save_rng, load_rng, save_hf_folder
-from ..optim import lr_at
+from ..workers import TrainWorker, save_rng, load_rng
+from ..optim import take_step
 from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 from fastcore.basics import patch
@@ -134,16 +134,12 @@ def vocab_parallel_token_nll(model, # the last stage's GPTModel
     return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).index_put((keep,), nll)
 
 # %% ../../nbs/07b_backends.megatron.ipynb #6524bc71
-class MegatronWorker(DistWorker):
+class MegatronWorker(TrainWorker):
     "megatron-core training worker (one per rank): TP × PP model-parallel shards, DP = world / (TP × PP)."
-    def __init__(self, rank: int, world_size: int, model: dict, optim: dict, total_steps: int, seed: int = 0, use_gpu: bool = False,
-                 placement: dict | None = None):
-        super().__init__(rank, world_size)
-        self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
-        p = placement or {}
-        self.tp, self.pp = p.get('tensor_parallel', 1), p.get('pipeline_parallel', 1)
-        megatron_dp_index(rank, world_size, self.tp, self.pp)  # validates TP×PP | world
-        self.step = 0
+    def __init__(self, *args, **kwargs):  # `TrainWorker`'s arguments
+        super().__init__(*args, **kwargs)
+        self.tp, self.pp = self.placement.get('tensor_parallel', 1), self.placement.get('pipeline_parallel', 1)
+        megatron_dp_index(self.rank, self.world_size, self.tp, self.pp)  # validates TP×PP | world
 
     @staticmethod
     def dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> int: return megatron_dp_index(rank, world_size, tp, pp)
@@ -272,31 +268,21 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
 
 # %% ../../nbs/07b_backends.megatron.ipynb #8ae1419f
 @patch
-def forward_backward(self: MegatronWorker, micro_batches: list[dict], n_trained_global: int | float) -> dict:
-    "Accumulate gradients of Σ NLL / n_trained_global over this replica's micro-batches (every rank reports the replica's sums; fractional weights: Σ weight·NLL / Σ weight)."
+def forward_backward(self: MegatronWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
+    "Accumulate gradients of Σ weight·NLL / weight_sum_global over this replica's micro-batches (every rank reports the replica's sums)."
     self.model.train()
-    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (n_trained_global if n_trained_global > 0 else 1))
-    return {'nll_sum': nll, 'n_trained': n}
+    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (weight_sum_global if weight_sum_global > 0 else 1))
+    return {'nll_sum': nll, 'weight_sum': n}
 
 @patch
 def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
     "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
-    import torch
-    o = self.ocfg
-    lr = lr_at(self.step, o['lr'], self.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
-    for g in self.opt.param_groups: g['lr'] = lr
     self._reduce_grads()
     sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
     gn = self._mp_sum(sq) ** 0.5
-    max_norm = o['max_grad_norm'] if o['max_grad_norm'] > 0 else float('inf')
-    skip = bool(skip or not np.isfinite(gn))  # the global norm: every rank decides alike
-    if not skip:
-        coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-        for p in self.params: p.grad.mul_(coef)
-        self.opt.step()
-    self.opt.zero_grad(set_to_none=True)
-    self.step += 1  # also when skipped: the LR schedule follows the trainer's step count
-    return {'grad_norm': gn, 'lr': lr, 'skipped': skip}
+    max_norm = self.ocfg['max_grad_norm'] if self.ocfg['max_grad_norm'] > 0 else float('inf')
+    coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+    return take_step(self, gn, skip, clip=lambda: [p.grad.mul_(coef) for p in self.params])
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9e1a0656
 @patch
@@ -304,7 +290,7 @@ def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
     import torch
     self.model.eval()
     with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
-    return {'nll_sum': nll, 'n_trained': n}
+    return {'nll_sum': nll, 'weight_sum': n}
 
 @patch
 def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
@@ -408,16 +394,13 @@ def load(self: MegatronWorker, path: str) -> int:
 
 # %% ../../nbs/07b_backends.megatron.ipynb #49be7f81
 @patch
-def export_hf(self: MegatronWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-    "save_pretrained the full model on rank 0; every rank takes part in gathering (no LoRA here: `lora_export` is unused)."
+def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
+    "A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here: `lora_export` is unused)."
     import torch
     from transformers import AutoModelForCausalLM
-    state = self.full_state()
-    if self.rank == 0:
-        model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
-        model.load_state_dict(state, strict=True)
-        save_hf_folder(model, path, self.path, tokenizer_path)
-    return True
+    model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+    model.load_state_dict(state, strict=True)
+    return model
 
 # %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
 from fastcore.basics import patch
