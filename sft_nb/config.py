@@ -237,14 +237,15 @@ class PlacementConfig:
     cpus_per_worker: int = 1  # CPUs (and torch threads) per worker
     tensor_parallel: int = 1  # megatron tensor-parallel size
     pipeline_parallel: int = 1  # megatron pipeline-parallel size
+    context_parallel: int = 1  # megatron context-parallel size (rows split over cp ranks in attention); CUDA with TransformerEngine only
     sequence_parallel: int = 1  # fsdp: adjacent ranks that share every row (Ulysses: 1/sp of its tokens each, all tokens of 1/sp of the heads inside attention); must divide the world size and the model's heads
     object_store_memory: int = 512 * 1024**2  # bytes of object store for a local Ray cluster
     @property
     def world_size(self): return self.num_nodes * self.workers_per_node
     @property
-    def dp_size(self): return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.sequence_parallel)
+    def dp_size(self): return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel * self.sequence_parallel)
     def __post_init__(self):
-        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel', 'sequence_parallel', 'cpus_per_worker'):
+        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel', 'context_parallel', 'sequence_parallel', 'cpus_per_worker'):
             if getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
         check_range('object_store_memory', self.object_store_memory, 1)
         mp = self.tensor_parallel * self.pipeline_parallel
@@ -256,6 +257,13 @@ class PlacementConfig:
             raise ConfigError(f"sequence_parallel: needs backend 'fsdp', got {self.backend!r}")
         if self.world_size % self.sequence_parallel:
             raise ConfigError(f"sequence_parallel: {self.sequence_parallel} must divide world size {self.world_size}")
+        if self.context_parallel > 1 and self.backend != 'megatron':
+            raise ConfigError(f"context_parallel: needs backend 'megatron' (fsdp: sequence_parallel), got {self.backend!r}")
+        if self.context_parallel > 1 and not self.use_gpu:  # megatron-core's local (CPU) attention asserts context_parallel_size == 1
+            raise ConfigError("context_parallel: megatron-core runs context parallelism only in TransformerEngine's attention on CUDA; "
+                              "on CPU workers use backend 'fsdp' with sequence_parallel")
+        if self.world_size % (mp * self.context_parallel):
+            raise ConfigError(f"context_parallel: TP×PP×CP={mp * self.context_parallel} must divide world size {self.world_size}")
 
 # %% ../nbs/00_config.ipynb #aafee5f7
 @dataclass

@@ -41,6 +41,10 @@ def test_notebook_parameters_reach_the_config(tmp_path):
     exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)  # builds the config and an SFTTrainer (no Ray yet)
     t, ck = ns['cfg'].tokenize, ns['cfg'].checkpoint
     assert (t.history, t.train_on_reasoning, t.train_on_tool_calls, ck.overwrite) == ('final', False, False, True)
+    assert '  sequence_parallel: ' in r.stdout  # issue 28: a notebook parameter too
+    ns.update(workers_per_node=2, sequence_parallel=2)
+    exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)
+    assert (ns['cfg'].placement.sequence_parallel, ns['cfg'].placement.dp_size) == (2, 1)
 
 
 def test_failing_notebook_names_the_cell(tmp_path):
@@ -71,6 +75,22 @@ def test_train_yaml_and_run_notebook(tmp_path):
     assert summary['steps'] == 3 and summary['train_losses'] == losses and len(losses) == 3
     assert any('"steps": 3' in o.get('text', '') for c in executed.cells for o in c.get('outputs', []))
     assert (run / 'checkpoints' / 'step_000003' / 'trainer_state.json').exists() and (run / 'hf' / 'config.json').exists()
+
+
+def test_train_takes_sequence_parallel(tmp_path):
+    """`sft-nb train CONFIG placement.sequence_parallel=N` (issue 28): sp=3 on 2 workers is refused by the config before any
+    worker starts; sp=2 on 2 workers trains, its run's config.yaml says sp=2, and its first loss is one worker's."""
+    import yaml
+    tiny = ROOT / 'examples' / 'tiny.yaml'
+    r = sft_nb('train', tiny, 'placement.workers_per_node=2', 'placement.sequence_parallel=3', f'checkpoint.run_dir={tmp_path / "bad"}')
+    assert r.returncode != 0 and 'sequence_parallel: 3 must divide world size 2' in r.stderr, r.stderr[-2000:]
+    losses = {}
+    for name, ov in {'1': [], 'sp2': ['placement.workers_per_node=2', 'placement.sequence_parallel=2']}.items():
+        r = sft_nb('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / name}', *ov)
+        assert r.returncode == 0, r.stderr[-3000:]
+        losses[name] = read_run(tmp_path / name)[1]
+    assert yaml.safe_load((tmp_path / 'sp2' / 'config.yaml').read_text())['placement']['sequence_parallel'] == 2
+    assert len(losses['sp2']) == 1 and abs(losses['sp2'][0] - losses['1'][0]) <= 2e-6 * abs(losses['1'][0]), losses  # before any update
 
 
 def test_synthetic_throughput_run_with_profiler(tmp_path):

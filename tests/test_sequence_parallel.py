@@ -91,7 +91,7 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
     for d in range(2):  # each replica's micro-batch alone
         r1, g1, e1, t1 = spawn(1, 1, mcfg, mbs[d:d + 1], n_global)
         r2, g2, e2, t2 = spawn(2, 2, mcfg, mbs[d:d + 1], n_global)
-        assert r2['n_trained'] == r1['n_trained'] and e2['n_trained'] == e1['n_trained']  # Σ weight: binary fractions, exact
+        assert r2['weight_sum'] == r1['weight_sum'] and e2['weight_sum'] == e1['weight_sum']  # Σ weight: binary fractions, exact
         assert_rel_close(r2['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e2['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
         assert g2.keys() == g1.keys()
         assert_rel_close(g2, g1, GRAD_TOL, f'{model}, replica {d}: gradients')
@@ -154,3 +154,32 @@ def test_trainer_sp_exact_resume(tiny_path, tmp_path, ray_session):
     assert n_res == n_full and resumed[:2] == full[:2]  # the history before the checkpoint, as logged
     assert resumed[2:] == full[2:], (resumed, full)
     assert_rel_close(w, w_full, 0, 'weights after resume')
+
+
+def _setup_error(rank, world, sp, port, model_cfg, out):
+    "One rank's setup; the type and message of what it raised (None when it went through)."
+    from sft_nb.backends.fsdp import FSDPWorker
+    w = FSDPWorker(rank, world, model_cfg, asdict(OptimConfig()), total_steps=1, placement={'sequence_parallel': sp})
+    w.init_dist('127.0.0.1', port)
+    try:
+        w.setup(); out.put((rank, None, None))
+    except Exception as e: out.put((rank, type(e).__name__, str(e)))
+    finally: w.shutdown()
+
+
+def test_moe_aux_loss_refused_at_setup(tiny_tok, tmp_path):
+    "A MoE model whose config asks for the router aux loss with sp=2: a ConfigError from setup on every rank, before any step."
+    from transformers import AutoModelForCausalLM
+    from sft_nb.workers import free_port
+    from test_moe import moe_config
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(len(tiny_tok)), dtype=torch.float32).save_pretrained(tmp_path); tiny_tok.save_pretrained(tmp_path)
+    ctx, port = mp.get_context('spawn'), free_port()
+    out = ctx.Queue()
+    ps = [ctx.Process(target=_setup_error, args=(r, 2, 2, port, asdict(ModelConfig(path=str(tmp_path))), out)) for r in range(2)]
+    for p in ps: p.start()
+    got = sorted(out.get(timeout=300) for _ in ps)
+    for p in ps: p.join(timeout=60)
+    for rank, kind, msg in got:
+        assert kind == 'ConfigError', (rank, kind, msg)
+        assert msg.startswith('placement.sequence_parallel: 2 with the MoE router aux loss') and 'router_aux_loss_coef=0.05' in msg, msg

@@ -53,9 +53,9 @@ class BackendGroup:
     "The driver's typed view of a `WorkerGroup` of `Backend` workers."
     def __init__(self, group, # a `WorkerGroup`
                  worker_cls, placement): # the backend class; the run's `PlacementConfig`
-        p, f = placement, getattr(worker_cls, 'dp_index', None)  # megatron: tp/pp ranks share a replica
+        p, f = placement, getattr(worker_cls, 'dp_index', None)  # megatron: tp/cp/pp ranks share a replica
         self.group = group  # without dp_index: the `sequence_parallel` adjacent ranks of a replica share its rows
-        self.dp_of_rank = [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel) if f else r // p.sequence_parallel for r in range(p.world_size)]
+        self.dp_of_rank = [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel, p.context_parallel) if f else r // p.sequence_parallel for r in range(p.world_size)]
 
     def _per_replica(self, method: str, batches: list, *args) -> list:
         res = self.group.call_per_rank(method, [(batches[d], *args) for d in self.dp_of_rank])

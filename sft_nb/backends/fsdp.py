@@ -215,6 +215,9 @@ def _setup_sp(self: FSDPWorker, model):
     if self.attn not in ('sdpa', 'eager', 'flex_attention'):
         raise ConfigError(f"model.attn_implementation: {self.attn!r} with placement.sequence_parallel > 1; use sdpa, eager or flex_attention")
     if model.get_output_embeddings() is None: raise ConfigError("placement.sequence_parallel: this model has no output embeddings to select trained positions")
+    if (coef := router_aux_coef(model)) > 0:  # refused before the first step: each rank routes only 1/sp of every sequence's tokens
+        raise ConfigError(f"placement.sequence_parallel: {self.sp} with the MoE router aux loss the model's config asks for (output_router_logits, "
+                          f"router_aux_loss_coef={coef}) is not supported; use sequence_parallel=1 or output_router_logits=false in the model's config")
     mesh = init_device_mesh(self.device.type, (self.world_size // self.sp, self.sp), mesh_dim_names=('dp', 'sp'))
     self.sp_group, self.sp_rank = mesh.get_group('sp'), mesh.get_local_rank('sp')
     model.set_attn_implementation(register_ulysses(self.attn))
@@ -266,7 +269,6 @@ def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
 def _nll(self: FSDPWorker, mb: dict, aux: bool = False):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
     the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."""
-    if aux and self.sp > 1: raise NotImplementedError("model: the MoE router aux loss with placement.sequence_parallel > 1 is not supported yet; set model.router_aux_loss_coef=0 or sequence_parallel=1")
     inputs, sel, tgt, wt = self._loss_inputs(mb)
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits

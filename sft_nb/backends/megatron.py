@@ -15,8 +15,8 @@ from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'mcore_batch', 'megatron_dp_index', 'load_shard',
-           'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
+__all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch',
+           'megatron_dp_index', 'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
 def load_hf_state(path: str) -> dict:
@@ -26,7 +26,7 @@ def load_hf_state(path: str) -> dict:
     if not files: raise FileNotFoundError(f"model.path: no *.safetensors in {path}")
     return {k: v for f in files for k, v in load_file(str(f)).items()}
 
-def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False):
+def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1):
     "A megatron `TransformerConfig` equivalent to a Llama-family HF config (dense models only)."
     if any(getattr(hf_cfg, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
         raise ConfigError(f"model.path: {hf_cfg.model_type} is a mixture-of-experts model; the megatron backend builds dense "
@@ -48,21 +48,41 @@ def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = F
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
         apply_rope_fusion=False, gradient_accumulation_fusion=False, use_cpu_initialization=True, perform_initialization=False,
         params_dtype=torch.float32, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        context_parallel_size=cp,
         batch_p2p_comm=False,  # batched p2p calls torch.cuda.synchronize; plain isend/irecv works on gloo and nccl
         enable_autocast=bf16_autocast, autocast_dtype=torch.bfloat16 if bf16_autocast else None)
 
-def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False):
+def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1,
+                    te: bool = False, # TransformerEngine's layers (what PackedSeqParams and context parallelism need) instead of the local ones
+                   ):
     "This rank's `GPTModel` stage (needs `parallel_state` initialized), weights left for `load_state_dict`."
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
     rope = getattr(hf_cfg, 'rope_parameters', None) or {}
-    cfg = transformer_config(hf_cfg, tp, pp, bf16_autocast)
-    return GPTModel(cfg, get_gpt_layer_local_spec(normalization='RMSNorm', qk_layernorm=cfg.qk_layernorm),
+    cfg = transformer_config(hf_cfg, tp, pp, bf16_autocast, cp)
+    spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm) if te else \
+        get_gpt_layer_local_spec(normalization='RMSNorm', qk_layernorm=cfg.qk_layernorm)
+    return GPTModel(cfg, spec,
                     vocab_size=hf_cfg.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
                     share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), position_embedding_type='rope',
                     rotary_base=int(rope.get('rope_theta', getattr(hf_cfg, 'rope_theta', 10000))))
+
+_TE_NORMS = {'input_layernorm.weight': 'self_attention.linear_qkv.layer_norm_weight',  # TE fuses the norm into the next linear
+             'pre_mlp_layernorm.weight': 'mlp.linear_fc1.layer_norm_weight'}
+
+def te_names(state: dict, back: bool = False) -> dict:
+    "A local-spec megatron state dict under TransformerEngine's names (`back`: the other way); every other key is the same."
+    pairs = [(b, a) for a, b in _TE_NORMS.items()] if back else list(_TE_NORMS.items())
+    def name(k): return next((k[:-len(a)] + b for a, b in pairs if k.endswith('.' + a)), k)
+    return {name(k): v for k, v in state.items()}
+
+def thd_available(use_gpu: bool, dtype: str) -> bool:
+    "True where TransformerEngine's THD attention runs: CUDA, `transformer_engine` installed, bf16 compute (its THD kernels are 16-bit)."
+    import importlib.util
+    return bool(use_gpu) and dtype == 'bfloat16' and importlib.util.find_spec('transformer_engine') is not None
+
 
 # %% ../../nbs/07b_backends.megatron.ipynb #4c7b5362
 def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
@@ -91,12 +111,44 @@ def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
     return {'input_ids': ids, 'position_ids': torch.arange(T).expand(B, T), 'attention_mask': ~allowed,
             'labels': target.clamp(min=0), 'loss_mask': weight}
 
+# %% ../../nbs/07b_backends.megatron.ipynb #a28b0002
+def thd_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
+              multiple: int = 1, # pad every segment to a multiple of this (2 · context_parallel)
+              total: int | None = None, # pad the whole to this many tokens (one more untrained segment)
+             ) -> dict:
+    "Megatron THD inputs [1, N]: the rows end to end, a segment per row, document and padding run; `mcore_batch`'s targets."
+    import torch
+    d = mcore_batch(mb)  # targets and loss_mask shifted within each row, as on the dense path
+    B, T = mb['input_ids'].shape
+    pos, am = mb['position_ids'], mb['attention_mask']
+    start = torch.ones(B, T, dtype=torch.bool)
+    start[:, 1:] = pos[:, 1:] != pos[:, :-1] + 1  # a packed row's documents restart their positions
+    if am.dim() == 2: start[:, 1:] |= am[:, 1:] != am[:, :-1]  # a padded row: its padding is a segment of its own
+    seg = start.flatten().cumsum(0) - 1
+    lens = torch.bincount(seg)
+    padded = -(-lens // multiple) * multiple
+    cu, cu_p = (torch.cat([torch.zeros(1, dtype=torch.int64), x.cumsum(0)]) for x in (lens, padded))
+    N = int(cu_p[-1])
+    if total is not None and total < N: raise ValueError(f"total: {N} tokens do not fit in {total}")
+    to = cu_p[seg] + torch.arange(B * T) - cu[seg]  # each token's place in the padded layout
+    size = N if total is None else total
+    out = {}
+    for k, fill in (('input_ids', 0), ('labels', 0), ('loss_mask', 0)):
+        x = torch.full((size,), fill, dtype=d[k].dtype); x[to] = d[k].flatten(); out[k] = x[None]
+    p = torch.zeros(size, dtype=torch.long); p[to] = torch.arange(B * T) - cu[seg]; out['position_ids'] = p[None]
+    if total is not None and total > N:  # the tail: one untrained segment
+        lens, padded = torch.cat([lens, lens.new_tensor([total - N])]), torch.cat([padded, padded.new_tensor([total - N])])
+        cu, cu_p = torch.cat([cu, cu.new_tensor([cu[-1] + total - N])]), torch.cat([cu_p, cu_p.new_tensor([total])])
+    return out | {'cu_seqlens': cu.int(), 'cu_seqlens_padded': cu_p.int(), 'max_seqlen': int(padded.max())}
+
+
 # %% ../../nbs/07b_backends.megatron.ipynb #9be5af10
-def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> int:
-    "Data-parallel replica of `rank` in megatron's default order (tp-dp-pp)."
-    if world_size % (tp * pp):
-        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: TP×PP={tp * pp} must divide world size {world_size}")
-    return (rank // tp) % (world_size // (tp * pp))
+def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+    "Data-parallel replica of `rank` in megatron's default order (tp-cp-dp-pp): the cp ranks of a replica share its rows."
+    if world_size % (tp * pp * cp):
+        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel, placement.context_parallel: TP×PP×CP={tp * pp * cp} "
+                          f"must divide world size {world_size}")
+    return (rank // (tp * cp)) % (world_size // (tp * pp * cp))
 
 # %% ../../nbs/07b_backends.megatron.ipynb #ad5e043b
 def load_shard(f, device='cpu') -> dict:
@@ -138,11 +190,12 @@ class MegatronWorker(TrainWorker):
     "megatron-core training worker (one per rank): TP × PP model-parallel shards, DP = world / (TP × PP)."
     def __init__(self, *args, **kwargs):  # `TrainWorker`'s arguments
         super().__init__(*args, **kwargs)
-        self.tp, self.pp = self.placement.get('tensor_parallel', 1), self.placement.get('pipeline_parallel', 1)
-        megatron_dp_index(self.rank, self.world_size, self.tp, self.pp)  # validates TP×PP | world
+        p = self.placement
+        self.tp, self.pp, self.cp = p.get('tensor_parallel', 1), p.get('pipeline_parallel', 1), p.get('context_parallel', 1)
+        megatron_dp_index(self.rank, self.world_size, self.tp, self.pp, self.cp)  # validates TP×PP×CP | world
 
     @staticmethod
-    def dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1) -> int: return megatron_dp_index(rank, world_size, tp, pp)
+    def dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int: return megatron_dp_index(rank, world_size, tp, pp, cp)
 
     @property
     def device(self):
@@ -166,10 +219,14 @@ def setup(self: MegatronWorker) -> dict:
     self.path = str(resolve_model_path(self.mcfg['path']))
     self.hf_cfg = AutoConfig.from_pretrained(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
+    self.thd = thd_available(self.use_gpu, self.mcfg['dtype'])  # rows as THD segments: only TransformerEngine's attention takes them
+    if self.cp > 1 and not self.thd:
+        raise ConfigError(f"placement.context_parallel: {self.cp} needs TransformerEngine's attention on CUDA in bf16 (megatron-core's local "
+                          "attention asserts context_parallel_size == 1): transformer_engine on the GPU workers and model.dtype=bfloat16, or context_parallel=1")
     if not self.use_gpu:
         from sft_nb.backends.megatron_compat import apply_cpu_compat
         apply_cpu_compat()
-    ps.initialize_model_parallel(self.tp, self.pp)
+    ps.initialize_model_parallel(self.tp, self.pp, context_parallel_size=self.cp)
     self.tp_rank, self.pp_rank = ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank()
     if self.use_gpu:
         from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -177,9 +234,10 @@ def setup(self: MegatronWorker) -> dict:
     else:
         from sft_nb.backends.megatron_compat import seed_model_parallel_rng
         seed_model_parallel_rng(self.seed, self.tp_rank)
-    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16')
+    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16', cp=self.cp, te=self.thd)
     self.loss_chunk = self.mcfg.get('loss_chunk', 0)
     local = hf_to_mcore(load_hf_state(self.path), self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
+    if self.thd: local = te_names(local)
     missing, unexpected = self.model.load_state_dict(local, strict=False)
     missing = [k for k in missing if not k.endswith('_extra_state')]
     if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
@@ -187,10 +245,10 @@ def setup(self: MegatronWorker) -> dict:
     o = self.ocfg
     self.params = list(self.model.parameters())
     # norms are the only TP-replicated parameters (megatron tags sharded ones only when it initializes them)
-    self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith('layernorm.weight')}
+    self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith(('layernorm.weight', 'layer_norm_weight'))}
     self.opt = torch.optim.AdamW(self.params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
     n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
-    return {'n_params': int(n), 'n_trainable': int(n), 'packable': True}
+    return {'n_params': int(n), 'n_trainable': int(n), 'packable': True, 'thd': self.thd}
 
 # %% ../../nbs/07b_backends.megatron.ipynb #d2607c59
 @patch
@@ -235,25 +293,61 @@ def _reduce_grads(self: MegatronWorker):
         if p.grad is None: p.grad = torch.zeros_like(p)
     if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
         self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
-    if ps.get_data_parallel_world_size() > 1: self._all_reduce_grads(self.params, ps.get_data_parallel_group())
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # the cp ranks of a replica hold gradients of parts of the same loss
+        self._all_reduce_grads(self.params, ps.get_data_parallel_group(with_context_parallel=True))
 
 # %% ../../nbs/07b_backends.megatron.ipynb #55690eb3
+@patch
+def _batches(self: MegatronWorker, micro_batches: list[dict]) -> tuple[list[dict], int, int]:
+    "(megatron inputs on the device, B, T of the schedule): dense [B, T] with a mask, or THD [1, N] with `PackedSeqParams` (`self.thd`)."
+    import torch
+    from megatron.core import parallel_state as ps
+    B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
+    if not self.thd:
+        shape = (B, T) if self.pp > 1 else None  # stages exchange [T, B, hidden] tensors of one shape
+        return [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} | {'kw': {}} for mb in micro_batches], B, T
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.utils import get_thd_batch_on_this_cp_rank
+    m = 2 * self.cp if self.cp > 1 else 1  # megatron's CP split takes 2·cp chunks of every segment
+    thd = [thd_batch(mb, m) for mb in micro_batches]
+    N = max(t['input_ids'].shape[1] for t in thd)
+    if self.pp > 1: thd = [thd_batch(mb, m, total=N) for mb in micro_batches]  # one shape for every stage
+    out = []
+    for t in thd:
+        t = {k: v.to(self.device) if hasattr(v, 'to') else v for k, v in t.items()}
+        b = {'tokens': t['input_ids'], 'position_ids': t['position_ids'], 'labels': t['labels'], 'loss_mask': t['loss_mask']}
+        b, psp = get_thd_batch_on_this_cp_rank(b, t['cu_seqlens'], t['cu_seqlens_padded'], torch.tensor([t['max_seqlen']]), self.cp,
+                                               ps.get_context_parallel_rank())  # cp=1: the whole batch
+        if self.cp == 1: psp = PackedSeqParams(qkv_format='thd', cu_seqlens_q=t['cu_seqlens'], cu_seqlens_kv=t['cu_seqlens'],
+                                               max_seqlen_q=t['max_seqlen'], max_seqlen_kv=t['max_seqlen'])
+        out.append({'input_ids': b['tokens'], 'position_ids': b['position_ids'], 'labels': b['labels'], 'loss_mask': b['loss_mask'],
+                    'kw': {'packed_seq_params': psp}})
+    return out, 1, out[0]['input_ids'].shape[1]
+
+@patch
+def _cp_sum(self: MegatronWorker, x: float) -> float:
+    "Sum over the context-parallel ranks of this replica (each holds 1/cp of every row's tokens); x itself when cp = 1."
+    if self.cp == 1: return x
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=ps.get_context_parallel_group())
+    return float(t)
+
 @patch
 def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, scale: float = 0.0) -> tuple[float, int, list]:
     "megatron's schedule (1F1B with PP > 1) over the micro-batches; returns this replica's (Σ NLL, n targets, outputs)."
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
-    shape = (B, T) if self.pp > 1 else None  # stages exchange [T, B, hidden] tensors of one shape
-    batches = [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} for mb in micro_batches]
+    batches, B, T = self._batches(micro_batches)
     M = len(batches)
 
     def forward_step(data_iterator, model):
         b = next(data_iterator)
         if self.loss_chunk > 0 and getattr(model, 'post_process', False):  # the head + CE chunked over trained tokens
-            with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b['attention_mask'])
+            with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), **b['kw'])
             out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
-        else: out = model(b['input_ids'], b['position_ids'], b['attention_mask'], labels=b['labels'])
+        else: out = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), labels=b['labels'], **b['kw'])
         def loss_func(per_token):
             s = (per_token.float() * b['loss_mask']).sum()
             return s * (scale * M), {'nll_sum': s.detach(), 'n': b['loss_mask'].sum().detach()}
@@ -262,7 +356,8 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
     out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
                                       num_microbatches=M, seq_length=T, micro_batch_size=B, forward_only=forward_only)
     nll = sum(float(o['nll_sum']) for o in out) if out else 0.0
-    n = self._replica_sum(sum(float(o['n']) for o in out) if out else 0.0)
+    nll, n = self._cp_sum(nll), self._cp_sum(sum(float(o['n']) for o in out) if out else 0.0)  # cp ranks: parts of each row
+    n = self._replica_sum(n)
     weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
     return self._replica_sum(nll), (n if weighted else int(round(n))), out
 
@@ -349,7 +444,8 @@ def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, te
 # %% ../../nbs/07b_backends.megatron.ipynb #1cb55927
 @patch
 def _local_state(self: MegatronWorker) -> dict:
-    return {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
+    s = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
+    return te_names(s, back=True) if self.thd else s  # checkpoints and exports under the local spec's names
 
 @patch
 def full_state(self: MegatronWorker) -> dict:
@@ -386,7 +482,7 @@ def load(self: MegatronWorker, path: str) -> int:
     ck = load_shard(f, self.device)
     if (ck['tp'], ck['pp']) != (self.tp, self.pp):
         raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: checkpoint has TP={ck['tp']} PP={ck['pp']}")
-    self.model.load_state_dict(ck['model'], strict=False)
+    self.model.load_state_dict(te_names(ck['model']) if self.thd else ck['model'], strict=False)
     self.opt.load_state_dict(ck['optim'])
     self.step = ck['step']
     load_rng(path, self.rank)
@@ -406,6 +502,7 @@ def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
 from fastcore.basics import patch
 from ..loss import trained_targets
 from .fsdp import trained_token_stats
+from ..config import ConfigError
 
 @patch
 def token_losses(self: MegatronWorker, micro_batches: list[dict], k: int = 3) -> list[dict] | None:
@@ -413,21 +510,21 @@ def token_losses(self: MegatronWorker, micro_batches: list[dict], k: int = 3) ->
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+    if self.cp > 1: raise ConfigError("placement.context_parallel: per-token losses (the loss lens) need context_parallel=1")
     self.model.eval()
-    B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
-    shape = (B, T) if self.pp > 1 else None  # stages exchange tensors of one shape
-    batches = [{n: v.to(self.device) for n, v in mcore_batch(mb, shape).items()} for mb in micro_batches]
+    batches, B, T = self._batches(micro_batches)  # THD: the rows end to end, [1, B·T] (+ a tail with PP > 1)
     sels = [trained_targets(mb['labels']) for mb in micro_batches]
     def forward_step(data_iterator, model):
         j = next(data_iterator)
         b, (sel, tgt) = batches[j], sels[j]
-        out = model(b['input_ids'], b['position_ids'], b['attention_mask'])
+        out = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), **b['kw'])
         def stats(lg):
-            lg = gather_from_tensor_model_parallel_region(lg)[:sel.shape[0], :sel.shape[1]][sel.to(lg.device)]
+            lg = gather_from_tensor_model_parallel_region(lg)
+            if self.thd: lg = lg[0, :sel.numel()].view(*sel.shape, -1)  # back to the micro-batch's [B, T]
+            lg = lg[:sel.shape[0], :sel.shape[1]][sel.to(lg.device)]
             return lg.sum() * 0, trained_token_stats(lg, tgt.to(lg.device), k)
         return out, stats
     with torch.no_grad():
         out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(len(batches))), model=[self.model],
-                                          num_microbatches=len(batches), seq_length=shape[1] if shape else T,
-                                          micro_batch_size=shape[0] if shape else B, forward_only=True)
+                                          num_microbatches=len(batches), seq_length=T, micro_batch_size=B, forward_only=True)
     return list(out) if out else None
