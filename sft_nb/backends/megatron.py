@@ -391,6 +391,9 @@ def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
 def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
     "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
     import torch
+    if self.cp > 1:  # generate, stream_tokens and the lens come here: a whole sequence through context-parallel attention would be wrong
+        raise NotImplementedError("placement.context_parallel > 1: generation and full logits are not supported on a context-parallel "
+                                  "Megatron run; export the model (trainer.export) and generate from the exported folder")
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     self.model.eval()
