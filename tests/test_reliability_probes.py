@@ -34,7 +34,7 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 11 config-only model folder reported as a missing chat template | nbs/06_models (`has config.json but no tokenizer`) |
 | 11 Ray OOM kill while workers start | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM (see the report) |
 | 11 odd types in `trainer_state.json` / `report.json` | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
-| 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; nbs/02a_templates (bounded_template payloads) |
+| 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
 """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
