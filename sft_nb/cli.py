@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
+from .config import load_yaml
 
 # %% auto #0
 __all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
@@ -28,7 +29,7 @@ def notebook_parameters(path: str | Path) -> dict:
 
 def parse_value(text: str):
     "A command-line value as a YAML scalar (`3` → int, `3e-4` → float, `true` → bool, else str)."
-    try: v = yaml.safe_load(text)
+    try: v = load_yaml(text, f'value {text[:60]!r}')
     except yaml.YAMLError: return text
     if isinstance(v, str):
         try: return float(v)  # YAML 1.1 reads `3e-4` as a string
@@ -142,7 +143,7 @@ def _cmd_run(a):
     log.setLevel(logging.INFO); log.propagate = False
     params = {}
     if a.file:
-        try: params.update(yaml.safe_load(Path(a.file).read_text()) or {})
+        try: params.update(load_yaml(Path(a.file).read_text(), f'-f {a.file}') or {})
         except yaml.YAMLError as e: raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
         except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
     for name, value in a.param or []: params[name] = parse_value(value)
@@ -153,7 +154,7 @@ def check_overrides(overrides: list[str]):
     "Name the override whose value is not valid YAML (the config parser would raise a bare YAML traceback)."
     for o in overrides:
         key, sep, value = o.partition('=')
-        try: sep and yaml.safe_load(value)
+        try: sep and load_yaml(value, f'override {o!r}')
         except yaml.YAMLError as e:
             raise ValueError(f"override {o!r}: the value of {key} is not valid YAML ({getattr(e, 'problem', None) or e}); "
                              "quote it (key='[1,') or fix the brackets") from None

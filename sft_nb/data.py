@@ -34,6 +34,7 @@ def _json(value, where: str):
     if isinstance(value, str):
         try: return json.loads(value)
         except json.JSONDecodeError as e: raise BadRow(f"{where}: not valid JSON ({e.msg} at char {e.pos}): {value[:60]!r}") from None
+        except RecursionError: raise BadRow(f"{where}: JSON nested deeper than Python's JSON reader goes: {value[:60]!r}") from None
     return value
 
 def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
@@ -371,6 +372,7 @@ def json_line(raw: bytes, # one line of a JSONL file, as read
     try: row = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e: return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
     except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
+    except RecursionError: return None, BadRow(f"{p}: line {n}: JSON nested deeper than Python's JSON reader goes (no row needs that)", kind='bad_json')
     if isinstance(row, dict): return text, row
     return None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
 
@@ -404,6 +406,8 @@ def _array_records(f, p: Path, digest=None):
             raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be read past a "
                          "broken element (in JSONL a broken line is one bad row)", kind='bad_json') from None
         except _DuplicateKey as e: (row, j), dup = plain.raw_decode(text, i), e.args[0]
+        except RecursionError:
+            raise BadRow(f"{p}: line {line}: JSON nested deeper than Python's JSON reader goes; a JSON list cannot be read past it", kind='bad_json') from None
         if dup is not None: yield line, None, BadRow(f"{p}: line {line}: key {dup!r} appears twice in one object; keep one of them", kind='bad_json')
         elif lossy and _UNDECODABLE.search(text, i, j):
             yield line, None, BadRow(f"{p}: line {line}: the row is not valid UTF-8", kind='bad_encoding')
@@ -420,7 +424,7 @@ def _refuse_one_object(f, p: Path):
     "A .json file that is one multi-line object (`{\"data\": [...]}`) is not rows: say where its rows are (else every line is 'invalid JSON')."
     text = f.read().decode('utf-8', 'replace').lstrip('\ufeff \t\r\n'); f.seek(0)
     try: obj, end = json.JSONDecoder().raw_decode(text)
-    except json.JSONDecodeError: return
+    except (json.JSONDecodeError, RecursionError): return  # the row reader names it
     if not isinstance(obj, dict) or text[end:].strip() or '\n' not in text[:end].strip(): return  # JSON lines, or one row on one line
     lists = [k for k, v in obj.items() if isinstance(v, list)]
     where = f"its rows look like the list under {lists[0]!r}: save that list as the file (a JSON list) or as JSONL" if lists else \

@@ -159,7 +159,7 @@ def _step(env, context):
         raise TemplateError(f"chat template {env.template_name}: a render ran {t:.1f} s after {ec.steps:,} loop iterations and calls "
                             f"(limit {MAX_TEMPLATE_SECONDS} s); a chat template renders conversations in milliseconds: fix the template")
 
-# %% ../nbs/02a_templates.ipynb #3900fab9
+# %% ../nbs/02a_templates.ipynb #8613462b
 @functools.lru_cache(maxsize=64)
 def bounded_template(text: str, name: str = '(given inline)'):
     """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by `MAX_TEMPLATE_VALUE`,

@@ -610,7 +610,7 @@ class JsonlRows:
         except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
     def rows(self, s: int, e: int) -> list:
         try: return [json.loads(l) for l in self.lines(s, e)]
-        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
+        except (json.JSONDecodeError, RecursionError) as err: raise SourceFallback(str(err)) from None  # the data stage's reader names the row
     def __iter__(self):
         for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
     def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})

@@ -71,7 +71,7 @@ def test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept(tmp_path, ti
 def test_template_allocation_is_bounded(tiny_tok, payload):
     "Item 11: a template allocating `'a' * 10**8` (or 10**10: out of memory) ran; the sandbox now refuses it before it is made."
     template = "{% for m in messages %}{{ m.content }}{% endfor %}" + payload
-    with pytest.raises(Exception, match=r'chat template: .* would make a value of [\d,]+ characters or items \(limit 16,777,216\)'):
+    with pytest.raises(Exception, match=r"chat template given in tokenize\.chat_template \(.*\): .* would make [\d,]+ characters or items \(limit 16,777,216\)"):
         tokenize_dataset(CHAT, tiny_tok, TokenizeConfig(chat_template=template), use_cache=False)
 
 

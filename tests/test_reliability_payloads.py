@@ -1,0 +1,58 @@
+"""Issue 29's held-out probe, "other payloads, other faults": the ones a first probe found silent, unclear or hanging. A YAML
+"billion laughs" (nine anchors of nine aliases: 387M values in 400 bytes) in a `run -f` file, a config or a `-p` value hung
+for a minute and printed the expansion; JSON nested past Python's reader was a raw RecursionError instead of a bad row."""
+import json, os, subprocess, sys
+from pathlib import Path
+import pytest
+from sft_nb.config import TokenizeConfig
+from sft_nb.tokenize import tokenize_dataset
+
+ROOT = Path(__file__).resolve().parents[1]
+SFT_NB = str(Path(sys.executable).parent / 'sft-nb')
+BOMB = "lol: &a [x, x, x, x, x, x, x, x, x]\n" + ''.join(f"l{c}: &{c} [*{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}, *{p}]\n"
+                                                      for p, c in zip('abcdefgh', 'bcdefghi'))
+ROW = {'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': 'hello'}]}
+
+
+def sft_nb(*args):
+    return subprocess.run([SFT_NB, *map(str, args)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, 'HF_HUB_OFFLINE': '1', 'RAY_USAGE_STATS_ENABLED': '0'})
+
+
+def test_yaml_bomb_in_run_file_is_refused(tmp_path):
+    "`sft-nb run -f` with a billion-laughs file whose expansion lands in a declared parameter (max_steps) hung, then printed it."
+    f = tmp_path / 'params.yaml'
+    f.write_text(BOMB + 'max_steps: *i\n')
+    r = sft_nb('run', ROOT / 'examples' / 'train.ipynb', '-f', f, '--run-dir', tmp_path / 'run')
+    assert r.returncode == 2 and f"-f {f}: its YAML aliases expand to more than 1,000,000 values" in r.stderr, r.stderr[-2000:]
+    assert 'Traceback' not in r.stderr and not (tmp_path / 'run').exists()
+
+
+def test_yaml_bomb_in_a_config_and_an_override_is_refused(tmp_path):
+    cfg = tmp_path / 'cfg.yaml'
+    cfg.write_text(BOMB.replace('\n', '\n  ').replace('lol:', 'data:\n  lol:', 1).rstrip() + '\n')  # inside a section
+    r = sft_nb('train', cfg)
+    assert r.returncode == 2 and f"{cfg}: its YAML aliases expand to more than 1,000,000 values" in r.stderr, r.stderr[-2000:]
+    r = sft_nb('train', ROOT / 'examples' / 'tiny.yaml', 'optim.lr=' + '[' * 20000 + ']' * 20000)
+    assert r.returncode == 2 and "the YAML nests deeper than it can be read" in r.stderr and 'Traceback' not in r.stderr, r.stderr[-2000:]
+
+
+@pytest.mark.parametrize('suffix', ['.jsonl', '.json'])
+def test_json_nested_past_the_reader_is_named(tmp_path, tiny_tok, suffix):
+    "A row nested 100k deep was a raw RecursionError from the data stage (JSONL: now one bad row naming its line)."
+    deep = '{"messages": ' + '[' * 100000 + ']' * 100000 + '}'
+    f = tmp_path / f'rows{suffix}'
+    f.write_text(json.dumps(ROW) + '\n' + deep + '\n' if suffix == '.jsonl' else '[' + json.dumps(ROW) + ', ' + deep + ']')
+    if suffix == '.json':  # a JSON list cannot be read past an element it cannot decode
+        with pytest.raises(ValueError, match=f"{f}: line 1: JSON nested deeper than Python's JSON reader goes"):
+            tokenize_dataset(str(f), tiny_tok, TokenizeConfig(), use_cache=False)
+        return
+    ds, rep = tokenize_dataset(str(f), tiny_tok, TokenizeConfig(), use_cache=False)
+    assert len(ds) == 1 and rep.n_dropped == 1 and "line 2: JSON nested deeper than Python's JSON reader goes" in rep.bad_rows_summary()
+
+
+def test_tool_call_arguments_nested_past_the_reader_are_a_bad_row(tiny_tok):
+    row = {'messages': [{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
+        {'type': 'function', 'function': {'name': 'f', 'arguments': '[' * 100000 + ']' * 100000}}]}]}
+    ds, rep = tokenize_dataset([ROW, row], tiny_tok, TokenizeConfig(chat_template='qwen2.5'), use_cache=False)
+    assert len(ds) == 1 and "JSON nested deeper than Python's JSON reader goes" in rep.bad_rows_summary(), rep.bad_rows_summary()
