@@ -328,7 +328,7 @@ class SFTConfig:
         if self.packing.capacity is not None and self.packing.capacity < self.tokenize.max_length and self.packing.enabled:
             raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length {self.tokenize.max_length}")
 
-# %% ../nbs/00_config.ipynb #2bb182a8
+# %% ../nbs/00_config.ipynb #0a9a25db
 MAX_YAML_VALUES = 1_000_000  # values a YAML document may expand to through its aliases: ~1000x any config's
 
 def load_yaml(text: str, where: str):

@@ -56,3 +56,41 @@ def test_tool_call_arguments_nested_past_the_reader_are_a_bad_row(tiny_tok):
         {'type': 'function', 'function': {'name': 'f', 'arguments': '[' * 100000 + ']' * 100000}}]}]}
     ds, rep = tokenize_dataset([ROW, row], tiny_tok, TokenizeConfig(chat_template='qwen2.5'), use_cache=False)
     assert len(ds) == 1 and "JSON nested deeper than Python's JSON reader goes" in rep.bad_rows_summary(), rep.bad_rows_summary()
+
+
+def _run(root, steps):
+    import warnings
+    from sft_nb.checkpoint import Checkpointer
+    from sft_nb.config import CheckpointConfig
+    ck = Checkpointer(CheckpointConfig(run_dir=str(root), keep_last=5)); ck.dir.mkdir(parents=True)
+    for s in steps: ck.save(s, lambda d: (d / 'model.bin').write_bytes(b'w' * 10), {'global_step': s, 'total_steps': 4, 'history': []})
+    return ck
+
+
+def test_links_in_a_run_resume_nothing_from_outside_it(tmp_path):
+    """A `latest` marker that was a symbolic link (to a file naming step_000001, outside the run) resumed step 1 instead of
+    the newest step 2 without a word; a step folder linked to another run's checkpoint was a candidate of 'latest'."""
+    a, b = _run(tmp_path / 'a', (1, 2)), _run(tmp_path / 'b', (1, 2, 3))
+    (tmp_path / 'outside').write_text('step_000001')
+    (a.dir / 'latest').unlink(); (a.dir / 'latest').symlink_to(tmp_path / 'outside')
+    with pytest.warns(UserWarning, match=r"latest: a symbolic link, not the marker file sft_nb writes; ignored"):
+        assert a.resolve('latest', 4, 'random') == a.dir / 'step_000002'
+    (a.dir / 'latest').unlink(); (a.dir / 'step_000003').symlink_to(b.dir / 'step_000003')
+    with pytest.warns(UserWarning, match=r"step_000003: a symbolic link to .*b/checkpoints/step_000003, not a checkpoint folder of"):
+        assert a.resolve('latest', 4, 'random') == a.dir / 'step_000002'
+
+
+@pytest.mark.parametrize('fault', ['dir_link', 'history_step', 'deep_json'])
+def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
+    """A symbolic link to a folder inside a checkpoint, a history step of -5, a trainer_state.json nested 100k deep (digests
+    rewritten to match, as a forger would): accepted, accepted, a raw RecursionError."""
+    from sft_nb.checkpoint import CheckpointError, verify_checkpoint, write_digests
+    d = _run(tmp_path / 'a', (2,)).dir / 'step_000002'
+    if fault == 'dir_link': (d / 'etc').symlink_to('/etc'); msg = r'step_000002: holds symbolic links \(etc\)'
+    else:
+        (d / 'trainer_state.json').write_text(json.dumps({'global_step': 2, 'total_steps': 4, 'history': [{'step': -5, 'loss': 1.0}]})
+                                              if fault == 'history_step' else '[' * 100000 + ']' * 100000)
+        (d / 'digests.json').unlink(); write_digests(d)
+        msg = r"history\[0\] field 'step' is -5, expected a step 0 … 2" if fault == 'history_step' else "JSON nested deeper than Python's reader goes"
+    with pytest.raises(CheckpointError, match=msg):
+        verify_checkpoint(d)
