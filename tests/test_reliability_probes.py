@@ -21,7 +21,7 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 9 leftover `.tmp_step_*` (checkpoint) | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
 | 9 duplicate JSON keys | nbs/01_data (`key 'content' appears twice in one object`) |
 | 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly |
-| 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (forward_signals), nbs/08a_callbacks (SaveOnSignal) |
+| 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
 | 11 `"\\ud800"` row: raw TypeError | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
 | 11 disk full: `unexpected pos 704 vs 598` | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
 | 11 "no usable rows" without reasons; false "has no rows; mixing the others" | test_reliability_signals.py::test_no_usable_rows_lists_rows_and_reasons (unknown role), ::test_no_usable_rows_in_the_cli_gives_each_rows_reason (alpaca on chat data, max_length 4) |
