@@ -82,8 +82,9 @@ class SignalStop:
     command exits 128 + the signal's number. Past `grace_s` without a boundary `give_up()` runs and the process exits.
     `got`: the names received. Ray's start replaces the SIGTERM handler with one exiting 15: `arm()` puts this one back,
     and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted` raised into it."""
-    def __init__(self, who: str, grace_s: float, stop=lambda name: False, give_up=lambda: None, hint: str = ''):
-        self.who, self.grace_s, self.stop, self.give_up, self.hint = who, grace_s, stop, give_up, hint  # hint: where to resume
+    def __init__(self, who: str, grace_s: float, stop=lambda name: False, give_up=lambda: None, hint: str = '',
+                 doing: str = 'saving a checkpoint at the end of this step'):  # what `stop` set going, for the message
+        self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing  # hint: where to resume
         self.got, self.prev, self.timer, self.raised = [], {}, None, False
     def arm(self):
         if threading.current_thread() is threading.main_thread():
@@ -98,7 +99,7 @@ class SignalStop:
             if len(self.got) == 1: self.raised = True; raise Preempted(f"stopped by {name} outside a training step", name)
             return
         if len(self.got) > 1: return
-        print(f"{self.who}: {name}: saving a checkpoint at the end of this step (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
+        print(f"{self.who}: {name}: {self.doing} (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
         def give_up():
             self.give_up()
             print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint ({self.hint})",
@@ -134,7 +135,8 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     os.environ[SAVE_ON_SIGNAL] = '1'  # the kernel's trainers save at a step boundary on SIGTERM (SaveOnSignal)
     forward = lambda name: [os.kill(pid, signal.SIGTERM) for pid in kernel_pids()] != []  # no kernel yet: stopped at once
     sig = SignalStop('sft-nb run', grace_s, forward, lambda: [os.kill(pid, signal.SIGKILL) for pid in kernel_pids()],
-                     'the kernel is killed; resume from the last checkpoint with -p resume latest')
+                     'the kernel is killed; resume from the last checkpoint with -p resume latest',
+                     "sent to the notebook's kernel: a trainer fitting there saves a checkpoint at the end of its step")
     stopped = sig.got
     try:
         with sig:  # papermill runs in a thread: the main thread takes the signals

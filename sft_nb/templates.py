@@ -199,6 +199,9 @@ def bounded_template(text: str, name: str = '(given inline)'):
             if n > MAX_TEMPLATE_VALUE: _refuse(env, 'the rendered text', n)
             out.append(p)
         return ''.join(out)
+    def no_other_template(other):  # Jinja's own error ("no loader for this environment specified") names nothing
+        raise TemplateError(f"chat template {name}: it includes, imports or extends {other!r}; a chat template is one text: put that part in it")
+    env.loader = jinja2.FunctionLoader(no_other_template)
     def unsafe(obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
     class Codegen(CodeGenerator):

@@ -20,7 +20,7 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 9 leftover `.KEY.tmp*` (cache) | ::test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept; nbs/00a_paths (live_tmp, clean_stale_tmp) |
 | 9 leftover `.tmp_step_*` (checkpoint) | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
 | 9 duplicate JSON keys | nbs/01_data (`key 'content' appears twice in one object`) |
-| 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly |
+| 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly, ::test_signal_before_the_first_step_stops_named_and_leaves_no_run (imports, setup; SIGTERM and SIGINT) |
 | 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
 | 11 `"\\ud800"` row: raw TypeError | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
 | 11 disk full: `unexpected pos 704 vs 598` | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
@@ -35,6 +35,7 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 11 Ray OOM kill while workers start | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM (see the report) |
 | 11 odd types in `trainer_state.json` / `report.json` | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
 | 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
+| held-out payloads (YAML billion laughs, JSON nested past the reader, links in and to checkpoints) | test_reliability_payloads.py |
 """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path

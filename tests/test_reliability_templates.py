@@ -29,6 +29,7 @@ PAYLOADS = {
     'nested_format_width': "{{ '{:{}}'.format('a', 10**9) }}",
     'lipsum': "{{ lipsum(10**9) }}",
     'tojson_indent': "{{ messages|tojson(indent=10**9) }}",
+    'include': "{% include 'other.jinja' %}",  # Jinja: TypeError 'no loader for this environment specified'
 }
 
 
