@@ -118,6 +118,7 @@ class DataConfig:
     stream_buffer: int = 1024  # streaming: tokenized examples held in the shuffle/pack window (memory is bounded by it, not by the source)
     def __post_init__(self):
         check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
+        check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
         check_range('stream_buffer', self.stream_buffer, 1)
         if self.streaming: self.check_streaming()
         for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')), ('null_content', ('bad_row', 'empty'))):
@@ -224,6 +225,7 @@ class TrainConfig:
         for k in ('num_steps', 'num_epochs'):
             if getattr(self, k) is not None and getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1")
         check_range('eval_every', self.eval_every, 0)
+        check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
 
 # %% ../nbs/00_config.ipynb #68630c0d
 @dataclass

@@ -14,10 +14,10 @@ from .config import SourceConfig, DataConfig
 
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
-           'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts', 'normalize_message',
-           'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest', 'json_line', 'bad_row_marker',
-           'iter_json_rows', 'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns',
-           'source_fingerprint', 'mix_counts', 'mix_indices']
+           'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts',
+           'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest',
+           'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path', 'source_name',
+           'load_source', 'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -360,11 +360,29 @@ def _unique_keys(pairs: list) -> dict:
     if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
 
+MAX_ROW_BYTES = 1 << 27  # 128 MiB: one JSONL line past it is a bad row, never read whole (far past any model's context)
+
+def bounded_lines(f, digest=None):
+    """`(line, its length in the file)` per line of binary file `f`, holding at most `MAX_ROW_BYTES + 1` bytes of one: a
+    longer line comes as its first `MAX_ROW_BYTES + 1` bytes (the rest read past in 16 MiB chunks), which `json_line` refuses.
+    `digest` is fed every byte."""
+    while raw := f.readline(MAX_ROW_BYTES + 1):
+        if digest is not None: digest.update(raw)
+        n = len(raw)
+        if n > MAX_ROW_BYTES and not raw.endswith(b'\n'):
+            while more := f.readline(1 << 24):
+                if digest is not None: digest.update(more)
+                n += len(more)
+                if more.endswith(b'\n'): break
+        yield raw, n
+
 def json_line(raw: bytes, # one line of a JSONL file, as read
               p, n: int, # the file and the line number (1-based), for the reason
              ) -> tuple[str | None, dict | BadRow] | None:
     "The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8, not JSON, a key twice, not an object)."
     if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
+    if len(raw) > MAX_ROW_BYTES:
+        return None, BadRow(f"{p}: line {n} is over {MAX_ROW_BYTES >> 20} MiB; a row that long is past any model's context: split or drop it", kind='bad_json')
     if not raw.strip(): return None
     try: text = raw.decode('utf-8').strip()
     except UnicodeDecodeError as e:
@@ -382,8 +400,7 @@ def bad_row_marker(row: BadRow, line: int | None = None) -> dict:
 
 def _line_records(f, p: Path, digest=None):
     "JSONL: `(line, text, row | BadRow)` per non-blank line."
-    for n, raw in enumerate(f, 1):
-        if digest is not None: digest.update(raw)
+    for n, (raw, _) in enumerate(bounded_lines(f, digest), 1):
         if (rec := json_line(raw, p, n)) is not None: yield n, *rec
 
 # %% ../nbs/01_data.ipynb #a1d0e009

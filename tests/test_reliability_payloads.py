@@ -94,3 +94,20 @@ def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
         msg = r"history\[0\] field 'step' is -5, expected a step 0 … 2" if fault == 'history_step' else "JSON nested deeper than Python's reader goes"
     with pytest.raises(CheckpointError, match=msg):
         verify_checkpoint(d)
+
+
+def test_a_line_past_max_row_bytes_is_a_bad_row_never_read_whole(tmp_path, tiny_tok, monkeypatch):
+    """A 300 MB JSONL line was read whole (948 MB resident); a 1 GB one needs ~3 GB. Past `MAX_ROW_BYTES` a line is a bad
+    row naming it, read past in chunks (the limit is lowered here to keep the file small); the file's digest is still whole."""
+    import sft_nb.data, sft_nb.tokenize
+    from sft_nb.data import file_digest, iter_json_rows, new_digest
+    monkeypatch.setattr(sft_nb.data, 'MAX_ROW_BYTES', 1000); monkeypatch.setattr(sft_nb.tokenize, 'MAX_ROW_BYTES', 1000)
+    long = json.dumps({'messages': [{'role': 'user', 'content': 'a' * 5000}, {'role': 'assistant', 'content': 'b'}]})
+    f = tmp_path / 'rows.jsonl'
+    f.write_text('\n'.join([json.dumps(ROW), long, json.dumps(ROW)]) + '\n')
+    h = new_digest()
+    rows = [r for b in iter_json_rows(f, digest=h) for _, r in b]
+    assert rows[0] == ROW and rows[2] == ROW and h.hexdigest() == file_digest(f)
+    assert rows[1].reason == f"{f}: line 2 is over 0 MiB; a row that long is past any model's context: split or drop it"
+    ds, rep = tokenize_dataset(str(f), tiny_tok, TokenizeConfig(), use_cache=False)
+    assert len(ds) == 2 and rep.n_dropped == 1 and 'line 2 is over 0 MiB' in rep.bad_rows_summary()
