@@ -134,6 +134,8 @@ def check_state(state, path) -> dict:
     for i, r in enumerate(state['history']):  # the metrics a resumed run reports and plots
         k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
         if k: raise CheckpointError(f"{f}: history[{i}] field {k!r} is {r.get(k)!r}, expected a number")
+        if type(r['step']) is not int or not 0 <= r['step'] <= state['global_step']:
+            raise CheckpointError(f"{f}: history[{i}] field 'step' is {r['step']!r}, expected a step 0 … {state['global_step']} of this run")
     return state
 
 def verify_checkpoint(path) -> dict:
@@ -143,6 +145,10 @@ def verify_checkpoint(path) -> dict:
         try: return json.loads((path / name).read_text())
         except FileNotFoundError: raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete") from None
         except (ValueError, UnicodeDecodeError) as e: raise CheckpointError(f"{path / name}: not valid JSON ({e}); the file is truncated or damaged") from None
+        except RecursionError: raise CheckpointError(f"{path / name}: JSON nested deeper than Python's reader goes; the file is not sft_nb's") from None
+    links = sorted(p.relative_to(path).as_posix() for p in path.rglob('*') if p.is_symlink())
+    if links: raise CheckpointError(f"{path}: holds symbolic links ({', '.join(links[:5])}); a checkpoint sft_nb saves has none, "
+                                    "and a link can bring in files from outside it: copy the files in, or use another checkpoint")
     listed = read_json('digests.json')
     listed = listed.get('sha256') if isinstance(listed, dict) else None
     if not isinstance(listed, dict): raise CheckpointError(f"{path / 'digests.json'}: has no 'sha256' table; the checkpoint is damaged")
@@ -260,8 +266,12 @@ _STEP = re.compile(r'step_\d{6}')
 def _candidates(self: Checkpointer) -> list[Path]:
     "Checkpoint folders for 'latest', best first: the one the marker names (when it names a folder here), then newest to oldest."
     found = sorted((p for p in self.dir.glob('step_*') if _STEP.fullmatch(p.name) and p.is_dir()), reverse=True)
+    for p in [p for p in found if p.is_symlink()]:  # a link to a folder of another run is not this run's checkpoint
+        warnings.warn(f"{p}: a symbolic link to {os.path.realpath(p)}, not a checkpoint folder of {self.dir}; ignored"); found.remove(p)
     marker = self.dir / 'latest'
-    name = marker.read_text().strip() if marker.is_file() else ''
+    if marker.is_symlink() or (marker.exists() and not marker.is_file()):
+        warnings.warn(f"{marker}: a {'symbolic link' if marker.is_symlink() else 'folder or device'}, not the marker file sft_nb writes; ignored")
+    name = marker.read_text(errors='replace')[:64].strip() if marker.is_file() and not marker.is_symlink() else ''
     if name and not (_STEP.fullmatch(name) and (self.dir / name).resolve().parent == self.dir.resolve()):
         warnings.warn(f"{marker}: names {name!r}, not a checkpoint folder of {self.dir}; ignored")
     elif name and (self.dir / name) in found: found.remove(self.dir / name); found.insert(0, self.dir / name)

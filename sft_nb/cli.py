@@ -9,10 +9,11 @@ from contextlib import contextmanager
 from pathlib import Path
 import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
+from .config import load_yaml
 
 # %% auto #0
-__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
-           'forward_signals', 'run_notebook', 'check_overrides', 'stop_on_signals', 'build_parser', 'main']
+__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids', 'SignalStop',
+           'run_notebook', 'check_overrides', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(ValueError):
@@ -28,7 +29,7 @@ def notebook_parameters(path: str | Path) -> dict:
 
 def parse_value(text: str):
     "A command-line value as a YAML scalar (`3` → int, `3e-4` → float, `true` → bool, else str)."
-    try: v = yaml.safe_load(text)
+    try: v = load_yaml(text, f'value {text[:60]!r}')
     except yaml.YAMLError: return text
     if isinstance(v, str):
         try: return float(v)  # YAML 1.1 reads `3e-4` as a string
@@ -73,27 +74,47 @@ def kernel_pids() -> list[int]:
         except (OSError, ValueError, IndexError): pass
     return found
 
-@contextmanager
-def forward_signals(grace_s: float): # seconds until the kernel is killed and the process exits (128 + signum)
-    "SIGTERM/SIGINT go to the notebook's kernel as SIGTERM (`SaveOnSignal` saves there); yields the names of the signals received."
-    got, prev, timer = [], {}, []
-    def on_signal(signum, frame):
-        got.append(signal.Signals(signum).name)
-        for pid in kernel_pids(): os.kill(pid, signal.SIGTERM)
-        if len(got) > 1: return
-        print(f"sft-nb run: {got[0]}: the notebook saves a checkpoint at the end of its step (within {grace_s:g}s)", file=sys.stderr, flush=True)
+class SignalStop:
+    """SIGTERM (cloud preemption) and SIGINT (Ctrl-C) in `sft-nb train` and `sft-nb run`. The first signal calls `stop(name)`,
+    which asks the work to end at its next step boundary (`SFTTrainer.request_stop`; the notebook's kernel, whose
+    `SaveOnSignal` saves there) and says whether it will. When it cannot (setup, tokenization, an eval or export outside
+    a step), `Preempted` is raised at once where the main thread is: nothing runs on, setup's clean-up runs, and the
+    command exits 128 + the signal's number. Past `grace_s` without a boundary `give_up()` runs and the process exits.
+    `got`: the names received. Ray's start replaces the SIGTERM handler with one exiting 15: `arm()` puts this one back,
+    and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted` raised into it."""
+    def __init__(self, who: str, grace_s: float, stop=lambda name: False, give_up=lambda: None, hint: str = '',
+                 doing: str = 'saving a checkpoint at the end of this step'):  # what `stop` set going, for the message
+        self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing  # hint: where to resume
+        self.got, self.prev, self.timer, self.raised = [], {}, None, False
+    def arm(self):
+        if threading.current_thread() is threading.main_thread():
+            for s in (signal.SIGTERM, signal.SIGINT):
+                h = signal.signal(s, self.on_signal)
+                self.prev.setdefault(s, h)
+        return self
+    def on_signal(self, signum, frame):
+        name = signal.Signals(signum).name
+        self.got.append(name)
+        if not self.stop(name):
+            if len(self.got) == 1: self.raised = True; raise Preempted(f"stopped by {name} outside a training step", name)
+            return
+        if len(self.got) > 1: return
+        print(f"{self.who}: {name}: {self.doing} (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
         def give_up():
-            for pid in kernel_pids(): os.kill(pid, signal.SIGKILL)
-            print(f"sft-nb run: {got[0]}: no step boundary within {grace_s:g}s; the kernel is killed without a new checkpoint "
-                  "(resume from the last one with -p resume latest)", file=sys.stderr, flush=True)
+            self.give_up()
+            print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint ({self.hint})",
+                  file=sys.stderr, flush=True)
             os._exit(128 + signum)
-        timer.append(threading.Timer(grace_s, give_up)); timer[0].daemon = True; timer[0].start()
-    if threading.current_thread() is threading.main_thread():
-        for s in (signal.SIGTERM, signal.SIGINT): prev[s] = signal.signal(s, on_signal)
-    try: yield got
-    finally:
-        for s, h in prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
-        for tm in timer: tm.cancel()
+        self.timer = threading.Timer(self.grace_s, give_up); self.timer.daemon = True; self.timer.start()
+    def __enter__(self): return self.arm()
+    def __exit__(self, typ, e, tb):
+        for s, h in self.prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
+        if self.timer is not None: self.timer.cancel()
+        if typ is SystemExit and e.code == signal.SIGTERM and not self.got:  # Ray's handler ran before `arm` could take it back
+            self.got.append('SIGTERM'); self.raised = True
+        if self.raised and typ is not None and not issubclass(typ, Preempted):  # what a library made of it (transformers' lazy import)
+            raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0]) from None
+        return False
 
 # %% ../nbs/11_cli.ipynb #517daef8
 def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
@@ -112,9 +133,13 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     env_before = dict(os.environ)
     os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0'); os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
     os.environ[SAVE_ON_SIGNAL] = '1'  # the kernel's trainers save at a step boundary on SIGTERM (SaveOnSignal)
-    stopped = []
+    forward = lambda name: [os.kill(pid, signal.SIGTERM) for pid in kernel_pids()] != []  # no kernel yet: stopped at once
+    sig = SignalStop('sft-nb run', grace_s, forward, lambda: [os.kill(pid, signal.SIGKILL) for pid in kernel_pids()],
+                     'the kernel is killed; resume from the last checkpoint with -p resume latest',
+                     "sent to the notebook's kernel: a trainer fitting there saves a checkpoint at the end of its step")
+    stopped = sig.got
     try:
-        with forward_signals(grace_s) as stopped:  # papermill runs in a thread: the main thread takes the signals
+        with sig:  # papermill runs in a thread: the main thread takes the signals
             in_thread(lambda: pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True, progress_bar=False,
                                                   execution_timeout=timeout, cwd=None, kernel_name='python3'))
     except Exception as e:
@@ -142,7 +167,7 @@ def _cmd_run(a):
     log.setLevel(logging.INFO); log.propagate = False
     params = {}
     if a.file:
-        try: params.update(yaml.safe_load(Path(a.file).read_text()) or {})
+        try: params.update(load_yaml(Path(a.file).read_text(), f'-f {a.file}') or {})
         except yaml.YAMLError as e: raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
         except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
     for name, value in a.param or []: params[name] = parse_value(value)
@@ -153,55 +178,47 @@ def check_overrides(overrides: list[str]):
     "Name the override whose value is not valid YAML (the config parser would raise a bare YAML traceback)."
     for o in overrides:
         key, sep, value = o.partition('=')
-        try: sep and yaml.safe_load(value)
+        try: sep and load_yaml(value, f'override {o!r}')
         except yaml.YAMLError as e:
             raise ValueError(f"override {o!r}: the value of {key} is not valid YAML ({getattr(e, 'problem', None) or e}); "
                              "quote it (key='[1,') or fix the brackets") from None
 
 # %% ../nbs/11_cli.ipynb #e7ff5e9a
-@contextmanager
-def stop_on_signals(trainer, grace_s: float): # seconds from the signal to a checkpoint; past them the process exits
-    """SIGTERM (cloud preemption) or SIGINT asks `trainer` to stop at the next step boundary; the caller then saves.
-    Yields the names of the signals received. When the step does not end within `grace_s`, the process exits (code 128+signum)."""
-    got, prev, timer = [], {}, []
-    def on_signal(signum, frame):
-        got.append(signal.Signals(signum).name)
-        trainer.request_stop()
-        if len(got) == 1:
-            print(f"sft-nb train: {got[0]}: saving a checkpoint at the end of this step (within {grace_s:g}s)", file=sys.stderr, flush=True)
-            def give_up():
-                print(f"sft-nb train: {got[0]}: no step boundary within {grace_s:g}s; exiting without a new checkpoint "
-                      f"(resume from the last one with checkpoint.resume=latest, run_dir {trainer.run_dir})", file=sys.stderr, flush=True)
-                os._exit(128 + signum)
-            timer.append(threading.Timer(grace_s, give_up)); timer[0].daemon = True; timer[0].start()
-    for s in (signal.SIGTERM, signal.SIGINT): prev[s] = signal.signal(s, on_signal)
-    try: yield got
-    finally:
-        for s, h in prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
-        for tm in timer: tm.cancel()
-
 def _cmd_train(a):
-    from sft_nb.config import load_config
-    from sft_nb.trainer import SFTTrainer
     check_overrides(a.overrides)
-    cfg = load_config(a.config, a.overrides)
-    t0 = time.time()
-    with SFTTrainer(cfg) as t, stop_on_signals(t, a.grace) as stopped:  # after setup: Ray's start installs its own SIGTERM handler
-        if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
-        if not stopped: t.fit()
-        if stopped:
-            where = t.save() if t.global_step > 0 else None
-            raise Preempted(f"stopped by {stopped[0]} at step {t.global_step} of {t.total_steps}; " + (
-                f"checkpoint {where}; continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
-                if where else "no step was trained, nothing to resume"), stopped[0])
-        h = t.train()
-        ev = getattr(t, 'last_eval', {})
-        summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
-                   'train_losses': [float(x) for x in h.loss], 'eval_loss': ev.get('eval_loss'),
-                   'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None, 'wall_time_s': time.time() - t0,
-                   'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
-                   'data_report': t.data_report.to_dict()}
-        Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
+    t, hint = None, f"continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
+    steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop()  # a fit that ends at a step boundary
+    sig = SignalStop('sft-nb train', a.grace, steps_left, hint=hint)
+    try:
+        with sig:  # from before the imports: a signal in setup (tokenization, Ray's start, the model) stops it at once
+            from sft_nb.config import load_config
+            from sft_nb.trainer import SFTTrainer
+            cfg = load_config(a.config, a.overrides)
+            t0 = time.time()
+            with SFTTrainer(cfg) as t:
+                sig.arm()  # Ray's start replaced the SIGTERM handler
+                try:
+                    if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
+                    if not sig.got: t.fit()
+                    if sig.got: raise Preempted(f"stopped by {sig.got[0]}", sig.got[0])  # at the step boundary fit stopped at
+                    h = t.train()
+                except Exception as e:  # at a boundary, or in an eval, save or export outside the steps: the steps trained are saved
+                    if not sig.got: raise
+                    e = e if isinstance(e, Preempted) else f"stopped by {sig.got[0]} outside a training step"
+                    where = (t.ckpt.saved(t.global_step) or t.save()) if t.global_step > 0 else None
+                    raise Preempted(f"{e} at step {t.global_step} of {t.total_steps}; " + (f"checkpoint {where}; {hint}" if where else
+                                    "no step was trained, nothing to resume"), sig.got[0]) from None
+                ev = getattr(t, 'last_eval', {})
+                summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
+                           'train_losses': [float(x) for x in h.loss], 'eval_loss': ev.get('eval_loss'),
+                           'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None, 'wall_time_s': time.time() - t0,
+                           'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
+                           'data_report': t.data_report.to_dict()}
+                Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
+    except Preempted as e:
+        if t is not None: raise
+        raise Preempted(f"{e}, during setup (loading, tokenization, starting workers): nothing was trained and the run folder "
+                        "holds no new run; run the same command again", signal.Signals(e.exit_code - 128).name) from None
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))
 
 # %% ../nbs/11_cli.ipynb #14490557

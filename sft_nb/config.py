@@ -12,9 +12,10 @@ import yaml
 from fastcore.docments import docments
 
 # %% auto #0
-__all__ = ['ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig', 'TokenizeConfig',
-           'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig', 'CheckpointConfig',
-           'LoggingConfig', 'EvalConfig', 'SFTConfig', 'parse_overrides', 'to_dict', 'load_config', 'save_config']
+__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig',
+           'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig',
+           'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml', 'parse_overrides', 'to_dict',
+           'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
 class ConfigError(ValueError):
@@ -117,6 +118,7 @@ class DataConfig:
     stream_buffer: int = 1024  # streaming: tokenized examples held in the shuffle/pack window (memory is bounded by it, not by the source)
     def __post_init__(self):
         check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
+        check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
         check_range('stream_buffer', self.stream_buffer, 1)
         if self.streaming: self.check_streaming()
         for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')), ('null_content', ('bad_row', 'empty'))):
@@ -223,6 +225,7 @@ class TrainConfig:
         for k in ('num_steps', 'num_epochs'):
             if getattr(self, k) is not None and getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1")
         check_range('eval_every', self.eval_every, 0)
+        check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
 
 # %% ../nbs/00_config.ipynb #68630c0d
 @dataclass
@@ -335,6 +338,32 @@ class SFTConfig:
         if self.packing.capacity is not None and self.packing.capacity < self.tokenize.max_length and self.packing.enabled:
             raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length {self.tokenize.max_length}")
 
+# %% ../nbs/00_config.ipynb #0a9a25db
+MAX_YAML_VALUES = 1_000_000  # values a YAML document may expand to through its aliases: ~1000x any config's
+
+def load_yaml(text: str, where: str):
+    "YAML `text` read with `yaml.SafeLoader`, refusing a document whose aliases expand past `MAX_YAML_VALUES` values or into themselves."
+    loader = yaml.SafeLoader(text)
+    try:
+        try: node = loader.get_single_node()
+        except RecursionError: raise ConfigError(f"{where}: the YAML nests deeper than it can be read") from None
+        if node is None: return None
+        sizes, open_ = {}, set()
+        def size(n) -> int:  # the values `n` expands to, each shared node once per place it is used
+            if id(n) in sizes: return sizes[id(n)]
+            if id(n) in open_: raise ConfigError(f"{where}: a YAML alias refers to the anchor it is inside (a document without end)")
+            open_.add(id(n))
+            kids = n.value if isinstance(n, yaml.SequenceNode) else [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else []
+            sizes[id(n)] = s = 1 + sum(map(size, kids))
+            if s > MAX_YAML_VALUES:
+                raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_YAML_VALUES:,} values (a 'billion laughs' "
+                                  "document); write the values out instead of nesting aliases")
+            open_.discard(id(n))
+            return s
+        size(node)
+        return loader.construct_document(node)
+    finally: loader.dispose()
+
 # %% ../nbs/00_config.ipynb #27ddebe8
 def _set_dotted(d: dict, key: str, value):
     *parents, last = key.split('.')
@@ -349,7 +378,7 @@ def parse_overrides(overrides: list[str]) -> dict:
     for o in overrides or []:
         if '=' not in o: raise ConfigError(f"override {o!r}: expected key.sub=value")
         k, v = o.split('=', 1)
-        _set_dotted(out, k.strip(), yaml.safe_load(v) if v.strip() else None)
+        _set_dotted(out, k.strip(), load_yaml(v, f'override {o!r}') if v.strip() else None)
     return out
 
 def _merge(a: dict, b: dict) -> dict:
@@ -367,7 +396,7 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] | dic
     if isinstance(src, (str, Path)):
         p = Path(src)
         text = p.read_text() if p.suffix in ('.yaml', '.yml') or p.exists() else str(src)
-        try: d = yaml.safe_load(text)
+        try: d = load_yaml(text, str(src))
         except yaml.YAMLError as e:
             where = getattr(e, 'problem_mark', None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ''

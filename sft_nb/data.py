@@ -14,10 +14,10 @@ from .config import SourceConfig, DataConfig
 
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
-           'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts', 'normalize_message',
-           'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest', 'json_line', 'bad_row_marker',
-           'iter_json_rows', 'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns',
-           'source_fingerprint', 'mix_counts', 'mix_indices']
+           'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts',
+           'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest',
+           'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path', 'source_name',
+           'load_source', 'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -34,6 +34,7 @@ def _json(value, where: str):
     if isinstance(value, str):
         try: return json.loads(value)
         except json.JSONDecodeError as e: raise BadRow(f"{where}: not valid JSON ({e.msg} at char {e.pos}): {value[:60]!r}") from None
+        except RecursionError: raise BadRow(f"{where}: JSON nested deeper than Python's JSON reader goes: {value[:60]!r}") from None
     return value
 
 def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
@@ -359,11 +360,29 @@ def _unique_keys(pairs: list) -> dict:
     if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
 
+MAX_ROW_BYTES = 1 << 27  # 128 MiB: one JSONL line past it is a bad row, never read whole (far past any model's context)
+
+def bounded_lines(f, digest=None):
+    """`(line, its length in the file)` per line of binary file `f`, holding at most `MAX_ROW_BYTES + 1` bytes of one: a
+    longer line comes as its first `MAX_ROW_BYTES + 1` bytes (the rest read past in 16 MiB chunks), which `json_line` refuses.
+    `digest` is fed every byte."""
+    while raw := f.readline(MAX_ROW_BYTES + 1):
+        if digest is not None: digest.update(raw)
+        n = len(raw)
+        if n > MAX_ROW_BYTES and not raw.endswith(b'\n'):
+            while more := f.readline(1 << 24):
+                if digest is not None: digest.update(more)
+                n += len(more)
+                if more.endswith(b'\n'): break
+        yield raw, n
+
 def json_line(raw: bytes, # one line of a JSONL file, as read
               p, n: int, # the file and the line number (1-based), for the reason
              ) -> tuple[str | None, dict | BadRow] | None:
     "The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8, not JSON, a key twice, not an object)."
     if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
+    if len(raw) > MAX_ROW_BYTES:
+        return None, BadRow(f"{p}: line {n} is over {MAX_ROW_BYTES >> 20} MiB; a row that long is past any model's context: split or drop it", kind='bad_json')
     if not raw.strip(): return None
     try: text = raw.decode('utf-8').strip()
     except UnicodeDecodeError as e:
@@ -371,6 +390,7 @@ def json_line(raw: bytes, # one line of a JSONL file, as read
     try: row = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e: return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
     except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
+    except RecursionError: return None, BadRow(f"{p}: line {n}: JSON nested deeper than Python's JSON reader goes (no row needs that)", kind='bad_json')
     if isinstance(row, dict): return text, row
     return None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
 
@@ -380,8 +400,7 @@ def bad_row_marker(row: BadRow, line: int | None = None) -> dict:
 
 def _line_records(f, p: Path, digest=None):
     "JSONL: `(line, text, row | BadRow)` per non-blank line."
-    for n, raw in enumerate(f, 1):
-        if digest is not None: digest.update(raw)
+    for n, (raw, _) in enumerate(bounded_lines(f, digest), 1):
         if (rec := json_line(raw, p, n)) is not None: yield n, *rec
 
 # %% ../nbs/01_data.ipynb #a1d0e009
@@ -404,6 +423,8 @@ def _array_records(f, p: Path, digest=None):
             raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be read past a "
                          "broken element (in JSONL a broken line is one bad row)", kind='bad_json') from None
         except _DuplicateKey as e: (row, j), dup = plain.raw_decode(text, i), e.args[0]
+        except RecursionError:
+            raise BadRow(f"{p}: line {line}: JSON nested deeper than Python's JSON reader goes; a JSON list cannot be read past it", kind='bad_json') from None
         if dup is not None: yield line, None, BadRow(f"{p}: line {line}: key {dup!r} appears twice in one object; keep one of them", kind='bad_json')
         elif lossy and _UNDECODABLE.search(text, i, j):
             yield line, None, BadRow(f"{p}: line {line}: the row is not valid UTF-8", kind='bad_encoding')
@@ -420,7 +441,7 @@ def _refuse_one_object(f, p: Path):
     "A .json file that is one multi-line object (`{\"data\": [...]}`) is not rows: say where its rows are (else every line is 'invalid JSON')."
     text = f.read().decode('utf-8', 'replace').lstrip('\ufeff \t\r\n'); f.seek(0)
     try: obj, end = json.JSONDecoder().raw_decode(text)
-    except json.JSONDecodeError: return
+    except (json.JSONDecodeError, RecursionError): return  # the row reader names it
     if not isinstance(obj, dict) or text[end:].strip() or '\n' not in text[:end].strip(): return  # JSON lines, or one row on one line
     lists = [k for k, v in obj.items() if isinstance(v, list)]
     where = f"its rows look like the list under {lists[0]!r}: save that list as the file (a JSON list) or as JSONL" if lists else \

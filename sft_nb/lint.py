@@ -79,6 +79,7 @@ def _injected_system(tokenizer, template, kw) -> str | None:
     try:
         rs = render(tokenizer, [{'role': 'system', 'content': _S}, {'role': 'user', 'content': _U}], template=template, **kw)
         ru = render(tokenizer, [{'role': 'user', 'content': _U}], template=template, **kw)
+    except TemplateError: raise  # past the renderer's bounds or the sandbox: never read as "refuses system messages"
     except Exception: return None
     pre, between, x = rs[:rs.find(_S)], rs[rs.find(_S) + len(_S):rs.find(_U)], ru[:ru.find(_U)]
     if x.startswith(pre) and x.endswith(between) and len(x) > len(pre) + len(between): return x[len(pre):len(x) - len(between)]

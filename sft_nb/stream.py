@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
+from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .collate import collate_packed
@@ -31,8 +31,8 @@ def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
     i = start if cursor else 0
     with open(p, 'rb') as f:
         f.seek(off)
-        for raw in iter(f.readline, b''):
-            n += 1; off += len(raw)
+        for raw, size in bounded_lines(f):
+            n += 1; off += size
             if (rec := json_line(raw, p, n)) is None: continue  # blank
             if i >= start: yield i, (bad_row_marker(rec[1]) if isinstance(rec[1], BadRow) else rec[1]), [off, n]
             i += 1

@@ -4,15 +4,16 @@
 
 # %% ../nbs/02a_templates.ipynb #c95d8af0
 from __future__ import annotations
-import hashlib, json, re
+import functools, hashlib, json, re, time
 from dataclasses import dataclass
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MECHANISMS', 'FAMILY_SPECIALS', 'shipped_template', 'templates_with',
-           'TemplateError', 'load_template', 'render', 'chat_ids', 'has_generation_tags', 'TemplateRenderer',
-           'bounded_template', 'TemplateInfo', 'common_prefix', 'probe_template', 'template_key', 'template_info',
-           'collapse_template', 'add_family_specials', 'template_features']
+__all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS', 'FAMILY_SPECIALS',
+           'shipped_template', 'templates_with', 'TemplateError', 'load_template', 'render', 'chat_ids',
+           'has_generation_tags', 'template_name', 'TemplateRenderer', 'bounded_template', 'TemplateInfo',
+           'common_prefix', 'probe_template', 'template_key', 'template_info', 'collapse_template',
+           'add_family_specials', 'template_features']
 
 # %% ../nbs/02a_templates.ipynb #e30b0002
 CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
@@ -48,14 +49,13 @@ def load_template(template: str | None) -> str | None:
                         f"({', '.join(CHAT_TEMPLATES)}); a template path must exist, inline Jinja has {{% or {{{{")
 
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
-    "The conversation as the template renders it (one string)."
-    return tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=False,
-                                         add_generation_prompt=add_generation_prompt, **kwargs)
+    "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
+    from transformers.utils.chat_template_utils import _normalize_chat_messages, _plain_template_data
+    return TemplateRenderer(tokenizer, template, kwargs)(_plain_template_data(_normalize_chat_messages(messages)), tools, gen=add_generation_prompt)
 
 def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **kwargs) -> list[int]:
-    "`apply_chat_template(..., tokenize=True)` ids as a plain list (the reference our ids must equal)."
-    out = tokenizer.apply_chat_template(messages, tools=tools, chat_template=template, tokenize=True, **kwargs)
-    return list(out['input_ids'] if hasattr(out, 'keys') else out)
+    "`apply_chat_template(..., tokenize=True)` ids as a plain list: `render`, tokenized without special tokens added."
+    return list(tokenizer(render(tokenizer, messages, tools, template=template, **kwargs), add_special_tokens=False)['input_ids'])
 
 _GEN_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -63,88 +63,155 @@ def has_generation_tags(text: str | None) -> bool:
     "Does a template mark assistant output with `{% generation %}…{% endgeneration %}`?"
     return bool(text) and bool(_GEN_TAG.search(text))
 
+def template_name(tokenizer, template: str | None = None) -> str:
+    "How errors name a chat template: the tokenizer's, a shipped one, or the start of the text given."
+    if template is None: return f"of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
+    shipped = next((n for n in CHAT_TEMPLATES if shipped_template(n) == template), None)
+    return repr(shipped) if shipped else f"given in tokenize.chat_template ({template[:40]!r}{'…' if len(template) > 40 else ''})"
+
 class TemplateRenderer:
     """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.data.normalize_row` made (plain
-    dicts, lists and strings): the same compiled template, the same variables (the tokenizer's special tokens, then the
-    template kwargs), the same message clean-up (None values dropped, reasoning aliased as transformers does), so the
-    text is byte-identical; the span finder renders every prompt prefix with it. `tags=True` renders through
-    `render_jinja_template` and also returns the `{% generation %}` character spans."""
+    dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the tokenizer's
+    special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning aliased as
+    transformers does), so the text is byte-identical; every render of a chat template goes through it (the span finder,
+    `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character spans. A template
+    that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a `TemplateError` naming it."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
         from transformers.utils.chat_template_utils import _plain_template_data
         kw = dict(chat_template_kwargs or {})
         self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
         self.variables = _plain_template_data({**tokenizer.special_tokens_map, **kw})
-        self._text, self._compiled = {}, {}
+        self.name, self._text, self._compiled = template_name(tokenizer, template), {}, {}
     def text(self, tools=None) -> str:
         "The template text used for a conversation with (or without) tools."
         key = tools is not None
         if key not in self._text: self._text[key] = self.tokenizer.get_chat_template(self.template, tools)
         return self._text[key]
     def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
+        import jinja2
+        from jinja2.exceptions import SecurityError
         from transformers.utils import chat_template_utils as ctu
         tools = tools if tools is not None else self.tools
-        if tags:
-            out, idx = ctu.render_jinja_template([ctu._normalize_chat_messages(messages)], tools=tools, chat_template=self.text(tools),
-                                                 return_assistant_tokens_mask=True, add_generation_prompt=gen, **self.variables)
-            return out[0], [tuple(s) for s in idx[0]]
         key = tools is not None
-        if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools))
         msgs = []
         for m in messages:
             m = {k: v for k, v in m.items() if v is not None}
             r = next((m[k] for k in ctu._REASONING_FIELDS if m.get(k) is not None), None)
             msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
-        return self._compiled[key].render(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None,
-                                          documents=None, add_generation_prompt=gen, **self.variables)
+        args = dict(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
+        try:
+            if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
+            if not tags: return self._compiled[key].render(**args, **self.variables)
+            out, idx = ctu._render_with_assistant_indices(self._compiled[key], **args, **self.variables)
+            return out, [tuple(s) for s in idx]
+        except SecurityError as e: raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
+        except jinja2.TemplateSyntaxError as e: raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
+        except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise  # the template's own refusal: per row
+        except (RecursionError, MemoryError, OverflowError) as e:
+            raise TemplateError(f"chat template {self.name}: {type(e).__name__}: {e} (a recursion, range or value no "
+                                "conversation needs): fix the template") from None
 
 # %% ../nbs/02a_templates.ipynb #cfdbdc00
 MAX_TEMPLATE_VALUE = 1 << 24  # 16M characters: ~100x the longest conversation a model takes, far below an out-of-memory
+MAX_TEMPLATE_STEPS = 2_000_000  # loop iterations + calls in one render: ~50x a 1000-turn conversation's
+MAX_TEMPLATE_SECONDS = 5.0  # one render's time (a macro call costs ~10x a loop iteration); real renders take milliseconds
 
-def _refuse(what: str, n: int):
-    raise TemplateError(f"chat template: {what} would make a value of {n:,} characters or items (limit {MAX_TEMPLATE_VALUE:,}); "
+def _refuse(env, what: str, n: int, limit: int = MAX_TEMPLATE_VALUE, unit: str = 'characters or items'):
+    raise TemplateError(f"chat template {env.template_name}: {what} would make {n:,} {unit} (limit {limit:,}); "
                         "a chat template renders conversations and has no use for one this large: fix the template")
 
 def _size(x) -> int: return len(x) if isinstance(x, (str, list, tuple)) else 0
 
-def bounded_template(text: str):
-    "`text` compiled in transformers' chat-template sandbox, with every value it builds bounded by `MAX_TEMPLATE_VALUE`."
+def _widths(fmt) -> int: return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0) if isinstance(fmt, str) else 0
+
+def _made(name: str, args: tuple, kwargs: dict) -> int:
+    "An upper bound (before it is made) on the size of what the filter or str method `name` makes of `args`."
+    vals = (*args, *kwargs.values())
+    n = max((abs(a) for a in vals if isinstance(a, int) and not isinstance(a, bool)), default=0)  # a width, a count, an indent
+    if name in ('format', 'format_map'): n = max(n, _widths(args[0] if args else ''))
+    if name == 'replace' and len(args) >= 3 and all(isinstance(a, str) for a in args[:3]):
+        s, old, new = args[:3]
+        n = max(n, len(s) + (s.count(old) if old else len(s) + 1) * max(len(new) - len(old), 0))
+    if name == 'join' and args and isinstance(args[0], (list, tuple)):
+        sep = args[1] if len(args) > 1 else kwargs.get('d', '')
+        n = max(n, sum(map(_size, args[0])) + len(args[0]) * _size(sep))
+    if name in ('indent', 'wordwrap'):  # a string inserted per line
+        sizes = sorted(map(_size, vals))[-2:]
+        n = max(n, (sizes[0] + 1) * (sizes[-1] + 1) if len(sizes) == 2 else 0)
+    return n
+
+def _checked(env, name: str, f, drop: int = 0):
+    "`f` (a filter, a global) refusing a value larger than `MAX_TEMPLATE_VALUE`, before and after it is made."
+    @functools.wraps(f)
+    def g(*args, **kwargs):
+        if (n := _made(name, args[drop:], kwargs)) > MAX_TEMPLATE_VALUE: _refuse(env, f'{name}()', n)
+        out = f(*args, **kwargs)
+        if _size(out) > MAX_TEMPLATE_VALUE: _refuse(env, f'{name}()', _size(out))
+        return out
+    return g
+
+def _step(env, context):
+    ec = context.eval_ctx  # one per render, shared by the contexts loops and blocks derive from it
+    ec.steps = getattr(ec, 'steps', 0) + 1
+    if ec.steps == 1: ec.t0 = time.monotonic()
+    if ec.steps > MAX_TEMPLATE_STEPS: _refuse(env, 'a render', ec.steps, MAX_TEMPLATE_STEPS, 'loop iterations and calls')
+    if ec.steps % 1024 == 0 and (t := time.monotonic() - ec.t0) > MAX_TEMPLATE_SECONDS:
+        raise TemplateError(f"chat template {env.template_name}: a render ran {t:.1f} s after {ec.steps:,} loop iterations and calls "
+                            f"(limit {MAX_TEMPLATE_SECONDS} s); a chat template renders conversations in milliseconds: fix the template")
+
+# %% ../nbs/02a_templates.ipynb #8613462b
+@functools.lru_cache(maxsize=64)
+def bounded_template(text: str, name: str = '(given inline)'):
+    """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by `MAX_TEMPLATE_VALUE`,
+    each render by `MAX_TEMPLATE_STEPS`, and unsafe attributes an error (Jinja renders them as ''); `name` names it in errors."""
     import jinja2
+    from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
-    from jinja2.sandbox import SandboxedEnvironment
+    from jinja2.sandbox import SandboxedEnvironment, SecurityError
+    from jinja2.utils import _PassArg
     from transformers.utils.chat_template_utils import _compile_jinja_template
     env = _compile_jinja_template('').environment.overlay()  # never compiled there: its constant folding is unbounded
-    env.filters = dict(env.filters)  # the overlay shares transformers' dict otherwise
-    def widths(fmt: str) -> int: return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0)
+    env.template_name = name
+    env.filters = {k: _checked(env, k, f, int(_PassArg.from_obj(f) is not None)) for k, f in env.filters.items()}
+    env.globals = {**env.globals, 'lipsum': _checked(env, 'lipsum', env.globals['lipsum'])}
     def call_binop(context, op, a, b):
         n = b if isinstance(a, (str, list, tuple)) else a if isinstance(b, (str, list, tuple)) else None
-        if op == '*' and isinstance(n, int) and n * max(_size(a), _size(b)) > MAX_TEMPLATE_VALUE: _refuse(f"'{op}'", n * max(_size(a), _size(b)))
-        if op == '**' and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 1000: _refuse("'**'", b)
-        if op == '%' and isinstance(a, str) and widths(a) > MAX_TEMPLATE_VALUE: _refuse("'%' formatting", widths(a))
-        if op == '+' and _size(a) + _size(b) > MAX_TEMPLATE_VALUE: _refuse("'+'", _size(a) + _size(b))
+        if op == '*' and isinstance(n, int) and n * max(_size(a), _size(b)) > MAX_TEMPLATE_VALUE: _refuse(env, f"'{op}'", n * max(_size(a), _size(b)))
+        if op == '**' and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 1000: _refuse(env, "'**'", b, 1000, 'as exponent')
+        if op == '%' and isinstance(a, str) and (n := max(_widths(a), _made('%', b if isinstance(b, tuple) else (b,), {}))) > MAX_TEMPLATE_VALUE:
+            _refuse(env, "'%' formatting", n)
+        if op == '+' and _size(a) + _size(b) > MAX_TEMPLATE_VALUE: _refuse(env, "'+'", _size(a) + _size(b))
         return SandboxedEnvironment.call_binop(env, context, op, a, b)
-    def call(context, obj, *args, **kwargs):
-        if isinstance(getattr(obj, '__self__', None), str):
-            if obj.__name__ in ('center', 'ljust', 'rjust', 'zfill') and args and isinstance(args[0], int) and args[0] > MAX_TEMPLATE_VALUE: _refuse(f'{obj.__name__}()', args[0])
-            if obj.__name__ in ('format', 'format_map') and widths(obj.__self__) > MAX_TEMPLATE_VALUE: _refuse('format()', widths(obj.__self__))
-        return SandboxedEnvironment.call(env, context, obj, *args, **kwargs)
+    def call(context, obj, *args, **kwargs):  # every call a template makes: a macro, a global, a method
+        _step(env, context)
+        if isinstance(getattr(obj, '__self__', None), str) and (n := _made(obj.__name__, (obj.__self__, *args), kwargs)) > MAX_TEMPLATE_VALUE:
+            _refuse(env, f'{obj.__name__}()', n)
+        out = SandboxedEnvironment.call(env, context, obj, *args, **kwargs)
+        if _size(out) > MAX_TEMPLATE_VALUE: _refuse(env, f'{getattr(obj, "__name__", "a call")}()', _size(out))
+        return out
+    @jinja2.pass_context
+    def loop_over(context, items):  # every {% for %} iterates through it
+        for x in items: _step(env, context); yield x
     def join(parts):
         out, n = [], 0
         for p in parts:
             n += len(p) if isinstance(p, str) else len(str(p))
-            if n > MAX_TEMPLATE_VALUE: _refuse('the rendered text', n)
+            if n > MAX_TEMPLATE_VALUE: _refuse(env, 'the rendered text', n)
             out.append(p)
         return ''.join(out)
-    for name in ('center', 'indent'):
-        f = env.filters[name]
-        def checked(value, width=80, *a, _f=f, _name=name, **k):
-            if isinstance(width, int) and width > MAX_TEMPLATE_VALUE: _refuse(f'the {_name} filter', width)
-            return _f(value, width, *a, **k)
-        env.filters[name] = checked
+    def no_other_template(other):  # Jinja's own error ("no loader for this environment specified") names nothing
+        raise TemplateError(f"chat template {name}: it includes, imports or extends {other!r}; a chat template is one text: put that part in it")
+    env.loader = jinja2.FunctionLoader(no_other_template)
+    def unsafe(obj, attribute):
+        raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
     class Codegen(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: its result checked too
             self.write('environment.concat(('); super().visit_Concat(node, frame); self.write(',))')
+        def visit_For(self, node, frame):
+            node.iter = nodes.Call(nodes.EnvironmentAttribute('loop_over'), [node.iter], [], None, None)
+            super().visit_For(node, frame)
     env.intercepted_binops = frozenset({'*', '**', '+', '%'})
-    env.call_binop, env.call, env.concat, env.code_generator_class = call_binop, call, join, Codegen
+    env.call_binop, env.call, env.concat, env.loop_over, env.unsafe_undefined, env.code_generator_class = call_binop, call, join, loop_over, unsafe, Codegen
     return env.from_string(text)
 
 # %% ../nbs/02a_templates.ipynb #2afbea8d
@@ -317,5 +384,6 @@ def template_features(tokenizer, template: str | None = None, chat_template_kwar
     template = load_template(template)
     def shows(msgs, tools, marker):
         try: return marker in render(tokenizer, msgs, tools, template=template, **{k: v for k, v in (chat_template_kwargs or {}).items() if k != 'tools'})
+        except TemplateError: raise  # past the renderer's bounds or the sandbox: not a feature it drops
         except Exception: return False
     return frozenset(f for f, probe in _FEATURE_PROBES.items() if shows(*probe))

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
-from .data import source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .data import MAX_ROW_BYTES, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with,
@@ -609,8 +609,10 @@ class JsonlRows:
         try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
         except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
     def rows(self, s: int, e: int) -> list:
+        if e > s and int((self.ends[s:e] - self.starts[s:e]).max()) > MAX_ROW_BYTES:  # never read whole: the data stage's reader names it
+            raise SourceFallback(f"a line of {self.path} is over {MAX_ROW_BYTES >> 20} MiB")
         try: return [json.loads(l) for l in self.lines(s, e)]
-        except json.JSONDecodeError as err: raise SourceFallback(str(err)) from None
+        except (json.JSONDecodeError, RecursionError) as err: raise SourceFallback(str(err)) from None  # the data stage's reader names the row
     def __iter__(self):
         for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
     def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})

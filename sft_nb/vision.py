@@ -109,8 +109,8 @@ class VisionExample(Example):
 def image_placeholder(processor, template: str | None = None) -> str:
     "The text the processor's template renders for one image part (e.g. `<|vision_start|><|image_pad|><|vision_end|>`)."
     a, b = 'qzxBEFORE', 'qzxAFTER'
-    t = processor.apply_chat_template([{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}],
-                                      chat_template=template, tokenize=False)
+    t = TemplateRenderer(processor.tokenizer, template or processor.chat_template)(  # the bounded render, as every render
+        [{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}])
     return t[t.index(a) + len(a):t.index(b)]
 
 def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tuple]) -> tuple[str, list[tuple], list[tuple[int, int]]]:

@@ -20,8 +20,8 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 9 leftover `.KEY.tmp*` (cache) | ::test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept; nbs/00a_paths (live_tmp, clean_stale_tmp) |
 | 9 leftover `.tmp_step_*` (checkpoint) | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
 | 9 duplicate JSON keys | nbs/01_data (`key 'content' appears twice in one object`) |
-| 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly |
-| 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (forward_signals), nbs/08a_callbacks (SaveOnSignal) |
+| 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly, ::test_signal_before_the_first_step_stops_named_and_leaves_no_run (imports, setup; SIGTERM and SIGINT) |
+| 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
 | 11 `"\\ud800"` row: raw TypeError | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
 | 11 disk full: `unexpected pos 704 vs 598` | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
 | 11 "no usable rows" without reasons; false "has no rows; mixing the others" | test_reliability_signals.py::test_no_usable_rows_lists_rows_and_reasons (unknown role), ::test_no_usable_rows_in_the_cli_gives_each_rows_reason (alpaca on chat data, max_length 4) |
@@ -34,7 +34,8 @@ Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ f
 | 11 config-only model folder reported as a missing chat template | nbs/06_models (`has config.json but no tokenizer`) |
 | 11 Ray OOM kill while workers start | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM (see the report) |
 | 11 odd types in `trainer_state.json` / `report.json` | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
-| 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; nbs/02a_templates (bounded_template payloads) |
+| 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
+| held-out payloads (YAML billion laughs, JSON nested past the reader, links in and to checkpoints) | test_reliability_payloads.py |
 """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
@@ -71,7 +72,7 @@ def test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept(tmp_path, ti
 def test_template_allocation_is_bounded(tiny_tok, payload):
     "Item 11: a template allocating `'a' * 10**8` (or 10**10: out of memory) ran; the sandbox now refuses it before it is made."
     template = "{% for m in messages %}{{ m.content }}{% endfor %}" + payload
-    with pytest.raises(Exception, match=r'chat template: .* would make a value of [\d,]+ characters or items \(limit 16,777,216\)'):
+    with pytest.raises(Exception, match=r"chat template given in tokenize\.chat_template \(.*\): .* would make [\d,]+ characters or items \(limit 16,777,216\)"):
         tokenize_dataset(CHAT, tiny_tok, TokenizeConfig(chat_template=template), use_cache=False)
 
 

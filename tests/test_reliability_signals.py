@@ -113,3 +113,27 @@ def test_sigterm_in_sft_nb_run_saves_at_the_next_step(tmp_path):
     r = sft_nb('run', nb, *params, '--run-dir', tmp_path / 'straight')
     assert r.returncode == 0, r.stderr[-3000:]
     assert train_losses(cut) == train_losses(tmp_path / 'straight')
+
+
+import pytest
+
+
+@pytest.mark.parametrize('sig, when', [(signal.SIGTERM, 'imports'), (signal.SIGINT, 'imports'), (signal.SIGTERM, 'setup')])
+def test_signal_before_the_first_step_stops_named_and_leaves_no_run(tmp_path, sig, when):
+    """SIGTERM/SIGINT in `sft-nb train` before the first step (imports, loading, tokenization, Ray's start): the process died
+    with -15 and no word, a KeyboardInterrupt traceback, or Ray's handler's exit 15. Now: 128 + signum, a message saying
+    nothing was trained, and a run folder that holds no run (the next command is not refused)."""
+    from sft_nb.checkpoint import run_outputs
+    rd = tmp_path / 'run'
+    p = subprocess.Popen([SFT_NB, 'train', ROOT / 'examples' / 'tiny.yaml', 'train.num_steps=150', 'checkpoint.export_hf=false',
+                          'logging.trackers=[jsonl]', f'checkpoint.run_dir={rd}'], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    if when == 'imports': time.sleep(1.5)
+    else:  # the run folder is claimed: setup has begun (the model, tokenization, Ray's start follow)
+        while time.time() < deadline and p.poll() is None and not rd.exists(): time.sleep(0.05)
+        time.sleep(1.0)
+    p.send_signal(sig)
+    out, err = p.communicate(timeout=300)
+    assert p.returncode == 128 + sig, (p.returncode, err[-3000:])
+    assert f"sft-nb train: stopped by {sig.name} outside a training step, during setup" in err and 'run the same command again' in err, err[-3000:]
+    assert 'Traceback' not in err and (not rd.exists() or run_outputs(rd) == [])
