@@ -40,11 +40,10 @@ class Backend(Protocol):
                       eos_token_id: int | None = None) -> list[int]:
         "Up to `n` next tokens of one continuation (`next_token` picks each; every rank returns the same): a `prompt` starts one, None goes on with it; the last is `eos_token_id` when it ended."
     def full_state(self) -> dict: "The full (unsharded) model state dict."
-    def hf_model(self, state: dict, lora_export: str = 'merged'): "A CPU Hugging Face model holding `full_state()`'s state (what `export_hf` saves)."
     def save(self, path: str) -> bool: "Write this rank's shard of a checkpoint into folder `path`."
     def load(self, path: str) -> int: "Load this rank's shard of checkpoint `path`."
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-        "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from `hf_model`)."
+        "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from the backend's `hf_model`)."
     def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
     def shutdown(self): "Leave the process group."
 
