@@ -188,7 +188,7 @@ def _prepare_data(self: SFTTrainer) -> DataPlan:
 def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
     self.ckpt.claim(resuming=resuming)  # what can be checked without Ray is checked before Ray starts
-    self.tokenizer, self.processor = load_model_inputs(c.model.path)
+    self.tokenizer, self.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
