@@ -105,3 +105,38 @@ def test_inspect_example_runs_all_on_unreadable_rows(tmp_path):
     assert "bad_format: message 1: content parts of type ['citation'] are not read" in texts  # the printed row
     assert '1 of 1 samples not read; first: sample 0' in htmls  # the lint's 'reads' check (pandas cuts long cells)
     assert 'no row of' in texts and 'survived tokenization' in texts
+
+
+def test_anthropic_messages(tiny_path, tmp_path):
+    """Anthropic Messages shapes (facts from its API docs: content blocks `text`, `thinking` {thinking, signature}, `tool_use`
+    {id, name, input}; tool results as `tool_result` {tool_use_id, content: string or text blocks} blocks of a *user* message;
+    tools {name, description, input_schema}; `system` at the top level): the calls and the reasoning reach Qwen3's tokens and
+    are trained, each tool result is a tool turn (rendered as <tool_response>, never trained as the user's words), and the
+    trainer's data plan trains what the inspector shows. A user message mixing tool results with text is a bad row saying so."""
+    from sft_nb.inspect import Inspector
+    from sft_nb.models import load_model_inputs, load_tokenizer
+    from sft_nb.trainer import SFTTrainer
+    conv = normalize_row(rows('anthropic_messages.jsonl')[0], 'messages')
+    assert [m['role'] for m in conv['messages']] == ['system', 'user', 'assistant', 'tool', 'tool', 'assistant']
+    call = conv['messages'][2]
+    assert call['reasoning_content'] == 'Two cities: call the tool for both.' and call['content'] == 'Let me check both.'
+    assert [(c['id'], c['function']['arguments']) for c in call['tool_calls']] == [('toolu_01', {'city': 'Rome'}), ('toolu_02', {'city': 'Oslo'})]
+    assert [(m['tool_call_id'], m['content']) for m in conv['messages'][3:5]] == [('toolu_01', '21 C'), ('toolu_02', '9 C')]
+    assert conv['tools'][0]['function']['parameters']['required'] == ['city']  # input_schema is the schema templates render
+    path = FIX / 'anthropic_messages.jsonl'
+    t = SFTTrainer({'model': {'path': str(tiny_path)}, 'tokenize': {'chat_template': 'qwen3', 'max_length': 1024},
+                    'data': {'train': [{'path': str(path)}]}, 'checkpoint': {'run_dir': str(tmp_path / 'run')}})
+    t.tokenizer, t.processor = load_model_inputs(t.cfg.model.path, t.cfg.tokenize.chat_template); t._prepare_data()
+    rep, ds = t.data.data_report, t.data.train_sets[0]
+    assert rep.n_kept == 2 and rep.bad_rows[0][0] == 2 and "message 0: a user message mixes tool_result parts with ['text'] parts" in rep.bad_rows[0][2]
+    ins = Inspector(str(path), load_tokenizer(str(tiny_path), 'qwen3')[0], t.cfg.tokenize)
+    trains = {}
+    for k in range(len(ds)): trains.setdefault(int(ds[k]['index']), []).append((ds[k]['input_ids'], ds[k]['loss_mask']))
+    assert sorted(trains) == [0, 1] and len(trains[0]) == 2  # Qwen3 drops earlier turns' reasoning: row 0 is two examples
+    for i, want in trains.items():
+        ins.row.value = i
+        assert [(e.input_ids, e.loss_mask) for e in ins.examples] == want, i
+    ins.row.value = 0
+    calls, answer = (''.join(trained_runs(e, t.tokenizer)) for e in ins.examples)  # each example trains one turn
+    assert 'Two cities: call the tool for both.' in calls and '"city": "Oslo"' in calls and 'Rome is warmer.' in answer
+    assert '<tool_response>\n9 C\n</tool_response>' in ins.examples[1].text and '9 C\n' not in answer  # the tool's words: context only
