@@ -285,7 +285,7 @@ class DataReport:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
     def lose(self, index: int, kind: str):
-        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens."
+        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens, or tool schemas ('tools') that do not."
         self.lost[kind] = self.lost.get(kind, 0) + 1
         if len(self.lost_rows) < 1000 and index not in self.lost_rows[-1:]: self.lost_rows.append(index)
     @property
@@ -330,6 +330,8 @@ class DataReport:
     def _lost_line(self, kind: str) -> str:
         field = 'reasoning_content' if kind == 'reasoning' else kind
         fix = f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}" if self.keeps.get(kind) else ''
+        if kind == 'tools': return (f"{self.lost[kind]} examples come with tool schemas (tools) the chat template does not render: "
+                                    f"the model never sees them ({_first(self.lost_rows)}){fix}")
         return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
                 f"the tokens ({_first(self.lost_rows)}){fix}")
 

@@ -211,11 +211,13 @@ def load_model_inputs(path: str, # model.path
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
+    vocab = set(tokenizer.get_vocab())
     new = add_template_specials(tokenizer, template) if processor is None else []
     rows = getattr(AutoConfig.from_pretrained(p), 'vocab_size', None) if new else None
     if rows is not None and max(tokenizer.convert_tokens_to_ids(new)) >= rows:
+        fits = [n for n, (fam, _) in CHAT_TEMPLATES.items() if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
         raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks ({', '.join(new)}); "
-                          f"its embedding has {rows} rows and is not resized: use a template of the model's own family, or save the "
-                          "model with `resize_token_embeddings(len(tokenizer))` and that tokenizer and train from that folder")
+                          f"its embedding has {rows} rows and is not resized: use a template whose tokens it has ({', '.join(fits) or 'none shipped'}, "
+                          "or its own: chat_template None), or save the model with `resize_token_embeddings(len(tokenizer))` and that tokenizer and train from that folder")
     if tokenizer.pad_token_id is None: tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, processor

@@ -79,9 +79,11 @@ def test_failed_setup_leaves_a_report(tiny_path, tmp_path):
 
 
 def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
-    "The tiny ChatML has no place for reasoning_content or tool_calls: the report says so and names the shipped template that keeps them."
+    "The tiny ChatML has no place for reasoning_content, tool_calls or tool schemas: the report says so and names the shipped template that keeps them."
     _, rep = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
-    assert rep.lost == {'reasoning': 2, 'tool_calls': 1} and rep.lost_rows == [1]
+    assert rep.lost == {'reasoning': 2, 'tool_calls': 1, 'tools': 1} and rep.lost_rows == [1]
+    assert "1 examples come with tool schemas (tools) the chat template does not render: the model never sees them (row 1); " \
+           "a template that renders it: tokenize.chat_template: qwen2.5 | qwen3" in str(rep)
     assert "2 trained assistant turns carry reasoning_content the chat template does not render: it never reaches the tokens (row 1); " \
            "a template that renders it: tokenize.chat_template: qwen3" in str(rep)
     assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template: qwen2.5 | qwen3' in str(rep)
@@ -140,3 +142,21 @@ def test_anthropic_messages(tiny_path, tmp_path):
     calls, answer = (''.join(trained_runs(e, t.tokenizer)) for e in ins.examples)  # each example trains one turn
     assert 'Two cities: call the tool for both.' in calls and '"city": "Oslo"' in calls and 'Rome is warmer.' in answer
     assert '<tool_response>\n9 C\n</tool_response>' in ins.examples[1].text and '9 C\n' not in answer  # the tool's words: context only
+
+
+def test_template_error_names_what_the_template_lacks(shared, tmp_path):
+    """Llama 3's public template raises "roles must alternate" on glaive's tool turns: the report and the inspector both add that
+    the row has tool turns and calls it renders nothing of, and which shipped template does; rows with tool schemas it drops are
+    a warning, not silence."""
+    from sft_nb.inspect import Inspector
+    from sft_nb.models import load_tokenizer
+    tpl = str(shared / 'templates' / 'llama-3-instruct.jinja')
+    path = shared / 'datasets' / 'glaive_toolcall_en_demo.json'
+    tok, _ = load_tokenizer('tiny', tpl)
+    cfg = TokenizeConfig(chat_template=tpl, max_length=4096)
+    _, rep = tokenize_dataset(path, tok, cfg, cache_dir=str(tmp_path))
+    why = ("chat template error: Conversation roles must alternate user/assistant/user/assistant/... (the row has tool, tool_calls, tools, "
+           "which this template renders nothing of; a template that does: tokenize.chat_template: qwen2.5 | qwen3)")
+    assert rep.bad_rows[0] == (0, 'template_error', why)
+    assert Inspector(str(path), tok, cfg, row=0).error == f'template_error: {why}'
+    assert rep.lost.get('tools', 0) > 0 and 'tool schemas (tools) the chat template does not render' in str(rep)
