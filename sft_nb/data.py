@@ -15,9 +15,10 @@ from .config import SourceConfig, DataConfig
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
            'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts',
-           'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest', 'file_digest',
-           'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path', 'source_name',
-           'load_source', 'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts', 'mix_indices']
+           'split_tool_results', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
+           'file_digest', 'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path',
+           'source_name', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts',
+           'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(ValueError):
@@ -69,6 +70,8 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
         if not isinstance(t, dict): raise BadRow(f"{where}[{i}]: expected an object")
         fn = t['function'] if t.get('type') == 'function' and isinstance(t.get('function'), dict) else t
         if not isinstance(fn.get('name'), str): raise BadRow(f"{where}[{i}]: tool schema without a name")
+        if 'input_schema' in fn and 'parameters' not in fn:  # Anthropic's name for the JSON schema of the arguments
+            fn = {('parameters' if k == 'input_schema' else k): v for k, v in fn.items()}
         out.append({'type': 'function', 'function': fn})
     return out
 
@@ -76,11 +79,12 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
 PART_TYPES = {'text': 'text', 'input_text': 'text', 'output_text': 'text',  # part type → what it becomes in the message
               'reasoning': 'reasoning', 'thinking': 'reasoning', 'reasoning_text': 'reasoning',
               'tool_call': 'tool_call', 'tool_calls': 'tool_call', 'function_call': 'tool_call',
+              'tool_use': 'tool_call',  # Anthropic: {'type': 'tool_use', 'id', 'name', 'input'}
               'tool_result': 'text', 'function_call_output': 'text'}
 IMAGE_PARTS = ('image', 'image_url', 'input_image', 'video', 'audio')
 PART_FORMATS = ("LLaMA-Factory v1 {'type': 'text'|'reasoning'|'tool_call', 'value': ...}; OpenAI {'type': 'text', 'text': ...}; "
                 "OpenAI responses 'input_text'|'output_text'|'reasoning' (text or summary)|'function_call'|'function_call_output'; "
-                "'thinking'|'tool_result' blocks")
+                "Anthropic 'text'|'thinking'|'tool_use'|'tool_result' blocks")
 
 def _part_text(p: dict, where: str) -> str:
     "The text of one part: under 'text', 'value', 'thinking', 'output' or 'content', or a responses-style 'summary' list."
@@ -100,7 +104,8 @@ def content_parts(content, where: str) -> dict:
     out = {'text': [], 'reasoning': [], 'tool_calls': []}
     for j, (p, k) in enumerate(zip(content, kinds)):
         if PART_TYPES[k] == 'tool_call':
-            call = p.get('value', p.get('function', {k2: v for k2, v in p.items() if k2 in ('name', 'arguments', 'id', 'call_id')}))
+            call = p.get('value', p.get('function', {k2: v for k2, v in p.items() if k2 in ('name', 'arguments', 'id', 'call_id')}
+                                        | ({'arguments': p['input']} if 'input' in p else {})))  # Anthropic's tool_use: its 'input'
             out['tool_calls'] += normalize_tool_calls(call, f"{where}.content[{j}]") or []
         else: out[PART_TYPES[k]].append(_part_text(p, f"{where}.content[{j}]"))
     return {'text': ''.join(out['text']), 'reasoning': '\n'.join(out['reasoning']), 'tool_calls': out['tool_calls']}
@@ -129,18 +134,27 @@ def _part_weight(content, where: str):
                      "(split the message into one message per weight, or put one weight on the message)")
     return ws[0]
 
+def split_tool_results(m, i: int) -> list:
+    "A user message of Anthropic `tool_result` parts → one tool message per part (with its `tool_use_id`); any other message as it is."
+    c = m.get('content') if isinstance(m, dict) and m.get('role') == 'user' else None
+    if not isinstance(c, list) or not any(isinstance(p, dict) and p.get('type') == 'tool_result' for p in c): return [m]
+    if not all(isinstance(p, dict) and p.get('type') == 'tool_result' for p in c):
+        raise BadRow(f"message {i}: a user message mixes tool_result parts with {sorted({str(p.get('type')) for p in c if isinstance(p, dict)} - {'tool_result'})} "
+                     "parts; put the tool results in a message of their own (they become tool turns)")
+    return [{'role': 'tool', 'content': p.get('content'), **({'tool_call_id': p['tool_use_id']} if p.get('tool_use_id') else {})} for p in c]
+
 def normalize_message(m, i: int,
                       null_content: str = 'empty', # assistant `content: null` without tool calls: 'bad_row' or 'empty' ('' text)
                      ) -> dict:
     "One OpenAI-style message → canonical form (raises `BadRow` naming message `i`)."
     where = f"message {i}"
     if not isinstance(m, dict): raise BadRow(f"{where}: expected an object, got {type(m).__name__}")
-    role = m.get('role')
+    role = {'developer': 'system', 'function': 'tool'}.get(m.get('role'), m.get('role'))  # OpenAI's newer system role; its legacy function role
     if role is None: raise BadRow(f"{where}: missing 'role'")
     if role not in ROLES: raise BadRow(f"{where}: unknown role {role!r} (allowed: {', '.join(ROLES)})")
     parts = content_parts(m.get('content'), where)
     out = {'role': role, 'content': parts['text']}
-    tc = m.get('tool_calls')
+    tc = m.get('tool_calls', m.get('function_call'))  # function_call: OpenAI's legacy single call
     calls = [] if tc in (None, []) or (isinstance(tc, str) and tc.strip() in ('', '[]', 'null')) else \
             normalize_tool_calls(tc, f"{where}.tool_calls") or []  # placeholders (APIGen-MT's "[]") are no calls
     if calls := calls + parts.get('tool_calls', []):
@@ -238,7 +252,7 @@ def normalize_row(row: dict, fmt: str,
     elif fmt == 'messages':
         ms = row.get('messages')
         if not isinstance(ms, list): raise BadRow(f"messages: expected a list, got {type(ms).__name__}")
-        msgs = [normalize_message(m, i, null_content) for i, m in enumerate(ms)]
+        msgs = [normalize_message(x, i, null_content) for i, m in enumerate(ms) for x in split_tool_results(m, i)]
     else: raise BadRow(f"unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
     if row.get('system'):
         if msgs and msgs[0]['role'] == 'system': raise BadRow("both a 'system' column and a system message")
@@ -273,7 +287,7 @@ class DataReport:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
     def lose(self, index: int, kind: str):
-        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens."
+        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens, or tool schemas ('tools') that do not."
         self.lost[kind] = self.lost.get(kind, 0) + 1
         if len(self.lost_rows) < 1000 and index not in self.lost_rows[-1:]: self.lost_rows.append(index)
     @property
@@ -318,6 +332,8 @@ class DataReport:
     def _lost_line(self, kind: str) -> str:
         field = 'reasoning_content' if kind == 'reasoning' else kind
         fix = f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}" if self.keeps.get(kind) else ''
+        if kind == 'tools': return (f"{self.lost[kind]} examples come with tool schemas (tools) the chat template does not render: "
+                                    f"the model never sees them ({_first(self.lost_rows)}){fix}")
         return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
                 f"the tokens ({_first(self.lost_rows)}){fix}")
 

@@ -13,8 +13,8 @@ from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, pro
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'seeded_model',
            'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm',
-           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path', 'load_tokenizer',
-           'load_model_inputs']
+           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path',
+           'add_template_specials', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -176,6 +176,19 @@ def check_model_path(path: str) -> str:
         raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
     return out
 
+# %% ../nbs/06_models.ipynb #a7c0e3d2
+def add_template_specials(tokenizer, # a Hugging Face tokenizer, changed in place
+                          template: str | None, # a shipped template's name, a .jinja path, inline Jinja or None
+                          family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`); None: the template's own
+                         ) -> list[str]:
+    "Add the special tokens of `template`'s family (a shipped name or a file named after a family) or of `family`; returns the tokens new to the vocabulary."
+    if family is None and template in CHAT_TEMPLATES: family = CHAT_TEMPLATES[template][0]  # a shipped template's name
+    if family is None and template and '{' not in template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
+    if not family: return []
+    before = set(tokenizer.get_vocab())
+    add_family_specials(tokenizer, family)
+    return sorted((t for t in tokenizer.get_vocab() if t not in before), key=tokenizer.convert_tokens_to_ids)
+
 # %% ../nbs/06_models.ipynb #6e6327d2
 def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or hub id
                    template: str | None = None, # the chat template it will render (name, .jinja path or text): its family's special tokens are added
@@ -186,15 +199,15 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
     path = resolve_model_path(model)
     if is_vlm(path): return load_processor(path)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if family is None and template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
-    if family is None and template in CHAT_TEMPLATES: family = CHAT_TEMPLATES[template][0]  # a shipped template's name
-    if family: add_family_specials(tokenizer, family)
+    add_template_specials(tokenizer, template, family)
     return tokenizer
 
 # %% ../nbs/06_models.ipynb #5556384b
-def load_model_inputs(path: str) -> tuple:
-    "(tokenizer, processor or None) of `model.path`, checked by `check_model_path`."
-    from transformers import AutoTokenizer
+def load_model_inputs(path: str, # model.path
+                      template: str | None = None, # tokenize.chat_template: its family's special tokens are added (`add_template_specials`)
+                     ) -> tuple:
+    "(tokenizer, processor or None) of `model.path`, checked by `check_model_path`; a template's special tokens must fit the model's embedding."
+    from transformers import AutoConfig, AutoTokenizer
     from sft_nb.config import ConfigError
     p = check_model_path(path)
     try:
@@ -202,5 +215,13 @@ def load_model_inputs(path: str) -> tuple:
         tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
+    vocab = set(tokenizer.get_vocab())
+    new = add_template_specials(tokenizer, template) if processor is None else []
+    rows = getattr(AutoConfig.from_pretrained(p), 'vocab_size', None) if new else None
+    if rows is not None and max(tokenizer.convert_tokens_to_ids(new)) >= rows:
+        fits = [n for n, (fam, _) in CHAT_TEMPLATES.items() if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
+        raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks ({', '.join(new)}); "
+                          f"its embedding has {rows} rows and is not resized: use a template whose tokens it has ({', '.join(fits) or 'none shipped'}, "
+                          "or its own: chat_template None), or save the model with `resize_token_embeddings(len(tokenizer))` and that tokenizer and train from that folder")
     if tokenizer.pad_token_id is None: tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, processor

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_tokenize.ipynb #a20d99cd
 from __future__ import annotations
-import dataclasses, gc, hashlib, json, os, shutil
+import dataclasses, functools, gc, hashlib, json, os, shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
@@ -13,15 +13,15 @@ from .data import MAX_ROW_BYTES, source_path, BadRow, DataReport, normalize_row,
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with,
-                              chat_ids, common_prefix)
+                              chat_ids, common_prefix, template_features, CHAT_TEMPLATES)
 
 # %% auto #0
 __all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'turn_spans', 'trained_turns', 'message_segments',
            'render_turns', 'turn_parts', 'trained_parts', 'encode_texts', 'token_ranges', 'mask_from_ranges',
            'finish_tokens', 'check_turns', 'lost_fields', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
-           'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer', 'example_features', 'example_batch',
-           'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice', 'tokenize_part', 'part_name', 'write_parts',
-           'ray_part', 'ray_parts', 'tokenize_dataset']
+           'row_features', 'template_error', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
+           'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice',
+           'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -348,9 +348,9 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
-def lost_fields(text: str, messages: list[dict], turns) -> list[tuple[int, str]]:
-    "(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out of `text`."
-    out = []
+def lost_fields(text: str, messages: list[dict], turns, tools: list | None = None) -> list[tuple[int, str]]:
+    "(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out of `text`; (-1, 'tools'): tool schemas it left out."
+    out = [(-1, 'tools')] if tools and any(t['function']['name'] not in text for t in tools) else []
     for m in sorted(turns):
         r = (messages[m].get('reasoning_content') or '').strip()
         if r and r not in text: out.append((m, 'reasoning'))
@@ -358,7 +358,7 @@ def lost_fields(text: str, messages: list[dict], turns) -> list[tuple[int, str]]
     return out
 
 def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
-                  train_on_reasoning: bool = True, train_on_tool_calls: bool = True) -> Example:
+                  train_on_reasoning: bool = True, train_on_tool_calls: bool = True, tools: list | None = None) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
     masked = []
@@ -373,7 +373,7 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None,
-                   lost_fields(text, messages, {sp[2] for sp in spans if sp[2] >= 0}))
+                   lost_fields(text, messages, {sp[2] for sp in spans if sp[2] >= 0}, tools))
 
 def _bad_text(texts: list[str]) -> dict[int, str]:
     "{position: reason} of the texts a tokenizer cannot take (a lone surrogate: not UTF-8)."
@@ -425,7 +425,7 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
-                         spans, segs, own, max_length, truncation, True, train_on_reasoning, train_on_tool_calls)
+                         spans, segs, own, max_length, truncation, True, train_on_reasoning, train_on_tool_calls, conv['tools'])
 
 # %% ../nbs/02_tokenize.ipynb #be107368
 def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
@@ -447,6 +447,23 @@ def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistan
               template=template, history=history, train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
     return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, history)]
 
+# %% ../nbs/02_tokenize.ipynb #d4e1f0a2
+def row_features(conv: dict) -> set:
+    "What of `template_features` a normalized conversation has: 'system', 'tools', 'tool_calls', 'tool', 'reasoning'."
+    ms = conv.get('messages') or []
+    return ({'system', 'tool'} & {m['role'] for m in ms}) | {'tool_calls' for m in ms if m.get('tool_calls')} \
+        | {'reasoning' for m in ms if m.get('reasoning_content')} | ({'tools'} if conv.get('tools') else set())
+
+def template_error(e: Exception, # what the template raised
+                   conv: dict | None, # the normalized row (None: it did not normalize)
+                   features, # () -> the template's `template_features`
+                  ) -> str:
+    "The reason of a row the template raised on: its error, and what of the row it renders nothing of, with the shipped templates that do."
+    missing = sorted(row_features(conv) - features()) if conv else []
+    fix = [n for n, (_, fs) in CHAT_TEMPLATES.items() if set(missing) <= fs]
+    return f"chat template error: {e}" + (f" (the row has {', '.join(missing)}, which this template renders nothing of; "
+                                          f"a template that does: tokenize.chat_template: {' | '.join(fix)})" if missing and fix else '')
+
 # %% ../nbs/02_tokenize.ipynb #b1a70d78
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
@@ -457,7 +474,9 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
     info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
     renderer = TemplateRenderer(tokenizer, spec.chat_template, spec.chat_template_kwargs) if info is not None else None
     good, bad, chats = [], [], []
+    features = functools.cache(lambda: template_features(tokenizer, spec.chat_template, spec.chat_template_kwargs))  # probed on a first error
     for idx, row in zip(indices, rows):
+        conv = None
         try:
             conv = normalize_row(row, fmt)
             if 'input_ids' in conv:
@@ -468,9 +487,9 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
                 turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.history, segments=keep_offsets))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
                 chats += [(idx, conv['tools'], *t) for t in turns]
-        except BadRow as e: bad.append((idx, e.kind, e.reason))
+        except BadRow as e: bad.append((idx, e.kind, template_error(e.__cause__, conv, features) if e.kind == 'template_error' and e.__cause__ else e.reason))
         except TemplateError: raise
-        except Exception as e: bad.append((idx, 'template_error', f"chat template error: {e}"))
+        except Exception as e: bad.append((idx, 'template_error', template_error(e, conv, features)))
     try: encs = _encodings(tokenizer, [c[4] for c in chats])
     except (TypeError, ValueError):  # a text the tokenizer cannot take (a lone surrogate) fails the whole batch: name its row
         odd = _bad_text([c[4] for c in chats])
@@ -481,10 +500,10 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
         encs = _encodings(tokenizer, [c[4] for c in chats])
     if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
     failed = set()
-    for (idx, _, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
+    for (idx, tools, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
         if idx in failed: continue
         try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length, spec.truncation, keep_offsets,
-                                             spec.train_on_reasoning, spec.train_on_tool_calls)))
+                                             spec.train_on_reasoning, spec.train_on_tool_calls, tools)))
         except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
     if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole
     good.sort(key=lambda g: g[0])

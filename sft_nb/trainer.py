@@ -188,7 +188,7 @@ def _prepare_data(self: SFTTrainer) -> DataPlan:
 def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
     self.ckpt.claim(resuming=resuming)  # what can be checked without Ray is checked before Ray starts
-    self.tokenizer, self.processor = load_model_inputs(c.model.path)
+    self.tokenizer, self.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
@@ -306,11 +306,15 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
 @patch
 @action('export')
 def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
-    "save_pretrained the trained model with its tokenizer (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
+    "save_pretrained the trained model with the tokenizer that trained it: the template's special tokens, the run's chat template (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
+    import copy
     path = Path(path or self.run_dir / 'hf')
     self.backend.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
     if not any((path / f).exists() for f in ('config.json', 'adapter_config.json')):
         raise RuntimeError(f"export: the workers wrote no model into {path}")
+    if self.processor is None and self.cfg.tokenize.chat_template is not None:  # apply_chat_template on the export renders as training did
+        tok = copy.deepcopy(self.tokenizer); tok.chat_template = load_template(self.cfg.tokenize.chat_template)
+        tok.save_pretrained(path)
     return path
 
 @patch

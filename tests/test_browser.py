@@ -191,7 +191,7 @@ def test_packing_simulator_in_browser(lab, browser):
     nb.close()
 
 
-def _status(nb) -> str: return nb.page.locator('.sft-nb-status').inner_text()
+def _status(nb) -> str: return nb.page.locator('.sft-nb-status').text_content()  # off screen (a cell below ran), innerText is ''
 def _points(nb) -> int: return nb.page.locator('.sft-nb-panel .js-plotly-plot .scatterlayer .trace').first.locator('path.point').count()
 def _button(nb, name: str): return nb.page.locator('.sft-nb-panel button', has_text=re.compile(rf'^\s*{name}\s*$'))
 
@@ -231,7 +231,7 @@ def test_trainer_panel_in_browser(lab, browser):
     _button(nb, 'Stop').click()
     # the step in flight may be an eval_every evaluation with its samples (seconds, or a minute on a loaded 2-core machine)
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')", timeout=180_000)
-    expected = int(re.search(r'stops after step (\d+)', nb.page.locator('.sft-nb-log').inner_text()).group(1))
+    expected = int(re.search(r'stops after step (\d+)', nb.page.locator('.sft-nb-log').text_content()).group(1))
     stopped = int(re.search(r'stopped at step (\d+)', _status(nb)).group(1))
     assert stopped == expected, (stopped, expected)  # within one step of the click
     nb.page.wait_for_timeout(1000)

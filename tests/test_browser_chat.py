@@ -1,8 +1,11 @@
 """Issue 30 in a real JupyterLab + headless Chromium (the harness of tests/test_browser.py): `interactive.ipynb` on a
-tool-calling file and a reasoning file (tests/fixtures) with a named template file (Qwen3's, which renders tool calls and
-reasoning), a few steps of Fit, then a chat in the panel: type, Send, the reply streams in (several partial texts seen
-on the page) and is what the kernel's chat box holds. No red stderr box from the workers' weight loading.
-Screenshot: build/browser/panel_chat.png."""
+tool-calling file and a reasoning file (tests/fixtures) with a shipped template by name (`template = 'qwen3'`, which
+renders tool calls and reasoning) and max_length 440 with truncation 'keep_start' (the longer tool-call examples, 451-459
+tokens, are cut), a few steps of Fit, then a chat in the panel: type, Send, the reply streams in (several partial texts
+seen on the page) and is what the kernel's chat box holds. No red stderr box from the workers' weight loading. Then, in
+the kernel, the notebook's own inspector is walked over every row of both files: its examples' ids and masks are the
+ones the trainer's data plan trains for that row (cut rows included), and the page shows the cut row as truncated.
+Screenshots: build/browser/panel_chat.png, build/browser/inspector_truncated.png."""
 from __future__ import annotations
 import json, re, shutil
 from pathlib import Path
@@ -11,12 +14,29 @@ from test_browser import lab, browser, Notebook, LAB_DIR, ROOT, _status  # noqa:
 
 pytestmark = pytest.mark.timeout(900)
 FIX = ROOT / 'tests' / 'fixtures'
-PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3.jinja'", 'num_steps': '40', 'eval_every': '20'}
+PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3'", 'max_length': '440', 'truncation': "'keep_start'",
+          'num_steps': '40', 'eval_every': '20'}
+# run in the notebook's kernel (%run -i): the displayed inspector against the trainer's data plan, row by row
+ONE_TRUTH = """import json
+from sft_nb.lens import train_source_names
+bad, n, cut = [], 0, []
+for name, ds in zip(train_source_names(trainer), trainer.data.train_sets):
+    inspector.source.value, trained = name, {}
+    for k in range(len(ds)): trained.setdefault(int(ds[k]['index']), []).append((list(ds[k]['input_ids']), list(ds[k]['loss_mask'])))
+    for i, want in trained.items():
+        inspector.row.value = i
+        shown = [(list(e.input_ids), list(e.loss_mask)) for e in inspector.examples]
+        n += len(want); bad += [[name, i]] * (shown != want)
+        cut += [[name, i, len(e.input_ids)] for e in inspector.examples if e.truncated]
+print('ONE-TRUTH', json.dumps({'n': n, 'bad': bad, 'cut': cut, 'max_length': trainer.cfg.tokenize.max_length}))
+inspector.source.value, inspector.row.value = cut[0][0], cut[0][1]
+"""
 
 
 def _notebook(name: str) -> str:
     "interactive.ipynb with PARAMS set in its parameters cell (what papermill -p does), next to its data, in the lab folder."
-    for f in ('tool_calls.jsonl', 'reasoning.jsonl', 'templates/qwen3.jinja'): shutil.copy(FIX / f, LAB_DIR / Path(f).name)
+    for f in ('tool_calls.jsonl', 'reasoning.jsonl'): shutil.copy(FIX / f, LAB_DIR / f)
+    (LAB_DIR / 'one_truth.py').write_text(ONE_TRUTH)
     nb = json.loads((ROOT / 'examples' / 'interactive.ipynb').read_text())
     params = next(c for c in nb['cells'] if 'parameters' in c['metadata'].get('tags', []))
     src = ''.join(params['source'])
@@ -32,7 +52,9 @@ def test_chat_in_panel_on_agent_data(lab, browser):
     nb = Notebook(browser, lab, _notebook('interactive_agent.ipynb'))
     nb.run_all()
     panel = nb.page.locator('.sft-nb-panel')
-    data = nb.page.locator('.sft-nb-data').inner_text()
+    nb.page.locator('.sft-nb-data', has_text='data:').wait_for(timeout=60_000)
+    data = nb.page.locator('.sft-nb-data').text_content()  # Run All left the page at the last cell: off screen, innerText is ''
+    panel.scroll_into_view_if_needed()
     assert 'tool_calls.jsonl' in data and 'reasoning.jsonl' in data, data  # both files train
     panel.locator('button', has_text=re.compile(r'^\s*Fit\s*$')).click()
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('done: every step ran')", timeout=300_000)
@@ -62,6 +84,17 @@ def test_chat_in_panel_on_agent_data(lab, browser):
     assert not [s for s in stderr if 'Loading weights' in s], stderr  # the workers' load progress is not a red box
     nb.page.set_viewport_size({'width': 1400, 'height': 1900})  # the whole panel: buttons, chart, samples, chat, log
     panel.scroll_into_view_if_needed(); nb.shot('panel_chat', panel)
+    cell = nb.run_new_cell('%run -i one_truth.py')
+    out = cell.locator('.jp-OutputArea-output', has_text='ONE-TRUTH')
+    out.wait_for(timeout=120_000)
+    truth = json.loads(out.inner_text().split('ONE-TRUTH', 1)[1])
+    assert truth['bad'] == [] and truth['n'] >= 48, truth  # every example of both files: the inspector's ids and mask are the trained ones
+    assert truth['cut'] and all(n == 440 for *_, n in truth['cut']), truth  # cut rows among them, cut where training cuts them
+    assert truth['max_length'] == 440
+    ins = nb.page.locator('.jp-OutputArea-output .sft-nb-inspector').first
+    ins.locator('.widget-html', has_text='truncated: yes').wait_for(timeout=60_000)  # the page shows the cut row as cut
+    assert ins.locator('.widget-slider .widget-readout').inner_text().strip() == str(truth['cut'][0][1])
+    ins.scroll_into_view_if_needed(); nb.shot('inspector_truncated', ins)
     nb.check_clean()
     cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
     cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)

@@ -47,7 +47,7 @@ def test_panel_shows_eval_samples(lab, browser):
     _button(nb, 'Step').click()
     nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('step 1/3000')", timeout=120_000)
     _wait_idle(nb)
-    data_line = nb.page.locator('.sft-nb-data').inner_text()  # what the run trains on, above the chart
+    data_line = nb.page.locator('.sft-nb-data').text_content()  # what the run trains on, above the chart
     assert re.match(r'data: [\d,]+ of [\d,]+ rows kept', data_line), data_line
     assert _evaluate(nb) == 1
     first = _shown(nb)

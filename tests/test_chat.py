@@ -72,6 +72,12 @@ def test_tool_call_samples_and_panel_lines(tiny_path, tmp_path, ray_session):
         assert evals == [f"eval at step 2: tools loss {t.last_eval['tools_loss']:.4f} ppl {t.last_eval['tools_ppl']:.2f}"], evals
         panel.save_button.click(); panel.wait(120)
         assert [l for l in panel.log.text.splitlines() if 'step_000002' in l] == [f"checkpoint {t.run_dir / 'checkpoints' / 'step_000002'}"]
+        from transformers import AutoTokenizer
+        out = AutoTokenizer.from_pretrained(t.export())  # the export renders as the run trained: its template, not the model's own
+        assert out.chat_template == (FIX / 'templates' / 'qwen3.jinja').read_text() != AutoTokenizer.from_pretrained(tiny_path).chat_template
+        msgs, tools = s[1]['messages'], s[1].get('tools')
+        text = out.apply_chat_template(msgs, tools=tools, add_generation_prompt=True, tokenize=False)
+        assert out(text, add_special_tokens=False)['input_ids'] == t.prompt_ids(msgs, tools)
 
 
 def test_early_stopping_keeps_the_best_model(tiny_path, tmp_path, ray_session):

@@ -79,9 +79,11 @@ def test_failed_setup_leaves_a_report(tiny_path, tmp_path):
 
 
 def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
-    "The tiny ChatML has no place for reasoning_content or tool_calls: the report says so and names the shipped template that keeps them."
+    "The tiny ChatML has no place for reasoning_content, tool_calls or tool schemas: the report says so and names the shipped template that keeps them."
     _, rep = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
-    assert rep.lost == {'reasoning': 2, 'tool_calls': 1} and rep.lost_rows == [1]
+    assert rep.lost == {'reasoning': 2, 'tool_calls': 1, 'tools': 1} and rep.lost_rows == [1]
+    assert "1 examples come with tool schemas (tools) the chat template does not render: the model never sees them (row 1); " \
+           "a template that renders it: tokenize.chat_template: qwen2.5 | qwen3" in str(rep)
     assert "2 trained assistant turns carry reasoning_content the chat template does not render: it never reaches the tokens (row 1); " \
            "a template that renders it: tokenize.chat_template: qwen3" in str(rep)
     assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template: qwen2.5 | qwen3' in str(rep)
@@ -105,3 +107,56 @@ def test_inspect_example_runs_all_on_unreadable_rows(tmp_path):
     assert "bad_format: message 1: content parts of type ['citation'] are not read" in texts  # the printed row
     assert '1 of 1 samples not read; first: sample 0' in htmls  # the lint's 'reads' check (pandas cuts long cells)
     assert 'no row of' in texts and 'survived tokenization' in texts
+
+
+def test_anthropic_messages(tiny_path, tmp_path):
+    """Anthropic Messages shapes (facts from its API docs: content blocks `text`, `thinking` {thinking, signature}, `tool_use`
+    {id, name, input}; tool results as `tool_result` {tool_use_id, content: string or text blocks} blocks of a *user* message;
+    tools {name, description, input_schema}; `system` at the top level): the calls and the reasoning reach Qwen3's tokens and
+    are trained, each tool result is a tool turn (rendered as <tool_response>, never trained as the user's words), and the
+    trainer's data plan trains what the inspector shows. A user message mixing tool results with text is a bad row saying so."""
+    from sft_nb.inspect import Inspector
+    from sft_nb.models import load_model_inputs, load_tokenizer
+    from sft_nb.trainer import SFTTrainer
+    conv = normalize_row(rows('anthropic_messages.jsonl')[0], 'messages')
+    assert [m['role'] for m in conv['messages']] == ['system', 'user', 'assistant', 'tool', 'tool', 'assistant']
+    call = conv['messages'][2]
+    assert call['reasoning_content'] == 'Two cities: call the tool for both.' and call['content'] == 'Let me check both.'
+    assert [(c['id'], c['function']['arguments']) for c in call['tool_calls']] == [('toolu_01', {'city': 'Rome'}), ('toolu_02', {'city': 'Oslo'})]
+    assert [(m['tool_call_id'], m['content']) for m in conv['messages'][3:5]] == [('toolu_01', '21 C'), ('toolu_02', '9 C')]
+    assert conv['tools'][0]['function']['parameters']['required'] == ['city']  # input_schema is the schema templates render
+    path = FIX / 'anthropic_messages.jsonl'
+    t = SFTTrainer({'model': {'path': str(tiny_path)}, 'tokenize': {'chat_template': 'qwen3', 'max_length': 1024},
+                    'data': {'train': [{'path': str(path)}]}, 'checkpoint': {'run_dir': str(tmp_path / 'run')}})
+    t.tokenizer, t.processor = load_model_inputs(t.cfg.model.path, t.cfg.tokenize.chat_template); t._prepare_data()
+    rep, ds = t.data.data_report, t.data.train_sets[0]
+    assert rep.n_kept == 2 and rep.bad_rows[0][0] == 2 and "message 0: a user message mixes tool_result parts with ['text'] parts" in rep.bad_rows[0][2]
+    ins = Inspector(str(path), load_tokenizer(str(tiny_path), 'qwen3'), t.cfg.tokenize)
+    trains = {}
+    for k in range(len(ds)): trains.setdefault(int(ds[k]['index']), []).append((ds[k]['input_ids'], ds[k]['loss_mask']))
+    assert sorted(trains) == [0, 1] and len(trains[0]) == 2  # Qwen3 drops earlier turns' reasoning: row 0 is two examples
+    for i, want in trains.items():
+        ins.row.value = i
+        assert [(e.input_ids, e.loss_mask) for e in ins.examples] == want, i
+    ins.row.value = 0
+    calls, answer = (''.join(trained_runs(e, t.tokenizer)) for e in ins.examples)  # each example trains one turn
+    assert 'Two cities: call the tool for both.' in calls and '"city": "Oslo"' in calls and 'Rome is warmer.' in answer
+    assert '<tool_response>\n9 C\n</tool_response>' in ins.examples[1].text and '9 C\n' not in answer  # the tool's words: context only
+
+
+def test_template_error_names_what_the_template_lacks(shared, tmp_path):
+    """Llama 3's public template raises "roles must alternate" on glaive's tool turns: the report and the inspector both add that
+    the row has tool turns and calls it renders nothing of, and which shipped template does; rows with tool schemas it drops are
+    a warning, not silence."""
+    from sft_nb.inspect import Inspector
+    from sft_nb.models import load_tokenizer
+    tpl = str(shared / 'templates' / 'llama-3-instruct.jinja')
+    path = shared / 'datasets' / 'glaive_toolcall_en_demo.json'
+    tok = load_tokenizer('tiny', tpl)
+    cfg = TokenizeConfig(chat_template=tpl, max_length=4096)
+    _, rep = tokenize_dataset(path, tok, cfg, cache_dir=str(tmp_path))
+    why = ("chat template error: Conversation roles must alternate user/assistant/user/assistant/... (the row has tool, tool_calls, tools, "
+           "which this template renders nothing of; a template that does: tokenize.chat_template: qwen2.5 | qwen3)")
+    assert rep.bad_rows[0] == (0, 'template_error', why)
+    assert Inspector(str(path), tok, cfg, row=0).error == f'template_error: {why}'
+    assert rep.lost.get('tools', 0) > 0 and 'tool schemas (tools) the chat template does not render' in str(rep)

@@ -179,6 +179,37 @@ def test_inspector_shows_what_trains(shared, qwen, tmp_path):
     assert ds[0]['input_ids'] == ins.example.input_ids
 
 
+def test_named_template_trains_what_the_inspector_shows(tiny_path, tmp_path):
+    """A shipped template's name brings its family's special tokens to the trainer's tokenizer (`load_model_inputs`) as to the
+    inspector's (`load_tokenizer`): the trainer's data plan with chat_template='llama3' trains the ids the inspector shows,
+    on a model whose embedding has rows for Llama 3's four header/turn tokens; where it has none, setup refuses by name."""
+    import shutil
+    from sft_nb.models import load_model_inputs
+    from sft_nb.trainer import SFTTrainer
+    from sft_nb.config import ConfigError
+    roomy = tmp_path / 'roomy'; roomy.mkdir()  # the tiny tokenizer with a 1024-row embedding (712 tokens): room for added ones
+    for f in Path(tiny_path).iterdir():
+        if 'token' in f.name or f.name == 'config.json': shutil.copy(f, roomy / f.name)
+    cfg = json.loads((roomy / 'config.json').read_text()); cfg['vocab_size'] = 1024; (roomy / 'config.json').write_text(json.dumps(cfg))
+    data = str(Path(__file__).parent / 'fixtures' / 'reasoning.jsonl')
+    t = SFTTrainer({'model': {'path': str(roomy)}, 'tokenize': {'chat_template': 'llama3'}, 'data': {'train': [{'path': data}]},
+                    'checkpoint': {'run_dir': str(tmp_path / 'run')}})
+    t.tokenizer, t.processor = load_model_inputs(t.cfg.model.path, t.cfg.tokenize.chat_template); t._prepare_data()
+    tok = load_tokenizer(str(roomy), 'llama3')
+    header = tok.convert_tokens_to_ids('<|start_header_id|>')
+    assert header >= 712 and t.tokenizer.convert_tokens_to_ids('<|start_header_id|>') == header
+    ds = t.data.train_sets[0]
+    ins = Inspector(data, tok, t.cfg.tokenize)
+    for k in range(len(ds)):
+        ins.row.value = int(ds[k]['index'])
+        assert (ins.example.input_ids, ins.example.loss_mask) == (ds[k]['input_ids'], ds[k]['loss_mask']), k
+    assert header in ds[0]['input_ids']  # one token, as the inspector shows it, not its bytes
+    t2 = SFTTrainer({'model': {'path': str(tiny_path)}, 'tokenize': {'chat_template': 'llama3'}, 'data': {'train': [{'path': data}]},
+                     'checkpoint': {'run_dir': str(tmp_path / 'run2')}})
+    with pytest.raises(ConfigError, match=r"'llama3' needs special tokens the model .* lacks .*embedding has 712 rows"): t2.setup()
+    assert t2.group is None
+
+
 def test_inspector_history_controls(tiny_tok):
     tpl = (Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja').read_text()
     conv = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!', 'reasoning_content': 'A greeting.'},

@@ -73,6 +73,48 @@ def test_logits_equal_hf_smollm2_slow():
     assert diff <= 1e-5 and exact
 
 
+def _streams(w, prompt):
+    "What a worker streams for `prompt` (greedy in pieces of 1, 3 and 8 tokens; sampled; up to an EOS) and its greedy `generate`."
+    with pytest.raises(RuntimeError, match='no continuation was started'): w.stream_tokens(None, 2)
+    greedy = w.stream_tokens(prompt, 1) + w.stream_tokens(None, 3) + w.stream_tokens(None, 8)
+    eos = greedy[2]  # as if the third greedy token were the EOS
+    sampled = w.stream_tokens(prompt, 12, temperature=1.5, top_p=0.95, seed=3)
+    to_eos = w.stream_tokens(prompt, 12, eos_token_id=eos)
+    return {'greedy': greedy, 'sampled': sampled, 'eos': eos, 'to_eos': to_eos, 'after_eos': w.stream_tokens(None, 4),
+            'generate': w.generate([prompt], 12)[0]}
+
+
+def test_stream_tokens_equal_fsdp(tiny_path, tmp_path):
+    """MegatronWorker.stream_tokens (what the panel's chat calls; it recomputes the prefix each token) streams what the FSDP worker
+    streams (KV cache) on the same tiny weights: greedy in pieces equals greedy all at once and each backend's `generate`, a seeded
+    sampled reply is the same tokens on both, a reply ends at its EOS (then nothing more)."""
+    from dataclasses import asdict
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.config import ModelConfig, OptimConfig
+    from sft_nb.workers import free_port
+    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM
+    m, g = AutoModelForCausalLM.from_pretrained(tiny_path), torch.Generator().manual_seed(0)
+    with torch.no_grad():  # the tiny model's own init answers 670 forever: weights of std 0.1 make each token depend on the prefix
+        for q in m.parameters():
+            if q.dim() > 1: q.copy_(torch.randn(q.shape, generator=g) * 0.1)
+    path = tmp_path / 'model'; m.save_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(tiny_path); tok.save_pretrained(path)
+    prompt = tok.apply_chat_template([{'role': 'user', 'content': 'Who are you?'}], add_generation_prompt=True, tokenize=True, return_dict=True)['input_ids']
+    w = in_process_worker(path)
+    try: mega = _streams(w, prompt)
+    finally: w.shutdown()
+    f = FSDPWorker(0, 1, asdict(ModelConfig(path=str(path))), asdict(OptimConfig()), total_steps=1)
+    f.init_dist('127.0.0.1', free_port()); f.setup()
+    try: fsdp = _streams(f, prompt)
+    finally: f.shutdown()
+    print('megatron', mega, '\nfsdp', fsdp)
+    assert mega == fsdp
+    assert len(set(mega['greedy'])) >= 6 and mega['greedy'] == mega['generate']  # a reply that moves, not one token repeated
+    assert mega['sampled'] != mega['greedy']  # temperature 1.5 on a random model: another reply, the same on both backends
+    assert mega['to_eos'] == mega['greedy'][:mega['greedy'].index(mega['eos']) + 1] and mega['after_eos'] == []
+
+
 def test_invalid_sizes(tiny_path, tmp_path):
     from sft_nb.config import ConfigError
     from sft_nb.backends.megatron import MegatronWorker
