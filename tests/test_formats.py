@@ -155,8 +155,9 @@ def test_template_error_names_what_the_template_lacks(shared, tmp_path):
     tok = load_tokenizer('tiny', tpl)
     cfg = TokenizeConfig(chat_template=tpl, max_length=4096)
     _, rep = tokenize_dataset(path, tok, cfg, cache_dir=str(tmp_path))
-    why = ("chat template error: Conversation roles must alternate user/assistant/user/assistant/... (the row has tool, tool_calls, tools, "
-           "which this template renders nothing of; a template that does: tokenize.chat_template: qwen2.5 | qwen3)")
-    assert rep.bad_rows[0] == (0, 'template_error', why)
+    tail = ("Conversation roles must alternate user/assistant/user/assistant/... (the row has tool, tool_calls, tools, "
+            "which this template renders nothing of; a template that does: tokenize.chat_template: qwen2.5 | qwen3)")
+    row, reason, why = rep.bad_rows[0]
+    assert (row, reason) == (0, 'template_error') and why.startswith('chat template error: chat template given in tokenize.chat_template') and why.endswith(tail)
     assert Inspector(str(path), tok, cfg, row=0).error == f'template_error: {why}'
     assert rep.lost.get('tools', 0) > 0 and 'tool schemas (tools) the chat template does not render' in str(rep)
