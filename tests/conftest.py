@@ -1,5 +1,5 @@
 """Shared fixtures: the tiny model is built once per test run; real data comes from ../shared."""
-import os
+import os, signal
 from pathlib import Path
 import pytest
 
@@ -9,6 +9,10 @@ os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
 os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0')
 os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
 os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
+# Ctrl-C as a user's Python (and a Jupyter kernel) gets it: a run started in the background (nohup, `cmd &` without job
+# control) inherits SIGINT ignored, and Python then keeps it ignored; the interrupt tests and the `sft-nb` subprocesses
+# they signal need Python's own handler.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 
 SHARED = next(p / 'shared' for p in Path(__file__).resolve().parents if (p / 'shared' / 'DESIGN.md').exists())
 

@@ -205,5 +205,8 @@ def test_sp3_equals_sp1_smollm2():
     assert r3['weight_sum'] == r1['weight_sum'] and e3['weight_sum'] == e1['weight_sum']
     assert_rel_close(r3['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e3['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
     assert g3.keys() == g1.keys()
-    assert_rel_close(g3, g1, GRAD_TOL, 'SmolLM2 gradients')
+    # 30 layers: each one's attention rounding (sums in another order) passes through every layer's backward below it; the
+    # worst tensor, a norm weight whose gradient is a sum with cancellation, measured 2.7e-5 of its magnitude. An exchange
+    # that lost or misplaced heads or tokens is off by O(1).
+    assert_rel_close(g3, g1, 1e-4, 'SmolLM2 gradients')
     print(f"SmolLM2 sp=3: Σ NLL gap {rel_gap(r3['nll_sum'], r1['nll_sum']):.1e}, gradients {rel_gap(g3, g1):.1e}")
