@@ -2,6 +2,7 @@
 import os, signal
 from pathlib import Path
 import pytest
+from jupyter_lab import lab, browser  # noqa: F401 (one JupyterLab server and one Chromium for the session's browser tests)
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ.setdefault('TRANSFORMERS_OFFLINE', '1')
@@ -35,11 +36,12 @@ def tiny_tok(tiny_path):
 
 
 @pytest.fixture(scope='session')
-def ray_session():
-    "One local Ray cluster (capped object store) for the whole session; always shut down."
+def ray_session() -> str:
+    """One local Ray cluster (capped object store) for the whole session; always shut down. In-process trainers join it;
+    yields its address for subprocesses and notebook kernels (`placement.ray_address`, the notebooks' `ray_address`)."""
     import ray
     from sft_nb.workers import init_ray
     started = init_ray(num_cpus=4, object_store_memory=256 * 1024**2)
-    try: yield
+    try: yield ray.get_runtime_context().gcs_address
     finally:
         if started: ray.shutdown()

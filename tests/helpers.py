@@ -22,3 +22,44 @@ def trained_runs(ex, tok) -> list[str]:
         if m: cur.append(i)
         elif cur: runs.append(tok.decode(cur)); cur = []
     return runs + ([tok.decode(cur)] if cur else [])
+
+
+def local_run(cfg: dict, train_data, n_steps: int | None = None):
+    """The steps of a 1-rank `cfg` in this process, no Ray: the trainer's own data plan and its backend's worker (a 1-rank
+    gloo group), stepped as `SFTTrainer.step` steps it. Returns (per-step metrics: loss, grad_norm, weight_sum, n_trained;
+    the final full state).
+    Reference runs for parity tests: what runs under Ray (ranks, dealing, the transport) is compared against this."""
+    from dataclasses import asdict
+    from sft_nb.backends import get_backend
+    from sft_nb.models import load_model_inputs
+    from sft_nb.trainer import SFTTrainer
+    from sft_nb.workers import free_port
+    t = SFTTrainer(cfg, train_data=train_data)
+    c = t.cfg
+    assert c.placement.world_size == 1, 'local_run is one rank'
+    t.tokenizer, t.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
+    t._prepare_data().plan()
+    w = get_backend(c.placement.backend)(0, 1, model=asdict(c.model), optim=asdict(c.optim), total_steps=t.total_steps,
+                                         seed=c.train.seed, use_gpu=False, placement=asdict(c.placement))
+    w.init_dist('127.0.0.1', free_port())
+    try:
+        t.data.check_model(w.setup())
+        steps = []
+        for step in range(t.total_steps if n_steps is None else n_steps):
+            (batch,), weight_sum, n_trained, _ = t.data.rank_batches(t.data.global_batch(step))
+            fb = w.forward_backward(batch, weight_sum)
+            loss = fb['nll_sum'] / (weight_sum if weight_sum > 0 else 1)
+            steps.append({'loss': loss, 'grad_norm': w.optim_step(False)['grad_norm'], 'weight_sum': weight_sum, 'n_trained': n_trained})
+        return steps, w.full_state()
+    finally: w.shutdown()
+
+
+def cli(*args) -> tuple[int, str, str]:
+    "`sft-nb ARGS` in this process (`sft_nb.cli.main`; on a session's Ray cluster when one is up): (exit code, stdout, stderr)."
+    import contextlib, io
+    from sft_nb.cli import main
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try: code = main([str(a) for a in args]) or 0
+        except SystemExit as e: code = e.code
+    return code, out.getvalue(), err.getvalue()

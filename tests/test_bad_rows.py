@@ -1,4 +1,4 @@
-"""Row-level errors, file-level honesty (issue 16 item 6) and honest mixing (item 5), end to end.
+"""Row-level errors, file-level honesty and honest mixing, end to end.
 
 A broken JSONL line, undecodable bytes, a non-object line and an assistant `content: null` are each ONE bad row
 (file, line, reason, row index in the report); the good rows of the same file are tokenized and trained. Empty

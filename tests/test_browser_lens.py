@@ -1,10 +1,10 @@
-"""The loss lens in a real JupyterLab + headless Chromium (the harness of tests/test_browser.py): examples/lens.ipynb
+"""The loss lens in a real JupyterLab + headless Chromium (the session's server and browser, tests/jupyter_lab.py): examples/lens.ipynb
 trains a few steps on the tiny model and lists the hardest rows; a click on one opens it in the inspector in loss
 mode (chips shaded by loss, a legend), and the "before training → now" toggle shades the change. Screenshots:
 `build/browser/lens_*.png`."""
 from __future__ import annotations
 import re
-from test_browser import Notebook, browser, lab  # noqa: F401  (the fixtures and the page helper of the workbench tests)
+from jupyter_lab import Notebook
 import pytest
 
 pytestmark = pytest.mark.timeout(900)

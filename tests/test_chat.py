@@ -1,4 +1,4 @@
-"""Issue 30, chat with the model: `trainer.chat` streams a reply from the current weights on the workers (2 FSDP ranks:
+"""Chat with the model: `trainer.chat` streams a reply from the current weights on the workers (2 FSDP ranks:
 rank 0 picks each token and broadcasts it), between steps only; the workers show no progress bars (their stderr is a
 red box in a notebook)."""
 import json, threading, time

@@ -1,4 +1,4 @@
-"""Our shipped training templates (issue 30): each renders byte-for-byte what the family's original template renders, on
+"""Our shipped training templates: each renders byte-for-byte what the family's original template renders, on
 many conversations, and its `{% generation %}` masks equal the prefix-rendering masks of the original.
 
 Originals: `../shared/templates/` (the chat_templates repository, MIT; collapsed as its README says) and

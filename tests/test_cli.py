@@ -1,8 +1,10 @@
-"""Batch runs: `sft-nb run` (papermill) and `sft-nb train`, parameter checks, failures, and a real two-node Ray cluster."""
+"""Batch runs: `sft-nb run` (papermill) and `sft-nb train`, parameter checks, failures, and a real two-node Ray cluster.
+One real process per command (the wiring); the rest runs `sft_nb.cli.main` in this process on the session's Ray cluster."""
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
 import nbformat
 import pytest
+from helpers import cli
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_NB = ROOT / 'examples' / 'train.ipynb'
@@ -20,20 +22,22 @@ def read_run(run_dir):
     return summary, [m['loss'] for m in metrics if m['kind'] == 'train']
 
 
-def test_bad_parameter_fails_before_running(tmp_path):
-    t0 = time.time()
-    r = sft_nb('run', TRAIN_NB, '-p', 'max_stepz', '3', '--run-dir', tmp_path / 'run')
-    assert r.returncode != 0 and "unknown parameter 'max_stepz' (did you mean 'max_steps'?)" in r.stderr
-    r = sft_nb('run', TRAIN_NB, '-p', 'max_steps', 'lots', '--run-dir', tmp_path / 'run')
-    assert r.returncode != 0 and "parameter 'max_steps' expects int, got str 'lots'" in r.stderr
+def read_samples(run_dir):
+    return [json.loads(l) for l in (Path(run_dir) / 'samples.jsonl').read_text().splitlines()]
+
+
+def test_bad_parameter_type_fails_before_running(tmp_path):
+    "A parameter value of the wrong type is refused before a kernel starts (an unknown name: nbs/11_cli.ipynb)."
+    code, _, err = cli('run', TRAIN_NB, '-p', 'max_steps', 'lots', '--run-dir', tmp_path / 'run')
+    assert code != 0 and "parameter 'max_steps' expects int, got str 'lots'" in err
     assert not (tmp_path / 'run' / 'train.ipynb').exists()  # no kernel was started
 
 
 def test_notebook_parameters_reach_the_config(tmp_path):
-    "The tokenize options of issue 14 and checkpoint.overwrite are notebook parameters, listed by papermill and put in the config."
-    names = ('history', 'train_on_reasoning', 'train_on_tool_calls', 'overwrite')
-    r = subprocess.run([str(Path(sys.executable).parent / 'papermill'), '--help-notebook', str(TRAIN_NB)], env=ENV, capture_output=True, text=True)
-    assert r.returncode == 0 and all(f'  {n}: ' in r.stdout for n in names), r.stdout
+    "The tokenize options, checkpoint.overwrite and sequence_parallel are notebook parameters, listed by papermill and put in the config."
+    import papermill
+    names = ('history', 'train_on_reasoning', 'train_on_tool_calls', 'overwrite', 'sequence_parallel')
+    assert set(names) <= set(papermill.inspect_notebook(str(TRAIN_NB)))
     cells = nbformat.read(TRAIN_NB, as_version=4).cells
     ns = {}
     exec(next(c.source for c in cells if 'parameters' in c.metadata.get('tags', [])), ns)
@@ -41,10 +45,15 @@ def test_notebook_parameters_reach_the_config(tmp_path):
     exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)  # builds the config and an SFTTrainer (no Ray yet)
     t, ck = ns['cfg'].tokenize, ns['cfg'].checkpoint
     assert (t.history, t.train_on_reasoning, t.train_on_tool_calls, ck.overwrite) == ('final', False, False, True)
-    assert '  sequence_parallel: ' in r.stdout  # issue 28: a notebook parameter too
     ns.update(workers_per_node=2, sequence_parallel=2)
     exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)
     assert (ns['cfg'].placement.sequence_parallel, ns['cfg'].placement.dp_size) == (2, 1)
+    # a data-free LoRA throughput run (what it trains: nbs/08_trainer.ipynb's synthetic run with a profiler window)
+    ns.update(synthetic_rows=16, max_length=32, sampler='sequential', profile_step=2, eval_fraction=0.0, lora_r=4, lora_export='adapter')
+    exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)
+    c = ns['cfg']
+    assert (c.data.synthetic_rows, c.tokenize.max_length, c.train.sampler, c.logging.profile_step, c.data.eval_fraction) == (16, 32, 'sequential', 2, 0.0)
+    assert (c.model.lora_r, c.checkpoint.lora_export) == (4, 'adapter')
 
 
 def test_failing_notebook_names_the_cell(tmp_path):
@@ -54,56 +63,65 @@ def test_failing_notebook_names_the_cell(tmp_path):
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'python3', 'language': 'python'}
     path = tmp_path / 'fails.ipynb'
     nbformat.write(nb, path)
-    r = sft_nb('run', path, '-p', 'x', '2', '--run-dir', tmp_path)
-    assert r.returncode == 1
-    assert "`raise ValueError('bad row 7: unknown role')` failed: ValueError: bad row 7: unknown role" in r.stderr
+    code, _, err = cli('run', path, '-p', 'x', '2', '--run-dir', tmp_path)
+    assert code == 1
+    assert "`raise ValueError('bad row 7: unknown role')` failed: ValueError: bad row 7: unknown role" in err
     assert (tmp_path / 'fails.executed.ipynb').exists() and len(nbformat.read(path, as_version=4).cells) == 3
 
 
-def test_train_yaml_and_run_notebook(tmp_path):
-    r = sft_nb('train', ROOT / 'examples' / 'tiny.yaml', f'checkpoint.run_dir={tmp_path / "yaml"}')
+def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
+    """The two batch commands as real processes on the session's cluster: `sft-nb train tiny.yaml` trains, exports and
+    answers its eval samples; `sft-nb run examples/train.ipynb` compared with it streams its cells, writes the executed
+    notebook, a checkpoint, the export, samples before and after training and compare.html with both runs' curves."""
+    r = sft_nb('train', ROOT / 'examples' / 'tiny.yaml', f'checkpoint.run_dir={tmp_path / "cli"}', 'train.num_steps=2',
+               'eval.max_new_tokens=8', f'placement.ray_address={ray_session}')
     assert r.returncode == 0, r.stderr[-3000:]
-    summary, losses = read_run(tmp_path / 'yaml')
-    assert summary['steps'] == 6 and summary['train_losses'] == losses and (tmp_path / 'yaml' / 'hf' / 'config.json').exists()
+    summary, losses = read_run(tmp_path / 'cli')
+    assert summary['steps'] == 2 and summary['train_losses'] == losses and (tmp_path / 'cli' / 'hf' / 'config.json').exists()
+    assert [x['step'] for x in read_samples(tmp_path / 'cli')] == [2] * 4  # the CLI's final eval answered them too
 
     run = tmp_path / 'nb'
-    r = sft_nb('run', TRAIN_NB, '-p', 'max_steps', '3', '--run-dir', run)
+    r = sft_nb('run', TRAIN_NB, '-p', 'max_steps', '3', '-p', 'sample_tokens', '8', '-p', 'compare_with', f'[{tmp_path / "cli"}]',
+               '-p', 'ray_address', ray_session, '--run-dir', run)
     assert r.returncode == 0, r.stderr[-3000:]
     assert 'train' in r.stdout  # cell output was streamed
     summary, losses = read_run(run)
-    executed = nbformat.read(run / 'train.ipynb', as_version=4)
     assert summary['steps'] == 3 and summary['train_losses'] == losses and len(losses) == 3
-    assert any('"steps": 3' in o.get('text', '') for c in executed.cells for o in c.get('outputs', []))
     assert (run / 'checkpoints' / 'step_000003' / 'trainer_state.json').exists() and (run / 'hf' / 'config.json').exists()
+    recs = read_samples(run)
+    assert [x['step'] for x in recs] == [0] * 4 + [3] * 4 and {x['eval'] for x in recs} == {'heldout'}  # before and after training
+    out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))
+    assert '"steps": 3' in out
+    assert 'samples at step 0 (heldout):' in out and 'samples at step 3 (heldout):' in out and f"  Q: {recs[0]['prompt']}" in out
+    html = (run / 'compare.html').read_text()
+    assert 'sft-nb-compare' in html and 'nb train' in html and 'cli train' in html and 'optim.lr' in html  # lr 3e-4 vs tiny.yaml's 3e-3
+    # the comparison offline in the browser: both runs' curves are drawn (plotly.js is inlined)
+    page = browser.new_page(viewport={'width': 1100, 'height': 900})
+    try:
+        page.goto((run / 'compare.html').as_uri())
+        page.wait_for_selector('#sft-nb-compare .scatterlayer .trace', timeout=30_000)
+        legend = page.locator('#sft-nb-compare .legendtext').all_text_contents()
+        assert {'nb train', 'cli train'} <= set(legend), legend  # one curve per run folder
+        assert page.locator('#sft-nb-compare .scatterlayer .trace path.js-line').count() >= 2  # a drawn train curve per run
+        (ROOT / 'build' / 'browser').mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ROOT / 'build' / 'browser' / 'compare_papermill.png'), full_page=True)
+    finally: page.close()
 
 
-def test_train_takes_sequence_parallel(tmp_path):
-    """`sft-nb train CONFIG placement.sequence_parallel=N` (issue 28): sp=3 on 2 workers is refused by the config before any
-    worker starts; sp=2 on 2 workers trains, its run's config.yaml says sp=2, and its first loss is one worker's."""
+def test_train_takes_sequence_parallel(tmp_path, ray_session):
+    """`sft-nb train CONFIG placement.sequence_parallel=N`: sp=3 on 2 workers is refused by the config before any worker
+    starts; sp=2 on 2 workers trains, its run's config.yaml says sp=2, and its first loss is one worker's."""
     import yaml
     tiny = ROOT / 'examples' / 'tiny.yaml'
-    r = sft_nb('train', tiny, 'placement.workers_per_node=2', 'placement.sequence_parallel=3', f'checkpoint.run_dir={tmp_path / "bad"}')
-    assert r.returncode != 0 and 'sequence_parallel: 3 must divide world size 2' in r.stderr, r.stderr[-2000:]
+    code, _, err = cli('train', tiny, 'placement.workers_per_node=2', 'placement.sequence_parallel=3', f'checkpoint.run_dir={tmp_path / "bad"}')
+    assert code != 0 and 'sequence_parallel: 3 must divide world size 2' in err, err[-2000:]
     losses = {}
     for name, ov in {'1': [], 'sp2': ['placement.workers_per_node=2', 'placement.sequence_parallel=2']}.items():
-        r = sft_nb('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / name}', *ov)
-        assert r.returncode == 0, r.stderr[-3000:]
+        code, _, err = cli('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / name}', *ov)
+        assert code == 0, err[-3000:]
         losses[name] = read_run(tmp_path / name)[1]
     assert yaml.safe_load((tmp_path / 'sp2' / 'config.yaml').read_text())['placement']['sequence_parallel'] == 2
     assert len(losses['sp2']) == 1 and abs(losses['sp2'][0] - losses['1'][0]) <= 2e-6 * abs(losses['1'][0]), losses  # before any update
-
-
-def test_synthetic_throughput_run_with_profiler(tmp_path):
-    "A data-free LoRA batch run: synthetic full-context rows in data order, a torch.profiler window on step 2, the adapter exported."
-    run = tmp_path / 'synth'
-    r = sft_nb('run', TRAIN_NB, '-p', 'synthetic_rows', '16', '-p', 'max_length', '32', '-p', 'max_steps', '2', '-p', 'global_batch_size', '4',
-               '-p', 'sampler', 'sequential', '-p', 'profile_step', '2', '-p', 'eval_fraction', '0.0',
-               '-p', 'lora_r', '4', '-p', 'lora_export', 'adapter', '--run-dir', run)
-    assert r.returncode == 0, r.stderr[-3000:]
-    rows = [json.loads(l) for l in (run / 'metrics.jsonl').read_text().splitlines() if '"loss"' in l]
-    assert [m['n_real'] for m in rows] == [4 * 32] * 2 and [m['n_trained'] for m in rows] == [4 * 31] * 2
-    assert (run / 'profile' / 'steps_2-2' / 'rank0.json').stat().st_size > 0
-    assert (run / 'hf' / 'adapter_config.json').exists() and not (run / 'hf' / 'model.safetensors').exists()
 
 
 def _ray_node(args, tmp):
@@ -127,7 +145,7 @@ def _free_port():
         s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
 
 
-def test_two_node_cluster_matches_one_node(tmp_path):
+def test_two_node_cluster_matches_one_node(tmp_path, ray_session):
     "2 workers spread over a real 2-node Ray cluster train exactly like 2 workers on one node."
     port = _free_port()
     head = _ray_node(['--head', f'--port={port}', '--node-ip-address=127.0.0.1', '--include-dashboard=false'], tmp_path)
@@ -153,9 +171,9 @@ def test_two_node_cluster_matches_one_node(tmp_path):
     spread, spread_losses = read_run(tmp_path / 'spread')
     assert len(set(spread['worker_nodes'])) == 2  # one worker on each node
 
-    r = sft_nb('run', TRAIN_NB, '-p', 'max_steps', '3', '-p', 'workers_per_node', '2', '-p', 'global_batch_size', '8',
-               '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false', '--run-dir', tmp_path / 'local')
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = cli('run', TRAIN_NB, '-p', 'max_steps', '3', '-p', 'workers_per_node', '2', '-p', 'global_batch_size', '8',
+                       '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false', '-p', 'ray_address', ray_session, '--run-dir', tmp_path / 'local')
+    assert code == 0, err[-3000:]
     local, local_losses = read_run(tmp_path / 'local')
     assert len(set(local['worker_nodes'])) == 1
     assert spread_losses == pytest.approx(local_losses, rel=1e-6)  # the same 2 ranks, on one node or two

@@ -1,4 +1,4 @@
-"""SFTTrainer.dry_run (issue 27, memory dry run) on 2 gloo ranks under Ray: its per-rank peaks are those of the first
+"""SFTTrainer.dry_run (the memory dry run) on 2 gloo ranks under Ray: its per-rank peaks are those of the first
 real step (host RSS, VmHWM reset through /proc/self/clear_refs on both), the weights come back bitwise, the next real
 step's loss is that of a run without the dry run, and a memory cap below the peak is told what to change before any
 step is taken."""
@@ -86,15 +86,16 @@ def test_panel_button_runs_the_dry_run(tiny_path, tmp_path, ray_session):
         assert not panel.dry_button.disabled
 
 
-def test_papermill_dry_run_parameter_stops_after_the_dry_run(tmp_path):
+def test_papermill_dry_run_parameter_stops_after_the_dry_run(tmp_path, ray_session):
     "`sft-nb run examples/train.ipynb -p dry_run true`: the verdict printed and in dry_run.json, then nothing trained, evaluated or saved."
-    import json, subprocess, sys
+    import json
     from pathlib import Path
     import nbformat
+    from helpers import cli
     root, run = Path(__file__).resolve().parents[1], tmp_path / 'nb'
-    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'run', str(root / 'examples' / 'train.ipynb'), '-p', 'dry_run', 'true',
-                        '-p', 'max_steps', '3', '-p', 'workers_per_node', '2', '--run-dir', str(run)], capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = cli('run', root / 'examples' / 'train.ipynb', '-p', 'dry_run', 'true', '-p', 'max_steps', '3', '-p', 'workers_per_node', '2',
+                       '-p', 'ray_address', ray_session, '--run-dir', run)
+    assert code == 0, err[-3000:]
     verdict = json.loads((run / 'dry_run.json').read_text())
     assert verdict['fits'] and len(verdict['ranks']) == 2, verdict
     out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))

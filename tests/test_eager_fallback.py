@@ -1,6 +1,6 @@
-"""Issue 27: `attn_implementation: auto` on a model class without sdpa (Gemma 2) falls back to `eager`, with the additive
-form of the packed rows' block mask (made on the worker from the plan's bool mask). Before, transformers raised a
-ValueError inside the worker. A tiny Gemma 2 (the tiny tokenizer) trains on CPU, and packed == padded on it."""
+"""`attn_implementation: auto` on a model class without sdpa (Gemma 2) falls back to `eager`, with the additive
+form of the packed rows' block mask (made on the worker from the plan's bool mask), never the ValueError transformers
+raises for sdpa on such a class. A tiny Gemma 2 (the tiny tokenizer) trains on CPU, and packed == padded on it."""
 from dataclasses import asdict
 import numpy as np
 import pytest

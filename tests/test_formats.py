@@ -1,4 +1,4 @@
-"""Formats people export (issue 30): LLaMA-Factory v1 content parts, OpenAI `reasoning_content` + `tool_calls`, OpenAI
+"""Formats people export: LLaMA-Factory v1 content parts, OpenAI `reasoning_content` + `tool_calls`, OpenAI
 responses items, per-message `loss_weight`; an unknown part type is a bad row that names it; after a failure the report
 says per row why.
 

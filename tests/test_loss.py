@@ -1,6 +1,8 @@
 """Chunked LM head + cross-entropy (`model.loss_chunk`, sft_nb.loss) equals the one-shot loss: the Function on its own, the
 FSDP worker's gradients (tied head, LoRA-wrapped head, weights, packed), a whole trainer step on 2 FSDP2 ranks, and
-megatron's chunked vocab-parallel loss against FSDP. FlexAttention's forward on packed rows equals the dense-mask path."""
+megatron's chunked vocab-parallel loss against FSDP. The worker's FlexAttention eval on packed rows equals the dense-mask path.
+The worker's objective: its micro-batches and ranks all divide by the step's weight_sum (by hand on a Hugging Face
+forward; 2 ranks == 1)."""
 from dataclasses import asdict
 import pytest
 import torch
@@ -8,7 +10,7 @@ import torch.nn.functional as F
 from sft_nb.config import ModelConfig, OptimConfig, ConfigError
 from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
-from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, attention_inputs, flex_attention_runs_on
+from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, flex_attention_runs_on
 from sft_nb.trainer import SFTTrainer
 from sft_nb.numerics import assert_rel_close, rel_gap
 from helpers import run_cfg
@@ -103,6 +105,49 @@ def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
             assert abs(worker.eval_loss([mb])['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum']
 
 
+def _grads(w, mbs, n):
+    "Gradients of one forward_backward of `mbs` with divisor `n` on the in-process worker (zeroed before and after)."
+    w.opt.zero_grad(set_to_none=True)
+    r = w.forward_backward(mbs, n)
+    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
+    w.opt.zero_grad(set_to_none=True)
+    return r, g
+
+
+@pytest.mark.parametrize('weighted', [False, True])
+def test_micro_batches_share_the_step_divisor(worker, tiny_path, tiny_tok, weighted):
+    """Two micro-batches (padded, packed) accumulate the gradient of Σ weight·NLL over both / the step's weight_sum: that
+    of the same objective written by hand on a plain Hugging Face forward (log-softmax of its logits at t, the label at
+    t + 1, -100 skipped)."""
+    from transformers import AutoModelForCausalLM
+    from sft_nb.collate import model_inputs
+    mbs = list(batches(tiny_tok, weighted).values())
+    n = sum(mb.get('weight_sum', mb['n_trained']) for mb in mbs)
+    r, got = _grads(worker, mbs, n)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    nll = 0
+    for mb in mbs:
+        logp, tgt = torch.log_softmax(ref(**model_inputs(mb)).logits.float(), -1)[:, :-1], mb['labels'][:, 1:]
+        keep = tgt != -100
+        w = mb['loss_weights'][:, 1:][keep] if weighted else 1
+        nll = nll - (logp[keep].gather(1, tgt[keep][:, None])[:, 0] * w).sum()
+    (nll / n).backward()
+    assert r['weight_sum'] == n and abs(r['nll_sum'] - float(nll.detach())) <= 1e-5 * float(nll.detach())
+    assert_rel_close(got, {k: p.grad for k, p in ref.named_parameters()}, GRAD_TOL, 'gradients of both micro-batches')
+
+
+def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
+    """2 FSDP ranks (spawned processes, a gloo group), one micro-batch each, both dividing by the step's weight_sum: the
+    gradient FSDP reduces over the ranks equals one rank's gradient of both micro-batches."""
+    from test_sequence_parallel import spawn
+    mbs = list(batches(tiny_tok, True).values())
+    n = sum(mb['weight_sum'] for mb in mbs)
+    _, one = _grads(worker, mbs, n)
+    keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
+    _, two, _, _ = spawn(2, 1, asdict(ModelConfig(path=str(tiny_path))), [[{k: mb[k] for k in keep}] for mb in mbs], n)
+    assert_rel_close(two, one, GRAD_TOL, '2 ranks vs 1: gradients')
+
+
 def test_lora_wrapped_head(tiny_path, tiny_tok):
     "LoRA on lm_head too: the head is a peft wrapper, not an nn.Linear, so each chunk is checkpointed; same gradients."
     from transformers import AutoModelForCausalLM
@@ -160,26 +205,10 @@ def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, ray_session, layout):
 
 
 @needs_cpu_flex
-def test_flex_attention_forward_equals_dense_mask(tiny_path, tiny_tok):
-    """FlexAttention + document BlockMask vs sdpa + the collator's dense [B, 1, T, T] mask: the same logits at every real
-    token of packed rows (forward only: FlexAttention has no CPU backward; transformers compiles it, ~20 s)."""
-    from transformers import AutoModelForCausalLM
-    from sft_nb.collate import model_inputs
-    mb = batches(tiny_tok, False)['packed']
-    out = {}
-    for impl in ('sdpa', 'flex_attention'):
-        model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation=impl).eval()
-        with torch.no_grad(): out[impl] = model(**model_inputs(attention_inputs(mb, impl))).logits
-    assert not isinstance(attention_inputs(mb, 'flex_attention')['attention_mask'], torch.Tensor)
-    real = torch.zeros(mb['input_ids'].shape, dtype=torch.bool)
-    for b, lens in enumerate(mb['seq_lens']): real[b, :sum(lens)] = True
-    assert_rel_close(out['flex_attention'][real], out['sdpa'][real], 1e-6, 'logits')
-
-
-@needs_cpu_flex
 def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
     """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `_to_dev`)
-    evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward)."""
+    evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward). The model-level
+    logits of flex vs sdpa on packed rows: nbs/06c_loss.ipynb."""
     mb = batches(tiny_tok, True)['packed']
     worker.loss_chunk = 2048
     ref = worker.eval_loss([mb])

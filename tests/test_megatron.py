@@ -4,12 +4,12 @@ import torch
 from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.demo_data import identity_rows
 from sft_nb.trainer import SFTTrainer
-from helpers import run_cfg
+from helpers import local_run, run_cfg
 
 pytest.importorskip('megatron.core')
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
-         for k, r in enumerate(ROWS)]  # fractional loss weights (issue 14 item 4)
+         for k, r in enumerate(ROWS)]  # fractional loss weights
 STEPS = 5
 
 
@@ -130,7 +130,12 @@ def test_invalid_sizes(tiny_path, tmp_path):
 
 
 def _losses(tiny_path, run_dir, rows=ROWS, **kw):
-    with SFTTrainer(make_cfg(tiny_path, run_dir, **kw), train_data=rows) as t:
+    "Per-step losses, grad norms and the final weights of STEPS steps: 1 rank in this process, more under Ray."
+    cfg = make_cfg(tiny_path, run_dir, **kw)
+    if cfg['placement'].get('workers_per_node', 1) == 1:
+        steps, state = local_run(cfg, rows)
+        return [m['loss'] for m in steps], [m['grad_norm'] for m in steps], state
+    with SFTTrainer(cfg, train_data=rows) as t:
         h = t.fit()
         return h['loss'].tolist(), h['grad_norm'].tolist(), t.group.call('full_state')[0]
 
@@ -139,22 +144,32 @@ LAYOUTS = {'tp1': dict(placement__workers_per_node=1),
            'dp2': dict(placement__workers_per_node=2),
            'tp2': dict(placement__workers_per_node=2, placement__tensor_parallel=2),
            'pp2': dict(placement__workers_per_node=2, placement__pipeline_parallel=2)}
+PACKED = {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64, 'train__global_batch_size': 4, 'train__micro_batch_size': 1}
+# every layout on the two ends of the data matrix; the in-process TP=1 on all four
+CASES = [(packed, weighted, lay) for packed in (False, True) for weighted in (False, True) for lay in LAYOUTS
+         if lay == 'tp1' or packed == weighted]
 
 
-@pytest.mark.parametrize('weighted', [False, True], ids=['0/1 weights', 'fractional weights'])
-@pytest.mark.parametrize('packed', [False, True], ids=['padded', 'packed'])
-def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, packed, weighted):
+@pytest.fixture(scope='module')
+def fsdp_reference(tiny_path, tmp_path_factory):
+    "FSDP's STEPS steps on 1 rank (in this process), once per (packed, weighted)."
+    cache = {}
+    def get(packed, weighted):
+        if (packed, weighted) not in cache:
+            cache[packed, weighted] = _losses(tiny_path, tmp_path_factory.mktemp('fsdp'), WROWS if weighted else ROWS, **(PACKED if packed else {}))
+        return cache[packed, weighted]
+    return get
+
+
+@pytest.mark.parametrize('packed,weighted,layout', CASES, ids=[f"{'packed' if p else 'padded'}-{'fractional' if w else '0/1'}-{l}" for p, w, l in CASES])
+def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, fsdp_reference, packed, weighted, layout):
     "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4 of their size; weights ≤2e-2 of lr·steps), also with fractional loss weights."
-    extra = {'rows': WROWS if weighted else ROWS}
-    if packed: extra |= {'packing__enabled': True, 'packing__capacity': 128, 'tokenize__max_length': 64,
-                        'train__global_batch_size': 4, 'train__micro_batch_size': 1}
-    ref_loss, ref_gn, ref_w = _losses(tiny_path, tmp_path / 'fsdp', **extra)
-    for name, lay in LAYOUTS.items():
-        loss, gn, w = _losses(tiny_path, tmp_path / name, placement__backend='megatron', **lay, **extra)
-        # loss and grad norm of their magnitude; weights of the distance STEPS Adam updates of ~lr move them
-        dl, dg, dw = rel_gap(loss, ref_loss), rel_gap(gn, ref_gn), rel_gap(w, ref_w, scale=1e-3 * STEPS)
-        print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {name}: relative gaps loss {dl:.2e} grad_norm {dg:.2e} weights {dw:.2e} of lr·steps')
-        assert len(loss) == STEPS and dl <= 1e-4 and dg <= 1e-4 and dw <= 2e-2, (name, loss, ref_loss)
+    ref_loss, ref_gn, ref_w = fsdp_reference(packed, weighted)
+    loss, gn, w = _losses(tiny_path, tmp_path, WROWS if weighted else ROWS, placement__backend='megatron', **LAYOUTS[layout], **(PACKED if packed else {}))
+    # loss and grad norm of their magnitude; weights of the distance STEPS Adam updates of ~lr move them
+    dl, dg, dw = rel_gap(loss, ref_loss), rel_gap(gn, ref_gn), rel_gap(w, ref_w, scale=1e-3 * STEPS)
+    print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {layout}: relative gaps loss {dl:.2e} grad_norm {dg:.2e} weights {dw:.2e} of lr·steps')
+    assert len(loss) == STEPS and dl <= 1e-4 and dg <= 1e-4 and dw <= 2e-2, (layout, loss, ref_loss)
 
 
 @pytest.mark.parametrize('layout', ['tp2', 'dp2_to_dp1'])

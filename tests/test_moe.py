@@ -1,4 +1,4 @@
-"""Issue 27, MoE: a tiny Qwen3-MoE (4 experts, top 2, < 1M parameters) whose config asks for the router load-balancing loss
+"""MoE: a tiny Qwen3-MoE (4 experts, top 2, < 1M parameters) whose config asks for the router load-balancing loss
 (`output_router_logits`, `router_aux_loss_coef`). The worker adds coef · (mean per-sequence Switch loss over the global
 batch's sequences) to the objective, with its own divisor (never the trained-token count), and the step metrics report it
 as `aux_loss` apart from the NLL `loss`. Checked: the gradient is that of NLL / n_trained + coef · aux / n_seqs computed by

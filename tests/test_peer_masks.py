@@ -1,7 +1,7 @@
-"""Masks judged by cases other projects wrote (issue 26): each test names its source; inputs and expectations are
+"""Masks judged by cases other projects wrote: each test names its source; inputs and expectations are
 ported as facts, the templates below are ours, written to reproduce the named template's behaviour at the place
 that matters (the real templates are not shipped with this repository; tests/fixtures/templates/qwen3.jinja is real).
-31 tests: 20 ported cases (transformers, TRL, SkyRL, the issue's 8) and 11 of the self-check every row passes (3 that make
+31 tests: 20 ported cases (transformers, TRL, SkyRL; cases 1-8 below) and 11 of the self-check every row passes (3 that make
 it fire, 8 peer templates it passes on). LLaMA-Factory's and Axolotl's cases: tests/test_peer_masks_lf_axolotl.py.
 
 Our contract (DESIGN.md): assistant content + its end-of-turn token trained; role headers, generation prompts,
@@ -40,7 +40,7 @@ def check(tok, msgs, template, want, **kw):
 U = lambda c: {'role': 'user', 'content': c}
 A = lambda c, **k: {'role': 'assistant', 'content': c, **k}
 
-# ---- case 1: a later user turn quotes an earlier answer (issue 26; SkyRL tests/train/test_sft_tokenization.py's Qwen3 inputs)
+# ---- case 1: a later user turn quotes an earlier answer (SkyRL tests/train/test_sft_tokenization.py's Qwen3 inputs)
 X = '<think>\nfoo\n</think>\n\nbar'
 
 
@@ -214,7 +214,7 @@ def test_transformers_assistant_mask_conversations(tiny_path, k):
 
 
 # transformers test_continue_final_message's dummy template (whitespace-controlled, no add_generation_prompt branch),
-# rewritten by us: the header '<|im_start|>assistant\n' is never trained (issue case 2)
+# rewritten by us: the header '<|im_start|>assistant\n' is never trained (case 2)
 TF_NOGEN = "{%- for message in messages %}{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}{%- endfor %}"
 
 
@@ -279,7 +279,7 @@ def ex_messages(conv):
     return normalize_row({'messages': conv}, 'messages')['messages']
 
 
-# ---- the self-check every row passes (issue 26: "A self-check on every row"): trained tokens only inside their own turn
+# ---- the self-check every row passes: trained tokens only inside their own turn
 def test_self_check_names_the_message_when_spans_reach_a_user_turn(tiny_tok, monkeypatch):
     "A span finder that went wrong (here: made to start every span 3 chars before its turn, in the user turn) gives a BadRow, never a mask."
     import sft_nb.tokenize as T

@@ -1,4 +1,4 @@
-"""Masks judged by LLaMA-Factory's and Axolotl's own mask tests (issue 26), ported as facts: their conversations and
+"""Masks judged by LLaMA-Factory's and Axolotl's own mask tests, ported as facts: their conversations and
 which text they train, checked against ours. Each case names its source file. Templates are the real ones of
 `../shared/templates` (Llama 3, Gemma, Qwen2.5, Phi-3, ChatML), `tests/fixtures/templates/qwen3.jinja`, the two
 that Axolotl's `tests/prompt_strategies/conftest.py` ships as text (Gemma 2 whole; Mistral v0.3 the part a tool-free

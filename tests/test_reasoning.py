@@ -1,4 +1,4 @@
-"""Reasoning and agent templates (issue 14): exact masks on every template × conversation × mode × history strategy.
+"""Reasoning and agent templates: exact masks on every template × conversation × mode × history strategy.
 
 Oracle (independent of sft_nb's header probing): for assistant turn i of a render F, message i is replaced by a
 marker assistant message and re-rendered: the text after the marker is the suffix S (end-of-turn onward); F must end
@@ -169,7 +169,7 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
 
 
 def test_qwen3_multiturn_last_assistant_regression(templates):
-    "The error of issue 14: assistant header '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' not found."
+    "Qwen3 no-think, multi-turn, last_assistant: the row tokenizes; its empty think block is prompt (given, not trained)."
     tok, tpl, kw = templates['qwen3-nothink']
     msgs = normalize_row({'messages': MULTI}, 'messages')['messages']
     ex = tokenize_conversation(MULTI, tok, mode='last_assistant', template=tpl, chat_template_kwargs=kw)

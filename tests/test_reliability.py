@@ -1,4 +1,4 @@
-"""Issue 17: bad input gives a clear error before Ray starts; one run per run_dir (refuse / resume / overwrite, a lock);
+"""Bad input gives a clear error before Ray starts; one run per run_dir (refuse / resume / overwrite, a lock);
 non-finite steps stop (or are skipped); no pickle in checkpoints; a driver killed during a save resumes exactly."""
 import json, os, pickle, signal, subprocess, sys, textwrap
 from pathlib import Path
@@ -133,7 +133,7 @@ def test_run_dir_refused_resumed_overwritten_and_locked(tiny_path, tmp_path, ray
 
 def test_resumed_run_replaces_checkpoint_of_same_step(tiny_path, tmp_path, ray_session):
     """Resume from step 1 with another LR: the earlier run's later checkpoints go (as its metrics do), and the new step-2
-    checkpoint is this run's (the old code kept the earlier run's step 2 and let keep_last prune the new ones)."""
+    checkpoint is this run's, never the earlier run's step 2, and keep_last never prunes the new ones."""
     run = tmp_path / 'run'
     base = dict(train__num_steps=3, checkpoint__save_every=1, checkpoint__keep_last=3)
     with SFTTrainer(run_cfg(tiny_path, run, **base), train_data=ROWS) as t: t.fit()
@@ -181,7 +181,7 @@ def test_train_evaluates_the_final_step_once(tiny_path, tmp_path, ray_session):
 
 # ---- checkpoints run no code -------------------------------------------------------------------------------------
 def test_checkpoint_rng_is_not_unpickled(tiny_path, tmp_path):
-    "A crafted rng_rank0.pt in a checkpoint folder: the old loader unpickled it (running its code); now RNG is safetensors + JSON."
+    "A crafted rng_rank0.pt in a checkpoint folder is never unpickled: RNG state is read from safetensors + JSON only."
     from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig
@@ -200,6 +200,26 @@ def test_checkpoint_rng_is_not_unpickled(tiny_path, tmp_path):
         w.load(str(tmp_path))
         assert not marker.exists()
         assert torch.equal(torch.rand(3), want)  # the saved stream, restored
+    finally: w.shutdown()
+
+
+def test_worker_counts_on_from_its_checkpoint_step(tiny_path, tmp_path):
+    """A worker that saved after 2 optimizer steps and took a third resumes from that checkpoint at step 2: `load` says so and
+    the next step's LR is the schedule's at step 2."""
+    from dataclasses import asdict
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.config import ModelConfig, OptimConfig
+    from sft_nb.optim import lr_at
+    from sft_nb.workers import free_port
+    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(OptimConfig(lr=1.0, schedule='linear')), total_steps=5)
+    w.init_dist('127.0.0.1', free_port())
+    try:
+        w.setup()
+        assert [w.optim_step()['lr'] for _ in range(2)] == [lr_at(s, 1.0, 5, 'linear') for s in range(2)]
+        w.save(str(tmp_path))
+        w.optim_step()
+        assert w.load(str(tmp_path)) == 2 and w.step == 2
+        assert w.optim_step()['lr'] == lr_at(2, 1.0, 5, 'linear') == 0.5
     finally: w.shutdown()
 
 

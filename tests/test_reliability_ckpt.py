@@ -1,5 +1,4 @@
-"""Issue 29: checkpoints that cannot execute code or lie, a trainer that survives interrupts and dead workers.
-Each test names the issue item it covers; each failed on main 8b152b0."""
+"""Checkpoints that cannot execute code or lie, a trainer that survives interrupts and dead workers."""
 import _thread, hashlib, io, json, pickle, shutil, threading, warnings
 from pathlib import Path
 import pytest
@@ -15,7 +14,7 @@ BASE = dict(train__num_steps=4, checkpoint__save_every=2, checkpoint__keep_last=
 
 
 def _forge_digests(folder: Path):
-    "What someone who crafts a checkpoint does: digests.json rewritten to match the crafted files (absent on old code: nothing)."
+    "What someone who crafts a checkpoint does: digests.json rewritten to match the crafted files (no digests.json: nothing)."
     f = folder / 'digests.json'
     if f.exists():
         files = {p.relative_to(folder).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
@@ -43,21 +42,21 @@ def _copy_run(straight, tmp_path) -> Path:
     return run
 
 
-# ---- item 1: resuming runs nothing a checkpoint contains ----------------------------------------------------------
+# ---- resuming runs nothing a checkpoint contains ------------------------------------------------------------------
 def test_dcp_metadata_payload_never_runs(tiny_path, tmp_path, straight):
-    "Item 1: a `.metadata` carrying a `__reduce__` payload ran in the worker on resume (torch DCP's `pickle.load`)."
+    "A `.metadata` carrying a `__reduce__` payload is refused, never run (torch DCP would `pickle.load` it in the worker)."
     run, marker = _copy_run(straight, tmp_path), tmp_path / 'pwned'
     ck = run / 'checkpoints' / 'step_000002'
     (ck / '.metadata').write_bytes(pickle.dumps(_Payload(marker)))
     _forge_digests(ck)
     with pytest.raises(Exception) as e:
         SFTTrainer(run_cfg(tiny_path, tmp_path / 'other', checkpoint__resume=str(ck), **BASE), train_data=ROWS).setup()
-    assert not marker.exists()  # the old code ran it (in the worker), then failed on the metadata it returned
+    assert not marker.exists()  # the payload never ran, in the driver or in a worker
     assert e.match(r"\.metadata: refused, loading it could run code.*builtins\.exec is not a torch checkpoint metadata class")
 
 
 def test_shard_bytes_payload_never_runs(tiny_path, tmp_path, straight):
-    "Item 1: the optimizer's param_groups entries of a shard are read with torch.load(weights_only=False) by DCP."
+    "A payload in a shard's optimizer param_groups entry (which DCP reads with torch.load(weights_only=False)) never runs."
     from torch.distributed.checkpoint import FileSystemReader
     run, marker = _copy_run(straight, tmp_path), tmp_path / 'pwned'
     ck = run / 'checkpoints' / 'step_000002'
@@ -77,7 +76,7 @@ def test_shard_bytes_payload_never_runs(tiny_path, tmp_path, straight):
 
 
 def test_latest_marker_cannot_leave_the_run(tmp_path):
-    "Item 2: `latest` holding '../../other/checkpoints/step_000006' resumed another run's checkpoint."
+    "`latest` holding '../../other/checkpoints/step_000006' never resumes another run's checkpoint: it falls back, warning."
     from sft_nb.checkpoint import Checkpointer
     other = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'other'), keep_last=9)); other.claim()
     mine = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'mine'), keep_last=9)); mine.claim()
@@ -93,9 +92,9 @@ def test_latest_marker_cannot_leave_the_run(tmp_path):
     finally: other.release(); mine.release()
 
 
-# ---- items 7, 8: checkpoints that cannot lie ----------------------------------------------------------------------
+# ---- checkpoints that cannot lie ----------------------------------------------------------------------------------
 def test_flipped_floats_fall_back_with_a_warning(tiny_path, tmp_path, straight):
-    "Item 7: 256 flipped floats in the newest shard loaded as they were; now 'latest' falls back to step 2, naming the file."
+    "256 flipped floats in the newest shard are caught by its digest: 'latest' falls back to step 2, naming the file."
     run = _copy_run(straight, tmp_path)
     shard = next((run / 'checkpoints' / 'step_000004').glob('*.distcp'))
     raw = bytearray(shard.read_bytes())
@@ -111,7 +110,7 @@ def test_flipped_floats_fall_back_with_a_warning(tiny_path, tmp_path, straight):
 
 
 def test_checkpoint_of_another_model_is_refused(tiny_path, tmp_path, straight):
-    "Item 7: a 3-layer model's checkpoint resumed into the 2-layer tiny model (only the keys the model asks for were read)."
+    "A 3-layer model's checkpoint is refused by the 2-layer tiny model, naming the differing config field, before any load."
     big = tmp_path / 'tiny3'
     shutil.copytree(tiny_path, big)
     cfg = json.loads((big / 'config.json').read_text())
@@ -132,7 +131,7 @@ def test_checkpoint_of_another_model_is_refused(tiny_path, tmp_path, straight):
                                                    ('global_step', 2, 'global_step 2 in the folder of step 4'),
                                                    ('total_steps', '4', "field 'total_steps' is '4'")])
 def test_trainer_state_is_validated_and_nothing_deleted(tiny_path, tmp_path, straight, field, value, message):
-    "Item 8: `global_step: -1` deleted every checkpoint; `global_step: 2` in step_000004 resumed at 2 with step-4 weights."
+    "A trainer_state.json with `global_step: -1`, or `global_step: 2` in step_000004, is refused and deletes nothing."
     run = _copy_run(straight, tmp_path)
     ck = run / 'checkpoints' / 'step_000004'
     state = json.loads((ck / 'trainer_state.json').read_text())
@@ -146,9 +145,9 @@ def test_trainer_state_is_validated_and_nothing_deleted(tiny_path, tmp_path, str
             assert t.global_step == 2
 
 
-# ---- item 4: a dead worker group ------------------------------------------------------------------------------------
+# ---- a dead worker group ------------------------------------------------------------------------------------------
 def test_dead_group_refuses_every_action_and_restarts_from_last_good(tiny_path, tmp_path, straight):
-    "Item 4: after a killed worker, save() returned a folder holding only trainer_state.json and pruned the good one."
+    "After a killed worker every action is refused, save() prunes nothing, and restart_workers() resumes the last good one."
     import ray
     t = SFTTrainer(run_cfg(tiny_path, tmp_path / 'run', **{**BASE, 'checkpoint__keep_last': 1, 'checkpoint__save_every': 100}),
                    train_data=ROWS)
@@ -168,11 +167,11 @@ def test_dead_group_refuses_every_action_and_restarts_from_last_good(tiny_path, 
         torch.testing.assert_close(torch.tensor(h[k].tolist()), torch.tensor(straight[1][k].tolist()), rtol=1e-5, atol=1e-6)
 
 
-# ---- item 3: interrupts ---------------------------------------------------------------------------------------------
+# ---- interrupts ---------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize('after', ['forward_backward', 'optim_step'])
 def test_interrupt_inside_a_step_finishes_it(tiny_path, tmp_path, straight, after):
-    """Item 3: a KeyboardInterrupt landing after the workers' forward_backward left the gradients accumulated (the next
-    step's grad_norm doubled); after optim_step, the workers a step ahead. Now the step finishes, then the interrupt is raised."""
+    """A KeyboardInterrupt landing after the workers' forward_backward or optim_step lets the step finish, then is raised:
+    no gradients left accumulated, no worker a step ahead, and the next fit() equals an uninterrupted run."""
     t = SFTTrainer(run_cfg(tiny_path, tmp_path / 'run', **BASE), train_data=ROWS)
     try:
         t.setup()
@@ -193,7 +192,7 @@ def test_interrupt_inside_a_step_finishes_it(tiny_path, tmp_path, straight, afte
 
 
 def test_interrupt_timer_around_fit(tiny_path, tmp_path, straight):
-    "Item 3, as a notebook user does it: `threading.Timer(0.05, _thread.interrupt_main)` around fit(), then fit() again."
+    "An interrupt as a notebook user makes it: `threading.Timer(0.05, _thread.interrupt_main)` around fit(), then fit() again."
     t = SFTTrainer(run_cfg(tiny_path, tmp_path / 'run', **BASE), train_data=ROWS)
     try:
         t.setup()

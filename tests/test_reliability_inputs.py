@@ -1,4 +1,4 @@
-"""Issue 17: bad input a user can type gives one clear line naming the field (no traceback), before Ray starts."""
+"""Bad input a user can type gives one clear line naming the field (no traceback), before Ray starts."""
 import contextlib, io
 from pathlib import Path
 import pytest

@@ -1,6 +1,7 @@
-"""Issue 29's held-out probe, "other payloads, other faults": the ones a first probe found silent, unclear or hanging. A YAML
-"billion laughs" (nine anchors of nine aliases: 387M values in 400 bytes) in a `run -f` file, a config or a `-p` value hung
-for a minute and printed the expansion; JSON nested past Python's reader was a raw RecursionError instead of a bad row."""
+"""Other payloads, other faults, each refused at once with one line naming it: a YAML "billion laughs" (nine anchors of
+nine aliases: 387M values in 400 bytes) in a `run -f` file, a config or a `-p` value is refused before it expands; JSON
+nested past Python's reader is a bad row (JSONL) or a named error (a JSON list), never a RecursionError; links in a run
+resume nothing from outside it."""
 import json, os, subprocess, sys
 from pathlib import Path
 import pytest
@@ -20,7 +21,7 @@ def sft_nb(*args):
 
 
 def test_yaml_bomb_in_run_file_is_refused(tmp_path):
-    "`sft-nb run -f` with a billion-laughs file whose expansion lands in a declared parameter (max_steps) hung, then printed it."
+    "`sft-nb run -f` with a billion-laughs file whose expansion lands in a declared parameter (max_steps) is refused at once."
     f = tmp_path / 'params.yaml'
     f.write_text(BOMB + 'max_steps: *i\n')
     r = sft_nb('run', ROOT / 'examples' / 'train.ipynb', '-f', f, '--run-dir', tmp_path / 'run')
@@ -39,7 +40,7 @@ def test_yaml_bomb_in_a_config_and_an_override_is_refused(tmp_path):
 
 @pytest.mark.parametrize('suffix', ['.jsonl', '.json'])
 def test_json_nested_past_the_reader_is_named(tmp_path, tiny_tok, suffix):
-    "A row nested 100k deep was a raw RecursionError from the data stage (JSONL: now one bad row naming its line)."
+    "A row nested 100k deep is one bad row naming its line (JSONL), or an error naming the file and line (JSON list)."
     deep = '{"messages": ' + '[' * 100000 + ']' * 100000 + '}'
     f = tmp_path / f'rows{suffix}'
     f.write_text(json.dumps(ROW) + '\n' + deep + '\n' if suffix == '.jsonl' else '[' + json.dumps(ROW) + ', ' + deep + ']')
@@ -68,8 +69,8 @@ def _run(root, steps):
 
 
 def test_links_in_a_run_resume_nothing_from_outside_it(tmp_path):
-    """A `latest` marker that was a symbolic link (to a file naming step_000001, outside the run) resumed step 1 instead of
-    the newest step 2 without a word; a step folder linked to another run's checkpoint was a candidate of 'latest'."""
+    """A `latest` marker that is a symbolic link (to a file naming step_000001, outside the run) is ignored with a warning and
+    the newest step 2 resumed; a step folder linked to another run's checkpoint is never a candidate of 'latest'."""
     a, b = _run(tmp_path / 'a', (1, 2)), _run(tmp_path / 'b', (1, 2, 3))
     (tmp_path / 'outside').write_text('step_000001')
     (a.dir / 'latest').unlink(); (a.dir / 'latest').symlink_to(tmp_path / 'outside')
@@ -83,7 +84,7 @@ def test_links_in_a_run_resume_nothing_from_outside_it(tmp_path):
 @pytest.mark.parametrize('fault', ['dir_link', 'history_step', 'deep_json'])
 def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
     """A symbolic link to a folder inside a checkpoint, a history step of -5, a trainer_state.json nested 100k deep (digests
-    rewritten to match, as a forger would): accepted, accepted, a raw RecursionError."""
+    rewritten to match, as a forger would): each a CheckpointError naming what is wrong, never a RecursionError."""
     from sft_nb.checkpoint import CheckpointError, verify_checkpoint, write_digests
     d = _run(tmp_path / 'a', (2,)).dir / 'step_000002'
     if fault == 'dir_link': (d / 'etc').symlink_to('/etc'); msg = r'step_000002: holds symbolic links \(etc\)'
@@ -97,7 +98,7 @@ def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
 
 
 def test_a_line_past_max_row_bytes_is_a_bad_row_never_read_whole(tmp_path, tiny_tok, monkeypatch):
-    """A 300 MB JSONL line was read whole (948 MB resident); a 1 GB one needs ~3 GB. Past `MAX_ROW_BYTES` a line is a bad
+    """A JSONL line is never read whole past `MAX_ROW_BYTES` (read whole, a 300 MB line takes 948 MB resident): it is a bad
     row naming it, read past in chunks (the limit is lowered here to keep the file small); the file's digest is still whole."""
     import sft_nb.data, sft_nb.tokenize
     from sft_nb.data import file_digest, iter_json_rows, new_digest

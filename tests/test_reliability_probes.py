@@ -1,41 +1,41 @@
-"""Issue 29, the probes not covered elsewhere: leftovers of killed writers cleaned (only stale ones), a template's huge
-allocations, odd types in JSON a run reads back, damaged checkpoint files, a full disk during save, "no usable rows".
-Each test names the issue item it covers.
+"""Reliability behaviours not covered elsewhere: leftovers of killed writers cleaned (only stale ones), a template's huge
+allocations refused, odd types in JSON a run reads back named, damaged checkpoint files named (with a fallback), a full
+disk during save named, "no usable rows" with each row's reason.
 
-Where each item of issue 29 is shown (`::test_x` is in this file; other tests/ files are named; nbs/… are notebook test cells, run by nbdev_test):
+Where each reliability behaviour is shown (`::test_x` is in this file; other tests/ files are named; nbs/… are notebook test cells, run by nbdev_test):
 
-| issue item | test |
+| behaviour | test |
 |---|---|
-| 1 `.metadata` `__reduce__` payload runs on resume | test_reliability_ckpt.py::test_dcp_metadata_payload_never_runs, ::test_shard_bytes_payload_never_runs; nbs/07e_checkpoint (read_dcp_metadata) |
-| 2 `latest` points outside run_dir | test_reliability_ckpt.py::test_latest_marker_cannot_leave_the_run |
-| 3 kernel interrupt desynchronizes driver and workers | test_reliability_ckpt.py::test_interrupt_inside_a_step_finishes_it[forward_backward/optim_step], ::test_interrupt_timer_around_fit; nbs/08a_callbacks (hold_interrupts) |
-| 3 `running` reads None | nbs/08_trainer (`t.running, t.action` during and after fit) |
-| 4 dead worker group keeps reporting success, save prunes good checkpoints | test_reliability_ckpt.py::test_dead_group_refuses_every_action_and_restarts_from_last_good |
-| 4 full disk, freed, Save again | ::test_disk_full_during_save_names_the_space (earlier checkpoint, latest, no .tmp_step kept) + the dead-group test |
-| 5 refused `sft-nb run` overwrites the record | test_reliability_signals.py::test_refused_run_keeps_the_earlier_record |
-| 6 eval set `heldout` replaced | nbs/05a_dataplan (`an eval set is named 'heldout'`) |
-| 7 flipped floats load; another model's checkpoint loads | test_reliability_ckpt.py::test_flipped_floats_fall_back_with_a_warning, ::test_checkpoint_of_another_model_is_refused |
-| 8 `global_step: -1` / `2` in step_000004 | test_reliability_ckpt.py::test_trainer_state_is_validated_and_nothing_deleted |
-| 9 `~` in checkpoint.run_dir / tokenize.cache_dir | nbs/07e_checkpoint (`run_dir='~/runs/x'`), nbs/02_tokenize (`cache_root('~/tok')`) |
-| 9 leftover `.KEY.tmp*` (cache) | ::test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept; nbs/00a_paths (live_tmp, clean_stale_tmp) |
-| 9 leftover `.tmp_step_*` (checkpoint) | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
-| 9 duplicate JSON keys | nbs/01_data (`key 'content' appears twice in one object`) |
-| 10 SIGTERM saves nothing: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly, ::test_signal_before_the_first_step_stops_named_and_leaves_no_run (imports, setup; SIGTERM and SIGINT) |
-| 10 SIGTERM saves nothing: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
-| 11 `"\\ud800"` row: raw TypeError | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
-| 11 disk full: `unexpected pos 704 vs 598` | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
-| 11 "no usable rows" without reasons; false "has no rows; mixing the others" | test_reliability_signals.py::test_no_usable_rows_lists_rows_and_reasons (unknown role), ::test_no_usable_rows_in_the_cli_gives_each_rows_reason (alpaca on chat data, max_length 4) |
-| 11 `{"data": [...]}` called invalid JSON line by line | nbs/01_data (`its rows look like the list under 'data'`) |
-| 11 `chat_template=/missing.jinja` taken as text | nbs/02a_templates (`names no file`) |
-| 11 YAML errors in overrides and `run -f` | test_reliability_signals.py::test_yaml_errors_name_the_override_and_the_file |
-| 11 truncated `metrics.jsonl` | ::test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped; nbs/08a_callbacks (JSONLTracker.truncate) |
-| 11 truncated `trainer_state.json`, truncated/deleted shards, deleted `worker_state.json`; fallback | ::test_damaged_newest_checkpoint_named_and_latest_falls_back |
-| 11 cache commit races a slow rename (OSError 39) | nbs/02_tokenize (hidden cell: commit_entry after the first entry landed) |
-| 11 config-only model folder reported as a missing chat template | nbs/06_models (`has config.json but no tokenizer`) |
-| 11 Ray OOM kill while workers start | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM (see the report) |
-| 11 odd types in `trainer_state.json` / `report.json` | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
-| 11 a template may allocate `'a' * 10**8` | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
-| held-out payloads (YAML billion laughs, JSON nested past the reader, links in and to checkpoints) | test_reliability_payloads.py |
+| resuming never runs a `.metadata` or shard payload (`__reduce__`) | test_reliability_ckpt.py::test_dcp_metadata_payload_never_runs, ::test_shard_bytes_payload_never_runs; nbs/07e_checkpoint (read_dcp_metadata) |
+| `latest` never points outside run_dir | test_reliability_ckpt.py::test_latest_marker_cannot_leave_the_run |
+| a kernel interrupt inside a step lets it finish: driver and workers stay in step | test_reliability_ckpt.py::test_interrupt_inside_a_step_finishes_it[forward_backward/optim_step], ::test_interrupt_timer_around_fit; nbs/08a_callbacks (hold_interrupts) |
+| `running` and `action` say what the trainer is doing, during and after fit | nbs/08_trainer (`t.running, t.action` during and after fit) |
+| a dead worker group refuses every action; save never prunes a good checkpoint | test_reliability_ckpt.py::test_dead_group_refuses_every_action_and_restarts_from_last_good |
+| a full disk during save keeps the earlier checkpoint; freed, Save works again | ::test_disk_full_during_save_names_the_space (earlier checkpoint, latest, no .tmp_step kept) + the dead-group test |
+| a refused `sft-nb run` keeps the earlier run's record | test_reliability_signals.py::test_refused_run_keeps_the_earlier_record |
+| an eval set may not be named `heldout` (the name of the data.eval_fraction split) | nbs/05a_dataplan (`an eval set is named 'heldout'`) |
+| flipped floats are caught by digests; another model's checkpoint is refused | test_reliability_ckpt.py::test_flipped_floats_fall_back_with_a_warning, ::test_checkpoint_of_another_model_is_refused |
+| a trainer_state.json with an impossible `global_step` is refused, nothing deleted | test_reliability_ckpt.py::test_trainer_state_is_validated_and_nothing_deleted |
+| `~` in checkpoint.run_dir / tokenize.cache_dir is the home folder | nbs/07e_checkpoint (`run_dir='~/runs/x'`), nbs/02_tokenize (`cache_root('~/tok')`) |
+| leftover `.KEY.tmp*` of a killed tokenization cleaned, live ones kept | ::test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept; nbs/00a_paths (live_tmp, clean_stale_tmp) |
+| leftover `.tmp_step_*` of a killed save cleaned, live ones kept | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
+| duplicate JSON keys are a bad row naming the key | nbs/01_data (`key 'content' appears twice in one object`) |
+| SIGTERM saves at the next step boundary: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly, ::test_signal_before_the_first_step_stops_named_and_leaves_no_run (imports, setup; SIGTERM and SIGINT) |
+| SIGTERM saves at the next step boundary: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
+| a `"\\ud800"` row is a bad row | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
+| a full disk during save names the space | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
+| "no usable rows" lists rows and reasons, in the API and the CLI | test_reliability_signals.py::test_no_usable_rows_lists_rows_and_reasons (unknown role), ::test_no_usable_rows_in_the_cli_gives_each_rows_reason (alpaca on chat data, max_length 4) |
+| `{"data": [...]}` is recognised as a list of rows under 'data' | nbs/01_data (`its rows look like the list under 'data'`) |
+| `chat_template=/missing.jinja` names the missing file | nbs/02a_templates (`names no file`) |
+| YAML errors in overrides and `run -f` name the override and the file | test_reliability_signals.py::test_yaml_errors_name_the_override_and_the_file |
+| a truncated `metrics.jsonl` is named and its cut line dropped | ::test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped; nbs/08a_callbacks (JSONLTracker.truncate) |
+| truncated `trainer_state.json`, truncated/deleted shards, deleted `worker_state.json` are named; `latest` falls back | ::test_damaged_newest_checkpoint_named_and_latest_falls_back |
+| a cache commit survives a slow rename (OSError 39) | nbs/02_tokenize (hidden cell: commit_entry after the first entry landed) |
+| a config-only model folder is named as having no tokenizer | nbs/06_models (`has config.json but no tokenizer`) |
+| a Ray OOM kill while workers start is named | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM |
+| odd types in `trainer_state.json` / `report.json` are named (cache entry rebuilt) | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
+| a template's allocations are bounded (`'a' * 10**8` refused) | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
+| other payloads (YAML billion laughs, JSON nested past the reader, links in and to checkpoints) are refused | test_reliability_payloads.py |
 """
 import json, os, signal, subprocess, sys, time
 from pathlib import Path
@@ -55,11 +55,11 @@ def _writer(root: Path):
 
 
 def test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept(tmp_path, tiny_tok):
-    "Item 9: `.KEY.tmp*` folders of a killed tokenization stayed in the cache forever; a concurrent live one must survive."
+    "`.KEY.tmp*` folders of a killed tokenization are cleaned from the cache; a concurrent live one survives."
     (killed, k_dir), (live, l_dir) = _writer(tmp_path), _writer(tmp_path)
     try:
         killed.send_signal(signal.SIGKILL); killed.wait()
-        old = tmp_path / '.0123.tmpxyz'  # left by a version of sft_nb that did not lock its temp folders
+        old = tmp_path / '.0123.tmpxyz'  # 3 days old and unlocked: no live writer names it
         (old / 'data').mkdir(parents=True); os.utime(old, (time.time() - 3 * 86400,) * 2)
         tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
         assert not k_dir.exists() and not old.exists() and l_dir.exists()
@@ -70,14 +70,14 @@ def test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept(tmp_path, ti
 @pytest.mark.parametrize('payload', ["{{ 'a' * 10**8 }}", "{{ [0] * 10**9 }}", "{{ 'a'|center(10**9) }}", "{{ '%999999999s' % 'a' }}",
                                      "{% set ns = namespace(s='ab') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}"])
 def test_template_allocation_is_bounded(tiny_tok, payload):
-    "Item 11: a template allocating `'a' * 10**8` (or 10**10: out of memory) ran; the sandbox now refuses it before it is made."
+    "A template allocating `'a' * 10**8` (or 10**10: out of memory) is refused by the sandbox before it is made."
     template = "{% for m in messages %}{{ m.content }}{% endfor %}" + payload
     with pytest.raises(Exception, match=r"chat template given in tokenize\.chat_template \(.*\): .* would make [\d,]+ characters or items \(limit 16,777,216\)"):
         tokenize_dataset(CHAT, tiny_tok, TokenizeConfig(chat_template=template), use_cache=False)
 
 
 def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
-    "Item 11: `report.json` of a cache entry with odd types (manifest rewritten to match) gave a raw TypeError later on."
+    "`report.json` of a cache entry with odd types (manifest rewritten to match) is named with the field, and the entry rebuilt."
     from sft_nb.cache import _manifest
     ds, rep = tokenize_dataset(CHAT, tiny_tok, cache_dir=str(tmp_path))
     [entry] = [p for p in tmp_path.iterdir() if not p.name.startswith('.')]
@@ -92,7 +92,7 @@ def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
                                              ({'step': '1', 'loss': 1.0}, "history[0] field 'step' is '1'"),
                                              ('x', 'history is out of range')])
 def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message):
-    "Item 11: odd types in trainer_state.json's history resumed, then failed with a raw TypeError when the history was read."
+    "Odd types in trainer_state.json's history are refused at resume, naming the file and the field."
     from sft_nb.checkpoint import CheckpointError, Checkpointer
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'))); ck.claim()
@@ -107,7 +107,7 @@ def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message)
                                    RuntimeError("worker rank 0 failed in save: CheckpointException(ranks: {0: [RuntimeError('[enforce fail "
                                                 "at inline_container.cc:626] . unexpected pos 704 vs 598')]})")])
 def test_disk_full_during_save_names_the_space(tmp_path, fault):
-    "Item 11: a full disk during save was `CheckpointException(... unexpected pos 704 vs 598)` with no word of space."
+    "A full disk during save (ENOSPC, or torch's `unexpected pos 704 vs 598`) is named as no space, and the earlier checkpoint kept."
     from sft_nb.checkpoint import CheckpointError, Checkpointer
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=1)); ck.claim()
@@ -124,7 +124,7 @@ def test_disk_full_during_save_names_the_space(tmp_path, fault):
 
 
 def test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped(tmp_path):
-    "Item 11: a `metrics.jsonl` cut short by a kill was a raw JSONDecodeError naming no file (on resume and in compare)."
+    "A `metrics.jsonl` cut short by a kill is named, and its cut line dropped (on resume and in compare)."
     import warnings
     from sft_nb.callbacks import JSONLTracker
     from sft_nb.runs import read_run
@@ -145,14 +145,21 @@ def test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped(tmp_path):
     with pytest.raises(ValueError, match=rf"{tmp_path / 'summary.json'}: not valid JSON"): read_run(tmp_path)
 
 
+def _flip_tail(f: Path):
+    "Flip the last 4 bytes of `f` in place."
+    b = bytearray(f.read_bytes()); b[-4:] = bytes(x ^ 0xFF for x in b[-4:]); f.write_bytes(bytes(b))
+
+
 @pytest.mark.parametrize('damage, message', [
     (lambda ck: (ck / 'trainer_state.json').write_text('{"global_step": 4, "tot'), r'trainer_state\.json: its content differs'),
     (lambda ck: (ck / '__0_0.distcp').write_bytes((ck / '__0_0.distcp').read_bytes()[:5]), r'__0_0\.distcp: its content differs'),
     (lambda ck: (ck / '__0_0.distcp').unlink(), r'__0_0\.distcp is missing; the checkpoint is incomplete'),
     (lambda ck: (ck / 'worker_state.json').unlink(), r'worker_state\.json is missing; the checkpoint is incomplete'),
-    (lambda ck: (ck / 'digests.json').unlink(), r'digests\.json is missing')])
+    (lambda ck: (ck / 'digests.json').unlink(), r'digests\.json is missing'),
+    pytest.param(lambda ck: _flip_tail(ck / '__0_0.distcp'), r'__0_0\.distcp: its content differs', id='shard_tail_flipped')])
 def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage, message):
-    "Item 11: truncated trainer_state.json, truncated or deleted shards, a deleted worker_state.json: reprs naming no file, no fallback."
+    """Truncated trainer_state.json, truncated, deleted or altered shards (the last bytes flipped in place: same size, same
+    head), a deleted worker_state.json: named by file; 'latest' falls back."""
     from sft_nb.checkpoint import CheckpointError, Checkpointer
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=3)); ck.claim()
@@ -171,7 +178,7 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
     ({'format': 'alpaca'}, {}, "row 0: bad_format: alpaca: no 'instruction' and no 'output' field (the row has 'messages'); is it another format?"),
     ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
 def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
-    "Item 11: 'No usable rows after tokenization; see trainer.data_report' (a CLI user has no trainer), after a false 'has no rows; mixing the others'."
+    "'no usable rows' in the CLI gives each row's reason (a CLI user has no trainer.data_report), never 'has no rows; mixing the others'."
     import yaml
     data = tmp_path / 'rows.jsonl'
     data.write_text('\n'.join(json.dumps({'messages': [{'role': 'user', 'content': 'hello there'}, {'role': 'assistant', 'content': 'general kenobi'}]})
@@ -187,7 +194,7 @@ def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, toke
 
 
 def test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone(tmp_path):
-    "Item 9: `.tmp_step_*` folders of a killed save were never cleaned; a live trainer's save in progress must never be."
+    "`.tmp_step_*` folders of a killed save are cleaned; a live trainer's save in progress never is."
     import socket
     from sft_nb.checkpoint import Checkpointer, RunDirBusy
     from sft_nb.config import CheckpointConfig

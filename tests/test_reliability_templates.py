@@ -1,4 +1,4 @@
-"""Issue 29, "a template may allocate `'a' * 10**8`", on every path a chat template is rendered by: the probe and the prefix
+"""A template may allocate `'a' * 10**8`, on every path a chat template is rendered by: the probe and the prefix
 renders (`template_info`), the `{% generation %}` mask path, a whole tokenization, the lint, the generation prompt of
 `trainer.chat`/`generate` (`chat_ids`) and the vision processor's placeholder. Each payload (a huge value, a loop or a
 recursion without end, a sandbox escape) must be a `TemplateError` naming the template: never a hang, a MemoryError, a
@@ -76,7 +76,7 @@ def test_lint_names_the_template(tiny_tok, payload):
 
 
 def test_lint_does_not_read_a_bound_as_refusing_system(tiny_tok):
-    "A payload only in the system branch was read as 'refuses system messages' (default_system_prompt: n/a)."
+    "A payload only in the system branch is a TemplateError naming the bound, never read as 'refuses system messages'."
     t = "{% if messages[0].role == 'system' %}{{ 'a' * 10**9 }}{% endif %}" + tiny_tok.chat_template
     with pytest.raises(TemplateError, match="'\\*' would make 1,000,000,000 characters"):
         lint_template(tiny_tok, [{'messages': CONV}], t)

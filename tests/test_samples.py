@@ -1,6 +1,6 @@
-"""Issue 18 items 4 and 5: samples at every evaluation (`eval.samples` → run_dir/samples.jsonl, `trainer.samples`) and
-`sft_nb.runs.compare` on run folders from a notebook-style trainer, `sft-nb train` and a papermill run."""
-import json, os, shutil, subprocess, sys
+"""Samples at every evaluation (`eval.samples` → run_dir/samples.jsonl, `trainer.samples`) and `sft_nb.runs.compare` on
+run folders (`sft-nb train` and a papermill run compared: tests/test_cli.py::test_train_yaml_and_run_notebook)."""
+import json
 from pathlib import Path
 import pytest
 from sft_nb.demo_data import identity_rows
@@ -8,9 +8,7 @@ from sft_nb.trainer import SFTTrainer
 from sft_nb.runs import compare
 from helpers import run_cfg
 
-ROOT = Path(__file__).resolve().parents[1]
 ROWS = identity_rows()
-ENV = {**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'}
 
 
 def cfg(tiny_path, run_dir, **kw):
@@ -85,43 +83,3 @@ def test_compare_two_runs(tiny_path, tmp_path, ray_session):
     (tmp_path / 'no_metrics').mkdir(); (tmp_path / 'no_metrics' / 'config.yaml').write_text('{}')
     with pytest.raises(FileNotFoundError, match='no_metrics: no metrics.jsonl'):
         compare([tmp_path / 'fast', tmp_path / 'no_metrics'])
-
-
-def test_papermill_run_writes_samples_and_comparison(tmp_path):
-    "`sft-nb train` then `sft-nb run examples/train.ipynb` compared with it: samples.jsonl, printed samples, compare.html with both runs."
-    bin_ = Path(sys.executable).parent
-    r = subprocess.run([str(bin_ / 'sft-nb'), 'train', str(ROOT / 'examples' / 'tiny.yaml'), f'checkpoint.run_dir={tmp_path / "cli"}',
-                        'checkpoint.export_hf=false', 'train.num_steps=2', 'eval.max_new_tokens=8'],
-                       env=ENV, capture_output=True, text=True, timeout=600)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert [x['step'] for x in read_samples(tmp_path / 'cli')] == [2] * 4  # the CLI's final eval answered them too
-    run = tmp_path / 'nb'
-    r = subprocess.run([str(bin_ / 'sft-nb'), 'run', str(ROOT / 'examples' / 'train.ipynb'), '-p', 'max_steps', '3', '-p', 'export_hf', 'false',
-                        '-p', 'sample_tokens', '8', '-p', 'compare_with', f'[{tmp_path / "cli"}]', '--run-dir', str(run)],
-                       env=ENV, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stderr[-3000:]
-    recs = read_samples(run)
-    assert [x['step'] for x in recs] == [0] * 4 + [3] * 4 and {x['eval'] for x in recs} == {'heldout'}  # before and after training
-    import nbformat
-    out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))
-    assert 'samples at step 0 (heldout):' in out and 'samples at step 3 (heldout):' in out and f"  Q: {recs[0]['prompt']}" in out
-    html = (run / 'compare.html').read_text()
-    assert 'sft-nb-compare' in html and 'nb train' in html and 'cli train' in html and 'optim.lr' in html  # lr 3e-4 vs tiny.yaml's 3e-3
-    shot_compare(run / 'compare.html', ROOT / 'build' / 'browser' / 'compare_papermill.png')
-
-
-def shot_compare(page_path: Path, png: Path):
-    "Open the comparison offline in headless Chromium: both runs' curves are drawn (plotly.js is inlined); screenshot to build/."
-    from playwright.sync_api import sync_playwright
-    png.parent.mkdir(parents=True, exist_ok=True)
-    with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=shutil.which('chromium'), args=['--no-sandbox', '--disable-dev-shm-usage'])
-        try:
-            page = b.new_page(viewport={'width': 1100, 'height': 900})
-            page.goto(page_path.as_uri())
-            page.wait_for_selector('#sft-nb-compare .scatterlayer .trace', timeout=30_000)
-            legend = page.locator('#sft-nb-compare .legendtext').all_text_contents()
-            assert {'nb train', 'cli train'} <= set(legend), legend  # one curve per run folder
-            assert page.locator('#sft-nb-compare .scatterlayer .trace path.js-line').count() >= 2  # a drawn train curve per run
-            page.screenshot(path=str(png), full_page=True)
-        finally: b.close()

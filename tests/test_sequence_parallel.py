@@ -12,7 +12,7 @@ from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.trainer import SFTTrainer
-from helpers import run_cfg
+from helpers import local_run, run_cfg
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -47,6 +47,16 @@ def spawn(world, sp, model_cfg, mbs, n_global):
     finally:
         for p in ps: p.join(timeout=60)
     assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
+    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
+
+
+def one_rank(model_cfg, mbs, n_global):
+    "What `spawn(1, 1, ...)` returns, computed in this process (a 1-rank gloo group): the reference the spawned ranks match."
+    import queue
+    from sft_nb.workers import free_port
+    out = queue.Queue()
+    _worker(0, 1, 1, free_port(), model_cfg, mbs, n_global, out)
+    r, grads, ev, tl = out.get_nowait()
     return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
 
 
@@ -90,7 +100,7 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
     assert mbs[0][0]['position_ids'].eq(0).sum() > 1 and 'loss_weights' in mbs[0][0]  # several documents, fractional weights
     mcfg = asdict(ModelConfig(path=str(path), activation_checkpointing=ac, loss_chunk=5))
     for d in range(2):  # each replica's micro-batch alone
-        r1, g1, e1, t1 = spawn(1, 1, mcfg, mbs[d:d + 1], n_global)
+        r1, g1, e1, t1 = one_rank(mcfg, mbs[d:d + 1], n_global)
         r2, g2, e2, t2 = spawn(2, 2, mcfg, mbs[d:d + 1], n_global)
         assert r2['weight_sum'] == r1['weight_sum'] and e2['weight_sum'] == e1['weight_sum']  # Σ weight: binary fractions, exact
         assert_rel_close(r2['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e2['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
@@ -106,7 +116,7 @@ def test_sp2_dp2_equals_one_rank_worker(tiny_path, tiny_tok):
     "4 ranks, 2 replicas of sp=2: the gradient of the global-token loss of both replicas' micro-batches == one rank doing both."
     mbs, n_global = batches(tiny_tok)
     mcfg = asdict(ModelConfig(path=str(tiny_path)))
-    r1, g1, _, _ = spawn(1, 1, mcfg, [[b for r in mbs for b in r]], n_global)
+    r1, g1, _, _ = one_rank(mcfg, [[b for r in mbs for b in r]], n_global)
     r4, g4, _, _ = spawn(4, 2, mcfg, mbs, n_global)
     assert_rel_close(g4, g1, GRAD_TOL, 'sp=2 × dp=2 gradients')
 
@@ -126,20 +136,18 @@ def _cfg(tiny_path, run_dir, **kw):
 
 
 def test_trainer_sp(tiny_path, tmp_path, ray_session):
-    "Whole trainer steps, packed rows with fractional weights: 1 worker == sp=2 on 2 == sp=2 × dp=2 on 4 (loss, grad norm, Σ weight, weights)."
-    res = {}
-    for name, kw in {'1': {}, 'sp2': dict(placement__workers_per_node=2, placement__sequence_parallel=2),
-                     'sp2dp2': dict(placement__workers_per_node=4, placement__sequence_parallel=2)}.items():
-        with SFTTrainer(_cfg(tiny_path, tmp_path / name, train__num_steps=2, **kw), train_data=WROWS) as t:
-            h = t.fit()
-            res[name] = (h['loss'].tolist(), h['grad_norm'].tolist(), h['n_trained'].tolist(), t.group.call('full_state')[0])
-    l0, g0, n0, w0 = res['1']
-    for name in ('sp2', 'sp2dp2'):
-        l, g, n, w = res[name]
-        assert n == n0, name
-        assert_rel_close(l, l0, TOL, f'{name} losses'); assert_rel_close(g, g0, 1e-5, f'{name} grad norms')
-        assert_rel_close(w, w0, 1e-2, f'{name} weights', scale=1e-3 * 2)  # of 2 updates of lr (Adam)
-        print(f"{name}: loss gap {rel_gap(l, l0):.1e}, grad norm {rel_gap(g, g0):.1e}, weights {rel_gap(w, w0, scale=2e-3):.1e} of 2 updates")
+    """Whole trainer steps, packed rows with fractional weights: sp=2 × dp=2 on 4 workers == 1 worker (in this process): loss,
+    grad norm, Σ weight, weights. (sp=2 on 2 workers: tests/test_cli.py::test_train_takes_sequence_parallel and the resume below.)"""
+    steps, w0 = local_run(_cfg(tiny_path, tmp_path / '1', train__num_steps=2), WROWS)
+    l0, g0, n0 = [m['loss'] for m in steps], [m['grad_norm'] for m in steps], [m['n_trained'] for m in steps]
+    with SFTTrainer(_cfg(tiny_path, tmp_path / 'sp2dp2', train__num_steps=2, placement__workers_per_node=4, placement__sequence_parallel=2),
+                    train_data=WROWS) as t:
+        h = t.fit()
+        l, g, n, w = h['loss'].tolist(), h['grad_norm'].tolist(), h['n_trained'].tolist(), t.group.call('full_state')[0]
+    assert n == n0
+    assert_rel_close(l, l0, TOL, 'sp2dp2 losses'); assert_rel_close(g, g0, 1e-5, 'sp2dp2 grad norms')
+    assert_rel_close(w, w0, 1e-2, 'sp2dp2 weights', scale=1e-3 * 2)  # of 2 updates of lr (Adam)
+    print(f"sp2dp2: loss gap {rel_gap(l, l0):.1e}, grad norm {rel_gap(g, g0):.1e}, weights {rel_gap(w, w0, scale=2e-3):.1e} of 2 updates")
 
 
 def test_trainer_sp_exact_resume(tiny_path, tmp_path, ray_session):
@@ -200,7 +208,7 @@ def test_sp3_equals_sp1_smollm2():
     for k in ('n_trained', 'n_real', 'weight_sum', 'seq_lens', 'cu_seqlens'): row.pop(k, None)
     assert row['position_ids'].eq(0).sum() > 2 and 'loss_weights' in row  # several documents, fractional weights; sp=3 pads
     mcfg = asdict(ModelConfig(path='smollm2', loss_chunk=512))
-    r1, g1, e1, _ = spawn(1, 1, mcfg, [[row]], n_global)
+    r1, g1, e1, _ = one_rank(mcfg, [[row]], n_global)
     r3, g3, e3, _ = spawn(3, 3, mcfg, [[row]], n_global)
     assert r3['weight_sum'] == r1['weight_sum'] and e3['weight_sum'] == e1['weight_sum']
     assert_rel_close(r3['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e3['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')

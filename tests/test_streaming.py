@@ -1,4 +1,4 @@
-"""Streaming sources (issue 16 item 3): `data.streaming` reads the train source lazily into a bounded window
+"""Streaming sources: `data.streaming` reads the train source lazily into a bounded window
 (`sft_nb.stream.StreamPlan`); a killed streamed run resumes with exactly the batches and losses of an uninterrupted one."""
 import json, os, signal, subprocess, sys, textwrap, time
 from pathlib import Path

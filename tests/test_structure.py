@@ -1,4 +1,4 @@
-"""Structure of the package (issue 15): no import cycle, no lower stage importing a higher one, no private
+"""Structure of the package: no import cycle, no lower stage importing a higher one, no private
 name imported across modules, no exported notebook cell over 80 lines. The rules are in `tools/structure.py`."""
 import importlib.util, json, sys
 from pathlib import Path
@@ -68,7 +68,7 @@ def test_package_structure():
 
 
 def test_readme_lists_every_example_notebook():
-    "The README's example table names each notebook under examples/ (lens.ipynb was missing from it)."
+    "The README's example table names each notebook under examples/."
     root = Path(__file__).resolve().parents[1]
     readme = (root / 'README.md').read_text()
     missing = [p.name for p in sorted((root / 'examples').glob('*.ipynb')) if f'| `{p.name}` |' not in readme]

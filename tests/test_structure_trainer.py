@@ -1,4 +1,4 @@
-"Issue 15: the driver split: the Backend protocol the workers implement; issue 31: the trainer's public surface."
+"The driver split: the Backend protocol the workers implement; the trainer's public surface."
 import inspect
 import pytest
 from sft_nb.backends import Backend, BackendGroup, get_backend
@@ -25,7 +25,7 @@ def test_backend_group_covers_protocol():
 
 
 def test_trainer_surface():
-    "What a user may read and call on a fresh SFTTrainer is there without importing anything else (issue 31)."
+    "What a user may read and call on a fresh SFTTrainer is there without importing anything else."
     import subprocess, sys
     code = """
 import sys

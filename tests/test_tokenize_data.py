@@ -67,6 +67,19 @@ def test_parallel_equals_serial(shared, qwen_tok, qwen_template, tmp_path):
     assert a.to_dict() == b.to_dict() and ra == rb
 
 
+def test_truncation_keeps_the_first_tokens_with_their_mask(tiny_tok):
+    """truncation='keep_start' at every max_length that leaves a trained token: the example is the first max_length tokens of
+    the uncut one, with the mask of exactly those tokens."""
+    from sft_nb.tokenize import tokenize_conversation
+    msgs = [{'role': 'user', 'content': 'A question that takes a few tokens?'},
+            {'role': 'assistant', 'content': 'An answer of several words, then a few more.'}]
+    full = tokenize_conversation(msgs, tiny_tok)
+    first = full.loss_mask.index(1)
+    for n in range(first + 1, len(full)):
+        cut = tokenize_conversation(msgs, tiny_tok, max_length=n)
+        assert (cut.input_ids, cut.loss_mask, cut.truncated) == (full.input_ids[:n], full.loss_mask[:n], True), n
+
+
 def test_cache_is_content_addressed(shared, tiny_tok, qwen_tok, qwen_template, tmp_path):
     src = shared / 'datasets/identity.json'
     ds, rep = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)
@@ -95,7 +108,7 @@ def test_truncated_cache_entry_is_rebuilt(shared, tiny_tok, tmp_path):
 
 
 def test_cache_altered_in_place_is_detected(shared, tiny_tok, tmp_path):
-    "Issue 17 item 7: 4 bytes overwritten in place (same size) used to be served; digests catch it and the entry is rebuilt."
+    "4 bytes overwritten in place (same size) in a cache entry are never served: digests catch it and the entry is rebuilt."
     import datasets
     src = shared / 'datasets/identity.json'
     ds, rep = tokenize_dataset(src, tiny_tok, cache_dir=tmp_path)

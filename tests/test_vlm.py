@@ -1,5 +1,5 @@
 """Vision-language SFT: processor-exact ids and masks on image rows, bad/truncated image rows, mixed text+image training, resume, packing refusal."""
-import base64, io, json, os
+import base64, io, json
 import numpy as np
 import pytest
 from sft_nb.config import ConfigError
@@ -141,18 +141,16 @@ def test_packing_image_rows_is_refused(shared, tmp_path, ray_session):
         SFTTrainer(vlm_cfg(shared, tmp_path, packing__enabled=True, packing__capacity=512)).setup()
 
 
-def test_train_notebook_runs_a_vlm_job(shared, tmp_path):
+def test_train_notebook_runs_a_vlm_job(shared, tmp_path, ray_session):
     "examples/train.ipynb (papermill, `sft-nb run`) trains the tiny VLM on mllm_demo.json and exports it with its image processor."
-    import subprocess, sys
     from pathlib import Path
+    from helpers import cli
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / 'vlm'
-    r = subprocess.run([str(Path(sys.executable).parent / 'sft-nb'), 'run', str(root / 'examples' / 'train.ipynb'), '-p', 'model', 'tiny-vlm',
-                        '-p', 'train_data', str(shared / 'datasets' / 'mllm_demo.json'), '-p', 'max_steps', '3',
-                        '-p', 'global_batch_size', '4', '-p', 'eval_fraction', '0.2', '--run-dir', str(run)],
-                       capture_output=True, text=True, cwd=root, timeout=900,
-                       env={**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1'})
-    assert r.returncode == 0, r.stderr[-3000:]
+    code, _, err = cli('run', root / 'examples' / 'train.ipynb', '-p', 'model', 'tiny-vlm', '-p', 'train_data', shared / 'datasets' / 'mllm_demo.json',
+                       '-p', 'max_steps', '3', '-p', 'global_batch_size', '4', '-p', 'eval_fraction', '0.2', '-p', 'ray_address', ray_session,
+                       '--run-dir', run)
+    assert code == 0, err[-3000:]
     summary = json.loads((run / 'summary.json').read_text())
     assert summary['steps'] == 3 and len(summary['train_losses']) == 3 and summary['data_report']['n_kept'] == 6
     assert (run / 'hf' / 'preprocessor_config.json').exists()

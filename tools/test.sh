@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole test suite: every notebook (nbdev_test) and then pytest. Fails loudly when either
-# ran nothing, since both tools exit 0/5 in that case.
+# ran nothing, since both tools exit 0/5 in that case. Prints each notebook's time, the 30 slowest tests
+# and the wall time of both parts (bench/RESULTS.md "Test suite time" keeps the ranking).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PWD/.venv/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 \
@@ -11,11 +12,14 @@ export TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-$PWD/build/inductor-$
 n_nbs=$(find nbs -name '[0-9a-z]*.ipynb' -not -path '*/.ipynb_checkpoints/*' | wc -l)
 [ "$n_nbs" -ge 1 ] || { echo "FAIL: no notebooks under nbs/"; exit 1; }
 log=$(mktemp)
-nbdev_test --n_workers 2 --do_print --flags "${NBDEV_TEST_FLAGS-slow}" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+t0=$SECONDS
+nbdev_test --n_workers 2 --do_print --timing --flags "${NBDEV_TEST_FLAGS-slow}" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "FAIL: nbdev_test exit $rc"; exit "$rc"; }
 ran=$(grep -c '^Starting' "$log" || true)
 [ "$ran" -ge 1 ] || { echo "FAIL: nbdev_test ran zero notebooks"; exit 1; }
-echo "nbdev_test: $ran notebooks passed"
-python -m pytest tests ${PYTEST_ARGS:-} ; rc=$?
+echo "nbdev_test: $ran notebooks passed in $((SECONDS - t0)) s"
+t1=$SECONDS
+python -m pytest tests --durations=30 ${PYTEST_ARGS:-} ; rc=$?
+echo "pytest: exit $rc in $((SECONDS - t1)) s; notebooks + pytest $((SECONDS - t0)) s"
 [ "$rc" -eq 5 ] && { echo "FAIL: pytest collected no tests"; exit 1; }
 exit "$rc"

@@ -1,0 +1,155 @@
+"""The harness of the browser tests: one JupyterLab server from this environment (127.0.0.1, a token) on copies of
+`examples/` under `build/lab/` (so autosave never touches the repository) and one headless Chromium (Debian's
+`chromium` through Playwright's own driver; never `playwright install`), both started once per pytest session
+(`tests/conftest.py` makes the fixtures visible to every test module). `Notebook` opens one notebook in its own
+workspace, runs its cells and reads the page. Screenshots: `build/browser/`."""
+from __future__ import annotations
+import json, os, re, secrets, shutil, socket, subprocess, sys, time, urllib.request
+from pathlib import Path
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LAB_DIR, SHOTS = ROOT / 'build' / 'lab', ROOT / 'build' / 'browser'
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
+
+
+@pytest.fixture(scope='session')
+def lab():
+    "A JupyterLab server from this environment on copies of the examples; yields (base url, token)."
+    if shutil.which('chromium') is None: pytest.fail('chromium is not installed: apt-get install -y chromium (.ci/run does this)')
+    shutil.rmtree(LAB_DIR, ignore_errors=True); LAB_DIR.mkdir(parents=True); SHOTS.mkdir(parents=True, exist_ok=True)
+    for nb in (ROOT / 'examples').glob('*.ipynb'): shutil.copy(nb, LAB_DIR / nb.name)
+    port, token = _free_port(), secrets.token_hex(16)
+    home = LAB_DIR / '.jupyter'
+    env = {**os.environ, 'JUPYTERLAB_SETTINGS_DIR': str(home / 'settings'), 'JUPYTERLAB_WORKSPACES_DIR': str(home / 'workspaces')}
+    notif = home / 'settings' / '@jupyterlab' / 'apputils-extension' / 'notification.jupyterlab-settings'
+    notif.parent.mkdir(parents=True); notif.write_text('{"fetchNews": "false"}')  # no news toast over the widgets
+    auto = home / 'settings' / '@jupyterlab' / 'docmanager-extension' / 'plugin.jupyterlab-settings'
+    auto.parent.mkdir(parents=True); auto.write_text('{"autosave": false}')
+    log = open(LAB_DIR / 'server.log', 'w')
+    proc = subprocess.Popen([sys.executable, '-m', 'jupyter', 'lab', '--no-browser', '--ip=127.0.0.1', f'--port={port}',
+                             f'--IdentityProvider.token={token}', f'--ServerApp.root_dir={LAB_DIR}', '--LabApp.news_url=None',
+                             '--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate'] + (['--allow-root'] if os.geteuid() == 0 else []),
+                            cwd=LAB_DIR, env=env, stdout=log, stderr=subprocess.STDOUT)
+    base = f'http://127.0.0.1:{port}'
+    try:
+        for _ in range(240):
+            try: urllib.request.urlopen(f'{base}/api/status?token={token}', timeout=2); break
+            except OSError:
+                if proc.poll() is not None: pytest.fail(f'jupyter lab exited: {(LAB_DIR / "server.log").read_text()[-2000:]}')
+                time.sleep(0.5)
+        else: pytest.fail('jupyter lab did not answer in 120 s')
+        yield base, token
+    finally:
+        proc.terminate()
+        try: proc.wait(30)
+        except subprocess.TimeoutExpired: proc.kill()
+        log.close()
+
+
+@pytest.fixture(scope='session')
+def browser():
+    from playwright.sync_api import sync_playwright
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=shutil.which('chromium'), args=['--no-sandbox', '--disable-dev-shm-usage'])
+        yield b
+        b.close()
+
+
+class Notebook:
+    "One example open in its own JupyterLab workspace, with the page's console errors collected."
+    def __init__(self, browser, lab, name: str):
+        base, token = self.base, self.token = lab
+        self.name = name
+        self.page = browser.new_page(viewport={'width': 1400, 'height': 1000})
+        self.errors = []
+        self.page.on('console', lambda m: m.type == 'error' and self.errors.append(m.text))
+        self.page.on('pageerror', lambda e: self.errors.append(str(e)))
+        self.page.goto(f'{base}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}')
+        self.page.wait_for_selector('.jp-NotebookPanel .jp-Cell', timeout=120_000)
+        for _ in range(240):  # the page can show "idle" before its kernel is connected: ask the server
+            if (k := self.session()) and k['kernel']['execution_state'] == 'idle': break
+            time.sleep(0.5)
+        else: pytest.fail(f'the kernel of {name} did not start in 120 s')
+
+    def session(self) -> dict | None:
+        "This notebook's session on the server (with its kernel), if it has one."
+        with urllib.request.urlopen(f'{self.base}/api/sessions?token={self.token}', timeout=10) as r:
+            return next((s for s in json.loads(r.read()) if s['path'] == self.name), None)
+
+    def close(self):
+        "Close the page and shut its kernel down (kernels outlive pages)."
+        self.page.close()
+        if s := self.session():
+            req = urllib.request.Request(f'{self.base}/api/sessions/{s["id"]}?token={self.token}', method='DELETE')
+            urllib.request.urlopen(req, timeout=60)
+
+    def run_all(self, timeout: float = 600):
+        self.page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Run$')).click()
+        self.page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
+        self.page.wait_for_function('''() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
+            .some(e => e.textContent.trim() !== '[ ]:')''', timeout=60_000)
+        self.wait_executed(timeout)
+
+    def wait_executed(self, timeout: float = 600):
+        "Until every code cell shows an execution count, or a cell failed (Run All then stops): that fails the test."
+        self.page.wait_for_function('''() => {
+            const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
+            const ps = [...nb.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
+            // JupyterLab renders an error output as stderr text; IPython's traceback header tells it from a warning
+            const failed = [...nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+                .some(e => e.textContent.includes('Traceback (most recent call last)'));
+            return ps.length > 0 && (ps.every(t => /^\\[\\d+\\]:$/.test(t)) || (failed && !ps.some(t => t.includes('*')))); }''',
+            timeout=timeout * 1000, polling=500)
+        err = self.errors_shown()
+        assert err.count() == 0, f'a cell failed: {err.first.inner_text()[-3000:]}'
+
+    def run_new_cell(self, code: str):
+        "Append a cell at the end, type `code` into it and run it (Shift+Enter); returns the cell."
+        cells = self.page.locator('.jp-NotebookPanel .jp-Cell')
+        cells.last.click()
+        self.page.keyboard.press('Escape'); self.page.keyboard.press('b')
+        self.page.wait_for_timeout(300)
+        cells.last.locator('.cm-content').click()
+        self.page.keyboard.type(code)
+        self.page.keyboard.press('Shift+Enter')
+        # found by its code: running the last cell appends another one, so "the last cell" moves
+        return self.page.locator('.jp-NotebookPanel .jp-CodeCell', has=self.page.locator('.cm-content', has_text=code)).last
+
+    def errors_shown(self, within=None):
+        "Error outputs (tracebacks) on the page, or within one cell."
+        return (within or self.page).locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]',
+                                             has_text='Traceback (most recent call last)')
+
+    def check_clean(self):
+        "Widgets rendered as widgets (not as their text repr), no cell failed, no console error."
+        outs = self.page.locator('.jp-OutputArea-output').all_inner_texts()
+        assert not [o for o in outs if re.search(r'^(VBox|HBox|FigureWidget)\(', o.strip())], 'a widget rendered as plain text'
+        assert self.errors_shown().count() == 0, \
+            '\n'.join(o for o in outs if 'Error' in o)[:3000]
+        assert not self.errors, self.errors
+
+    def shot(self, name: str, locator=None):
+        (locator or self.page).screenshot(path=str(SHOTS / f'{name}.png'))
+
+
+def status(nb) -> str: return nb.page.locator('.sft-nb-status').text_content()  # off screen (a cell below ran), innerText is ''
+def points(nb) -> int: return nb.page.locator('.sft-nb-panel .js-plotly-plot .scatterlayer .trace').first.locator('path.point').count()
+def button(nb, name: str): return nb.page.locator('.sft-nb-panel button', has_text=re.compile(rf'^\s*{name}\s*$'))
+
+
+def with_params(src: str, name: str, params: dict) -> str:
+    "Copy examples/`src` into the lab folder as `name` with `params` set in its parameters cell (what papermill -p does)."
+    nb = json.loads((ROOT / 'examples' / src).read_text())
+    cell = next(c for c in nb['cells'] if 'parameters' in c['metadata'].get('tags', []))
+    code = ''.join(cell['source'])
+    for k, v in params.items():
+        code, n = re.subn(rf'^{k} = [^#\n]*', f'{k} = {v}  ', code, flags=re.M)
+        assert n == 1, f'{src} has no parameter {k}'
+    cell['source'] = code.splitlines(keepends=True)
+    (LAB_DIR / name).write_text(json.dumps(nb))
+    return name

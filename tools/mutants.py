@@ -1,0 +1,320 @@
+"""Planted bugs show that the suite catches what matters.
+
+Each mutant is a one-line bug in sft_nb/ (and, where the notebook that documents the code is named, the same line in its
+cell: a notebook runs its own cells, not the package). For each, a fresh copy of sft_nb/, tests/, settings.ini (and nbs/
+when a notebook is named) goes under build/mutants/, the edit is applied there, and every named check must fail on it:
+the pytest node ids (`pytest -x`, exit 1 with a FAILED test: a collection or import error proves nothing) and each named
+notebook (`nbdev_test`, failing on something other than an import). The named checks also run once on an unmutated copy,
+first in the queue, and must all pass or no mutant is judged: a mutant is only caught by checks that pass without it. An
+edit whose original text is not in its file exactly once stops everything: the list must not rot silently.
+
+Only in-process checks can be named: Ray workers import sft_nb from the installed path, not from the copy.
+
+    python tools/mutants.py                 every mutant, 2 at a time; exit 1 if one is missed
+    python tools/mutants.py --list          the mutants, their edits and the checks that must catch them
+    python tools/mutants.py --only NAME     one mutant (repeat --only for more), after its own checks' baseline
+"""
+from __future__ import annotations
+import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
+from concurrent.futures import ThreadPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ROOT / 'build' / 'mutants'
+TIMEOUT = 600  # seconds for one pytest or notebook run
+BROKEN = re.compile(r'(ModuleNotFoundError|ImportError|SyntaxError|IndentationError)\b')  # the mutant broke an import
+
+
+@dataclass
+class Mutant:
+    name: str
+    what: str  # the bug, in one line
+    edits: list[tuple[str, str, str]]  # (path from the repo root, original text found there exactly once, its replacement)
+    tests: list[str] = field(default_factory=list)  # pytest node ids that must fail
+    notebooks: list[str] = field(default_factory=list)  # notebooks (nbdev_test) that must fail
+
+
+def both(py: str, nb: str, original: str, replacement: str) -> list[tuple[str, str, str]]:
+    "The same edit in a module and in the notebook cell it is exported from."
+    return [(py, original, replacement), (nb, original, replacement)]
+
+
+MUTANTS = [
+    # ---- assistant-only masks
+    Mutant('mask_eot_untrained', "the end-of-turn token closing each trained turn is not trained",
+           [('sft_nb/tokenize.py', 'for a, z in ranges: mask[a:z] = [1] * (z - a)', 'for a, z in ranges: mask[a:z - 1] = [1] * (z - a - 1)')],
+           tests=['tests/test_masks.py::test_masks_on_real_templates[chatml-multi-all_assistant]']),
+    Mutant('mask_last_assistant_trains_all', "mode='last_assistant' trains every assistant turn",
+           [('sft_nb/tokenize.py', 'trained = {asst[-1]}', 'trained = set(asst)')],
+           tests=['tests/test_masks.py::test_masks_on_real_templates[chatml-multi-last_assistant]']),
+    # ---- labels: the shift and the ignore index
+    Mutant('labels_mask_shifted', "labels take the mask of the token before: the token after each trained one is the target",
+           [('sft_nb/tokenize.py', 'zip(ids[1:], mask[1:])', 'zip(ids[1:], mask[:-1])')],
+           notebooks=['nbs/05_collate.ipynb']),
+    Mutant('labels_first_token_a_target', "a sequence's first token is a target (in a packed row: predicted from the previous document)",
+           [('sft_nb/tokenize.py', 'return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]',
+             'return [i if m else -100 for i, m in zip(ids, mask)]')],
+           notebooks=['nbs/05_collate.ipynb']),
+    Mutant('padding_trained', "a padded batch's padding is labelled with the pad id instead of -100, so it is trained",
+           [('sft_nb/collate.py', 'ids[b, :n] = torch.as_tensor(i); labels[b, :n] = torch.as_tensor(labels_for(i, m))',
+             'ids[b, :n] = torch.as_tensor(i); labels[b] = pad_id; labels[b, :n] = torch.as_tensor(labels_for(i, m))')],
+           tests=['tests/test_packing.py::test_packed_equals_padded[two-sdpa-bool]']),
+    Mutant('target_shifted_in_head', "the LM head scores each target from its own position instead of the one before",
+           [('sft_nb/loss.py', 'sel[:, :-1] = nxt', 'sel[:, 1:] = nxt')],
+           tests=['tests/test_loss.py::test_micro_batches_share_the_step_divisor']),
+    # ---- packing and the packed document mask
+    # RoPE under the dense block mask cannot see this one (a shift of a whole document is invisible to relative positions);
+    # FlexAttention and sequence parallelism find the documents where position_ids restart at 0
+    Mutant('packed_positions_run_on', "position_ids of a packed row run on across its documents instead of restarting at 0",
+           both('sft_nb/collate.py', 'nbs/05_collate.ipynb', 'pos[b, start:start + n] = torch.arange(n)',
+                'pos[b, start:start + n] = torch.arange(start, start + n)'),
+           notebooks=['nbs/05_collate.ipynb']),
+    Mutant('packed_mask_crosses_documents', "the packed block mask is causal only: a token attends to the earlier documents of its row",
+           [('sft_nb/collate.py', 'm = same & causal & (seg[:, :, None] >= 0)', 'm = causal & (seg[:, :, None] >= 0)')],
+           tests=['tests/test_packing.py::test_packed_equals_padded[two-sdpa-bool]']),
+    Mutant('deal_contiguous', "ranks take contiguous blocks of a global batch instead of every dp-th item",
+           both('sft_nb/packing.py', 'nbs/04_packing.ipynb', 'return [items[r::dp] for r in range(dp)]',
+                'return [items[r * len(items) // dp:(r + 1) * len(items) // dp] for r in range(dp)]'),
+           notebooks=['nbs/04_packing.ipynb']),
+    # ---- the loss divisor across ranks and micro-batches
+    Mutant('divisor_counts_one_replica', "the step's weight_sum counts the trained targets of the first replica only",
+           [('sft_nb/dataplan.py', 'for mbs in batches for b in mbs]', 'for mbs in batches[:1] for b in mbs]')],
+           tests=['tests/test_dataplan.py::test_step_divisor_sums_every_replica']),
+    Mutant('divisor_per_micro_batch', "each micro-batch's loss is divided again by the micro-batch count (a mean of means)",
+           [('sft_nb/backends/fsdp.py', '(s * scale + (a * aux_scale if aux else 0)).backward()',
+             '(s * scale / len(micro_batches) + (a * aux_scale if aux else 0)).backward()')],
+           tests=['tests/test_loss.py::test_micro_batches_share_the_step_divisor']),
+    Mutant('rank_scale_dropped', "the worker's loss is not multiplied by the rank count FSDP's gradient average divides by",
+           [('sft_nb/backends/fsdp.py', 'ranks = self.world_size if self.sharded else 1', 'ranks = 1')],
+           tests=['tests/test_loss.py::test_two_ranks_equal_one_rank']),
+    # ---- data order
+    Mutant('sampler_same_order_every_epoch', "the random sampler ignores the epoch: every epoch repeats the first order",
+           both('sft_nb/dataplan.py', 'nbs/05a_dataplan.ipynb', 'np.random.default_rng(self.seed + epoch)', 'np.random.default_rng(self.seed)'),
+           notebooks=['nbs/05a_dataplan.ipynb']),
+    Mutant('epoch_order_depends_on_history', "an epoch's order depends on the orders the plan drew before, not on the step: a resumed run trains other rows",
+           [('sft_nb/dataplan.py', 'self.sampler.order(epoch)', 'self.sampler.order(epoch + len(self._orders))')],
+           tests=['tests/test_dataplan.py::test_global_batch_is_a_function_of_the_step']),
+    # ---- the LR schedule
+    Mutant('lr_warmup_starts_at_zero', "warmup starts at LR 0 and reaches the peak one step late",
+           both('sft_nb/optim.py', 'nbs/07c_optim.ipynb', 'return lr * (step + 1) / warmup_steps', 'return lr * step / warmup_steps'),
+           notebooks=['nbs/07c_optim.ipynb']),
+    Mutant('lr_decay_spans_warmup', "the decay is spread over the warmup steps too: the last step's LR is above min_lr",
+           [('sft_nb/optim.py', 'decay = max(1, total_steps - warmup_steps - 1)', 'decay = max(1, total_steps - 1)')],
+           tests=['tests/test_optim.py::test_decay_spans_the_steps_after_warmup']),
+    # ---- tokenization: truncation and the cache
+    Mutant('truncation_keeps_mask_tail', "a truncated row keeps its first tokens but the last max_length entries of its mask",
+           [('sft_nb/tokenize.py', 'ids, mask, truncated = ids[:max_length], mask[:max_length], True',
+             'ids, mask, truncated = ids[:max_length], mask[-max_length:], True')],
+           tests=['tests/test_tokenize_data.py::test_truncation_keeps_the_first_tokens_with_their_mask']),
+    Mutant('cache_key_ignores_max_length', "the tokenize cache key leaves out max_length: another max_length is served the old entry",
+           both('sft_nb/cache.py', 'nbs/02b_cache.ipynb', 'spec.max_length, spec.truncation, fmt', 'spec.truncation, fmt'),
+           notebooks=['nbs/02b_cache.ipynb']),
+    Mutant('cache_checks_sizes_only', "a tokenize cache entry is checked by file sizes only: bytes altered in place are served",
+           [('sft_nb/cache.py', "return next((n for n in sizes if file_digest(folder / n) != recorded[n][1]), '')", "return ''")],
+           tests=['tests/test_tokenize_data.py::test_cache_altered_in_place_is_detected']),
+    # ---- checkpoints: integrity and resume
+    Mutant('ckpt_digest_of_head_only', "a checkpoint file's digest covers its first 16 bytes only: a shard altered past them loads",
+           [('sft_nb/checkpoint.py', "for block in iter(lambda: fh.read(1 << 20), b''): h.update(block)", 'h.update(fh.read(16))')],
+           tests=['tests/test_reliability_probes.py::test_damaged_newest_checkpoint_named_and_latest_falls_back[shard_tail_flipped]']),
+    Mutant('resume_rng_not_restored', "load_rng leaves torch's random stream as it is: dropout after a resume differs",
+           [('sft_nb/workers.py', "torch.set_rng_state(t['torch'])", 'torch.set_rng_state(torch.get_rng_state())')],
+           tests=['tests/test_reliability.py::test_checkpoint_rng_is_not_unpickled']),
+    Mutant('resume_step_not_restored', "a worker's load reads its step count but keeps its own: the LR schedule goes on from there",
+           [('sft_nb/backends/fsdp.py', "self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']",
+             "json.loads(Path(path, 'worker_state.json').read_text())['step']")],
+           tests=['tests/test_reliability.py::test_worker_counts_on_from_its_checkpoint_step']),
+    # ---- the chunked loss
+    Mutant('loss_chunk_boundary', "backward chunks of the chunked LM head overlap by one token: the boundary row's gradient counts twice",
+           both('sft_nb/loss.py', 'nbs/06c_loss.ipynb', 'for s in range(0, h.shape[0], ctx.chunk):',
+                'for s in range(0, h.shape[0], max(1, ctx.chunk - 1)):'),
+           tests=['tests/test_loss.py::test_linear_nll_equals_cross_entropy', 'tests/test_loss.py::test_worker_chunked_equals_one_shot'],
+           notebooks=['nbs/06c_loss.ipynb']),
+]
+
+
+# ---- edits ---------------------------------------------------------------------------------------------------------
+def _cells(nb: dict) -> list[dict]:
+    return [c for c in nb['cells'] if c['cell_type'] == 'code']
+
+
+def apply_edit(root: Path, path: str, original: str, replacement: str, write: bool = True):
+    "Replace `original` (which must occur exactly once: in a notebook, across its code cells) under `root`; raise otherwise."
+    f = root / path
+    if not f.is_file(): raise ValueError(f"{path} does not exist")
+    if f.suffix == '.ipynb':
+        nb = json.loads(f.read_text())
+        hits = [(c, ''.join(c['source'])) for c in _cells(nb)]
+        n = sum(s.count(original) for _, s in hits)
+    else:
+        text = f.read_text()
+        n = text.count(original)
+    if n != 1: raise ValueError(f"{path}: {original!r} occurs {n} times, not once")
+    if not write: return
+    if f.suffix == '.ipynb':
+        cell, src = next((c, s) for c, s in hits if original in s)
+        cell['source'] = src.replace(original, replacement).splitlines(keepends=True)
+        f.write_text(json.dumps(nb, indent=1, ensure_ascii=False))
+    else: f.write_text(text.replace(original, replacement))
+
+
+def copy_tree(tag: str, with_nbs: bool) -> Path:
+    "A fresh copy of what the checks read, under build/mutants/."
+    BUILD.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f'{tag}-', dir=BUILD))
+    skip = shutil.ignore_patterns('__pycache__', '*.pyc', '.ipynb_checkpoints', '.hypothesis', '.pytest_cache')
+    for d in ('sft_nb', 'tests') + (('nbs',) if with_nbs else ()): shutil.copytree(ROOT / d, tmp / d, ignore=skip)
+    shutil.copy2(ROOT / 'settings.ini', tmp / 'settings.ini')
+    home = tmp / 'home'; home.mkdir()  # caches of this copy only: a mutant's tokenization never lands in the shared cache
+    models = Path(os.environ.get('SFT_NB_HOME', Path.home() / '.cache' / 'sft_nb')) / 'models'
+    models.mkdir(parents=True, exist_ok=True)
+    (home / 'models').symlink_to(models)  # the built test models (code no mutant touches) are shared
+    return tmp
+
+
+# ---- runs ----------------------------------------------------------------------------------------------------------
+def env_for(tmp: Path) -> dict:
+    env = {**os.environ, 'PYTHONPATH': str(tmp), 'SFT_NB_HOME': str(tmp / 'home'), 'HF_HUB_OFFLINE': '1', 'TRANSFORMERS_OFFLINE': '1',
+           'HF_DATASETS_OFFLINE': '1', 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'TOKENIZERS_PARALLELISM': 'false'}
+    env.setdefault('OMP_NUM_THREADS', '1')  # two runs share the cores
+    return env
+
+
+def run(cmd: list[str], tmp: Path) -> tuple[int, str]:
+    try:
+        p = subprocess.run(cmd, cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=TIMEOUT)
+        return p.returncode, p.stdout + p.stderr
+    except subprocess.TimeoutExpired as e:
+        return -1, f"timed out after {TIMEOUT} s\n{e.stdout or ''}{e.stderr or ''}"
+
+
+def pytest_cmd(ids: list[str], first_failure: bool) -> list[str]:
+    return [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-rfE'] + (['-x'] if first_failure else []) + ids
+
+
+def nbdev_cmd(nb: str) -> list[str]:
+    return [str(Path(sys.executable).with_name('nbdev_test')), '--path', nb]
+
+
+def judge_pytest(rc: int, out: str) -> tuple[bool, str]:
+    "(caught, why): caught only by a failing test, never by an error in collection or in a fixture."
+    failed = re.findall(r'^FAILED (\S+)(?: - (.*))?$', out, re.M)
+    if rc == 1 and failed:
+        test, error = failed[0]
+        if BROKEN.match(error): return False, f"{test} fails on {error[:160]}: the mutant broke an import"
+        return True, test
+    if rc == 0: return False, 'the tests pass'
+    errors = re.findall(r'^ERROR (\S+.*)$', out, re.M)
+    return False, f"exit {rc}, not a test failure: {errors[0] if errors else _last_line(out)}"
+
+
+def judge_notebook(nb: str, rc: int, out: str) -> tuple[bool, str]:
+    "(caught, why): caught only by a failing cell, never by an import the mutant broke."
+    if rc == 0: return False, f'{nb} passes'
+    if rc < 0: return False, f'{nb}: {_last_line(out)}'
+    lines, cell = out.splitlines(), re.search(r'While Executing Cell #(\d+)', out)
+    at = [k for k, l in enumerate(lines) if re.match(r'\w+(?:Error|Exception|Exit)\b', l)]
+    error = ' '.join(l.strip() for l in lines[at[-1]:at[-1] + 3] if l.strip())[:160] if at else _last_line(out)  # test_eq: 3 lines
+    where = nb + (f' cell {cell[1]}' if cell else '')
+    if BROKEN.match(error): return False, f"{where} fails on {error}: the mutant broke an import"
+    return True, f"{where}: {error}"
+
+
+def _last_line(out: str) -> str:
+    lines = [l for l in out.strip().splitlines() if l.strip()]
+    return lines[-1][:200] if lines else '(no output)'
+
+
+def check_mutant(m: Mutant, keep: bool) -> tuple[bool, str, float]:
+    "(caught by every named check, what caught it or why not, seconds)."
+    t0 = time.perf_counter()
+    tmp = copy_tree(m.name, bool(m.notebooks))
+    try:
+        for path, original, replacement in m.edits: apply_edit(tmp, path, original, replacement)
+        caught_by = []
+        if m.tests:
+            ok, why = judge_pytest(*run(pytest_cmd(m.tests, True), tmp))
+            if not ok: return False, why, time.perf_counter() - t0
+            caught_by.append(why)
+        for nb in m.notebooks:
+            ok, why = judge_notebook(nb, *run(nbdev_cmd(nb), tmp))
+            if not ok: return False, why, time.perf_counter() - t0
+            caught_by.append(why)
+        return True, '; '.join(caught_by), time.perf_counter() - t0
+    finally:
+        if not keep: shutil.rmtree(tmp, ignore_errors=True)
+
+
+def baseline_work(mutants: list[Mutant], jobs: int) -> list[tuple[str, list[str], set[str]]]:
+    "(label, command, the checks it runs) of the unmutated runs: the named tests as `jobs` pytest runs (a share of the files each), each notebook once."
+    tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+    files = list(dict.fromkeys(t.split('::')[0] for t in tests))
+    work = []
+    for share in (files[k::jobs] for k in range(jobs)):
+        ids = [t for t in tests if t.split('::')[0] in share]
+        if ids: work.append((f"pytest {' '.join(Path(f).name for f in share)}", pytest_cmd(ids, False), set(ids)))
+    return work + [(nb, nbdev_cmd(nb), {nb}) for nb in dict.fromkeys(nb for m in mutants for nb in m.notebooks)]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split('\n\n')[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument('--list', action='store_true', help='print the mutants and exit')
+    ap.add_argument('--only', action='append', metavar='NAME', help='run only this mutant (repeatable)')
+    ap.add_argument('--jobs', type=int, default=2, help='runs at once (default 2)')
+    ap.add_argument('--keep', action='store_true', help='keep the copies under build/mutants/')
+    a = ap.parse_args(argv)
+    names = [m.name for m in MUTANTS]
+    assert len(set(names)) == len(names), 'mutant names repeat'
+    unknown = [n for n in a.only or [] if n not in names]
+    if unknown: ap.error(f"unknown mutant {', '.join(unknown)}; --list names them")
+    chosen = [m for m in MUTANTS if not a.only or m.name in a.only]
+    rotten = []
+    for m in chosen:  # every original is still there, exactly once, before anything runs
+        for path, original, replacement in m.edits:
+            try: apply_edit(ROOT, path, original, replacement, write=False)
+            except ValueError as e: rotten.append(f"{m.name}: {e}")
+    if rotten:
+        print('the code these mutants edit has changed; update their edits in tools/mutants.py:\n  ' + '\n  '.join(rotten))
+        return 2
+    if a.list:
+        for m in chosen:
+            print(f"{m.name}: {m.what}")
+            for path, original, replacement in m.edits: print(f"    {path}: {original!r}\n    {' ' * len(path)}→ {replacement!r}")
+            for c in m.tests + m.notebooks: print(f"    caught by {c}")
+        return 0
+    t0 = time.perf_counter()
+    base = copy_tree('baseline', any(m.notebooks for m in chosen))
+    try:
+        rc, out = run([sys.executable, '-c', 'import sft_nb; print(sft_nb.__file__)'], base)
+        if rc or not out.strip().startswith(str(base)):
+            print(f"baseline: sft_nb does not import from the copy {base}: {out.strip()}")
+            return 1
+        failing, missed = set(), []
+        with ThreadPoolExecutor(a.jobs) as pool:  # the unmutated runs first, the mutants as the runs free up
+            work = {pool.submit(run, cmd, base): (label, checks) for label, cmd, checks in baseline_work(chosen, a.jobs)}
+            mutants = {pool.submit(check_mutant, m, a.keep): m for m in chosen}
+            for f in as_completed(work):
+                (label, checks), (rc, out) = work[f], f.result()
+                if rc != 0:
+                    failing |= checks
+                    failed = re.findall(r'^(?:FAILED|ERROR) (\S+)', out, re.M)
+                    print(f"baseline: {label} fails unmutated (exit {rc}): {', '.join(failed) or _last_line(out)}", flush=True)
+            n = sum(len(c) for _, c in work.values())
+            print(f"baseline: the {n} named checks {'do NOT all pass' if failing else 'pass'} unmutated "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+            if failing:
+                for f in mutants: f.cancel()
+                return 1
+            for f in as_completed(mutants):
+                m, (ok, why, dt) = mutants[f], f.result()
+                if not ok: missed.append(m.name)
+                print(f"{'caught' if ok else 'MISSED'}  {m.name:<32} {dt:5.0f} s  {why}", flush=True)
+    finally:
+        if not a.keep: shutil.rmtree(base, ignore_errors=True)
+    print(f"{len(chosen) - len(missed)} of {len(chosen)} mutants caught in {time.perf_counter() - t0:.0f} s"
+          + (f"; missed: {', '.join(missed)}" if missed else ''))
+    return 1 if missed else 0
+
+
+if __name__ == '__main__':
+    sys.exit(main())
