@@ -63,3 +63,48 @@ def cli(*args) -> tuple[int, str, str]:
         try: code = main([str(a) for a in args]) or 0
         except SystemExit as e: code = e.code
     return code, out.getvalue(), err.getvalue()
+
+
+def fsdp_rank(rank, world, sp, port, model_cfg, mbs, n_global, out):
+    "One FSDP rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses; rank 0 reports."
+    from dataclasses import asdict
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.config import OptimConfig
+    w = FSDPWorker(rank, world, model_cfg, asdict(OptimConfig()), total_steps=1, placement={'sequence_parallel': sp})
+    w.init_dist('127.0.0.1', port)
+    try:
+        w.setup()
+        mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
+        r = w.forward_backward(mine, n_global)
+        grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy() for k, p in w.model.named_parameters()}  # by value
+        ev, tl = w.eval_loss(mine), w.token_losses(mine)
+        if rank == 0: out.put((r, grads, ev, tl))
+    finally: w.shutdown()
+
+
+def spawn(world, sp, model_cfg, mbs, n_global):
+    """Run `world` FSDP ranks (spawned processes, a gloo group, no Ray; `sp` ranks share each replica's rows) and return rank
+    0's (forward_backward result, full gradients, eval, per-token losses)."""
+    import torch
+    import torch.multiprocessing as mp
+    from sft_nb.workers import free_port
+    ctx, port = mp.get_context('spawn'), free_port()
+    out = ctx.Queue()
+    ps = [ctx.Process(target=fsdp_rank, args=(r, world, sp, port, model_cfg, mbs, n_global, out)) for r in range(world)]
+    for p in ps: p.start()
+    try: r, grads, ev, tl = out.get(timeout=300)
+    finally:
+        for p in ps: p.join(timeout=60)
+    assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
+    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
+
+
+def one_rank(model_cfg, mbs, n_global):
+    "What `spawn(1, 1, ...)` returns, computed in this process (a 1-rank gloo group): the reference the spawned ranks match."
+    import queue
+    import torch
+    from sft_nb.workers import free_port
+    out = queue.Queue()
+    fsdp_rank(0, 1, 1, free_port(), model_cfg, mbs, n_global, out)
+    r, grads, ev, tl = out.get_nowait()
+    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl

@@ -13,7 +13,7 @@ from sft_nb.demo_data import identity_rows
 from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, flex_attention_runs_on
 from sft_nb.trainer import SFTTrainer
 from sft_nb.numerics import assert_rel_close, rel_gap
-from helpers import run_cfg
+from helpers import local_run, run_cfg, spawn
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -139,7 +139,6 @@ def test_micro_batches_share_the_step_divisor(worker, tiny_path, tiny_tok, weigh
 def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
     """2 FSDP ranks (spawned processes, a gloo group), one micro-batch each, both dividing by the step's weight_sum: the
     gradient FSDP reduces over the ranks equals one rank's gradient of both micro-batches."""
-    from test_sequence_parallel import spawn
     mbs = list(batches(tiny_tok, True).values())
     n = sum(mb['weight_sum'] for mb in mbs)
     _, one = _grads(worker, mbs, n)
@@ -175,17 +174,27 @@ def test_lora_wrapped_head(tiny_path, tiny_tok):
 
 
 def _step(tiny_path, run_dir, **kw):
+    "One step of packed rows with fractional weights: (metrics, weights); 1 worker in this process, more under Ray."
     cfg = run_cfg(tiny_path, run_dir, **{'optim__max_grad_norm': 0.0, 'optim__lr': 1e-3, 'optim__eps': 1e-5, 'packing__enabled': True,
                                          'packing__capacity': 128, 'tokenize__max_length': 64, 'train__global_batch_size': 4,
                                          'train__micro_batch_size': 1, 'placement__workers_per_node': 2, **kw})
+    if cfg['placement']['workers_per_node'] == 1:
+        (m,), state = local_run(cfg, WROWS)
+        return m, state
     with SFTTrainer(cfg, train_data=WROWS) as t:
         m = t.step()
         return m, t.group.call('full_state')[0]
 
 
-def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, ray_session):
+@pytest.fixture(scope='module')
+def one_shot_step(tiny_path, tmp_path_factory, ray_session):
+    "The reference: one step on 2 FSDP2 ranks with the one-shot loss (`loss_chunk: 0`)."
+    return _step(tiny_path, tmp_path_factory.mktemp('one_shot'), model__loss_chunk=0)
+
+
+def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, one_shot_step):
     "One step on 2 FSDP2 ranks (sharded head), packed rows with fractional weights: loss, grad norm and every weight."
-    m0, w0 = _step(tiny_path, tmp_path / 'off', model__loss_chunk=0)
+    m0, w0 = one_shot_step
     m1, w1 = _step(tiny_path, tmp_path / 'on', model__loss_chunk=7)
     assert m0['n_trained'] == m1['n_trained']
     assert abs(m1['loss'] - m0['loss']) <= TOL * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= TOL * m0['grad_norm']
@@ -194,10 +203,10 @@ def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, ray_session):
 
 
 @pytest.mark.parametrize('layout', ['tp1', 'tp2'])
-def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, ray_session, layout):
-    "Megatron with its chunked vocab-parallel loss (chunks of 7 trained tokens) == FSDP with the one-shot loss, one step."
+def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, one_shot_step, layout):
+    "Megatron with its chunked vocab-parallel loss (chunks of 7 trained tokens) == FSDP with the one-shot loss, one step (TP=1 in this process)."
     pytest.importorskip('megatron.core')
-    m0, w0 = _step(tiny_path, tmp_path / 'fsdp', model__loss_chunk=0)
+    m0, w0 = one_shot_step
     lay = {'placement__tensor_parallel': 2} if layout == 'tp2' else {'placement__workers_per_node': 1, 'train__micro_batch_size': 2}
     m1, w1 = _step(tiny_path, tmp_path / layout, model__loss_chunk=7, placement__backend='megatron', **lay)
     assert abs(m1['loss'] - m0['loss']) <= 4e-6 * m0['loss'] and abs(m1['grad_norm'] - m0['grad_norm']) <= 1e-5 * m0['grad_norm']

@@ -12,52 +12,13 @@ from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.trainer import SFTTrainer
-from helpers import local_run, run_cfg
+from helpers import local_run, one_rank, run_cfg, spawn
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
          for k, r in enumerate(ROWS)]
 TOL = 2e-6  # of the magnitude: the sums run in another order (attention over the same keys, the loss in sp parts)
 GRAD_TOL = 1e-5  # every gradient of the model: attention's and the head's rounding pass through each layer's backward
-
-
-def _worker(rank, world, sp, port, model_cfg, mbs, n_global, out):
-    "One rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses; rank 0 reports."
-    from sft_nb.backends.fsdp import FSDPWorker
-    w = FSDPWorker(rank, world, model_cfg, asdict(OptimConfig()), total_steps=1, placement={'sequence_parallel': sp})
-    w.init_dist('127.0.0.1', port)
-    try:
-        w.setup()
-        mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
-        r = w.forward_backward(mine, n_global)
-        grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy() for k, p in w.model.named_parameters()}  # by value
-        ev, tl = w.eval_loss(mine), w.token_losses(mine)
-        if rank == 0: out.put((r, grads, ev, tl))
-    finally: w.shutdown()
-
-
-def spawn(world, sp, model_cfg, mbs, n_global):
-    "Run `world` ranks (spawned processes, no Ray) and return rank 0's (forward_backward result, full gradients, eval, per-token losses)."
-    from sft_nb.workers import free_port
-    ctx, port = mp.get_context('spawn'), free_port()
-    out = ctx.Queue()
-    ps = [ctx.Process(target=_worker, args=(r, world, sp, port, model_cfg, mbs, n_global, out)) for r in range(world)]
-    for p in ps: p.start()
-    try: r, grads, ev, tl = out.get(timeout=300)
-    finally:
-        for p in ps: p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
-    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
-
-
-def one_rank(model_cfg, mbs, n_global):
-    "What `spawn(1, 1, ...)` returns, computed in this process (a 1-rank gloo group): the reference the spawned ranks match."
-    import queue
-    from sft_nb.workers import free_port
-    out = queue.Queue()
-    _worker(0, 1, 1, free_port(), model_cfg, mbs, n_global, out)
-    r, grads, ev, tl = out.get_nowait()
-    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
 
 
 @pytest.fixture(scope='module')
