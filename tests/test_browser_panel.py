@@ -74,10 +74,11 @@ def _evaluate(nb) -> int:
 
 
 def _samples_shown(page) -> list[dict]:
-    "Per sample row on the page, newest evaluation first: its prompt, the answer (removed words left out), and its diff marks."
+    "Per sample row on the page, newest evaluation first: its prompt, the answer (removed words left out; '' where the page says '(empty answer)'), and its diff marks."
     return page.evaluate(f'''() => [...document.querySelectorAll('{SAMPLES}')].map(tr => {{
         const [p, a] = tr.querySelectorAll('td'); const c = a.cloneNode(true); c.querySelectorAll('del').forEach(d => d.remove());
-        return {{prompt: p.textContent, answer: c.textContent, ins: a.querySelectorAll('ins').length, del: a.querySelectorAll('del').length}}; }})''')
+        const empty = a.children.length === 1 && a.firstElementChild.tagName === 'I' && a.textContent === '(empty answer)';
+        return {{prompt: p.textContent, answer: empty ? '' : c.textContent, ins: a.querySelectorAll('ins').length, del: a.querySelectorAll('del').length}}; }})''')
 
 
 def _kernel(nb, code: str, tag: str, timeout=60_000):
