@@ -139,41 +139,27 @@ def _stop(p):
         except subprocess.TimeoutExpired: os.killpg(p.pid, signal.SIGKILL)
 
 
-def _free_port():
-    import socket
-    with socket.socket() as s:
-        s.bind(('127.0.0.1', 0)); return s.getsockname()[1]
-
-
 def test_two_node_cluster_matches_one_node(tmp_path, ray_session):
-    "2 workers spread over a real 2-node Ray cluster train exactly like 2 workers on one node."
-    port = _free_port()
-    head = _ray_node(['--head', f'--port={port}', '--node-ip-address=127.0.0.1', '--include-dashboard=false'], tmp_path)
-    nodes = [head]
+    """2 workers spread over a real 2-node Ray cluster (the session's node and a second node that `ray start` joins to it)
+    train exactly like 2 workers packed on one node of it."""
+    import ray
+    alive = lambda: sum(n['Alive'] for n in ray.nodes())
+    n0 = alive()
+    node = _ray_node([f'--address={ray_session}'], tmp_path)
     try:
-        import ray
-        deadline = time.time() + 90
-        while time.time() < deadline:  # wait for the head's GCS before the second node joins
-            if subprocess.run(['ray', 'status', f'--address=127.0.0.1:{port}'], env=ENV, capture_output=True).returncode == 0: break
-            time.sleep(1)
-        nodes.append(_ray_node([f'--address=127.0.0.1:{port}', '--node-ip-address=127.0.0.1'], tmp_path))
-        while time.time() < deadline:
-            out = subprocess.run(['ray', 'status', f'--address=127.0.0.1:{port}'], env=ENV, capture_output=True, text=True).stdout
-            if out.count('node_') >= 2: break
-            time.sleep(1)
-        common = ['-p', 'max_steps', '3', '-p', 'workers_per_node', '1', '-p', 'global_batch_size', '8', '-p', 'micro_batch_size', '2',
-                  '-p', 'export_hf', 'false']
-        r = sft_nb('run', TRAIN_NB, *common, '-p', 'num_nodes', '2', '-p', 'strategy', 'STRICT_SPREAD',
-                   '-p', 'ray_address', f'127.0.0.1:{port}', '--run-dir', tmp_path / 'spread')
-        assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    finally:
-        for p in reversed(nodes): _stop(p)
+        deadline = time.time() + 120
+        while alive() <= n0:
+            assert node.poll() is None and time.time() < deadline, (tmp_path / 'ray_0.log').read_text()[-3000:]
+            time.sleep(0.5)
+        common = ['-p', 'max_steps', '3', '-p', 'global_batch_size', '8', '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false',
+                  '-p', 'ray_address', ray_session]
+        code, _, err = cli('run', TRAIN_NB, *common, '-p', 'num_nodes', '2', '-p', 'workers_per_node', '1', '-p', 'strategy', 'STRICT_SPREAD',
+                           '--run-dir', tmp_path / 'spread')
+        assert code == 0, err[-3000:]
+        code, _, err = cli('run', TRAIN_NB, *common, '-p', 'workers_per_node', '2', '-p', 'strategy', 'STRICT_PACK', '--run-dir', tmp_path / 'local')
+        assert code == 0, err[-3000:]
+    finally: _stop(node)
     spread, spread_losses = read_run(tmp_path / 'spread')
-    assert len(set(spread['worker_nodes'])) == 2  # one worker on each node
-
-    code, _, err = cli('run', TRAIN_NB, '-p', 'max_steps', '3', '-p', 'workers_per_node', '2', '-p', 'global_batch_size', '8',
-                       '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false', '-p', 'ray_address', ray_session, '--run-dir', tmp_path / 'local')
-    assert code == 0, err[-3000:]
     local, local_losses = read_run(tmp_path / 'local')
-    assert len(set(local['worker_nodes'])) == 1
+    assert len(set(spread['worker_nodes'])) == 2 and len(set(local['worker_nodes'])) == 1  # one worker on each node; both on one
     assert spread_losses == pytest.approx(local_losses, rel=1e-6)  # the same 2 ranks, on one node or two
