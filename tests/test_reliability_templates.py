@@ -44,6 +44,14 @@ def _expect(call):
         call()
 
 
+@pytest.fixture(autouse=True)
+def short_time_bound(request, monkeypatch):
+    """The time bound (`MAX_TEMPLATE_SECONDS`, 5 s) is what stops `exp_macro`: the render path shows it as shipped; every
+    other path and the lint show that they are bounded by it, at 0.5 s."""
+    if 'exp_macro' in request.node.name and request.node.name != 'test_every_render_path_bounds_the_template[render-exp_macro]':
+        monkeypatch.setattr('sft_nb.templates.MAX_TEMPLATE_SECONDS', 0.5)
+
+
 @pytest.fixture(scope='module')
 def proc():
     from sft_nb.vlm_models import load_processor
