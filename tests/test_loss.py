@@ -13,7 +13,7 @@ from sft_nb.demo_data import identity_rows
 from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, flex_attention_runs_on
 from sft_nb.trainer import SFTTrainer
 from sft_nb.numerics import assert_rel_close, rel_gap
-from helpers import local_run, run_cfg, spawn
+from helpers import run_cfg, spawn
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -174,13 +174,10 @@ def test_lora_wrapped_head(tiny_path, tiny_tok):
 
 
 def _step(tiny_path, run_dir, **kw):
-    "One step of packed rows with fractional weights: (metrics, weights); 1 worker in this process, more under Ray."
+    "One trainer step of packed rows with fractional weights under Ray (this module's in-process `worker` holds this process's gloo group): (metrics, weights)."
     cfg = run_cfg(tiny_path, run_dir, **{'optim__max_grad_norm': 0.0, 'optim__lr': 1e-3, 'optim__eps': 1e-5, 'packing__enabled': True,
                                          'packing__capacity': 128, 'tokenize__max_length': 64, 'train__global_batch_size': 4,
                                          'train__micro_batch_size': 1, 'placement__workers_per_node': 2, **kw})
-    if cfg['placement']['workers_per_node'] == 1:
-        (m,), state = local_run(cfg, WROWS)
-        return m, state
     with SFTTrainer(cfg, train_data=WROWS) as t:
         m = t.step()
         return m, t.group.call('full_state')[0]
@@ -204,7 +201,7 @@ def test_trainer_step_chunked_equals_one_shot(tiny_path, tmp_path, one_shot_step
 
 @pytest.mark.parametrize('layout', ['tp1', 'tp2'])
 def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, one_shot_step, layout):
-    "Megatron with its chunked vocab-parallel loss (chunks of 7 trained tokens) == FSDP with the one-shot loss, one step (TP=1 in this process)."
+    "Megatron with its chunked vocab-parallel loss (chunks of 7 trained tokens) == FSDP with the one-shot loss, one step."
     pytest.importorskip('megatron.core')
     m0, w0 = one_shot_step
     lay = {'placement__tensor_parallel': 2} if layout == 'tp2' else {'placement__workers_per_node': 1, 'train__micro_batch_size': 2}
