@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-LAB_DIR, SHOTS = ROOT / 'build' / 'lab', ROOT / 'build' / 'browser'
+# one lab folder per pytest-xdist worker (each worker that runs a browser test starts its own server)
+LAB_DIR, SHOTS = ROOT / 'build' / f"lab{os.environ.get('PYTEST_XDIST_WORKER', '')}", ROOT / 'build' / 'browser'
 
 
 def _free_port() -> int:

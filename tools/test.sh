@@ -19,7 +19,9 @@ ran=$(grep -c '^Starting' "$log" || true)
 [ "$ran" -ge 1 ] || { echo "FAIL: nbdev_test ran zero notebooks"; exit 1; }
 echo "nbdev_test: $ran notebooks passed in $((SECONDS - t0)) s"
 t1=$SECONDS
-python -m pytest tests --durations=30 ${PYTEST_ARGS:-} ; rc=$?
+# two pytest workers, each with its own session Ray cluster (and JupyterLab/Chromium where it runs a browser test); a
+# file's tests stay together (module fixtures, ordered browser steps): the Ray tests leave a third of the CPU idle alone
+python -m pytest tests -n 2 --dist loadfile --durations=30 ${PYTEST_ARGS:-} ; rc=$?
 echo "pytest: exit $rc in $((SECONDS - t1)) s; notebooks + pytest $((SECONDS - t0)) s"
 [ "$rc" -eq 5 ] && { echo "FAIL: pytest collected no tests"; exit 1; }
 exit "$rc"
