@@ -164,10 +164,12 @@ def test_chat_streams_what_the_kernel_holds(run):
     page.evaluate('''() => { window.__stream = []; const out = document.querySelector('.sft-nb-chat-output');
         new MutationObserver(() => { const s = out.querySelector('.sft-nb-chat-streaming');
             if (s) window.__stream.push(s.textContent); }).observe(out, {subtree: true, childList: true, characterData: true}); }''')
+    _wait_idle(page)  # the chat answers between steps: nothing may run when Send is pressed
     box = page.locator('.sft-nb-chat-input textarea')
-    box.click(); box.type('What is the weather in Paris?')
+    box.scroll_into_view_if_needed(); box.click(); box.fill('What is the weather in Paris?')
     page.locator('.sft-nb-chat-send').click()
-    page.locator('.sft-nb-chat-output .sft-nb-chat-user', has_text='What is the weather in Paris?').wait_for(timeout=60_000)
+    # the kernel takes the click once it is idle; on a loaded 2-core machine that can take a while
+    page.locator('.sft-nb-chat-output .sft-nb-chat-user', has_text='What is the weather in Paris?').wait_for(timeout=180_000)
     page.wait_for_function("() => document.querySelector('.sft-nb-chat-output .sft-nb-chat-assistant:not(.sft-nb-chat-streaming)')", timeout=300_000)
     shown = page.locator('.sft-nb-chat-output .sft-nb-chat-assistant').inner_text()
     partial = page.evaluate('() => [...new Set(window.__stream)]')
