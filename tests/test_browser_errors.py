@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import pytest
 from jupyter_lab import Notebook, with_params
+from sft_nb.lint import CHECKS
 
 pytestmark = pytest.mark.timeout(900)
 TB = 'Traceback (most recent call last)'
@@ -64,13 +65,19 @@ def test_mistakes_in_interactive_show_one_box(lab, browser):
 
 
 def test_mistakes_in_inspect_show_one_box(lab, browser):
-    "max_length=8 is no error here (the report lists the dropped rows and what keeps them); a missing file and an unknown template are."
+    "max_length=8 is no error here (the report lists the dropped rows and what keeps them; the lint table shows every column in "
+    "full); a missing file and an unknown template are."
     nb = Notebook(browser, lab, with_params('inspect.ipynb', 'inspect_errors.ipynb', {'max_length': '8'}))
     try:
         nb.run_all()  # no cell fails: every row is too long, and the report says so
         report = nb.page.locator('.jp-OutputArea-output', has_text='rows: 0 kept, dropped too_long=').first
         assert re.search(r"to keep the too-long rows: tokenize\.max_length=\d+ keeps all \d+", report.inner_text()), report.inner_text()
         report.scroll_into_view_if_needed(); nb.shot('error_inspect_max_length', report)
+        lint = nb.page.locator('.jp-OutputArea-output table', has_text='text_after_eot').first  # the lint table, every column in full
+        shown = lint.inner_text()
+        assert CHECKS['text_after_eot'] in shown and CHECKS['unrendered'] in shown and '...' not in shown, shown
+        assert re.search(r'text_after_eot\s+info', shown), shown  # ChatML's newline after <|im_end|> never trains
+        lint.scroll_into_view_if_needed(); nb.shot('lint_table', lint)
 
         nb.run_new_cell("data, max_length = 'nope.jsonl', 2048")
         reads = _code_cell(nb, 'inspector = Inspector(data, tok, spec, row=row)')

@@ -125,6 +125,8 @@ def test_step_fit_stop_evaluate(run):
     err = nb.errors_shown(run.busy_cell)
     err.wait_for(timeout=60_000)
     assert 'TrainerBusy' in err.inner_text() and 'trainer.fit() is running in another thread' in err.inner_text()
+    assert nb.user_errors(run.busy_cell).count() == 1  # the user's mistake: one short box, its traceback folded
+    assert 'Traceback (most recent call last)' not in run.busy_cell.locator('.jp-OutputArea').inner_text()
     assert 'fit running (from the panel)' in status(nb)
     # train on until the answers have had time to change (an eval_every evaluation may come meanwhile), then stop
     page.wait_for_function("() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= 40",
