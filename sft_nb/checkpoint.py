@@ -8,13 +8,14 @@ import hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
 from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
+from .errors import MissingFile, UserError
 
 # %% auto #0
 __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata', 'write_digests',
            'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_model', 'Checkpointer']
 
 # %% ../nbs/07e_checkpoint.ipynb #413b51a0
-class RunDirBusy(RuntimeError):
+class RunDirBusy(UserError, RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
 RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml')
@@ -62,7 +63,7 @@ class RunLock:
         if self.held: self.path.unlink(missing_ok=True); self.held = False
 
 # %% ../nbs/07e_checkpoint.ipynb #188987b3
-class CheckpointError(RuntimeError):
+class CheckpointError(UserError, RuntimeError):
     "A checkpoint folder that is damaged, foreign to this run, or holds something that loading it would run."
 
 _DCP = 'torch.distributed.checkpoint.metadata'
@@ -291,7 +292,7 @@ def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str
                                   "Resume a checkpoint by path, or start over with checkpoint.overwrite=true")
     else:
         path = Path(spec).expanduser().resolve()
-        if not path.exists(): raise FileNotFoundError(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
+        if not path.exists(): raise MissingFile(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
         if not (_STEP.fullmatch(path.name) and path.is_dir()):
             raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
         state = verify_checkpoint(path)

@@ -10,13 +10,14 @@ from pathlib import Path
 import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
 from .config import load_yaml
+from .errors import UserError
 
 # %% auto #0
 __all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids', 'SignalStop',
            'run_notebook', 'check_overrides', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
-class ParameterError(ValueError):
+class ParameterError(UserError, ValueError):
     "A notebook parameter that does not exist or has the wrong type."
 
 _TYPES = {'int': (int,), 'float': (float, int), 'str': (str,), 'bool': (bool,)}

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Literal, Any, get_args, get_origin
 import yaml
 from fastcore.docments import docments
+from .errors import UserError
 
 # %% auto #0
 __all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig',
@@ -18,7 +19,7 @@ __all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_
            'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     "A bad configuration value; the message names the field (`optim.lr`) and what is allowed."
 
 def _type_name(tp) -> str:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 from fastcore.basics import patch
 from .config import SourceConfig, DataConfig
+from .errors import MissingFile, UserError
 
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
@@ -21,7 +22,7 @@ __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS
            'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
-class BadRow(ValueError):
+class BadRow(UserError, ValueError):
     "A row that cannot be trained; `kind` groups reasons in the `DataReport`."
     def __init__(self, msg: str, kind: str = 'bad_format', index: int | None = None):
         super().__init__(msg if index is None else f"row {index}: {msg}")
@@ -320,10 +321,13 @@ class DataReport:
                           (self.lost_rows + o.lost_rows)[:1000], {**self.keeps, **o.keeps})
     def __str__(self):
         drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
-        warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token (the template "
-                "drops their content, e.g. tool calls; see lint_template)" + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')
-                ) if self.eot_only_turns else ''
+        # a template that drops a turn's tool calls or reasoning shows in `lost`; with nothing lost, the content itself is empty
+        why = ("their content is empty, or the template drops their " + ' and '.join(sorted(self.lost)) + " (below); lint_template's "
+               "empty_trained_span says which") if self.lost else "their content is empty: each teaches the model to end its turn at once"
+        warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token ({why})"
+                + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')) if self.eot_only_turns else ''
         warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
+        if fix := self.too_long_fix(): warn += f"; to keep the too-long rows: {fix}"
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
         mix = ('; per epoch: ' + ', '.join(f"{s['source']}: {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
                                           + (f" ({s['n_cut']} cut)" if s['n_cut'] else '') for s in self.sources)) if len(self.sources) > 1 else ''
@@ -337,6 +341,18 @@ class DataReport:
         return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
                 f"the tokens ({_first(self.lost_rows)}){fix}")
 
+
+# %% ../nbs/01_data.ipynb #d7a11f0e
+@patch
+def too_long_fix(self: DataReport) -> str | None:
+    "For rows dropped as too long: the settings that keep them, and how many rows each keeps (None: no row was too long)."
+    # tokenize's finish_tokens words a too-long row 'N tokens > max_length M'; bad_rows lists the first 1000
+    long = sorted(int(m.split(' ', 1)[0]) for _, kind, m in self.bad_rows if kind == 'too_long')
+    if not long: return None
+    n, half = len(long), long[(len(long) - 1) // 2]
+    keeps = f"tokenize.max_length={long[-1]} keeps all {n}" + (f", {half} keeps {sum(x <= half for x in long)}" if half < long[-1] else '')
+    return (f"{keeps}; tokenize.truncation='keep_start' keeps all {n}, cut to max_length; with packing, "
+            f"packing.capacity (default: tokenize.max_length) must hold the rows too")
 
 # %% ../nbs/01_data.ipynb #a1d0e01a
 @patch
@@ -576,7 +592,7 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
     elif p.is_dir() and not any(p.iterdir()): raise BadRow(f"{p}: an empty folder (no rows)", kind='empty_source')
     elif p.exists(): raise BadRow(f"{p}: a folder that is neither a save_to_disk dataset nor a dataset dict")
     elif str(cfg.path).startswith(('.', '/', '~')) or Path(cfg.path).suffix in ('.json', '.jsonl', '.parquet', '.arrow'):
-        raise FileNotFoundError(f"data source {cfg.path!r} does not exist")
+        raise MissingFile(f"data source {cfg.path!r} does not exist", fix=f"check the path (a relative one is read from {Path.cwd()})")
     else: ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
     if len(ds) == 0: raise BadRow(f"{p if p.exists() else cfg.path}: no rows (split {cfg.split!r})", kind='empty_source')
     if fill and ds.column_names != ['_json']: ds = _fill_dataset(ds)  # JSON files were filled while reading

@@ -134,7 +134,7 @@ def prepare(self: DataPlan) -> DataPlan:
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
         names = [source_name(s, k) for k, s in enumerate(sources)]
     sizes = [len(d) for d in self.train_sets]
-    if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}")
+    if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}", fix=self.data_report.too_long_fix())
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
     self.mix_counts = self.data_report.sources = mix_counts(rows, sizes, names)  # per source: rows used and cut, examples per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
@@ -148,7 +148,7 @@ def prepare(self: DataPlan) -> DataPlan:
         train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
         self.heldout, rows = [rows[k] for k in held], [rows[k] for k in train]
     self.rows = rows  # (source, row) pairs
-    if not rows: raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, len(self.heldout))}")
+    if not rows: raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, len(self.heldout))}", fix=self.data_report.too_long_fix())
     cols = [np.asarray(ds['length'], dtype=np.int64) for ds in self.train_sets]  # one column read per source
     self.lengths = np.array([cols[s][i] for s, i in rows], dtype=np.int64)
     return self

@@ -15,9 +15,9 @@ from .tokenize import HISTORY, MODES, Example, labels_for, tokenize_conversation
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['COLORS', 'ROLE_COLORS', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles', 'token_rows', 'summary',
-           'ImageChip', 'render_example', 'scale_color', 'loss_title', 'loss_summary', 'loss_legend_html',
-           'inspect_examples', 'inspect_row', 'Inspector', 'inspect_main']
+__all__ = ['COLORS', 'ROLE_COLORS', 'CALL_TAIL_NOTE', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles',
+           'token_rows', 'summary', 'ImageChip', 'render_example', 'scale_color', 'loss_title', 'loss_summary',
+           'loss_legend_html', 'inspect_examples', 'inspect_row', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
@@ -122,7 +122,10 @@ def _with_images(cells: list, ex) -> list:
 def _is_processor(tok) -> bool: return tok is not None and hasattr(tok, 'image_processor')
 
 # %% ../nbs/03_inspect.ipynb #455eded4
-def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view: str) -> str:
+CALL_TAIL_NOTE = ("train tool calls is off: the call's tokens are not trained; the end-of-turn after the call still is, since it is "
+                  "predicted with the call in view: the model learns to end its turn after calling, not to skip the call")
+
+def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view: str, note: str = '') -> str:
     "Chips (or coloured text runs) as HTML: hover titles, loss fills, the legend."
     NL, out = '\n', []
     for t, trained, role, r in cells:
@@ -141,7 +144,7 @@ def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view
         title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}' + lt)
         shown = html.escape(t.replace(NL, '↵'))
         out.append(f'<span class="k {cls}" style="{style}" title="{title}">{shown}</span>' + '<br>' * t.count(NL))
-    legend = _legend_html() + (loss_legend_html(loss_view) if losses else '')
+    legend = _legend_html() + (loss_legend_html(loss_view) if losses else '') + (f'<div class="note">{html.escape(note)}</div>' if note else '')
     return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div><div>{"".join(out)}</div></div>'
 
 # %% ../nbs/03_inspect.ipynb #9620ebe0
@@ -182,7 +185,8 @@ def render_example(ex: Example, # a tokenized row
     if view == 'text' and ex.text and ex.offsets: cells = [(t, tr, role, None) for t, tr, role in _runs(ex)]
     else: cells = _with_images([(r.piece or '◦', r.trained, r.role, r) for r in token_rows(ex, tokenizer)], ex)
     head = _head(ex, header) + (loss_summary(losses, loss_view) if losses else '')
-    if form == 'html': return _html_form(cells, head, tokenizer, losses, loss_view)
+    note = CALL_TAIL_NOTE if any(kind == 'tool_calls' for *_, kind in ex.masked_parts) else ''
+    if form == 'html': return _html_form(cells, head, tokenizer, losses, loss_view, note)
     cells = [(f'[image {r.k}: {r.end - r.start} tokens]', tr, role, r) if isinstance(r, ImageChip) else (t, tr, role, r)
              for t, tr, role, r in cells]
     return _text_form(cells, head) if form == 'text' else _ansi_form(cells, head, losses, loss_view)

@@ -5,6 +5,7 @@
 # %% ../nbs/08c_lens.ipynb #90434293
 from __future__ import annotations
 import hashlib
+from pathlib import Path
 import numpy as np
 import pandas as pd
 from .collate import collate_padded, collate_packed
@@ -22,7 +23,7 @@ __all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'exampl
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
     "A name per train source: the inspector and the ranked-rows table use the same ones."
-    if trainer.train_data is not None: return ['train_data']
+    if trainer.train_data is not None: return [str(trainer.train_data) if isinstance(trainer.train_data, (str, Path)) else 'train_data']
     if trainer.cfg.data.synthetic_rows: return ['synthetic']
     return [source_name(s, k) for k, s in enumerate(trainer.cfg.data.train)]
 
@@ -58,10 +59,16 @@ def lens_rows(trainer, rows_or_split, indices: list[int] | None = None) -> list[
     if isinstance(rows_or_split, str):
         pairs = _split_pairs(trainer, rows_or_split)
         if indices is not None: pairs = [pairs[int(j)] for j in indices]
-        out = []
+        out, where = [], {}  # per dataset: {source row: (its first example's position, its number of examples)}
         for ds, i, name in pairs:
             r = ds[i]
-            out.append({'input_ids': r['input_ids'], 'loss_mask': r['loss_mask'], 'source': name, 'index': int(r.get('index', i))})
+            if id(ds) not in where:
+                rows = np.asarray(ds['index']) if 'index' in ds.column_names else np.arange(len(ds))
+                uniq, first, count = np.unique(rows, return_index=True, return_counts=True)
+                where[id(ds)] = dict(zip(uniq.tolist(), zip(first.tolist(), count.tolist())))
+            row = int(r.get('index', i)); first, n = where[id(ds)][row]
+            out.append({'input_ids': r['input_ids'], 'loss_mask': r['loss_mask'], 'source': name, 'index': row,
+                        'example': int(i) - first + 1, 'n_examples': n})  # one row's examples (history='expand') lie together
         return out
     items = list(rows_or_split) if not hasattr(rows_or_split, 'to_dict') else rows_or_split.to_dict('records')
     exs = [_as_example(e) for e in items]
@@ -146,11 +153,12 @@ def remember_first(trainer, r: dict) -> dict:
 
 # %% ../nbs/08c_lens.ipynb #2b88c656
 def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
-    "One line per scored example: position, source, index, length, n_trained, mean/sum/max loss (and a snippet of the trained text)."
+    "One line per scored example: position, source, index (its row), example of n_examples (of that row), length, n_trained, mean/sum/max loss (and a snippet of the trained text)."
     lines = []
     for j, r in enumerate(results):
         v = r['nll'][~np.isnan(r['nll'])]
-        line = {'position': j, 'source': r['source'], 'index': r['index'], 'length': len(r['input_ids']), 'n_trained': len(v),
+        line = {'position': j, 'source': r['source'], 'index': r['index'], 'example': r.get('example', 1), 'n_examples': r.get('n_examples', 1),
+                'length': len(r['input_ids']), 'n_trained': len(v),
                 'mean_loss': float(v.mean()) if len(v) else np.nan, 'sum_loss': float(v.sum()), 'max_loss': float(v.max()) if len(v) else np.nan}
         if tokenizer is not None:
             text = tokenizer.decode([i for i, m in zip(r['input_ids'], r['loss_mask']) if m], skip_special_tokens=True)
@@ -200,7 +208,8 @@ class RankedRows:
         self.trainer, self.split, self.by = trainer, split, by
         self.table = trainer.rank_rows(split, by=by, k=k)
         self.inspector = inspector or inspector_for(trainer, split)
-        self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']} · {by} {r[f'{by}_loss']:.3f}",
+        which = lambda r: f" example {r.example} of {r.n_examples}" if r.n_examples > 1 else ''  # a row split per turn (history='expand')
+        self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']}{which(r)} · {by} {r[f'{by}_loss']:.3f}",
                                  tooltip=r.snippet, layout=W.Layout(width='auto', height='auto')) for n, r in self.table.iterrows()]
         for n, b in enumerate(self.buttons): b.on_click(lambda _, n=n: self.open(n))
         self.status = W.HTML(f"<b>{len(self.table)} hardest {split} rows by {by} token loss</b> (step {trainer.global_step}); "

@@ -112,11 +112,11 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   chat_template_kwargs: dict | None = None, # extra template variables
                   history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
                  ) -> pd.DataFrame:
-    "One row per check in `CHECKS`: status ('pass' | 'fail' | 'n/a'), the offending sample and an example."
+    "One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."
     template, kw = load_template(template), dict(chat_template_kwargs or {})
     kw_tools = kw.pop('tools', None)  # tools given as a template variable: those of samples without their own (as sft_nb.tokenize renders)
     convs, unread = _conversations(sample_conversations)
-    found, na, probe, notes = {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap
+    found, na, probe, notes, handled = {}, {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap; handled: found, and the settings deal with it
     def fail(check, i, example): found.setdefault(check, (i, example))
     if unread: fail('reads', unread[0][0], f"{len(unread)} of {len(sample_conversations)} samples not read; first: {unread[0][1]}")
     if (u := unrendered(tokenizer, convs, template, kw)): fail('unrendered', *u)
@@ -134,7 +134,8 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
         if info.empty_think_in_gen_prompt:
             probe['empty_think_gen_prompt'] = (None, f'generation prompt {info.gen_prompt!r}; earlier turns start {min(info.headers, key=len)!r}: '
                                                      'each turn is located by the header it really has')
-        if info.after_eot: fail('text_after_eot', None, f'{info.eot!r} is followed by {info.after_eot!r}' if info.eot else f'assistant turns end with {info.after_eot!r}, no end-of-turn token')
+        if info.after_eot and info.eot: handled['text_after_eot'] = (None, f'{info.eot!r} is followed by {info.after_eot!r}: never trained, never generated (masks and generation end at {info.eot!r})')
+        elif info.after_eot: fail('text_after_eot', None, f'assistant turns end with {info.after_eot!r}, no end-of-turn token')
     bos, specials, n_refused = tokenizer.bos_token_id, set(tokenizer.all_special_ids), 0
     if bos is None: na['bos_doubled'] = 'the tokenizer has no BOS token'
     for i, c in convs.items():
@@ -175,14 +176,14 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                     fail('whitespace_merged', i, f'message {m}: token {ex.text[a:b]!r} = {ex.text[a:cut]!r} + {ex.text[cut:b]!r} across the span edge')
     for check, v in probe.items(): found.setdefault(check, v)
     if info is not None and (info.rewrites_history or 'rewrites_history' in found):
-        i, example = found.get('rewrites_history', (None, ''))
-        found['rewrites_history'] = (i, f"{example}; all_assistant: history={history!r}: {STRATEGY[history]}")
+        i, example = found.pop('rewrites_history', (None, ''))  # seen by the probe, 'expand' and 'final' handle it; 'error' refuses such rows
+        (handled if info.rewrites_history and history != 'error' else found)['rewrites_history'] = (i, f"{example}; all_assistant: history={history!r}: {STRATEGY[history]}")
     elif info is not None: notes['rewrites_history'] = 'prefix-stable: all_assistant trains every turn in one render'
     if 'renders' in found and n_refused: found['renders'] = (found['renders'][0], f'{n_refused} of {len(convs)} samples refused; first: {found["renders"][1]}')
     rows = []
     for check, meaning in CHECKS.items():
-        i, example = found.get(check, (None, na.get(check, notes.get(check, ''))))
-        rows.append({'check': check, 'status': 'fail' if check in found else 'n/a' if check in na else 'pass',
+        i, example = found.get(check, handled.get(check, (None, na.get(check, notes.get(check, '')))))
+        rows.append({'check': check, 'status': 'fail' if check in found else 'info' if check in handled else 'n/a' if check in na else 'pass',
                      'sample': i, 'example': example, 'meaning': meaning})
     return pd.DataFrame(rows).astype({'sample': 'Int64'})
 

@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import ipywidgets as W
 from fastcore.basics import patch_to
 from .callbacks import Callback
+from .errors import error_html
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
@@ -75,10 +76,9 @@ class PanelLog:
             self._render()
 
     def error(self, exc: BaseException):
-        "One red headline for the exception; the traceback folded under it."
+        "The exception as the notebook shows it (`sft_nb.errors.error_html`): a short box, the traceback folded for a user's mistake."
         head = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
-        tb = ''.join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        with self._lock: self.lines.append(['error', head, tb]); self._render()
+        with self._lock: self.lines.append(['error', head, error_html(exc)]); self._render()
 
     @property
     def text(self) -> str: return '\n'.join(l[1] for l in self.lines if l[1])
@@ -87,7 +87,7 @@ class PanelLog:
         self.lines = self.lines[-self.max_lines:]
         out = []
         for kind, msg, *tb in self.lines:
-            if kind == 'error': out.append(f'<details style="color:#b00020"><summary>{html.escape(msg)}</summary><pre>{html.escape(tb[0])}</pre></details>')
+            if kind == 'error': out.append(tb[0])
             elif msg: out.append(f'<div>{html.escape(msg)}</div>')
         self.widget.value = '<div class="sft-nb-log-text" style="font-family:monospace;font-size:12px;white-space:pre-wrap">' + ''.join(out) + "</div>"
 

@@ -10,7 +10,7 @@ import numpy as np
 from .packing import MIN_SLACK_MAX_ROWS, STRATEGIES, PackPlan, clip_lengths, lower_bound, pack
 
 # %% auto #0
-__all__ = ['PALETTE', 'padded_area', 'simulate', 'plan_fig', 'plan_text', 'PackingSimulator', 'pack_main']
+__all__ = ['PALETTE', 'padded_area', 'simulate', 'plan_headline', 'plan_fig', 'plan_text', 'PackingSimulator', 'pack_main']
 
 # %% ../nbs/04a_packsim.ipynb #e6ea8d18
 def padded_area(lengths: Sequence[int], batch_size: int, capacity: int | None = None) -> int:
@@ -29,23 +29,31 @@ def simulate(lengths: Sequence[int], # tokens per row
              batch_size: int = 8, # rows per padded batch (the baseline)
              truncation: str = 'truncate', # rows longer than capacity
             ):
-    "One row per planner (plus the padded baseline): bins, bound, efficiency, padding, padding saved, plan time."
+    "One row per planner (plus the padded baseline): bins, bound, efficiency (tokens kept ÷ (area + tokens cut): padding and cut tokens are both lost), padding, padding saved, rows and tokens cut, plan time."
     import pandas as pd
     lens, truncated = clip_lengths(lengths, capacity, truncation)
+    cut = int(np.asarray(lengths, dtype=np.int64).sum() - lens.sum())
     if strategies is None: strategies = [s for s in STRATEGIES if s != 'min_slack' or len(lens) <= MIN_SLACK_MAX_ROWS]
     n_tok, lb = int(lens.sum()), lower_bound(lens, capacity)
     pad_area = padded_area(lens, batch_size)
-    rows = [dict(strategy='padded', bins=len(lens), lower_bound=lb, efficiency=n_tok / pad_area if pad_area else 0.0,
-                 pad_tokens=pad_area - n_tok, pad_saved=0, truncated=len(truncated), plan_s=0.0)]
+    rows = [dict(strategy='padded', bins=len(lens), lower_bound=lb, efficiency=n_tok / (pad_area + cut) if pad_area else 0.0,
+                 pad_tokens=pad_area - n_tok, pad_saved=0, truncated=len(truncated), cut_tokens=cut, plan_s=0.0)]
     for s in strategies:
         t = time.perf_counter(); p = pack(lens, capacity, s, dp=dp); dt = time.perf_counter() - t
         pad = len(p) * capacity - n_tok
-        rows.append(dict(strategy=s, bins=len(p), lower_bound=lb, efficiency=p.efficiency, pad_tokens=pad,
-                         pad_saved=pad_area - n_tok - pad, truncated=len(truncated), plan_s=dt))
+        rows.append(dict(strategy=s, bins=len(p), lower_bound=lb, efficiency=n_tok / (len(p) * capacity + cut), pad_tokens=pad,
+                         pad_saved=pad_area - n_tok - pad, truncated=len(truncated), cut_tokens=cut, plan_s=dt))
     return pd.DataFrame(rows)
 
 # %% ../nbs/04a_packsim.ipynb #914e96b8
 PALETTE = ('#4c78a8', '#f58518', '#54a24b', '#e45756', '#72b7b2', '#eeca3b', '#b279a2', '#ff9da6', '#9d755d', '#bab0ac')
+
+def plan_headline(plan: PackPlan, lengths: Sequence[int]) -> str:
+    "'bfd: 12 bins, efficiency 71.3%, 35 of 39 rows cut': the efficiency counts the tokens truncation cut as lost, like padding."
+    cut = int(np.asarray(lengths, dtype=np.int64).sum()) - plan.n_real
+    eff = plan.n_real / (len(plan) * plan.capacity + cut) if plan.bins else 0.0
+    rows = f', {len(plan.truncated)} of {len(lengths)} rows cut ({cut:,} tokens lost)' if plan.truncated else ''
+    return f'{plan.strategy}: {len(plan)} bins of {plan.capacity}, efficiency {eff:.1%}{rows}'
 
 def plan_fig(plan: PackPlan, # the plan to draw
              lengths: Sequence[int], # tokens per row (the plan's input)
@@ -64,14 +72,14 @@ def plan_fig(plan: PackPlan, # the plan to draw
     fig.add_hline(y=plan.capacity, line_dash='dash', line_color='grey')
     more = f' (first {len(shown)} shown)' if len(shown) < len(plan) else ''
     fig.update_layout(barmode='stack', showlegend=False, height=320, margin=dict(l=50, r=20, t=40, b=40), bargap=0.1,
-                      title=f'{plan.strategy}: {len(plan)} bins{more}, efficiency {plan.efficiency:.1%}',
+                      title=plan_headline(plan, lengths) + more,
                       xaxis_title='bin', yaxis_title='tokens', yaxis_range=[0, plan.capacity * 1.05])
     return fig
 
 def plan_text(plan: PackPlan, lengths: Sequence[int], width: int = 64, max_bins: int = 20) -> str:
     "The plan as text: one line per bin, a letter run per row, '.' for padding."
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), plan.capacity)
-    lines = [f'{plan.strategy}: {len(plan)} bins of {plan.capacity}, efficiency {plan.efficiency:.1%}']
+    lines = [plan_headline(plan, lengths)]
     for i, b in enumerate(plan.bins[:max_bins]):
         cells = ''.join('abcdefghijklmnopqrstuvwxyz'[k % 26] * max(1, round(lens[r] * width / plan.capacity)) for k, r in enumerate(b))
         lines.append(f'{i:>4} {cells[:width]:.<{width}} {plan.tokens[i]}')

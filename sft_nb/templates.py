@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools, hashlib, json, re, time
 from dataclasses import dataclass
 from pathlib import Path
+from .errors import UserError
 
 # %% auto #0
 __all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS', 'FAMILY_SPECIALS',
@@ -36,7 +37,7 @@ def templates_with(feature: str) -> list[str]:
     return [n for n, (_, fs) in CHAT_TEMPLATES.items() if feature in fs]
 
 # %% ../nbs/02a_templates.ipynb #09c95fc2
-class TemplateError(ValueError):
+class TemplateError(UserError, ValueError):
     "A chat template behaves in a way that would make masks wrong; the message names the behaviour."
 
 def load_template(template: str | None) -> str | None:
@@ -45,8 +46,11 @@ def load_template(template: str | None) -> str | None:
     if template in CHAT_TEMPLATES: return shipped_template(template)
     p = Path(template).expanduser()
     if p.is_file(): return p.read_text()
-    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template "
-                        f"({', '.join(CHAT_TEMPLATES)}); a template path must exist, inline Jinja has {{% or {{{{")
+    import difflib
+    near = difflib.get_close_matches(template, CHAT_TEMPLATES, n=1)
+    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template ({', '.join(CHAT_TEMPLATES)})",
+                        fix=(f"did you mean {near[0]!r}? " if near else '') + "give a shipped name, a .jinja file that exists, "
+                            "inline Jinja (it has {% or {{), or nothing for the model's own template")
 
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
     "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."

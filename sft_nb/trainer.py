@@ -11,6 +11,7 @@ from pathlib import Path
 import pandas as pd
 from fastcore.basics import patch
 from .config import SFTConfig, load_config, save_config
+from .errors import UserError
 from .stream import StreamPlan
 from .dataplan import DataPlan, synthetic_dataset
 from .templates import chat_ids, load_template
@@ -26,7 +27,7 @@ __all__ = ['TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class'
            'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
-class TrainerBusy(RuntimeError):
+class TrainerBusy(UserError, RuntimeError):
     "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
 
 class Exclusive:
@@ -265,6 +266,10 @@ def train(self: SFTTrainer) -> pd.DataFrame:
 @action('evaluate')
 def evaluate(self: SFTTrainer) -> dict:
     "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
+    if self.eval_history and self.last_eval.get('step') == self.global_step:  # no step since: the same weights
+        loss = f" (eval_loss {self.last_eval['eval_loss']:.4f})" if 'eval_loss' in self.last_eval else ''
+        print(f"no step since the evaluation at step {self.global_step}: the same weights, its result stands{loss}; nothing counted again")
+        return self.last_eval
     self.last_eval = eval_metrics(self.global_step, {name: self.backend.eval_loss(b) for name, b in self.data.eval_batches()})
     self.eval_history.append(self.last_eval)
     self._emit('on_evaluate', self.last_eval)

@@ -101,8 +101,9 @@ class Notebook:
         self.page.wait_for_function('''() => {
             const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
             const ps = [...nb.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
-            // JupyterLab renders an error output as stderr text; IPython's traceback header tells it from a warning
-            const failed = [...nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
+            // JupyterLab renders an error output as stderr text; IPython's traceback header tells it from a warning, and
+            // a user's mistake (sft_nb.errors) is a short box followed by its folded traceback
+            const failed = nb.querySelector('.sft-nb-error-tb') || [...nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
                 .some(e => e.textContent.includes('Traceback (most recent call last)'));
             return ps.length > 0 && (ps.every(t => /^\\[\\d+\\]:$/.test(t)) || (failed && !ps.some(t => t.includes('*')))); }''',
             timeout=timeout * 1000, polling=500)
@@ -122,9 +123,12 @@ class Notebook:
         return self.page.locator('.jp-NotebookPanel .jp-CodeCell', has=self.page.locator('.cm-content', has_text=code)).last
 
     def errors_shown(self, within=None):
-        "Error outputs (tracebacks) on the page, or within one cell."
-        return (within or self.page).locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]',
-                                             has_text='Traceback (most recent call last)')
+        "Error outputs on the page, or within one cell: tracebacks, and the short boxes of a user's mistake (`user_errors`)."
+        return (within or self.page).locator(f'{STDERR}:has-text("Traceback (most recent call last)"), {USER_ERROR}')
+
+    def user_errors(self, within=None):
+        "The short boxes of a user's mistake (`sft_nb.errors`): the stderr output that the folded traceback follows."
+        return (within or self.page).locator(USER_ERROR)
 
     def check_clean(self):
         "Widgets rendered as widgets (not as their text repr), no cell failed, no console error."
@@ -136,6 +140,10 @@ class Notebook:
 
     def shot(self, name: str, locator=None):
         (locator or self.page).screenshot(path=str(SHOTS / f'{name}.png'))
+
+
+STDERR = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
+USER_ERROR = f'.jp-OutputArea-child:has(+ .jp-OutputArea-child .sft-nb-error-tb) {STDERR}'
 
 
 def status(nb) -> str: return nb.page.locator('.sft-nb-status').text_content()  # off screen (a cell below ran), innerText is ''

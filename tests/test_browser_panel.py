@@ -8,7 +8,8 @@ and reasoning), max_length 440 with truncation 'keep_start' (the longer tool-cal
    second `trainer.fit()` from a cell is refused (`TrainerBusy`) and the panel's fit goes on, Stop ends it within one
    step of the click;
 2. eval samples: each Evaluate lists the model's answers under the chart, newest evaluation first, marked (inserted /
-   removed words) against the one before, and the page shows what the kernel's `trainer.samples` holds;
+   removed words) against the one before, and the page shows what the kernel's `trainer.samples` holds; Evaluate again
+   with no step in between re-reports and counts nothing (no eval line, no sample block);
 3. chat: type, Send, the reply streams in (several partial texts seen on the page) and is what the kernel's chat box
    holds; no red stderr box from the workers' weight loading;
 4. one truth: the notebook's own inspector, walked over every row of both files in the kernel, gives the ids and masks
@@ -62,12 +63,14 @@ def _wait_idle(page):
     page.wait_for_function('() => !document.querySelector(".sft-nb-panel button").disabled', timeout=120_000)
 
 
+EVAL_LINES = "[...document.querySelectorAll('.sft-nb-log .sft-nb-log-text > div')].filter(d => d.textContent.startsWith('eval at step')).length"
+
+
 def _evaluate(nb) -> int:
     "Click Evaluate; wait for its 'eval at step' log line and 4 sample rows per evaluation; returns the number of evaluations."
-    count = "[...document.querySelectorAll('.sft-nb-log .sft-nb-log-text > div')].filter(d => d.textContent.startsWith('eval at step')).length"
-    n = nb.page.evaluate(f'() => {count}') + 1
+    n = nb.page.evaluate(f'() => {EVAL_LINES}') + 1
     button(nb, 'Evaluate').click()
-    nb.page.wait_for_function(f'() => {count} === {n}', timeout=180_000)
+    nb.page.wait_for_function(f'() => {EVAL_LINES} === {n}', timeout=180_000)
     nb.page.wait_for_function(f"() => document.querySelectorAll('{SAMPLES}').length === {4 * n}", timeout=60_000)
     _wait_idle(nb.page)
     return n
@@ -122,6 +125,8 @@ def test_step_fit_stop_evaluate(run):
     err = nb.errors_shown(run.busy_cell)
     err.wait_for(timeout=60_000)
     assert 'TrainerBusy' in err.inner_text() and 'trainer.fit() is running in another thread' in err.inner_text()
+    assert nb.user_errors(run.busy_cell).count() == 1  # the user's mistake: one short box, its traceback folded
+    assert 'Traceback (most recent call last)' not in run.busy_cell.locator('.jp-OutputArea').inner_text()
     assert 'fit running (from the panel)' in status(nb)
     # train on until the answers have had time to change (an eval_every evaluation may come meanwhile), then stop
     page.wait_for_function("() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= 40",
@@ -140,7 +145,8 @@ def test_step_fit_stop_evaluate(run):
 
 def test_samples_newest_first_marked_against_the_last(run):
     nb, page, stopped = run.nb, run.page, run.stopped
-    n = _evaluate(nb)  # 2, or 3 when the fit passed step 50 (an eval_every evaluation)
+    # 2, or 3 when the fit passed step 50 (an eval_every evaluation); stopped right after that one, it is the newest
+    n = _evaluate(nb) if stopped % 50 else page.evaluate(f'() => {EVAL_LINES}')
     page.locator('.sft-nb-log', has_text=f'eval at step {stopped}').wait_for(timeout=10_000)
     heads = page.locator('.sft-nb-samples-eval b').all_inner_texts()
     assert heads[0] == f'samples at step {stopped}' and heads[-1] == 'samples at step 2' and len(heads) == n, heads  # newest first
@@ -156,6 +162,17 @@ def test_samples_newest_first_marked_against_the_last(run):
     assert [k[0] for k in kernel[:4]] == [2] * 4 and [k[0] for k in kernel[-4:]] == [stopped] * 4 and len(kernel) == 4 * n
     groups = [kernel[i:i + 4] for i in range(0, len(kernel), 4)][::-1]
     assert [(r['prompt'], r['answer']) for r in shown] == [(p, a) for g in groups for _, p, a in g]
+
+
+def test_evaluate_again_counts_nothing(run):
+    "Evaluate with no step since the last evaluation re-reports it: no new eval line, no sample block (nor an early-stopping count)."
+    nb, page = run.nb, run.page
+    n, samples = page.evaluate(f'() => {EVAL_LINES}'), page.locator(SAMPLES).count()
+    button(nb, 'Evaluate').click()
+    page.locator('.sft-nb-log', has_text=f'no step since the evaluation at step {run.stopped}: the same weights').wait_for(timeout=120_000)
+    _wait_idle(page)
+    assert page.evaluate(f'() => {EVAL_LINES}') == n and page.locator(SAMPLES).count() == samples
+    assert _kernel(nb, "print('EVALS', len(trainer.eval_history))", 'EVALS') == n
 
 
 def test_chat_streams_what_the_kernel_holds(run):

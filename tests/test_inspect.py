@@ -224,13 +224,13 @@ def test_inspector_history_controls(tiny_tok):
 
 # which checks each real template fails, on the first 20 glaive rows plus two plain chats
 EXPECTED_FAILS = {  # 'unrendered': glaive's tool schemas and tool_calls reach no template here but Qwen2.5's
-    'chatml': {'renders', 'text_after_eot', 'unrendered'},
+    'chatml': {'renders', 'unrendered'},
     'llama-3-instruct': {'renders', 'unrendered'},
     'mistral-instruct': {'renders', 'unrendered'},
-    'gemma-it': {'renders', 'text_after_eot', 'unrendered'},
-    'phi-3': {'renders', 'text_after_eot', 'unrendered'},
-    'qwen2.5-instruct': {'default_system_prompt', 'text_after_eot'},
-    'smollm2': {'default_system_prompt', 'empty_trained_span', 'text_after_eot', 'unrendered'},
+    'gemma-it': {'renders', 'unrendered'},
+    'phi-3': {'renders', 'unrendered'},
+    'qwen2.5-instruct': {'default_system_prompt'},
+    'smollm2': {'default_system_prompt', 'empty_trained_span', 'unrendered'},
 }
 MULTI = [{'role': 'user', 'content': 'Hi there, who are you?'}, {'role': 'assistant', 'content': 'I am a tiny model.'},
          {'role': 'user', 'content': 'What is 2 + 2?'}, {'role': 'assistant', 'content': '  It is 4.\n'}]
@@ -250,7 +250,7 @@ def test_lint_real_templates(family, tiny_path, shared, lint_samples):
         template = (shared / 'templates' / f'{family}.jinja').read_text()
         if family != 'qwen2.5-instruct': template = collapse_template(template)
     lint = lint_template(tok, lint_samples, template)
-    assert list(lint.check) == list(CHECKS) and set(lint.status) <= {'pass', 'fail', 'n/a'}
+    assert list(lint.check) == list(CHECKS) and set(lint.status) <= {'pass', 'info', 'fail', 'n/a'}
     assert failed(lint) == EXPECTED_FAILS[family]
     r = lint.set_index('check')
     assert (r.example[r.status == 'fail'] != '').all()  # every failure shows an offending example
@@ -260,7 +260,7 @@ def test_lint_real_templates(family, tiny_path, shared, lint_samples):
         assert r.loc['default_system_prompt', 'example'] == 'You are a helpful AI assistant named SmolLM, trained by Hugging Face'
         assert r.loc['empty_trained_span', 'example'] == "message 3 trains only '<|im_end|>': its tool_calls are not rendered"
     if family == 'chatml':
-        assert r.loc['text_after_eot', 'example'] == "'<|im_end|>' is followed by '\\n'"
+        assert r.loc['text_after_eot', 'status'] == 'info' and r.loc['text_after_eot', 'example'].startswith("'<|im_end|>' is followed by '\\n': never trained")
         assert r.loc['renders', 'example'].startswith('8 of 22 samples refused; first: TemplateError: chat template given in tokenize.chat_template')
         assert 'Conversation roles must alternate' in r.loc['renders', 'example']
         assert 'tool_calls (sample 0): not rendered' in r.loc['unrendered', 'example'] and 'tokenize.chat_template: qwen2.5 | qwen3' in r.loc['unrendered', 'example']
@@ -271,8 +271,27 @@ def test_lint_smollm2_real_tokenizer(lint_samples):
     from sft_nb.models import smollm2_instruct
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
     lint = lint_template(tok, lint_samples, smollm2_chat_template())
-    assert failed(lint) == {'default_system_prompt', 'empty_trained_span', 'text_after_eot', 'whitespace_merged', 'unrendered'}
+    assert failed(lint) == {'default_system_prompt', 'empty_trained_span', 'whitespace_merged', 'unrendered'}
     assert lint.set_index('check').loc['whitespace_merged', 'sample'] == 20  # MULTI: '  It is 4.'
+
+
+
+def test_lint_verdicts_match_training(glaive):
+    "The recommended templates on the shipped examples' data (the identity demo; qwen3 also on the glaive tool calls and the "
+    "tool-call and reasoning fixtures): no `fail`; what the masks or `history='expand'` handle is `info`, saying how. ChatML "
+    "on tool calls it does not render: still `fail`."
+    from sft_nb.demo_data import identity_rows
+    from sft_nb.data import load_source, row_dict
+    demo = identity_rows()['train'][:20]
+    fixtures = Path(__file__).parent / 'fixtures'
+    fix = [row_dict(r) for f in ('tool_calls.jsonl', 'reasoning.jsonl') for r in load_source(str(fixtures / f)).select(range(10))]
+    for name, rows in (('chatml', demo), ('qwen3', demo + glaive[:20] + fix)):
+        lint = lint_template(load_tokenizer('tiny', name), rows, name)
+        assert failed(lint) == set(), (name, lint[lint.status == 'fail'])
+        r = lint.set_index('check')
+        assert r.loc['text_after_eot', 'status'] == 'info' and 'never trained' in r.loc['text_after_eot', 'example']
+    assert r.loc['rewrites_history', 'status'] == 'info' and "history='expand'" in r.loc['rewrites_history', 'example']  # qwen3
+    assert 'unrendered' in failed(lint_template(load_tokenizer('tiny', 'chatml'), glaive[:20], 'chatml'))  # tool calls never reach the tokens
 
 
 def test_batch_heatmap(qwen, glaive):

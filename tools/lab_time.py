@@ -14,7 +14,7 @@ sys.path.insert(0, str(ROOT / 'tests'))
 
 
 def main():
-    from test_browser import Notebook, _free_port
+    from jupyter_lab import Notebook, _free_port
     port, token = _free_port(), secrets.token_hex(16)
     settings = Path(tempfile.mkdtemp()) / 'settings'  # no autosave: the examples stay as they are in git
     (settings / '@jupyterlab' / 'docmanager-extension').mkdir(parents=True)

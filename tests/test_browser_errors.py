@@ -1,0 +1,92 @@
+"""A user's mistake in a real JupyterLab + headless Chromium (the session's server and browser, tests/jupyter_lab.py):
+`examples/interactive.ipynb` and `examples/inspect.ipynb` with a missing data file, an unknown template and
+`max_length=8` show one short box naming the problem and the fix (`sft_nb.errors`), no traceback line visible until its
+fold is clicked. One kernel per notebook: Run All stops at the first mistake; each next mistake is set in a new cell and
+the cell that reads it is run again. Screenshots: build/browser/error_*.png."""
+from __future__ import annotations
+import re
+import pytest
+from jupyter_lab import Notebook, with_params
+from sft_nb.lint import CHECKS
+
+pytestmark = pytest.mark.timeout(900)
+TB = 'Traceback (most recent call last)'
+
+
+def _code_cell(nb, text: str):
+    "The notebook's code cell whose source contains `text`."
+    return nb.page.locator('.jp-NotebookPanel .jp-CodeCell', has=nb.page.locator('.cm-content', has_text=text)).first
+
+
+def _run_menu(nb, command: str):
+    nb.page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Run$')).click()
+    nb.page.locator(f'.lm-Menu-item[data-command="{command}"]').click()
+
+
+def _rerun(nb, cell):
+    "Run `cell` again (Shift+Enter in its editor)."
+    cell.locator('.cm-content').click()
+    nb.page.keyboard.press('Shift+Enter')
+
+
+def _check_box(nb, cell, kind: str, what: str, fix: str, shot: str) -> str:
+    "Wait for `cell`'s box of `kind`; it names `what` and `fix` in at most 3 lines, and no traceback line shows until the fold opens."
+    box = nb.user_errors(cell)
+    box.filter(has_text=f'{kind}: ').wait_for(timeout=180_000)
+    text = box.inner_text()
+    assert box.count() == 1 and text.startswith(f'{kind}: ') and what in text and fix in text, text
+    assert len(text.strip().splitlines()) <= 3 and TB not in text and 'File "' not in text, text
+    outputs = cell.locator('.jp-OutputArea')
+    assert TB not in outputs.inner_text() and nb.errors_shown(cell).count() == 1  # the fold is closed: nothing of it but its summary
+    cell.scroll_into_view_if_needed(); nb.shot(shot, cell)
+    return text
+
+
+def test_mistakes_in_interactive_show_one_box(lab, browser):
+    nb = Notebook(browser, lab, with_params('interactive.ipynb', 'interactive_errors.ipynb', {'train_data': "'nope.jsonl'"}))
+    try:
+        _run_menu(nb, 'runmenu:run-all')
+        setup = _code_cell(nb, 'trainer.setup()')
+        _check_box(nb, setup, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_interactive_missing')
+        setup.locator('.sft-nb-error-tb summary').click()  # one click opens the traceback
+        assert TB in setup.locator('.jp-OutputArea').inner_text()
+        nb.shot('error_interactive_missing_open', setup)
+
+        nb.run_new_cell("train_data, template = '', 'qwen4'")
+        _rerun(nb, setup)
+        _check_box(nb, setup, 'TemplateError', "tokenize.chat_template: 'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_interactive_template')
+
+        nb.run_new_cell("template, max_length = '', 8")
+        _rerun(nb, setup)
+        text = _check_box(nb, setup, 'ConfigError', 'data.train: no usable rows', 'tokenize.max_length=', 'error_interactive_max_length')
+        assert re.search(r"fix: tokenize\.max_length=\d+ keeps all \d+.*tokenize\.truncation='keep_start' keeps all \d+", text), text
+        assert not nb.errors, nb.errors
+    finally: nb.close()
+
+
+def test_mistakes_in_inspect_show_one_box(lab, browser):
+    "max_length=8 is no error here (the report lists the dropped rows and what keeps them; the lint table shows every column in "
+    "full); a missing file and an unknown template are."
+    nb = Notebook(browser, lab, with_params('inspect.ipynb', 'inspect_errors.ipynb', {'max_length': '8'}))
+    try:
+        nb.run_all()  # no cell fails: every row is too long, and the report says so
+        report = nb.page.locator('.jp-OutputArea-output', has_text='rows: 0 kept, dropped too_long=').first
+        assert re.search(r"to keep the too-long rows: tokenize\.max_length=\d+ keeps all \d+", report.inner_text()), report.inner_text()
+        report.scroll_into_view_if_needed(); nb.shot('error_inspect_max_length', report)
+        lint = nb.page.locator('.jp-OutputArea-output table', has_text='text_after_eot').first  # the lint table, every column in full
+        shown = lint.inner_text()
+        assert CHECKS['text_after_eot'] in shown and CHECKS['unrendered'] in shown and '...' not in shown, shown
+        assert re.search(r'text_after_eot\s+info', shown), shown  # ChatML's newline after <|im_end|> never trains
+        lint.scroll_into_view_if_needed(); nb.shot('lint_table', lint)
+
+        nb.run_new_cell("data, max_length = 'nope.jsonl', 2048")
+        reads = _code_cell(nb, 'inspector = Inspector(data, tok, spec, row=row)')
+        _rerun(nb, reads)
+        _check_box(nb, reads, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_inspect_missing')
+
+        nb.run_new_cell("data, template = None, 'qwen4'")
+        _rerun(nb, _code_cell(nb, 'tok = load_tokenizer(model, template)'))  # the tokenizer and the config with the new template
+        _rerun(nb, reads)  # which loads the template
+        _check_box(nb, reads, 'TemplateError', "'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_inspect_template')
+        assert not nb.errors, nb.errors
+    finally: nb.close()
