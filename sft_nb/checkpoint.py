@@ -17,7 +17,7 @@ __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointErr
 class RunDirBusy(RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
-RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml')
+RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml', 'events.jsonl')
 
 def run_outputs(run_dir) -> list[str]:
     "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
@@ -130,6 +130,8 @@ def check_state(state, path) -> dict:
     if m and int(m[1]) != state['global_step']:
         raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
     if not isinstance(state.get('sampler', ''), str): raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
+    for k in ('identity', 'config'):  # what a resume compares (DataPlan.check_resume)
+        if not isinstance(state.get(k, {}), dict): raise CheckpointError(f"{f}: field {k!r} is {state[k]!r}, expected an object")
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     for i, r in enumerate(state['history']):  # the metrics a resumed run reports and plots
         k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
@@ -278,12 +280,12 @@ def _candidates(self: Checkpointer) -> list[Path]:
     return found
 
 @patch
-def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str) -> Path | None:
-    "The verified checkpoint `spec` names, checked against this run (steps, sampler); 'latest'/'auto' with no checkpoint yet: None."
+def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
+    "The verified checkpoint `spec` names; 'latest'/'auto' with no checkpoint yet: None."
     if spec in ('latest', 'auto'):
         problems = []
         for path in self._candidates():
-            try: state = verify_checkpoint(path); break
+            try: verify_checkpoint(path); break
             except CheckpointError as e: problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
         else:
             if not problems: return None
@@ -294,12 +296,7 @@ def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str
         if not path.exists(): raise FileNotFoundError(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
         if not (_STEP.fullmatch(path.name) and path.is_dir()):
             raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
-        state = verify_checkpoint(path)
-    if state['total_steps'] != total_steps:
-        raise ConfigError(f"checkpoint.resume: the checkpoint's run has {state['total_steps']} steps, this config {total_steps}")
-    if state.get('sampler', 'random') != sampler:
-        raise ConfigError(f"train.sampler: the checkpoint's run used {state.get('sampler', 'random')!r}, this config "
-                          f"{sampler!r}; resuming would train on other rows than the run it continues")
+        verify_checkpoint(path)
     return path
 
 @patch

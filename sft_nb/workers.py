@@ -143,7 +143,7 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
     import shutil
     from transformers import AutoTokenizer
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tokenizer_path or source).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(path)
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
 
 class TrainWorker(DistWorker):

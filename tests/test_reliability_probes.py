@@ -99,7 +99,7 @@ def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message)
     try:
         path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'history': [record]})
         with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
-            ck.resolve(str(path), 4, 'random')
+            ck.resolve(str(path))
     finally: ck.release()
 
 
@@ -168,14 +168,14 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
     try:
         for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'history': [{'step': i + 1} for i in range(s)]})
         damage(ck.dir / 'step_000004')
-        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'), 4, 'random')
+        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'))
         with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):
-            assert ck.resolve('latest', 4, 'random') == ck.dir / 'step_000002'
+            assert ck.resolve('latest') == ck.dir / 'step_000002'
     finally: ck.release()
 
 
 @pytest.mark.parametrize('source, tokenize, reason', [
-    ({'format': 'alpaca'}, {}, "row 0: bad_format: alpaca: no 'instruction' and no 'output' field (the row has 'messages'); is it another format?"),
+    ({'format': 'alpaca'}, {}, "row 0: mixed_formats: looks like messages (messages), the source's rows like Alpaca"),
     ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
 def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
     "'no usable rows' in the CLI gives each row's reason (a CLI user has no trainer.data_report), never 'has no rows; mixing the others'."
