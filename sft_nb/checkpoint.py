@@ -4,7 +4,7 @@
 
 # %% ../nbs/07e_checkpoint.ipynb #c23dda2a
 from __future__ import annotations
-import hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
+import errno, hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
 from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
@@ -245,11 +245,13 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
         write_digests(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays; the earlier checkpoints are untouched
-        if getattr(e, 'errno', None) == 28 or any(s in str(e) for s in ('No space left', 'unexpected pos')):  # torch's zip writer on a full disk
-            free = shutil.disk_usage(self.dir).free // 2**20
-            raise CheckpointError(f"checkpoint {final}: no space left on the disk of {self.dir} ({free} MiB free) while saving: {e}. "
-                                  "The earlier checkpoints are kept; free space, then save again") from e
-        raise
+        full = getattr(e, 'errno', None) == errno.ENOSPC or any(s in str(e) for s in ('No space left', 'unexpected pos'))  # torch's zip writer on a full disk
+        if not (full or isinstance(e, OSError)): raise
+        free = shutil.disk_usage(self.dir).free // 2**20
+        what = 'no space left on the disk' if full else f"a write failed ({e.strerror or e})"
+        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free} MiB free there). The trained state of step "
+                              f"{step} is still in memory and the earlier checkpoints are kept: {'free space' if full else 'fix the folder'}, "
+                              "then save again (trainer.save())") from None
     old = self.dir / f'.old_step_{step:06d}'  # a checkpoint of this step from before a resume: replaced
     if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
     os.rename(tmp, final)

@@ -182,7 +182,7 @@ def check_weights(folder: Path) -> None:
             head = fh.read(8)
             n = int.from_bytes(head, 'little') if len(head) == 8 else None
             bad = f"is {size} bytes, too short for a safetensors header" if n is None else (
-                  f"its header claims {n:,} bytes, the file has {size:,}" if 8 + n > size else None)
+                  f"its header claims {n:,} bytes, the file has {size:,} bytes" if 8 + n > size else None)
             if bad is None:
                 try: meta = json.loads(fh.read(n))
                 except (ValueError, UnicodeDecodeError) as e: meta, bad = {}, f"its header is not JSON ({e})"

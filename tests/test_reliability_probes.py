@@ -116,8 +116,9 @@ def test_disk_full_during_save_names_the_space(tmp_path, fault):
         def full(tmp):
             (tmp / 'shard').write_bytes(b'half')
             raise fault
-        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'}: no space left on the disk of {ck.dir} "
-                                                  r"\(\d+ MiB free\) while saving: .*The earlier checkpoints are kept; free space, then save again"):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'} not saved: no space left on the disk of {ck.dir} "
+                                                  r"\(\d+ MiB free there\)\. The trained state of step 2 is still in memory and the earlier "
+                                                  r"checkpoints are kept: free space, then save again \(trainer\.save\(\)\)$"):
             ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'history': [{'step': 1}, {'step': 2}]})
         assert ck.checkpoints() == [good] and (ck.dir / 'latest').read_text() == good.name and not list(ck.dir.glob('.tmp_step_*'))
     finally: ck.release()
