@@ -153,7 +153,6 @@ class TokenizeConfig:
     mode: Literal['all_assistant', 'last_assistant', 'all', 'completion_only'] = 'all_assistant'  # which tokens are trained
     max_length: int = 2048  # longest row in tokens (library calls may pass None: no limit)
     truncation: Literal['drop', 'keep_start'] = 'drop'  # over-long rows: drop them, or keep the first max_length tokens
-    extend_context: bool = False  # allow max_length beyond the model's positions (max_position_embeddings, or its RoPE scaling's limit): you extend its context on purpose
     chat_template: str | None = None  # a Jinja template (text or file path) replacing the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
     format: Literal['auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'pretokenized'] = 'auto'  # row format of sources whose own `format` is auto
@@ -163,6 +162,7 @@ class TokenizeConfig:
     num_proc: int = 1  # processes for tokenization
     ray_shards: int = 0  # > 0: tokenize as this many Ray tasks over the cluster's CPUs (multi-node)
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
+    extend_context: bool = False  # allow max_length beyond the model's positions (max_position_embeddings, or its RoPE scaling's limit): you extend its context on purpose
     def __post_init__(self):
         check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
 

@@ -86,9 +86,10 @@ def test_resume_with_an_unchanged_config_equals_uninterrupted(tiny_path, tmp_pat
         h = t.fit()
     assert h.loss.tolist() == straight[2].loss.tolist() and h.grad_norm.tolist() == straight[2].grad_norm.tolist()
     ev = [json.loads(l) for l in (run / 'events.jsonl').read_text().splitlines()]
-    assert ev == [{'event': 'resume', 'step': 2, 'checkpoint': 'step_000002', 'changed': {'data.train': ev[0]['changed']['data.train']}}]
+    assert [(e['event'], e['step'], e['checkpoint'], sorted(e['changed'])) for e in ev] == [('resume', 2, 'step_000002', ['checkpoint.run_dir', 'data.train'])]
     then, now = (json.loads(v) for v in ev[0]['changed']['data.train'])
-    assert (Path(then[0]['path']).name, now[0]['path']) == ('rows.jsonl', str(data))  # only the path: recorded, not refused
+    assert (then[0]['path'], now[0]['path']) == (str(straight[1]), str(data))  # the folder and the file moved: recorded, not refused
+    assert ev[0]['changed']['checkpoint.run_dir'] == [str(straight[0]), str(run)]
 
 
 def test_resume_with_a_changed_lr_is_allowed_and_recorded(tiny_path, tmp_path, straight):
@@ -101,7 +102,7 @@ def test_resume_with_a_changed_lr_is_allowed_and_recorded(tiny_path, tmp_path, s
     assert h.loss.tolist()[:2] == straight[2].loss.tolist()[:2]
     assert h.lr.tolist() == pytest.approx([lr_at(s, 1e-2, 4, 'cosine') for s in (0, 1)] + [lr_at(s, 5e-3, 4, 'cosine') for s in (2, 3)])
     ev = json.loads((run / 'events.jsonl').read_text())
-    assert ev['step'] == 2 and ev['changed'] == {'optim.lr': [1e-2, 5e-3]}
+    assert ev['step'] == 2 and ev['changed'] == {'optim.lr': [1e-2, 5e-3], 'checkpoint.run_dir': [str(straight[0]), str(run)]}  # (this test's copy of the run)
     text = (run / 'config.yaml').read_text()
     assert '# resumed at step 2 from step_000002: optim.lr 0.01 -> 0.005' in text
     assert yaml.safe_load(text)['optim']['lr'] == 5e-3
@@ -121,6 +122,7 @@ def test_finished_run_is_extended_under_the_stated_lr_rule(tiny_path, tmp_path, 
     assert [r['loss'] for r in train[:4]] == straight[2].loss.tolist()
     assert [r['lr'] for r in train] == pytest.approx([lr_at(s, 1e-2, 4, 'cosine') for s in range(4)] + [lr_at(s, 1e-2, 6, 'cosine') for s in (4, 5)])
     ev = json.loads((run / 'events.jsonl').read_text())
-    assert (ev['step'], ev['changed'], ev['lr_schedule']) == (4, {'train.num_steps': [4, 6]}, LR_RULE)
+    moved = ('checkpoint.run_dir', 'data.train')  # this test's copies of the run and its file
+    assert (ev['step'], {k: v for k, v in ev['changed'].items() if k not in moved}, ev['lr_schedule']) == (4, {'train.num_steps': [4, 6]}, LR_RULE)
     assert LR_RULE in (run / 'config.yaml').read_text()
     assert sorted(p.name for p in (run / 'checkpoints').glob('step_*'))[-1] == 'step_000006'
