@@ -247,9 +247,10 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays; the earlier checkpoints are untouched
         full = getattr(e, 'errno', None) == errno.ENOSPC or any(s in str(e) for s in ('No space left', 'unexpected pos'))  # torch's zip writer on a full disk
         if not (full or isinstance(e, OSError)): raise
-        free = shutil.disk_usage(self.dir).free // 2**20
+        free, cks = shutil.disk_usage(self.dir).free, self.checkpoints()
+        full = full or bool(cks) and free < sum(f.stat().st_size for f in cks[-1].rglob('*') if f.is_file())  # less room than one checkpoint takes
         what = 'no space left on the disk' if full else f"a write failed ({e.strerror or e})"
-        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free} MiB free there). The trained state of step "
+        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free // 2**20} MiB free there). The trained state of step "
                               f"{step} is still in memory and the earlier checkpoints are kept: {'free space' if full else 'fix the folder'}, "
                               "then save again (trainer.save())") from None
     old = self.dir / f'.old_step_{step:06d}'  # a checkpoint of this step from before a resume: replaced

@@ -62,6 +62,7 @@ def write_error(e: BaseException) -> dict | None:
         if isinstance(x, OSError) and x.errno: return {'errno': x.errno, 'what': (x.strerror or str(x)) + (f" ({x.filename})" if x.filename else '')}
         if 'No space left' in str(x) or 'unexpected pos' in str(x):  # torch's zip writer on a full disk
             return {'errno': errno.ENOSPC, 'what': os.strerror(errno.ENOSPC)}
+        if 'file write failed' in str(x): return {'errno': errno.EIO, 'what': 'torch could not write a file (file write failed)'}  # its zip writer: no errno
         todo += [x.__cause__, x.__context__] + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()]
     return None
 
