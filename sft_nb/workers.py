@@ -127,7 +127,7 @@ class DistWorker:
         raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result and
         fails on all of them together, so no rank is left waiting in a collective."""
         try: self.save(path); return None
-        except Exception as e:
+        except BaseException as e:  # torch DCP's CheckpointException is a BaseException
             if (err := write_error(e)) is None: raise
             return err
 
