@@ -4,7 +4,7 @@
 
 # %% ../nbs/07e_checkpoint.ipynb #c23dda2a
 from __future__ import annotations
-import hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
+import errno, hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
 from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
@@ -18,7 +18,7 @@ __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointErr
 class RunDirBusy(UserError, RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
-RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml')
+RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml', 'events.jsonl')
 
 def run_outputs(run_dir) -> list[str]:
     "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
@@ -131,6 +131,8 @@ def check_state(state, path) -> dict:
     if m and int(m[1]) != state['global_step']:
         raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
     if not isinstance(state.get('sampler', ''), str): raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
+    for k in ('identity', 'config'):  # what a resume compares (DataPlan.check_resume)
+        if not isinstance(state.get(k, {}), dict): raise CheckpointError(f"{f}: field {k!r} is {state[k]!r}, expected an object")
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     for i, r in enumerate(state['history']):  # the metrics a resumed run reports and plots
         k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
@@ -244,11 +246,14 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
         write_digests(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays; the earlier checkpoints are untouched
-        if getattr(e, 'errno', None) == 28 or any(s in str(e) for s in ('No space left', 'unexpected pos')):  # torch's zip writer on a full disk
-            free = shutil.disk_usage(self.dir).free // 2**20
-            raise CheckpointError(f"checkpoint {final}: no space left on the disk of {self.dir} ({free} MiB free) while saving: {e}. "
-                                  "The earlier checkpoints are kept; free space, then save again") from e
-        raise
+        full = getattr(e, 'errno', None) == errno.ENOSPC or any(s in str(e) for s in ('No space left', 'unexpected pos'))  # torch's zip writer on a full disk
+        if not (full or isinstance(e, OSError)): raise
+        free, cks = shutil.disk_usage(self.dir).free, self.checkpoints()
+        full = full or bool(cks) and free < sum(f.stat().st_size for f in cks[-1].rglob('*') if f.is_file())  # less room than one checkpoint takes
+        what = 'no space left on the disk' if full else f"a write failed ({e.strerror or e})"
+        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free // 2**20} MiB free there). The trained state of step "
+                              f"{step} is still in memory and the earlier checkpoints are kept: {'free space' if full else 'fix the folder'}, "
+                              "then save again (trainer.save())") from None
     old = self.dir / f'.old_step_{step:06d}'  # a checkpoint of this step from before a resume: replaced
     if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
     os.rename(tmp, final)
@@ -279,12 +284,12 @@ def _candidates(self: Checkpointer) -> list[Path]:
     return found
 
 @patch
-def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str) -> Path | None:
-    "The verified checkpoint `spec` names, checked against this run (steps, sampler); 'latest'/'auto' with no checkpoint yet: None."
+def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
+    "The verified checkpoint `spec` names; 'latest'/'auto' with no checkpoint yet: None."
     if spec in ('latest', 'auto'):
         problems = []
         for path in self._candidates():
-            try: state = verify_checkpoint(path); break
+            try: verify_checkpoint(path); break
             except CheckpointError as e: problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
         else:
             if not problems: return None
@@ -295,12 +300,7 @@ def resolve(self: Checkpointer, spec: str | Path, total_steps: int, sampler: str
         if not path.exists(): raise MissingFile(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
         if not (_STEP.fullmatch(path.name) and path.is_dir()):
             raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
-        state = verify_checkpoint(path)
-    if state['total_steps'] != total_steps:
-        raise ConfigError(f"checkpoint.resume: the checkpoint's run has {state['total_steps']} steps, this config {total_steps}")
-    if state.get('sampler', 'random') != sampler:
-        raise ConfigError(f"train.sampler: the checkpoint's run used {state.get('sampler', 'random')!r}, this config "
-                          f"{sampler!r}; resuming would train on other rows than the run it continues")
+        verify_checkpoint(path)
     return path
 
 @patch

@@ -13,8 +13,8 @@ from .config import load_yaml
 from .errors import UserError
 
 # %% auto #0
-__all__ = ['ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids', 'SignalStop',
-           'run_notebook', 'check_overrides', 'build_parser', 'main']
+__all__ = ['RUN_WORDS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
+           'SignalStop', 'in_run_words', 'run_notebook', 'check_overrides', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -117,6 +117,15 @@ class SignalStop:
             raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0]) from None
         return False
 
+# %% ../nbs/11_cli.ipynb #8c379082
+RUN_WORDS = {'checkpoint.resume=latest': ('resume', '-p resume latest'), 'checkpoint.overwrite=true': ('overwrite', '-p overwrite true')}
+
+def in_run_words(message: str, declared: dict) -> str:
+    "A trainer's advice in the words of `sft-nb run`: `checkpoint.resume=latest` → `-p resume latest` where the notebook declares `resume` (see `RUN_WORDS`)."
+    for key, (param, words) in RUN_WORDS.items():
+        if param in declared: message = message.replace(key, words)
+    return message
+
 # %% ../nbs/11_cli.ipynb #517daef8
 def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
                  grace_s: float = 120) -> Path: # seconds from SIGTERM/SIGINT to a checkpoint in the kernel; then it is killed
@@ -129,6 +138,8 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     rd.mkdir(parents=True, exist_ok=True)
     out = Path(output) if output else rd / Path(notebook).name
     if out.resolve() == Path(notebook).resolve(): out = out.with_suffix('.executed.ipynb')  # never overwrite the source
+    if params.get('overwrite') is True:  # the run folder starts over (the kernel's trainer deletes its outputs): no record of the old run stays
+        for old in (out, out.with_suffix('.failed.ipynb')): old.unlink(missing_ok=True)
     # An earlier run's record is replaced only by a run that succeeds; a failed (e.g. refused) one is kept beside it.
     target = out.with_name(f'.{out.stem}.running.ipynb') if out.exists() else out
     env_before = dict(os.environ)
@@ -153,7 +164,7 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
             raise Preempted(f"{said} (executed notebook: {target}{kept}); continue with the same command and -p resume latest",
                             stopped[0]) from None
         first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
-        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {e.evalue} "
+        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {in_run_words(e.evalue, declared)} "
                            f"(executed notebook: {target}{kept})") from None
     finally:
         os.environ.clear(); os.environ.update(env_before)

@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #6913556c
 from __future__ import annotations
-import dataclasses, difflib, functools, math, types, typing
+import dataclasses, difflib, functools, json, math, types, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Literal, Any, get_args, get_origin
@@ -13,10 +13,10 @@ from fastcore.docments import docments
 from .errors import UserError
 
 # %% auto #0
-__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'SourceConfig', 'DataConfig',
-           'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig', 'PlacementConfig',
-           'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml', 'parse_overrides', 'to_dict',
-           'load_config', 'save_config']
+__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'nearest_key', 'SourceConfig',
+           'DataConfig', 'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig',
+           'PlacementConfig', 'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml',
+           'parse_overrides', 'to_dict', 'flatten', 'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
 class ConfigError(UserError, ValueError):
@@ -67,8 +67,8 @@ def from_dict(cls, d: dict, path: str = ''):
     for k, v in (d or {}).items():
         p = f"{path}.{k}" if path else k
         if k not in names:
-            close = difflib.get_close_matches(k, names, n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ''
+            close = nearest_key(k, cls)
+            hint = f" (did you mean {close!r}?)" if close else ''
             raise ConfigError(f"{p}: unknown key{hint}; allowed keys: {', '.join(names)}")
         kw[k] = _coerce(v, hints[k], p)
     try: return cls(**kw)
@@ -89,6 +89,19 @@ def check_range(name: str, v, lo=None, hi=None, lo_open: bool = False, hi_open: 
 def field_docs(cls) -> dict[str, str]:
     "The comment after each field, used by `show_doc`, the CLI help and papermill parameters."
     return {k: v for k, v in docments(cls).items() if k != 'return' and v}
+
+# %% ../nbs/00_config.ipynb #ba0dbe7a
+def nearest_key(k: str, cls) -> str | None:
+    "The field of `cls` an unknown key `k` most likely meant: the closest name, else the field whose comment has the words closest to `k`'s ('lerning_rate' → 'lr', 'peak learning rate')."
+    names = [f.name for f in fields(cls) if f.init]
+    if close := difflib.get_close_matches(k, names, n=1): return close[0]
+    try: docs = field_docs(cls)
+    except Exception: return None  # a class without source (defined in a notebook)
+    words = k.lower().replace('_', ' ').replace('-', ' ').split()
+    score = lambda text: max((difflib.SequenceMatcher(None, ' '.join(words), ' '.join(text[i:i + len(words)])).ratio()
+                              for i in range(max(1, len(text) - len(words) + 1))), default=0)
+    best = max(names, key=lambda n: score(docs.get(n, '').lower().split()))
+    return best if score(docs.get(best, '').lower().split()) >= 0.8 else None
 
 # %% ../nbs/00_config.ipynb #d27ac7c2
 @dataclass
@@ -150,6 +163,7 @@ class TokenizeConfig:
     num_proc: int = 1  # processes for tokenization
     ray_shards: int = 0  # > 0: tokenize as this many Ray tasks over the cluster's CPUs (multi-node)
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
+    extend_context: bool = False  # allow max_length beyond the model's positions (max_position_embeddings, or its RoPE scaling's limit): you extend its context on purpose
     def __post_init__(self):
         check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
 
@@ -390,6 +404,15 @@ def _merge(a: dict, b: dict) -> dict:
 def to_dict(cfg) -> dict:
     "Plain nested dict of a config (what YAML stores)."
     return asdict(cfg)
+
+def flatten(d: dict, prefix: str = '') -> dict:
+    "Nested config dict → {'section.key': value}; lists as JSON text (so they compare and print as one cell)."
+    out = {}
+    for k, v in d.items():
+        key = f'{prefix}{k}'
+        if isinstance(v, dict) and v: out |= flatten(v, key + '.')
+        else: out[key] = json.dumps(v) if isinstance(v, (list, dict)) else v
+    return out
 
 def load_config(src: str | Path | dict | None = None, overrides: list[str] | dict | None = None) -> SFTConfig:
     "Build an `SFTConfig` from a YAML file/text or dict, then apply `key.sub=value` overrides."

@@ -14,12 +14,12 @@ from .config import SourceConfig, DataConfig
 from .errors import MissingFile, UserError
 
 # %% auto #0
-__all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'BAD_ROW_KEY',
-           'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls', 'normalize_tools', 'content_parts',
-           'split_tool_results', 'normalize_message', 'detect_format', 'normalize_row', 'DataReport', 'new_digest',
-           'file_digest', 'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows', 'source_path',
-           'source_name', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint', 'mix_counts',
-           'mix_indices']
+__all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'FORMAT_FIELDS',
+           'FORMAT_NAMES', 'BAD_ROW_KEY', 'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
+           'normalize_tools', 'content_parts', 'split_tool_results', 'normalize_message', 'detect_format',
+           'normalize_row', 'DataReport', 'new_digest', 'file_digest', 'bounded_lines', 'json_line', 'bad_row_marker',
+           'iter_json_rows', 'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns',
+           'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(UserError, ValueError):
@@ -184,6 +184,9 @@ def normalize_message(m, i: int,
 
 # %% ../nbs/01_data.ipynb #21471508
 FORMATS = ('messages', 'sharegpt', 'alpaca', 'prompt_completion', 'pretokenized')
+FORMAT_FIELDS = {'messages': ('messages',), 'sharegpt': ('conversations',), 'alpaca': ('instruction', 'output'),
+                 'prompt_completion': ('prompt', 'completion'), 'pretokenized': ('input_ids',)}  # what a row of each has
+FORMAT_NAMES = {'messages': 'messages', 'sharegpt': 'ShareGPT', 'alpaca': 'Alpaca', 'prompt_completion': 'prompt/completion', 'pretokenized': 'pretokenized'}
 
 def detect_format(columns) -> str:
     "Guess a source's format from its column names."
@@ -218,6 +221,7 @@ def _sharegpt(turns) -> list[dict]:
                                            'role': SHAREGPT_ROLES[frm], 'content': value}, i))
     return msgs
 
+# %% ../nbs/01_data.ipynb #26c14c10
 BAD_ROW_KEY = '__sft_nb_bad_row__'  # a row the reader could not read is stored as {BAD_ROW_KEY: {'kind', 'reason', 'line'}}
 
 def normalize_row(row: dict, fmt: str,
@@ -225,6 +229,13 @@ def normalize_row(row: dict, fmt: str,
                  ) -> dict:
     "One raw row in format `fmt` → canonical conversation (or prompt/completion, or pretokenized) dict."
     if BAD_ROW_KEY in row: raise BadRow(row[BAD_ROW_KEY]['reason'], kind=row[BAD_ROW_KEY]['kind'])  # the reader's verdict
+    if any(row.get(k) is None for k in FORMAT_FIELDS.get(fmt, ())):  # not this format's row: is it another's (a file of mixed formats)?
+        has = [k for k, v in row.items() if v is not None]
+        try: other = detect_format(has)
+        except BadRow: other = fmt
+        if other != fmt:
+            raise BadRow(f"looks like {FORMAT_NAMES[other]} ({', '.join(has)}), the source's rows like {FORMAT_NAMES[fmt]} (its first rows, or its "
+                         "`format`): one source holds one format; put these rows in a source of their own", kind='mixed_formats')
     if fmt == 'pretokenized':
         ids = row.get('input_ids')
         if not isinstance(ids, list) or not ids: raise BadRow("input_ids: expected a non-empty list of ints")

@@ -4,13 +4,13 @@
 
 # %% ../nbs/05a_dataplan.ipynb #21bb19c6
 from __future__ import annotations
-import importlib, math
+import importlib, json, math, warnings
 from typing import NamedTuple
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
+from dataclasses import asdict, replace
 import numpy as np
 from fastcore.basics import patch
-from .config import SFTConfig, SourceConfig, ConfigError
+from .config import SFTConfig, SourceConfig, ConfigError, flatten
 from .data import DataReport, mix_indices, mix_counts, source_name
 from .tokenize import tokenize_dataset, make_renderer
 from .vision import ProcessorRenderer
@@ -18,8 +18,8 @@ from .collate import collate_padded, collate_packed
 from .packing import deal, pack
 
 # %% auto #0
-__all__ = ['split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split', 'DataPlan',
-           'StepBatches']
+__all__ = ['STREAM_KEYS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split',
+           'DataPlan', 'StepBatches', 'examples_digest']
 
 # %% ../nbs/05a_dataplan.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
@@ -98,6 +98,7 @@ class DataPlan:
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
         self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
         self.pending, self._pool = {}, None  # {step: future} of the batch collating in a thread (see `batches`)
+        self.source_names, self._identity = [], None  # train sources as reports name them; what `identity` found
 
 # %% ../nbs/05a_dataplan.ipynb #dbee7118
 @patch
@@ -136,7 +137,8 @@ def prepare(self: DataPlan) -> DataPlan:
     sizes = [len(d) for d in self.train_sets]
     if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}", fix=self.data_report.too_long_fix())
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
-    self.mix_counts = self.data_report.sources = mix_counts(rows, sizes, names)  # per source: rows used and cut, examples per epoch
+    self.source_names, self.mix_counts = names, mix_counts(rows, sizes, names)
+    self.data_report.sources = self.mix_counts  # per source: rows used and cut, examples per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
     if c.data.eval_fraction > 0 and 'heldout' in evals:
         raise ConfigError("data.eval: an eval set is named 'heldout', the name of the data.eval_fraction split, which would "
@@ -262,12 +264,44 @@ def close(self: DataPlan):
     if self._pool is not None: self._pool.shutdown(wait=True, cancel_futures=True)
     self._pool, self.pending = None, {}
 
+# %% ../nbs/05a_dataplan.ipynb #b3413edb
+STREAM_KEYS = {'data': ('eval_fraction', 'seed', 'synthetic_rows', 'mix_stop', 'null_content', 'streaming', 'stream_buffer'),
+               'tokenize': ('mode', 'max_length', 'truncation', 'chat_template', 'chat_template_kwargs', 'format', 'history',
+                            'train_on_reasoning', 'train_on_tool_calls'),
+               'packing': ('enabled', 'strategy', 'capacity'), 'train': ('global_batch_size', 'sampler', 'seed')}
+
+def examples_digest(ds) -> str:
+    "xxh3 of a tokenized set's ids, masks and loss weights, row by row (the same however its Arrow file is chunked)."
+    import pyarrow.compute as pc, xxhash
+    h, table = xxhash.xxh3_128(), (ds if ds._indices is None else ds.flatten_indices()).data.table
+    for col in ('input_ids', 'loss_mask', 'loss_weights'):
+        if col not in table.column_names: continue
+        h.update(col.encode())
+        for chunk in table.column(col).chunks:
+            h.update(np.asarray(pc.list_value_length(chunk), dtype=np.int64).tobytes()); h.update(np.asarray(chunk.flatten()).tobytes())
+    return h.hexdigest()
+
+@patch
+def identity(self: DataPlan) -> dict:
+    "What decides which rows each step trains (JSON): the `STREAM_KEYS` values, each train source's examples, content and weight, the plan's digest."
+    if self._identity is None:
+        import xxhash
+        c = self.cfg
+        out = {f'{s}.{k}': getattr(getattr(c, s), k) for s, keys in STREAM_KEYS.items() for k in keys}
+        sources = [self.train_data] if self.train_data is not None else c.data.train
+        for k, ds in enumerate(self.train_sets):
+            w = sources[k].weight if k < len(sources) and isinstance(sources[k], SourceConfig) else 1.0
+            out |= {f'data.train[{k}].examples': len(ds), f'data.train[{k}].content': examples_digest(ds), f'data.train[{k}].weight': w}
+        out['plan'] = xxhash.xxh3_128(json.dumps([np.asarray(self.rows).tolist(), self.items], default=int).encode()).hexdigest()
+        self._identity = json.loads(json.dumps(out))  # as a checkpoint reads it back (tuples are lists)
+    return self._identity
+
 # %% ../nbs/05a_dataplan.ipynb #f9823422
 @patch
 def ckpt_state(self: DataPlan, step: int) -> dict:
     "The plan's part of a checkpoint taken after `step` steps (JSON-serializable)."
     return {'total_steps': self.total_steps, 'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None,
-            'sampler': self.cfg.train.sampler}
+            'sampler': self.cfg.train.sampler, 'identity': self.identity(), 'config': flatten(asdict(self.cfg))}
 
 @patch
 def restore(self: DataPlan, state: dict, path):
@@ -283,6 +317,40 @@ def check_model(self: DataPlan, info: dict):
     if self.cfg.packing.enabled and not info['packable']:
         raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
                           "cannot separate; packing would leak across sequences. Set packing.enabled=false")
+
+# %% ../nbs/05a_dataplan.ipynb #4c866a5b
+_WHY = {'examples': 'another number of examples: rows were added or removed', 'weight': 'another mixing weight',
+        'content': "the examples' tokens or masks differ: the rows were edited, or are rendered otherwise",
+        'plan': 'another mix of the rows, or another packing of them into steps'}
+
+def _said(v) -> str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'
+
+@patch
+def check_resume(self: DataPlan, state: dict, path) -> dict:
+    """Refuse to continue checkpoint `path` (its `state`) when this plan trains other rows at a step than its run did, naming
+    each key, both values and what to do; else the config keys that changed otherwise, {key: [then, now]}."""
+    now, saved = self.identity(), state.get('identity')
+    if saved is None:
+        warnings.warn(f"{path}: the checkpoint records no data identity (written by an older sft_nb): the data and batch settings cannot be compared")
+        saved = now
+    diff = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
+    if diff:
+        def one(k):
+            src, _, part = k.rpartition('.')
+            if k == 'plan' or src.startswith('data.train['):
+                s = int(src[len('data.train['):-1]) if src else None
+                name = f"{src} ({self.source_names[s]})" if s is not None and s < len(self.source_names) else src or 'the data plan'
+                return f"{name}{' ' + part if src else ''}: {_said(saved.get(k))} in the checkpoint's run, {_said(now.get(k))} now ({_WHY[part]})"
+            return f"{k}: {_said(saved.get(k))} in the checkpoint's run, {_said(now.get(k))} in this config"
+        raise ConfigError(f"checkpoint.resume: {path} cannot be continued with this data: {'; '.join(one(k) for k in diff)}. "
+                          "Resuming would train some rows twice and skip others. Resume with the run's data and settings "
+                          "(its config.yaml), or start a new run (another checkpoint.run_dir, or checkpoint.overwrite=true)")
+    if self.total_steps < state['global_step']:
+        raise ConfigError(f"train.num_steps: the checkpoint {path} is at step {state['global_step']}, past this config's "
+                          f"{self.total_steps} steps; resume with at least {state['global_step']}")
+    then = state.get('config') or {}
+    return {k: [then[k], v] for k, v in flatten(asdict(self.cfg)).items()
+            if k in then and then[k] != v and k not in now and k not in ('checkpoint.resume', 'checkpoint.overwrite')}
 
 # %% ../nbs/05a_dataplan.ipynb #ea0f58fd
 @patch

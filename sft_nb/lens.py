@@ -267,7 +267,7 @@ def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:
         from sft_nb.backends.megatron_convert import mcore_to_hf
         from sft_nb.models import resolve_model_path
         parts = {(int(f.stem.split('_tp')[1][:2]), int(f.stem.split('_pp')[1][:2])): load_shard(f)['model'] for f in shards}
-        return mcore_to_hf(parts, AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))), step
+        return mcore_to_hf(parts, AutoConfig.from_pretrained(resolve_model_path(cfg.model.path), trust_remote_code=False)), step
     return path, step  # an FSDP (torch.distributed.checkpoint) folder: read into the model by `RunScorer`
 
 # %% ../nbs/08c_lens.ipynb #660ea663
@@ -283,7 +283,7 @@ class RunScorer:
         if not (self.run_dir / 'config.yaml').exists(): raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
         self.cfg = load_config(str(self.run_dir / 'config.yaml'))
         self.base_path = str(resolve_model_path(self.cfg.model.path))
-        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
+        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, trust_remote_code=False).eval()
         self.base, hf = load(self.base_path), self.run_dir / 'hf'
         if (hf / 'config.json').exists(): self.model, self.model_path, self.step = load(str(hf)), str(hf), None
         else:

@@ -13,8 +13,9 @@ from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, pro
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'seeded_model',
            'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm',
-           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_model_path',
-           'add_template_specials', 'load_tokenizer', 'load_model_inputs']
+           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_no_remote_code', 'check_weights',
+           'check_model_path', 'context_limit', 'check_context', 'add_template_specials', 'load_tokenizer',
+           'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -136,8 +137,8 @@ def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the 
     from transformers import AutoTokenizer, AutoModelForCausalLM
     gguf = _smollm2_gguf()
     def make():
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
         model.config.quantization_config = None
         if hasattr(model.config, 'quantization_config'): del model.config.quantization_config
         if getattr(model, 'hf_quantizer', None) is not None: model.hf_quantizer = None
@@ -158,6 +159,37 @@ def resolve_model_path(path: str) -> str:
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
     return path
 
+# %% ../nbs/06_models.ipynb #20ad2e64
+def check_no_remote_code(folder: Path) -> None:
+    "A `ConfigError` naming the folder and its `auto_map` when its config.json needs the folder's own code: sft_nb never runs it (every load passes trust_remote_code=False)."
+    import json
+    from transformers import CONFIG_MAPPING
+    from sft_nb.config import ConfigError
+    try: cfg = json.loads((folder / 'config.json').read_text())
+    except ValueError as e: raise ConfigError(f"model.path: {folder / 'config.json'} is not valid JSON ({e})") from None
+    if isinstance(cfg, dict) and cfg.get('auto_map') and cfg.get('model_type') not in CONFIG_MAPPING:
+        raise ConfigError(f"model.path: {folder} needs its own Python code to load (config.json: model_type {cfg.get('model_type')!r}, which "
+                          f"transformers does not ship, and auto_map {json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. "
+                          "Use a model of an architecture transformers ships, or convert this one to one")
+
+def check_weights(folder: Path) -> None:
+    "A `ConfigError` naming the file and what is wrong when a `*.safetensors` file's header does not fit the file (damaged, truncated, not safetensors)."
+    import json
+    from sft_nb.config import ConfigError
+    for f in sorted(folder.glob('*.safetensors')):
+        size = f.stat().st_size
+        with open(f, 'rb') as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, 'little') if len(head) == 8 else None
+            bad = f"is {size} bytes, too short for a safetensors header" if n is None else (
+                  f"its header claims {n:,} bytes, the file has {size:,} bytes" if 8 + n > size else None)
+            if bad is None:
+                try: meta = json.loads(fh.read(n))
+                except (ValueError, UnicodeDecodeError) as e: meta, bad = {}, f"its header is not JSON ({e})"
+                ends = [v['data_offsets'][1] for k, v in meta.items() if k != '__metadata__' and isinstance(v, dict) and len(v.get('data_offsets') or []) == 2] if isinstance(meta, dict) else []
+                if bad is None and ends and 8 + n + max(ends) > size: bad = f"its tensors need {8 + n + max(ends):,} bytes, the file has {size:,} (truncated)"
+        if bad: raise ConfigError(f"model.path: {f} is damaged: {bad}; download or save the model again")
+
 # %% ../nbs/06_models.ipynb #98b344f8
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json')
 
@@ -171,10 +203,36 @@ def check_model_path(path: str) -> str:
         if not any((p / f).exists() for f in TOKENIZER_FILES):  # else transformers' error speaks of a missing chat template
             raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); "
                               "save the tokenizer of the model it came from into the folder (tokenizer.save_pretrained)")
+        check_no_remote_code(p); check_weights(p)
     elif p.exists(): raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a hub id 'org/name'")
     elif out.startswith(('/', '.', '~')) or out.count('/') > 1 or os.sep != '/' and os.sep in out:
         raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
     return out
+
+# %% ../nbs/06_models.ipynb #def63a01
+def context_limit(model_path) -> tuple[int, str] | None:
+    "(positions the model covers, where that number is from): `max_position_embeddings` (GPT-2: `n_positions`), or its RoPE scaling's `factor` × `original_max_position_embeddings` when that is larger; None when config.json says neither."
+    import json
+    f = Path(model_path) / 'config.json'
+    if not f.is_file(): return None
+    cfg = json.loads(f.read_text())
+    if 'max_position_embeddings' not in cfg and isinstance(cfg.get('text_config'), dict): cfg = cfg['text_config']  # vision-language
+    mpe, rs = cfg.get('max_position_embeddings', cfg.get('n_positions')), cfg.get('rope_scaling') or {}
+    if isinstance(rs, dict) and isinstance(rs.get('factor'), (int, float)) and isinstance(rs.get('original_max_position_embeddings'), int):
+        scaled = int(rs['factor'] * rs['original_max_position_embeddings'])
+        if not isinstance(mpe, int) or scaled > mpe:
+            return scaled, f"rope_scaling factor {rs['factor']} × original_max_position_embeddings {rs['original_max_position_embeddings']}"
+    return (mpe, 'max_position_embeddings') if isinstance(mpe, int) and not isinstance(mpe, bool) else None
+
+def check_context(model_path, # the resolved model folder
+                  spec) -> None: # the run's `TokenizeConfig` (max_length, extend_context)
+    "A `ConfigError` naming both numbers when `tokenize.max_length` is beyond the positions the model covers, unless `tokenize.extend_context`."
+    from sft_nb.config import ConfigError
+    lim = context_limit(model_path)
+    if lim is None or spec.max_length is None or spec.max_length <= lim[0] or spec.extend_context: return
+    raise ConfigError(f"tokenize.max_length: {spec.max_length} is beyond the {lim[0]} positions the model covers ({lim[1]} in "
+                      f"{Path(model_path) / 'config.json'}): rows that long would train positions it never learned. Set "
+                      f"tokenize.max_length to at most {lim[0]}, or tokenize.extend_context=true if you extend its context on purpose")
 
 # %% ../nbs/06_models.ipynb #a7c0e3d2
 def add_template_specials(tokenizer, # a Hugging Face tokenizer, changed in place
@@ -196,9 +254,9 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
                   ):
     "The tokenizer of `model` with the special tokens of `template`'s family (or of `family`); a vision-language model gives its processor."
     from transformers import AutoTokenizer
-    path = resolve_model_path(model)
+    path = check_model_path(model)
     if is_vlm(path): return load_processor(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     add_template_specials(tokenizer, template, family)
     return tokenizer
 
@@ -212,12 +270,12 @@ def load_model_inputs(path: str, # model.path
     p = check_model_path(path)
     try:
         processor = load_processor(p) if is_vlm(p) else None  # vision-language: rows go through the processor
-        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p)
+        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p, trust_remote_code=False)
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
     vocab = set(tokenizer.get_vocab())
     new = add_template_specials(tokenizer, template) if processor is None else []
-    rows = getattr(AutoConfig.from_pretrained(p), 'vocab_size', None) if new else None
+    rows = getattr(AutoConfig.from_pretrained(p, trust_remote_code=False), 'vocab_size', None) if new else None
     if rows is not None and max(tokenizer.convert_tokens_to_ids(new)) >= rows:
         fits = [n for n, (fam, _) in CHAT_TEMPLATES.items() if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
         raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks ({', '.join(new)}); "

@@ -9,9 +9,10 @@ from pathlib import Path
 import pandas as pd
 import plotly.graph_objects as go
 import yaml
+from .config import flatten
 
 # %% auto #0
-__all__ = ['read_run', 'flatten', 'config_diff', 'final_metrics', 'compare_fig', 'Comparison', 'compare']
+__all__ = ['read_run', 'config_diff', 'final_metrics', 'compare_fig', 'Comparison', 'compare']
 
 # %% ../nbs/08d_runs.ipynb #c366dfd7
 def read_run(run_dir: str | Path) -> dict:
@@ -34,15 +35,6 @@ def read_run(run_dir: str | Path) -> dict:
     return {'path': p, 'config': yaml.safe_load((p / 'config.yaml').read_text()) or {}, 'metrics': pd.DataFrame(recs), 'summary': summary}
 
 # %% ../nbs/08d_runs.ipynb #700c41fc
-def flatten(d: dict, prefix: str = '') -> dict:
-    "Nested config dict → {'section.key': value}; lists as JSON text (so they compare and print as one cell)."
-    out = {}
-    for k, v in d.items():
-        key = f'{prefix}{k}'
-        if isinstance(v, dict) and v: out |= flatten(v, key + '.')
-        else: out[key] = json.dumps(v) if isinstance(v, (list, dict)) else v
-    return out
-
 def config_diff(configs: dict[str, dict]) -> pd.DataFrame:
     "Keys whose values differ between the configs ({run name: nested config}): one row per key, one column per run."
     flat = {n: flatten(c) for n, c in configs.items()}

@@ -13,6 +13,7 @@ from .config import SFTConfig, SourceConfig, ConfigError
 from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template, templates_with
 from .tokenize import make_renderer
+from .cache import file_fingerprint
 from .collate import collate_packed
 from .dataplan import DataPlan
 
@@ -87,6 +88,7 @@ class StreamPlan(DataPlan):
         self.sources = [train_data] if train_data is not None else list(cfg.data.train)
         n, w = len(self.sources), np.array([s.weight if isinstance(s, SourceConfig) else 1.0 for s in self.sources], float)
         self.names, self.probs = [source_name(s, k) for k, s in enumerate(self.sources)], w / max(w.sum(), 1e-300)
+        self.source_names = self.names  # as `DataPlan.check_resume` names them
         self.passes, self.pos, self.cursor, self.fmts, self.reports = [0] * n, [0] * n, [None] * n, [None] * n, [DataReport() for _ in range(n)]
         self.buffer, self.carry, self.next_step, self.peak = [], [], 0, 0
         self.rng, self._readers, self._snaps, self._drawn = np.random.default_rng(cfg.data.seed), [None] * n, {}, {}
@@ -128,6 +130,14 @@ class StreamPlan(DataPlan):
             for d in (self._snaps, self._drawn):
                 for k in [k for k in d if k < self.next_step - self.keep]: del d[k]
         return self._drawn[step]
+
+    def identity(self) -> dict:
+        "`DataPlan.identity` with each source's file content (xxh3 of its bytes; None for a hub dataset or rows in memory) and weight: a stream's examples are not known ahead."
+        if self._identity is None:
+            out = super().identity()
+            for k, s in enumerate(self.sources):
+                out |= {f'data.train[{k}].content': file_fingerprint(s), f'data.train[{k}].weight': s.weight if isinstance(s, SourceConfig) else 1.0}
+        return self._identity
 
     def ckpt_state(self, step: int) -> dict:
         "The plan's part of a checkpoint taken after `step` steps, with the stream's state before step `step`'s batch."

@@ -4,7 +4,7 @@
 
 # %% ../nbs/08_trainer.ipynb #4a386d8d
 from __future__ import annotations
-import functools, math, signal, sys, threading, time
+import functools, json, math, signal, sys, threading, time
 from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
@@ -15,7 +15,7 @@ from .errors import UserError
 from .stream import StreamPlan
 from .dataplan import DataPlan, synthetic_dataset
 from .templates import chat_ids, load_template
-from .models import load_model_inputs, resolve_model_path
+from .models import load_model_inputs, resolve_model_path, check_context
 from .loss import eval_metrics
 from .checkpoint import Checkpointer, model_fingerprint, check_model
 from .callbacks import Control, Callback, builtin_callbacks, make_trackers, prompt_messages
@@ -23,7 +23,7 @@ from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'dry_run_batch',
+__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'dry_run_batch',
            'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
@@ -190,16 +190,18 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
     self.ckpt.claim(resuming=resuming)  # what can be checked without Ray is checked before Ray starts
     self.tokenizer, self.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
+    check_context(resolve_model_path(c.model.path), c.tokenize)  # max_length within the model's positions
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
-    resume = self.ckpt.resolve(c.checkpoint.resume, self.total_steps, c.train.sampler) if c.checkpoint.resume else None
+    resume = self.ckpt.resolve(c.checkpoint.resume) if c.checkpoint.resume else None
+    if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)  # another data stream: refused before Ray starts
     if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
     self.backend = start_workers(c, self.total_steps)
     self.group, self.model_info = self.backend.group, self.backend.setup()[0]
     self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)  # what a checkpoint must fit
     self.data.check_model(self.model_info)  # packing needs layers that attention masks separate
-    save_config(c, self.run_dir / 'config.yaml')
+    self.write_config()
     if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
     return self
 
@@ -293,11 +295,12 @@ def save(self: SFTTrainer) -> Path:
 def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
     if self.group is None: self.setup(resuming=True)  # (setup itself loads when checkpoint.resume is set)
-    path = self.ckpt.resolve(path, self.total_steps, self.cfg.train.sampler)
+    path = self.ckpt.resolve(path)
     if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
         if self.global_step == 0: self._emit('on_load', 0)
         return 0
     state = self.ckpt.state(path)
+    changed = self.data.check_resume(state, path)  # another data stream is refused; the other changed keys are recorded
     check_model(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.backend.load(str(path))
@@ -305,7 +308,31 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
+    self.record_resume(path, changed)
     return self.global_step
+
+# %% ../nbs/08_trainer.ipynb #56397099
+LR_RULE = ("the LR schedule follows the run's current train.num_steps: steps already trained kept their LR; the steps after "
+           "this resume take the LR the schedule of the new length gives them, as a run planned that long from the start would")
+
+@patch
+def write_config(self: SFTTrainer):
+    "`run_dir/config.yaml`: this segment's config, then a comment per resume (from `events.jsonl`) naming the keys that changed."
+    save_config(self.cfg, self.run_dir / 'config.yaml')
+    f = self.run_dir / 'events.jsonl'
+    events = [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
+    notes = [f"# resumed at step {e['step']} from {e['checkpoint']}: " + (', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in e['changed'].items()) or 'no change')
+             + (f" ({e['lr_schedule']})" if 'lr_schedule' in e else '') for e in events if e.get('event') == 'resume']
+    if notes:
+        with open(self.run_dir / 'config.yaml', 'a') as out: out.write('# segments (run_dir/events.jsonl); the config above is the last one\n' + '\n'.join(notes) + '\n')
+
+@patch
+def record_resume(self: SFTTrainer, path, changed: dict):
+    "Append the resume from checkpoint `path` (at `global_step`) with its `changed` config keys to `run_dir/events.jsonl`; rewrite config.yaml."
+    ev = {'event': 'resume', 'step': self.global_step, 'checkpoint': Path(path).name, 'changed': changed}
+    if 'train.num_steps' in changed or 'train.num_epochs' in changed: ev['lr_schedule'] = LR_RULE
+    with open(self.run_dir / 'events.jsonl', 'a') as f: f.write(json.dumps(ev) + '\n')
+    self.write_config()
 
 # %% ../nbs/08_trainer.ipynb #a79c85aa
 @patch
@@ -378,7 +405,7 @@ def restart_workers(self: SFTTrainer) -> int:
         self.group.kill()
         self.backend = start_workers(self.cfg, self.total_steps)
         self.group, self.model_info = self.backend.group, self.backend.setup()[0]
-        if self.ckpt.resolve('latest', self.total_steps, self.cfg.train.sampler) is not None: return self.load('latest')
+        if self.ckpt.resolve('latest') is not None: return self.load('latest')
         self.global_step, self.step_metrics, self.eval_history = 0, [], []
         self.data.restore(self.data.ckpt_state(0), self.run_dir)
         self._emit('on_load', 0)

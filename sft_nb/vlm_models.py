@@ -47,7 +47,7 @@ def load_processor(path: str | Path, # model folder with tokenizer files and pre
     "The Qwen2-VL processor of a model folder (tokenizer + PIL image processor + chat template)."
     from transformers import AutoTokenizer
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-    tok = AutoTokenizer.from_pretrained(path)
+    tok = AutoTokenizer.from_pretrained(path, trust_remote_code=False)
     ip = Qwen2VLImageProcessorPil.from_pretrained(path)
     return processor_class()(image_processor=ip, tokenizer=tok, chat_template=tok.chat_template or QWEN2_VL_TEMPLATE)
 

@@ -4,15 +4,15 @@
 
 # %% ../nbs/07_workers.ipynb #e5d925d0
 from __future__ import annotations
-import json, os, random, re, socket, time
+import errno, json, os, random, re, socket, time
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'write_error', 'DistWorker', 'save_rng', 'load_rng',
+           'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -50,6 +50,21 @@ def stop_ray(started: bool) -> bool:
         import ray
         ray.shutdown()
     return False
+
+# %% ../nbs/07_workers.ipynb #b1f182a5
+def write_error(e: BaseException) -> dict | None:
+    "The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'}; None for any other failure."
+    seen, todo = set(), [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen: continue
+        seen.add(id(x))
+        if isinstance(x, OSError) and x.errno: return {'errno': x.errno, 'what': (x.strerror or str(x)) + (f" ({x.filename})" if x.filename else '')}
+        if 'No space left' in str(x) or 'unexpected pos' in str(x):  # torch's zip writer on a full disk
+            return {'errno': errno.ENOSPC, 'what': os.strerror(errno.ENOSPC)}
+        if 'file write failed' in str(x): return {'errno': errno.EIO, 'what': 'torch could not write a file (file write failed)'}  # its zip writer: no errno
+        todo += [x.__cause__, x.__context__] + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()]
+    return None
 
 # %% ../nbs/07_workers.ipynb #295f862d
 class DistWorker:
@@ -107,6 +122,15 @@ class DistWorker:
         if dist.is_initialized(): dist.destroy_process_group()
         return True
 
+    def write_checkpoint(self, path: str) -> dict | None:
+        """`save(path)`; a write that fails (disk full, I/O or permission error) comes back as `write_error`'s dict instead of
+        raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result and
+        fails on all of them together, so no rank is left waiting in a collective."""
+        try: self.save(path); return None
+        except BaseException as e:  # torch DCP's CheckpointException is a BaseException
+            if (err := write_error(e)) is None: raise
+            return err
+
 # %% ../nbs/07_workers.ipynb #a7e28bfe
 def save_rng(path, rank: int, use_gpu: bool = False):
     "Write this process's torch/Python/NumPy (and CUDA) RNG states as `rng_rank{rank}.safetensors` + `.json`."
@@ -143,7 +167,7 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
     import shutil
     from transformers import AutoTokenizer
     model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tokenizer_path or source).save_pretrained(path)
+    AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(path)
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
 
 class TrainWorker(DistWorker):
@@ -177,8 +201,10 @@ def death_message(rank: int, what: str, e: BaseException) -> str:
         why = next((l.strip() for l in text.splitlines() if _MEMORY.search(l)), text.splitlines()[0])
         return f"worker rank {rank} was killed for lack of memory during {what} ({why[:300]}); {_MEMORY_FIX}"
     if _MAYBE_MEMORY.search(text):
-        return (f"worker rank {rank} died during {what} without an error of its own ({text.splitlines()[0]}); the likeliest cause is "
-                f"the kernel's OOM killer (check `dmesg` or the node's memory): if memory is short, {_MEMORY_FIX}")
+        return (f"worker rank {rank} died during {what} without an error of its own ({text.splitlines()[0]}). From here sft_nb cannot tell "
+                "which of these it was: the kernel's OOM killer (`dmesg` on its node says so), a signal sent to it (`kill`, a job scheduler, "
+                "`ray stop`), a crash in native code (a segfault: the worker's log under /tmp/ray/session_latest/logs), or its node going "
+                f"away. If memory is short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
 class WorkerGroup:

@@ -238,7 +238,7 @@ DRIVER = textwrap.dedent('''
         call = WorkerGroup.call
         def patched(self, method, *a, **k):
             out = call(self, method, *a, **k)
-            if method == 'save' and armed(): die()
+            if method == 'write_checkpoint' and armed(): die()
             return out
         WorkerGroup.call = patched
     elif point == 'rename':  # trainer_state.json written; the folder not renamed into place

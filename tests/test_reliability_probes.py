@@ -11,8 +11,10 @@ Where each reliability behaviour is shown (`::test_x` is in this file; other tes
 | a kernel interrupt inside a step lets it finish: driver and workers stay in step | test_reliability_ckpt.py::test_interrupt_inside_a_step_finishes_it[forward_backward/optim_step], ::test_interrupt_timer_around_fit; nbs/08a_callbacks (hold_interrupts) |
 | `running` and `action` say what the trainer is doing, during and after fit | nbs/08_trainer (`t.running, t.action` during and after fit) |
 | a dead worker group refuses every action; save never prunes a good checkpoint | test_reliability_ckpt.py::test_dead_group_refuses_every_action_and_restarts_from_last_good |
-| a full disk during save keeps the earlier checkpoint; freed, Save works again | ::test_disk_full_during_save_names_the_space (earlier checkpoint, latest, no .tmp_step kept) + the dead-group test |
-| a refused `sft-nb run` keeps the earlier run's record | test_reliability_signals.py::test_refused_run_keeps_the_earlier_record |
+| a full disk during save keeps the earlier checkpoint, the workers and the trained state; freed, save() works again | ::test_disk_full_during_save_names_the_space (earlier checkpoint, latest, no .tmp_step kept); test_reliability_models.py::test_a_full_disk_during_save_keeps_the_workers_and_the_trained_steps (a real tmpfs); nbs/07_workers (write_error) |
+| a refused `sft-nb run` keeps the earlier run's record, advises in `-p` words; `-p overwrite true` leaves nothing old | test_reliability_signals.py::test_refused_run_keeps_the_earlier_record_in_run_words_and_overwrite_leaves_nothing_old; nbs/11_cli (in_run_words) |
+| a resume that changes the data stream (edited file, fewer rows, global batch) is refused naming key and values; lr and more steps are recorded | test_run_identity.py; nbs/05a_dataplan (check_resume), nbs/05b_stream (a streamed file edited), nbs/08_trainer (record_resume) |
+| max_length beyond the model's positions, a folder needing its own code, a damaged safetensors header, mixed row formats are named | test_reliability_models.py; nbs/06_models (check_context, check_no_remote_code, check_weights), nbs/01_data (normalize_row) |
 | an eval set may not be named `heldout` (the name of the data.eval_fraction split) | nbs/05a_dataplan (`an eval set is named 'heldout'`) |
 | flipped floats are caught by digests; another model's checkpoint is refused | test_reliability_ckpt.py::test_flipped_floats_fall_back_with_a_warning, ::test_checkpoint_of_another_model_is_refused |
 | a trainer_state.json with an impossible `global_step` is refused, nothing deleted | test_reliability_ckpt.py::test_trainer_state_is_validated_and_nothing_deleted |
@@ -99,7 +101,7 @@ def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message)
     try:
         path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'history': [record]})
         with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
-            ck.resolve(str(path), 4, 'random')
+            ck.resolve(str(path))
     finally: ck.release()
 
 
@@ -116,8 +118,9 @@ def test_disk_full_during_save_names_the_space(tmp_path, fault):
         def full(tmp):
             (tmp / 'shard').write_bytes(b'half')
             raise fault
-        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'}: no space left on the disk of {ck.dir} "
-                                                  r"\(\d+ MiB free\) while saving: .*The earlier checkpoints are kept; free space, then save again"):
+        with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'} not saved: no space left on the disk of {ck.dir} "
+                                                  r"\(\d+ MiB free there\)\. The trained state of step 2 is still in memory and the earlier "
+                                                  r"checkpoints are kept: free space, then save again \(trainer\.save\(\)\)$"):
             ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'history': [{'step': 1}, {'step': 2}]})
         assert ck.checkpoints() == [good] and (ck.dir / 'latest').read_text() == good.name and not list(ck.dir.glob('.tmp_step_*'))
     finally: ck.release()
@@ -168,14 +171,14 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
     try:
         for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'history': [{'step': i + 1} for i in range(s)]})
         damage(ck.dir / 'step_000004')
-        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'), 4, 'random')
+        with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'))
         with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):
-            assert ck.resolve('latest', 4, 'random') == ck.dir / 'step_000002'
+            assert ck.resolve('latest') == ck.dir / 'step_000002'
     finally: ck.release()
 
 
 @pytest.mark.parametrize('source, tokenize, reason', [
-    ({'format': 'alpaca'}, {}, "row 0: bad_format: alpaca: no 'instruction' and no 'output' field (the row has 'messages'); is it another format?"),
+    ({'format': 'alpaca'}, {}, "row 0: mixed_formats: looks like messages (messages), the source's rows like Alpaca"),
     ({}, {'max_length': 4}, 'row 0: too_long: 24 tokens > max_length 4')])
 def test_no_usable_rows_in_the_cli_gives_each_rows_reason(tmp_path, source, tokenize, reason):
     "'no usable rows' in the CLI gives each row's reason (a CLI user has no trainer.data_report), never 'has no rows; mixing the others'."

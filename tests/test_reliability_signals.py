@@ -42,23 +42,27 @@ def test_sigterm_saves_at_the_next_step_and_resumes_exactly(tmp_path, ray_sessio
     assert train_losses(tmp_path / 'cut') == train_losses(tmp_path / 'straight')  # resume is exact (DESIGN: resume contract)
 
 
-def test_refused_run_keeps_the_earlier_record(tmp_path):
-    "A refused second `sft-nb run` keeps R/<notebook>.ipynb, the earlier run's record; its own goes to <notebook>.failed.ipynb."
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell('x = 1', metadata={'tags': ['parameters']}),
-                                         nbformat.v4.new_code_cell("assert x == 1, 'refused: run_dir already holds a run'"),
-                                         nbformat.v4.new_code_cell("print('trained')")])
+def test_refused_run_keeps_the_earlier_record_in_run_words_and_overwrite_leaves_nothing_old(tmp_path):
+    """A refused second `sft-nb run` keeps R/<notebook>.ipynb, the earlier run's record (its own goes to <notebook>.failed.ipynb)
+    and says how to go on in `sft-nb run`'s words (-p resume latest, -p overwrite true); `-p overwrite true` leaves nothing of the old run."""
+    claim = ("from pathlib import Path\nfrom sft_nb.checkpoint import Checkpointer\nfrom sft_nb.config import CheckpointConfig\n"
+             "ck = Checkpointer(CheckpointConfig(run_dir=run_dir, resume=resume or None, overwrite=overwrite)); ck.claim()\n"
+             "(Path(run_dir) / 'metrics.jsonl').write_text(f'{{\"overwrite\": {overwrite}}}\\n'); ck.release()")
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("resume = ''\noverwrite = False\nrun_dir = '.'", metadata={'tags': ['parameters']}),
+                                         nbformat.v4.new_code_cell(claim)])
     nb.metadata['kernelspec'] = {'name': 'python3', 'display_name': 'python3', 'language': 'python'}
     src = tmp_path / 'job.ipynb'
     nbformat.write(nb, src)
     run = tmp_path / 'R'
-    assert cli('run', src, '-p', 'x', '1', '--run-dir', run)[0] == 0
+    assert cli('run', src, '--run-dir', run)[0] == 0
     record = (run / 'job.ipynb').read_bytes()
-    code, _, err = cli('run', src, '-p', 'x', '2', '--run-dir', run)
-    assert code == 1 and 'refused: run_dir already holds a run' in err
-    assert f"the earlier run's record {run / 'job.ipynb'} is kept" in err
+    code, _, err = cli('run', src, '--run-dir', run)
+    assert code == 1 and 'already holds a run (metrics.jsonl); continue it with -p resume latest, start over with -p overwrite true' in err, err
+    assert 'checkpoint.resume=latest' not in err and f"the earlier run's record {run / 'job.ipynb'} is kept" in err
     assert (run / 'job.ipynb').read_bytes() == record and (run / 'job.failed.ipynb').exists()
-    assert cli('run', src, '-p', 'x', '1', '--run-dir', run)[0] == 0  # a run that succeeds is the new record
-    assert not list(run.glob('.job.running*'))
+    assert cli('run', src, '-p', 'overwrite', 'true', '--run-dir', run)[0] == 0  # a run that succeeds is the new record
+    assert sorted(p.name for p in run.iterdir()) == ['job.ipynb', 'metrics.jsonl'] and 'True' in (run / 'metrics.jsonl').read_text()
+    assert (run / 'job.ipynb').read_bytes() != record
 
 
 def test_yaml_errors_name_the_override_and_the_file(tmp_path):

@@ -76,7 +76,7 @@ def test_killed_streamed_run_resumes_exactly(tiny_path, tmp_path, ray_session, j
 def test_stream_resume_refuses_a_map_style_checkpoint(tiny_path, tmp_path, ray_session, jsonl):
     base = dict(train__num_steps=2, checkpoint__save_every=1)
     with SFTTrainer(run_cfg(tiny_path, tmp_path / 'run', data__train=[{'path': str(jsonl)}], **base)) as t: t.fit()
-    with pytest.raises(ConfigError, match='data.streaming: the checkpoint'):
+    with pytest.raises(ConfigError, match="data.streaming: False in the checkpoint's run, True in this config"):
         SFTTrainer(stream_cfg(tiny_path, tmp_path / 'run', jsonl, checkpoint__resume='latest', **base)).setup()
 
 

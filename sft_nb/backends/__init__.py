@@ -75,7 +75,11 @@ class BackendGroup:
     def stream_tokens(self, prompt, n=1, temperature=0.0, top_p=1.0, seed=0, eos_token_id=None) -> list[int]:
         return self.group.call('stream_tokens', prompt, n, temperature, top_p, seed, eos_token_id)[0]  # ranks agree (rank 0 picks)
     def full_state(self) -> list[dict]: return self.group.call('full_state')
-    def save(self, path: str) -> list: return self.group.call('save', path)
+    def save(self, path: str) -> list:
+        "Every rank writes its shard of a checkpoint into `path`; a failed write raises `OSError` (the workers and their state stay)."
+        errs = [e for e in self.group.call('write_checkpoint', path) if e]
+        if errs: raise OSError(errs[0]['errno'], errs[0]['what'])
+        return [True] * len(self.group.actors)
     def load(self, path: str) -> list: return self.group.call('load', path)
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> list:
         return self.group.call('export_hf', path, tokenizer_path, lora_export)

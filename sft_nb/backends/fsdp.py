@@ -30,7 +30,7 @@ def _model_cls(path):
 def _arch_cls(path):
     "The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers does not map its config."
     from transformers import AutoConfig
-    try: return _model_cls(path)._model_mapping[type(AutoConfig.from_pretrained(path))]
+    try: return _model_cls(path)._model_mapping[type(AutoConfig.from_pretrained(path, trust_remote_code=False))]
     except (KeyError, ValueError): return None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #37de5637
@@ -75,7 +75,7 @@ def _build_model(self: FSDPWorker, device: str = 'cpu'):
     from transformers import AutoConfig
     cls = _model_cls(self.path)
     with torch.device(device):
-        if device == 'meta': model = cls.from_config(AutoConfig.from_pretrained(self.path), dtype=torch.float32, attn_implementation=self.attn)
+        if device == 'meta': model = cls.from_config(AutoConfig.from_pretrained(self.path, trust_remote_code=False), dtype=torch.float32, attn_implementation=self.attn)
         else: model = cls.from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
         if self.mcfg['lora_r'] > 0:
             from peft import LoraConfig, get_peft_model

@@ -217,7 +217,7 @@ def setup(self: MegatronWorker) -> dict:
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     if self.mcfg['lora_r'] > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
     self.path = str(resolve_model_path(self.mcfg['path']))
-    self.hf_cfg = AutoConfig.from_pretrained(self.path)
+    self.hf_cfg = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
     self.thd = thd_available(self.use_gpu, self.mcfg['dtype'])  # rows as THD segments: only TransformerEngine's attention takes them
     if self.cp > 1 and not self.thd:
@@ -497,7 +497,7 @@ def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
     "A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here: `lora_export` is unused)."
     import torch
     from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, trust_remote_code=False)
     model.load_state_dict(state, strict=True)
     return model
 
