@@ -21,7 +21,8 @@ __all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'span_re
            'mask_from_ranges', 'finish_tokens', 'check_turns', 'lost_fields', 'tokenize_conversation', 'expand_turns',
            'tokenize_turns', 'row_features', 'template_error', 'tokenize_rows', 'Renderer', 'ChatRenderer',
            'make_renderer', 'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source',
-           'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'tokenize_dataset']
+           'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'image_base_dir',
+           'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -760,9 +761,11 @@ def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto': spec = dataclasses.replace(spec, format=source.format)
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
-def _base_dir(source) -> Path | None:
+def image_base_dir(source) -> Path | None:
+    "The folder relative image paths of a local source resolve against: a folder source itself, a file's folder; None for anything else."
     path = source_path(source)
-    return Path(path).expanduser().parent if path and not path.startswith('sft_nb:') else None
+    if not path or path.startswith('sft_nb:') or not (p := Path(path).expanduser()).exists(): return None
+    return p if p.is_dir() else p.parent
 
 def _raise_first(ds, report, on_bad_row):
     if on_bad_row == 'raise' and report.bad_rows:
@@ -801,7 +804,7 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     import tempfile
     spec = _prepare(source, spec)
     num_proc, ray_shards = num_proc or spec.num_proc, spec.ray_shards if ray_shards is None else ray_shards
-    renderer = make_renderer(tokenizer, spec, _base_dir(source))
+    renderer = make_renderer(tokenizer, spec, image_base_dir(source))
     in_memory = isinstance(source, list)  # rows may hold objects Arrow cannot store (PIL images): tokenized from the list itself
     raw, fp = (source, _rows_fingerprint(source)) if in_memory else (None, file_fingerprint(source))
     if raw is None and (fp is None or renderer.needs_rows_for_key): raw = load_source(source)  # a local file's cache hit parses nothing
