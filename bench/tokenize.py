@@ -42,6 +42,10 @@ of the limit on 1-turn rows, >= 90% on 3-turn rows, wall).
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --turns 1 --methods ours cache_hit
 
+`--cpu-rows N`: the same workloads and both sides in one process, CPU seconds only (less sensitive to a loaded machine).
+
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --cpu-rows 5000
+
 `--check-cost` measures what the self-check every trained row passes (`check_turns`, issue 26) costs: `tokenize_rows` on
 both demo sets with it and with it replaced by a no-op, interleaved rounds, best CPU seconds of `--repeats`.
 
@@ -179,11 +183,13 @@ def main():
     ap.add_argument('--methods', nargs='*', default=['limit', 'ours'], choices=SCALE_METHODS, help='scale mode: which methods')
     ap.add_argument('--turns', nargs='*', type=int, default=[1, 3], help='scale mode: user/assistant pairs per row, one workload each')
     ap.add_argument('--workdir', default=None, help='scale mode: where the generated source and cache go (default: a temp dir)')
+    ap.add_argument('--cpu-rows', type=int, default=0, help='in one process: CPU seconds of the limit and of ours on this many rows per workload')
     ap.add_argument('--check-cost', action='store_true', help='only measure what the per-row self-check (check_turns) costs')
     ap.add_argument('--child', help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child: return _scale_child(a)
     if a.rows: return _scale(a)
+    if a.cpu_rows: return _cpu_ratio(a)
     a.repeats = a.repeats or 3
     if a.check_cost: return _check_cost(a.repeats)
 
@@ -400,6 +406,31 @@ def _scale(a):
             verdicts.append(f"- {turns}-turn rows: ours {100 * v:.0f}% of the limit (wall; CPU {100 * lim['cpu'] / best['ours']['cpu']:.0f}%), "
                             f"target >= {100 * tgt:.0f}% -> {'MET' if v >= tgt else 'NOT MET'}")
     if verdicts: print('\n## targets\n\n' + '\n'.join(verdicts))
+
+def _cpu_ratio(a):
+    "`--cpu-rows N`: in one process, CPU seconds of the limit and of `tokenize_dataset` on the `--turns` workloads, best of --repeats interleaved."
+    import json
+    from transformers import AutoTokenizer
+    from sft_nb.models import smollm2_instruct
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
+    import datasets; datasets.disable_progress_bars()
+    tok, work = AutoTokenizer.from_pretrained(smollm2_instruct()), Path(a.workdir or tempfile.mkdtemp(prefix='sft_nb_cpu_'))
+    work.mkdir(parents=True, exist_ok=True)
+    for turns in a.turns:
+        src = _scale_source(a.cpu_rows, turns, work)
+        def limit():
+            with open(src) as f: rows = [json.loads(l) for l in f]
+            texts = [tok.apply_chat_template(r['messages'], tokenize=False) for r in rows]
+            return sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+        ours = lambda: tokenize_dataset(str(src), tok, TokenizeConfig(max_length=4096), batch_size=1024, use_cache=False)[1].n_real
+        assert limit() == ours()  # warm (template compiled, probe cached) and the same tokens
+        best = {}
+        for _ in range(a.repeats or 2):
+            for k, f in (('limit', limit), ('ours', ours)):
+                c = time.process_time(); f(); best[k] = min(best.get(k, 9e9), time.process_time() - c)
+        print(f"{a.cpu_rows:,} rows of {turns} turn(s), CPU seconds best of {a.repeats or 2}: limit {best['limit']:.2f}, ours {best['ours']:.2f} "
+              f"-> {100 * best['limit'] / best['ours']:.0f}% of the limit (target {100 * SCALE_TARGETS[turns]:.0f}%, in wall time at scale)", flush=True)
 
 def _check_cost(repeats):
     "CPU seconds of `tokenize_rows` on both demo sets (all_assistant, batches of 256) with the self-check and with it replaced by a no-op, interleaved."
