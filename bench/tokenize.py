@@ -27,19 +27,24 @@ times loading the entry with its size + xxh3-128 digest check, without it, the c
 
     HF_HUB_OFFLINE=1 python bench/tokenize.py --verify-rows 100000
 
-`--rows N` is the scale mode (issue 16): N alpaca-style rows generated from the shared demo set (each instruction made
-unique) are written as JSONL; then, each in its own subprocess (so peak RSS is honest), best of `--repeats`:
-  limit        `apply_chat_template` per row + one `encode_batch` over all texts (conversations parsed before the clock
-               starts); above 200,000 rows in chunks of 100,000 so that the limit itself fits in memory
+`--rows N` is the scale mode: for each workload (`--turns`, default 1 and 3 user/assistant pairs a row) N `messages` rows
+are generated from the shared alpaca demo (each user text made unique) as JSONL; then, each in its own subprocess (so
+peak RSS is honest), in interleaved rounds, best of `--repeats` (default 2). Both clocks start before the file is read:
+  limit        read the lines, `json.loads` each, `apply_chat_template(tokenize=False)` per row + one `encode_batch` over all
+               texts (above 200,000 rows in chunks of 100,000 so that the limit itself fits in memory)
   ours         `tokenize_dataset(path, tok, TokenizeConfig(max_length=4096), batch_size=1024)` into a fresh cache folder:
-               reads and parses the file, renders, tokenizes, masks, writes the Arrow cache entry (num_proc 1 and 2)
+               reads and parses the file, renders, tokenizes, masks, writes the Arrow cache entry (ours_np2: num_proc 2)
   cache hit    the same call again (fingerprint the file, verify the entry, memory-map it)
 SmolLM2-135M-Instruct's tokenizer and its own template, mode all_assistant. It prints rows/s (wall and per CPU-second,
-the latter insensitive to other load on a shared machine) and peak RSS side by side, the ratio to the limit, and the
-num_proc 1 -> 2 scaling.
+the latter less sensitive to other load on a shared machine), peak RSS, the ratio to the limit and the targets (>= 95%
+of the limit on 1-turn rows, >= 90% on 3-turn rows, wall).
 
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000
-    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --methods ours cache_hit
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --turns 1 --methods ours cache_hit
+
+`--cpu-rows N`: the same workloads and both sides in one process, CPU seconds only (less sensitive to a loaded machine).
+
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --cpu-rows 5000
 
 `--check-cost` measures what the self-check every trained row passes (`check_turns`, issue 26) costs: `tokenize_rows` on
 both demo sets with it and with it replaced by a no-op, interleaved rounds, best CPU seconds of `--repeats`.
@@ -168,21 +173,25 @@ def trl_prepare(stub, tok, args, ds):
 # ---------------------------------------------------------------------------------------------------------------------
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
-    ap.add_argument('--repeats', type=int, default=3)
+    ap.add_argument('--repeats', type=int, default=None, help='best of this many (default 3; scale mode 2)')
     ap.add_argument('--sample', type=int, default=100, help='rows per dataset/mode whose ids are compared to the baseline')
     ap.add_argument('--datasets', nargs='*', default=list(DATASETS))
     ap.add_argument('--skip-trl', action='store_true')
     ap.add_argument('--profile', choices=MODES, help='only cProfile tokenize_rows on the tool-calling set in this mode')
     ap.add_argument('--verify-rows', type=int, default=0, help='only measure the cache content check on a cache of this many rows')
-    ap.add_argument('--rows', type=int, default=0, help='scale mode: this many generated alpaca-style rows, ours vs the limit')
-    ap.add_argument('--methods', nargs='*', default=list(SCALE_METHODS), help='scale mode: which methods')
+    ap.add_argument('--rows', type=int, default=0, help='scale mode: this many generated chat rows per workload, ours vs the limit')
+    ap.add_argument('--methods', nargs='*', default=['limit', 'ours'], choices=SCALE_METHODS, help='scale mode: which methods')
+    ap.add_argument('--turns', nargs='*', type=int, default=[1, 3], help='scale mode: user/assistant pairs per row, one workload each')
     ap.add_argument('--workdir', default=None, help='scale mode: where the generated source and cache go (default: a temp dir)')
+    ap.add_argument('--cpu-rows', type=int, default=0, help='in one process: CPU seconds of the limit and of ours on this many rows per workload')
     ap.add_argument('--check-cost', action='store_true', help='only measure what the per-row self-check (check_turns) costs')
     ap.add_argument('--child', help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.child: return _scale_child(a)
-    if a.check_cost: return _check_cost(a.repeats)
     if a.rows: return _scale(a)
+    if a.cpu_rows: return _cpu_ratio(a)
+    a.repeats = a.repeats or 3
+    if a.check_cost: return _check_cost(a.repeats)
 
     import datasets, transformers
     from transformers import AutoTokenizer
@@ -309,39 +318,45 @@ def main():
 
 
 SCALE_METHODS = ('limit', 'ours', 'ours_np2', 'cache_hit')
+SCALE_TARGETS = {1: 0.95, 3: 0.90}  # ours / limit (wall) on single-turn and 3-turn rows
 
-def _scale_source(n: int, folder: Path) -> Path:
-    "n alpaca-style rows as JSONL: the demo rows repeated, each instruction made unique (so no two rows render alike)."
+def _scale_source(n: int, turns: int, folder: Path) -> Path:
+    "n `messages` rows of `turns` user/assistant pairs as JSONL, built from the shared alpaca demo (each user text made unique)."
     import json
-    path = folder / f'alpaca_{n}.jsonl'
+    path = folder / f'chat_{n}_{turns}turn.jsonl'
     if path.exists(): return path
     demo = json.loads(DATASETS['alpaca'].read_text())
     with open(path.with_suffix('.tmp'), 'w') as f:
         for k in range(n):
-            r = demo[k % len(demo)]
-            f.write(json.dumps({**r, 'instruction': f"{r['instruction']} (#{k})"}, ensure_ascii=False) + '\n')
+            msgs = []
+            for t in range(turns):
+                r = demo[(k + 7 * t) % len(demo)]
+                user = f"{r['instruction']}\n{r['input']}".strip() + f" (#{k}.{t})"
+                msgs += [{'role': 'user', 'content': user}, {'role': 'assistant', 'content': r['output']}]
+            f.write(json.dumps({'messages': msgs}, ensure_ascii=False) + '\n')
     path.with_suffix('.tmp').rename(path)
     return path
 
 def _scale_child(a):
-    "One measurement in this (fresh) process; prints one JSON line."
+    "One measurement in this (fresh) process; prints one JSON line. Both sides start the clock before the file is read."
     import json, resource
     from transformers import AutoTokenizer
     from sft_nb.models import smollm2_instruct
     from sft_nb.config import TokenizeConfig
     from sft_nb.tokenize import tokenize_dataset
     import datasets; datasets.disable_progress_bars()
-    method, src, cache = a.child, Path(a.workdir) / f'alpaca_{a.rows}.jsonl', Path(a.workdir) / 'cache'
+    method, src, cache = a.child, _scale_source(a.rows, a.turns[0], Path(a.workdir)), Path(a.workdir) / 'cache'
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
+    tok.apply_chat_template([{'role': 'user', 'content': 'warm'}], tokenize=False)  # both sides: the template compiled once, outside the clock
     if method == 'limit':
-        from sft_nb.data import normalize_row
-        convs = [normalize_row(json.loads(l), 'alpaca') for l in open(src)]
-        chunk = len(convs) if len(convs) <= 200_000 else 100_000
         t0, c0, n_tok = time.perf_counter(), time.process_time(), 0
-        for s in range(0, len(convs), chunk):
-            texts = [tok.apply_chat_template(c['messages'], tools=c['tools'], tokenize=False) for c in convs[s:s + chunk]]
+        with open(src) as f: lines = f.readlines()
+        chunk = len(lines) if len(lines) <= 200_000 else 100_000  # above that, chunks: the limit's texts and ids fit in memory
+        for s in range(0, len(lines), chunk):
+            rows = [json.loads(l) for l in lines[s:s + chunk]]
+            texts = [tok.apply_chat_template(r['messages'], tokenize=False) for r in rows]
             out = [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-            n_tok += sum(map(len, out)); del texts, out
+            n_tok += sum(map(len, out)); del rows, texts, out
     else:
         if method in ('ours', 'ours_np2'): shutil.rmtree(cache, ignore_errors=True)
         t0, c0 = time.perf_counter(), time.process_time()
@@ -354,35 +369,68 @@ def _scale_child(a):
     print(json.dumps({'method': method, 'wall': wall, 'cpu': cpu, 'rss': me.ru_maxrss / 2**20, 'child_rss': ch.ru_maxrss / 2**20, 'tokens': n_tok}))
 
 def _scale(a):
-    "Scale mode: every method in its own subprocess, rounds of all methods, best of --repeats."
+    "Scale mode: per workload (turns per row), every method in its own subprocess, rounds of all methods, best of --repeats."
     import json, subprocess
     work = Path(a.workdir or tempfile.mkdtemp(prefix='sft_nb_scale_'))
     work.mkdir(parents=True, exist_ok=True)
-    t0 = time.perf_counter(); src = _scale_source(a.rows, work)
-    print(f"## scale: {a.rows:,} rows ({src.stat().st_size / 2**20:,.0f} MiB JSONL, generated in {time.perf_counter() - t0:.0f} s) in {work}; "
-          f"methods {' '.join(a.methods)}; load average {_load()}", flush=True)
-    best = {}
-    for rnd in range(a.repeats):
-        for m in a.methods:
-            cmd = [sys.executable, str(Path(__file__).resolve()), '--child', m, '--rows', str(a.rows), '--workdir', str(work)]
-            r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'TOKENIZERS_PARALLELISM': 'false'})
-            if r.returncode: print(r.stderr[-3000:]); raise SystemExit(f"{m} failed")
-            res = json.loads(r.stdout.strip().splitlines()[-1])
-            print(f"  round {rnd + 1} {m:10s} {res['wall']:8.1f} s wall {a.rows / res['wall']:8,.0f} rows/s | {res['cpu']:8.1f} s cpu "
-                  f"{a.rows / res['cpu']:8,.0f} rows/cpu-s | peak RSS {res['rss']:.2f} GiB (workers {res['child_rss']:.2f}) | load {_load()}", flush=True)
-            if m not in best or res['wall'] < best[m]['wall']: best[m] = {**res, 'cpu': min(res['cpu'], best.get(m, res)['cpu'])}
-    lim = best.get('limit')
-    print(f"\n## {a.rows:,} rows, best of {a.repeats}\n\n| method | rows/s | rows/cpu-s | peak RSS GiB | % of limit (wall) | % of limit (cpu) |\n|---|---:|---:|---:|---:|---:|")
-    for m, r in best.items():
-        pw = f"{100 * lim['wall'] / r['wall']:.0f}%" if lim else '-'
-        pc = f"{100 * lim['cpu'] / r['cpu']:.0f}%" if lim else '-'
-        rss = r['rss'] + (r['child_rss'] if m == 'ours_np2' else 0)
-        print(f"| {m} | {a.rows / r['wall']:,.0f} | {a.rows / r['cpu']:,.0f} | {rss:.2f} | {pw} | {pc} |")
-    if 'ours' in best and 'ours_np2' in best:
-        sp = best['ours']['wall'] / best['ours_np2']['wall']
-        print(f"\nnum_proc 1 -> 2: {sp:.2f}x wall ({100 * sp / 2:.0f}% per-core efficiency); "
-              f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {os.cpu_count()}")
-    if 'cache_hit' in best: print(f"cache hit: {best['cache_hit']['wall']:.2f} s")
+    repeats = a.repeats or 2
+    verdicts = []
+    for turns in a.turns:
+        t0 = time.perf_counter(); src = _scale_source(a.rows, turns, work)
+        print(f"\n## scale: {a.rows:,} rows of {turns} turn(s) ({src.stat().st_size / 2**20:,.0f} MiB JSONL, generated in "
+              f"{time.perf_counter() - t0:.0f} s) in {work}; methods {' '.join(a.methods)}; load average {_load()}", flush=True)
+        best = {}
+        for rnd in range(repeats):
+            for m in a.methods:
+                cmd = [sys.executable, str(Path(__file__).resolve()), '--child', m, '--rows', str(a.rows), '--turns', str(turns), '--workdir', str(work)]
+                r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'TOKENIZERS_PARALLELISM': 'false'})
+                if r.returncode: print(r.stderr[-3000:]); raise SystemExit(f"{m} failed")
+                res = json.loads(r.stdout.strip().splitlines()[-1])
+                print(f"  round {rnd + 1} {m:10s} {res['wall']:8.1f} s wall {a.rows / res['wall']:8,.0f} rows/s | {res['cpu']:8.1f} s cpu "
+                      f"{a.rows / res['cpu']:8,.0f} rows/cpu-s | peak RSS {res['rss']:.2f} GiB (workers {res['child_rss']:.2f}) | load {_load()}", flush=True)
+                if m not in best or res['wall'] < best[m]['wall']: best[m] = {**res, 'cpu': min(res['cpu'], best.get(m, res)['cpu'])}
+        lim = best.get('limit')
+        print(f"\n### {a.rows:,} rows of {turns} turn(s), best of {repeats}\n\n| method | rows/s | rows/cpu-s | peak RSS GiB | % of limit (wall) | % of limit (cpu) |\n|---|---:|---:|---:|---:|---:|")
+        for m, r in best.items():
+            pw = f"{100 * lim['wall'] / r['wall']:.0f}%" if lim else '-'
+            pc = f"{100 * lim['cpu'] / r['cpu']:.0f}%" if lim else '-'
+            rss = r['rss'] + (r['child_rss'] if m == 'ours_np2' else 0)
+            print(f"| {m} | {a.rows / r['wall']:,.0f} | {a.rows / r['cpu']:,.0f} | {rss:.2f} | {pw} | {pc} |")
+        if 'ours' in best and 'ours_np2' in best:
+            sp = best['ours']['wall'] / best['ours_np2']['wall']
+            print(f"\nnum_proc 1 -> 2: {sp:.2f}x wall ({100 * sp / 2:.0f}% per-core efficiency); "
+                  f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {os.cpu_count()}")
+        if 'cache_hit' in best: print(f"cache hit: {best['cache_hit']['wall']:.2f} s")
+        if lim and 'ours' in best and turns in SCALE_TARGETS:
+            v, tgt = lim['wall'] / best['ours']['wall'], SCALE_TARGETS[turns]
+            verdicts.append(f"- {turns}-turn rows: ours {100 * v:.0f}% of the limit (wall; CPU {100 * lim['cpu'] / best['ours']['cpu']:.0f}%), "
+                            f"target >= {100 * tgt:.0f}% -> {'MET' if v >= tgt else 'NOT MET'}")
+    if verdicts: print('\n## targets\n\n' + '\n'.join(verdicts))
+
+def _cpu_ratio(a):
+    "`--cpu-rows N`: in one process, CPU seconds of the limit and of `tokenize_dataset` on the `--turns` workloads, best of --repeats interleaved."
+    import json
+    from transformers import AutoTokenizer
+    from sft_nb.models import smollm2_instruct
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
+    import datasets; datasets.disable_progress_bars()
+    tok, work = AutoTokenizer.from_pretrained(smollm2_instruct()), Path(a.workdir or tempfile.mkdtemp(prefix='sft_nb_cpu_'))
+    work.mkdir(parents=True, exist_ok=True)
+    for turns in a.turns:
+        src = _scale_source(a.cpu_rows, turns, work)
+        def limit():
+            with open(src) as f: rows = [json.loads(l) for l in f]
+            texts = [tok.apply_chat_template(r['messages'], tokenize=False) for r in rows]
+            return sum(len(e.ids) for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False))
+        ours = lambda: tokenize_dataset(str(src), tok, TokenizeConfig(max_length=4096), batch_size=1024, use_cache=False)[1].n_real
+        assert limit() == ours()  # warm (template compiled, probe cached) and the same tokens
+        best = {}
+        for _ in range(a.repeats or 2):
+            for k, f in (('limit', limit), ('ours', ours)):
+                c = time.process_time(); f(); best[k] = min(best.get(k, 9e9), time.process_time() - c)
+        print(f"{a.cpu_rows:,} rows of {turns} turn(s), CPU seconds best of {a.repeats or 2}: limit {best['limit']:.2f}, ours {best['ours']:.2f} "
+              f"-> {100 * best['limit'] / best['ours']:.0f}% of the limit (target {100 * SCALE_TARGETS[turns]:.0f}%, in wall time at scale)", flush=True)
 
 def _check_cost(repeats):
     "CPU seconds of `tokenize_rows` on both demo sets (all_assistant, batches of 256) with the self-check and with it replaced by a no-op, interleaved."

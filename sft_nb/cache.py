@@ -32,12 +32,12 @@ def file_fingerprint(source) -> str | None:
     path = source_path(source)
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
     fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
-    return file_digest(Path(path).expanduser()) + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
+    return file_digest(Path(path).expanduser(), 'xxh3') + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
 
 # %% ../nbs/02b_cache.ipynb #0e7a735e
 def _manifest(folder: Path, digests: bool = True) -> dict:
     "{file: [size, content digest]} of a cache entry (the digest is computed only when asked)."
-    return {str(p.relative_to(folder)): [p.stat().st_size, file_digest(p) if digests else None]
+    return {str(p.relative_to(folder)): [p.stat().st_size, file_digest(p, 'xxh3') if digests else None]
             for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'MANIFEST.json'}
 
 def verify_entry(folder: Path, recorded: dict) -> str:
@@ -46,7 +46,7 @@ def verify_entry(folder: Path, recorded: dict) -> str:
     if not isinstance(recorded, dict) or sizes.keys() != recorded.keys(): return 'file list'
     for name, (size, _) in sizes.items():  # cheap size check first; a truncated file never gets hashed
         if not isinstance(recorded[name], list) or recorded[name][0] != size: return name
-    return next((n for n in sizes if file_digest(folder / n) != recorded[n][1]), '')
+    return next((n for n in sizes if file_digest(folder / n, 'xxh3') != recorded[n][1]), '')
 
 def index_parts(folder: Path, features, fingerprint: str):
     "Write what `datasets.load_from_disk` reads next to the parts (state.json, dataset_info.json): the folder is a saved Dataset."

@@ -12,14 +12,15 @@ from typing import Any
 from fastcore.basics import patch
 from .config import SourceConfig, DataConfig
 from .errors import MissingFile, UserError
+from .paths import new_digest, file_digest
 
 # %% auto #0
 __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS', 'NULL_CONTENT', 'FORMATS', 'FORMAT_FIELDS',
            'FORMAT_NAMES', 'BAD_ROW_KEY', 'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
            'normalize_tools', 'content_parts', 'split_tool_results', 'normalize_message', 'detect_format',
-           'normalize_row', 'DataReport', 'new_digest', 'file_digest', 'bounded_lines', 'json_line', 'bad_row_marker',
-           'iter_json_rows', 'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns',
-           'source_fingerprint', 'mix_counts', 'mix_indices']
+           'normalize_row', 'DataReport', 'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows',
+           'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint',
+           'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(UserError, ValueError):
@@ -374,24 +375,6 @@ def bad_rows_summary(self: DataReport, n: int = 5) -> str:
         rows = [b for b in self.bad_rows if b[1] == kind]
         out.append(f"{kind}: {count} ({_first([b[0] for b in rows], n)}; row {rows[0][0]}: {rows[0][2]})" if rows else f"{kind}: {count}")
     return '; '.join(out) or 'no bad rows'
-
-# %% ../nbs/01_data.ipynb #a1d0e004
-def new_digest(algo: str = 'sha256'):
-    "A streaming hasher: 'sha256' (what the tokenization cache keys use) or 'xxh3' (xxhash's 128-bit xxh3, much faster)."
-    if algo == 'sha256': return hashlib.sha256()
-    if algo == 'xxh3':
-        import xxhash
-        return xxhash.xxh3_128()
-    raise ValueError(f"algo: {algo!r} is not allowed; use 'sha256' or 'xxh3'")
-
-def file_digest(path, # any file
-                algo: str = 'sha256', # 'sha256' or 'xxh3'
-               ) -> str:
-    "Hex digest of a file's bytes, read in 1 MiB chunks; the same digest `iter_json_rows(path, digest=new_digest(algo))` leaves."
-    h = new_digest(algo)
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
-    return h.hexdigest()
 
 # %% ../nbs/01_data.ipynb #a1d0e007
 class _DuplicateKey(ValueError):

@@ -11,7 +11,7 @@ from .config import TokenizeConfig
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .config import TokenizeConfig
-from .tokenize import HISTORY, MODES, Example, labels_for, tokenize_conversation, tokenize_rows
+from .tokenize import HISTORY, MODES, Example, labels_for, image_base_dir, tokenize_conversation, tokenize_rows
 from fastcore.basics import patch
 
 # %% auto #0
@@ -248,11 +248,6 @@ def loss_legend_html(view: str = 'now') -> str:
     return f'<div class="loss-legend" data-view="{view}">{label} {sw}</div>'
 
 # %% ../nbs/03_inspect.ipynb #c99d6ef4
-def _base_dir(source) -> Path | None:
-    "The folder relative image paths of a file/folder source resolve against."
-    if not isinstance(source, (str, Path)) or not Path(source).exists(): return None
-    return Path(source) if Path(source).is_dir() else Path(source).parent
-
 def inspect_examples(rows, # a loaded source (datasets.Dataset)
                      index: int, # row to show
                      tokenizer, # a fast tokenizer, or a vision-language processor (image rows)
@@ -296,7 +291,7 @@ class Inspector:
         c = self.base = config if config is not None else TokenizeConfig()  # the controls start from it; `spec` is it with their values
         self.tokenizer, self.template, self.format, self._loaded = tokenizer, load_template(c.chat_template), c.format, {}
         self.sources = _named_sources(source)
-        self.base_dirs = {name: _base_dir(src) for name, src in self.sources.items()}
+        self.base_dirs = {name: image_base_dir(src) for name, src in self.sources.items()}
         self.source = W.Dropdown(options=list(self.sources), description='source')
         self.row = W.IntSlider(value=0, min=0, max=0, description='row', continuous_update=False)
         self.row_box = W.BoundedIntText(value=0, min=0, max=0, layout=W.Layout(width='90px'))
@@ -439,7 +434,7 @@ def inspect_main(argv: list[str] | None = None,
     spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=a.template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
                         history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
                         truncation=a.truncation)
-    exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, _base_dir(a.data))
+    exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, image_base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'
     if not exs:
         print(f'{head}: not trained — {err}'); return 1

@@ -9,7 +9,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'file_digest']
+__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'new_digest', 'file_digest']
 
 # %% ../nbs/00a_paths.ipynb #7e17eb6c
 def sft_nb_home() -> Path:
@@ -69,12 +69,22 @@ def clean_stale_tmp(root: Path, pattern: str, # glob of the temp folders, e.g. '
     return removed
 
 # %% ../nbs/00a_paths.ipynb #6044298c
+def new_digest(algo: str = 'sha256'):
+    "A streaming hasher: 'sha256' (what the tokenization cache keys use) or 'xxh3' (xxhash's 128-bit xxh3, much faster)."
+    if algo == 'sha256':
+        import hashlib
+        return hashlib.sha256()
+    if algo == 'xxh3':
+        import xxhash
+        return xxhash.xxh3_128()
+    raise ValueError(f"algo: {algo!r} is not allowed; use 'sha256' or 'xxh3'")
+
 def file_digest(path, # a file
-                chunk: int = 1 << 24, # bytes read at a time
+                algo: str = 'sha256', # 'sha256' or 'xxh3'
+                chunk: int = 1 << 24, # bytes read at a time (memory stays at one chunk)
                ) -> str:
-    "xxh3-128 hex digest of a file's bytes, read in chunks (memory stays at one chunk)."
-    import xxhash
-    h = xxhash.xxh3_128()
+    "Hex digest of a file's bytes; the same digest `sft_nb.data.iter_json_rows(path, digest=new_digest(algo))` leaves."
+    h = new_digest(algo)
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)
     return h.hexdigest()

@@ -4,7 +4,7 @@
 
 # %% ../nbs/02a_templates.ipynb #c95d8af0
 from __future__ import annotations
-import functools, hashlib, json, re, time
+import contextvars, functools, hashlib, json, re, time
 from dataclasses import dataclass
 from pathlib import Path
 from .errors import UserError
@@ -13,7 +13,7 @@ from .errors import UserError
 __all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS', 'FAMILY_SPECIALS',
            'shipped_template', 'templates_with', 'TemplateError', 'load_template', 'render', 'chat_ids',
            'has_generation_tags', 'template_name', 'TemplateRenderer', 'bounded_template', 'TemplateInfo',
-           'common_prefix', 'probe_template', 'template_key', 'template_info', 'collapse_template',
+           'tagged_twin', 'common_prefix', 'probe_template', 'template_key', 'template_info', 'collapse_template',
            'add_family_specials', 'template_features']
 
 # %% ../nbs/02a_templates.ipynb #e30b0002
@@ -25,6 +25,7 @@ CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_
     'phi3': ('phi-3', frozenset({'system'})),
     'qwen2.5': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool'})),
     'qwen3': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool', 'reasoning'})),
+    'smollm2': ('smollm2', frozenset({'system', 'tool'})),  # SmolLM2-Instruct's own template (its default system prompt too), tagged
 }
 
 def shipped_template(name: str) -> str:
@@ -106,8 +107,7 @@ class TemplateRenderer:
         try:
             if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
             if not tags: return self._compiled[key].render(**args, **self.variables)
-            out, idx = ctu._render_with_assistant_indices(self._compiled[key], **args, **self.variables)
-            return out, [tuple(s) for s in idx]
+            return _render_with_spans(self._compiled[key], {**args, **self.variables})
         except SecurityError as e: raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
         except jinja2.TemplateSyntaxError as e: raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
         except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise  # the template's own refusal: per row
@@ -164,6 +164,18 @@ def _step(env, context):
                             f"(limit {MAX_TEMPLATE_SECONDS} s); a chat template renders conversations in milliseconds: fix the template")
 
 # %% ../nbs/02a_templates.ipynb #8613462b
+_MARKS = contextvars.ContextVar('generation_marks', default=None)  # ([characters rendered so far], [mark positions]) of the render in progress
+
+def _render_with_spans(compiled, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    "Render through `generate` counting characters as they come: the `{% generation %}` marks and the tracker's nested blocks → (text, spans in order)."
+    pos, marks, blocks, nested = [0], [], [], []
+    token = _MARKS.set((pos, marks))
+    try:
+        with compiled.environment.activate_tracker(blocks, nested):
+            for chunk in compiled.generate(**variables): blocks.append(chunk); pos[0] += len(chunk)
+    finally: _MARKS.reset(token)
+    return ''.join(blocks), sorted([*zip(marks[::2], marks[1::2]), *map(tuple, nested)])
+
 @functools.lru_cache(maxsize=64)
 def bounded_template(text: str, name: str = '(given inline)'):
     """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by `MAX_TEMPLATE_VALUE`,
@@ -208,6 +220,21 @@ def bounded_template(text: str, name: str = '(given inline)'):
     env.loader = jinja2.FunctionLoader(no_other_template)
     def unsafe(obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
+    tracker = next(x for x in env.extensions.values() if 'generation' in x.tags)  # transformers' AssistantTracker
+    class GenerationMarks(jinja2.ext.Extension):
+        "`{% generation %}` at the top level (not inside a macro, call, filter or set block): a mark before and after the body, no macro call."
+        tags, priority = {'generation'}, 200  # parsed instead of the tracker's (it keeps the nested blocks, whose output is buffered)
+        def parse(self, parser):
+            if set(parser._tag_stack[:-1]) & {'macro', 'call', 'filter', 'set', 'generation'}: return tracker.parse(parser)
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(['name:endgeneration'], drop_needle=True)
+            mark = lambda: nodes.Output([nodes.ExtensionAttribute(self.identifier, 'mark')]).set_lineno(lineno)  # no call: a property read
+            return [mark(), *body, mark()]
+        @property
+        def mark(self) -> str:
+            if (at := _MARKS.get()) is not None: at[1].append(at[0][0])  # the length rendered so far: the consumer counts it
+            return ''
+    env.add_extension(GenerationMarks)
     class Codegen(CodeGenerator):
         def visit_Concat(self, node, frame):  # `a ~ b`: its result checked too
             self.write('environment.concat(('); super().visit_Concat(node, frame); self.write(',))')
@@ -240,6 +267,7 @@ class TemplateInfo:
     why: str = ''  # what in the template decided `mechanism`
     specials: tuple = ()  # the tokenizer's special-token strings, longest first
     ends: tuple = ()  # the end-of-turn texts of a final and of an earlier assistant turn (GPT-OSS: <|return|>, <|end|>)
+    twin: str = ''  # the shipped tagged template (a key of CHAT_TEMPLATES) that renders this one byte for byte: rows render through it
     @property
     def history(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
     @property
@@ -273,6 +301,38 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
         return r4[a:r4.find(marker)]
     hs = tuple(dict.fromkeys(h for h in (gen_prompt, between(_U2, _A2), between(_U1, _A1)) if h))
     return hs if len(hs) > 1 else ()
+
+# %% ../nbs/02a_templates.ipynb #7d1e0a02
+_TWIN_TOOL = {'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}
+_TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders, and the edges where templates differ
+    ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}], None),
+    ([{'role': 'system', 'content': 'qzxS'}, {'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1},
+      {'role': 'user', 'content': _U2}, {'role': 'assistant', 'content': _A2}], None),
+    ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}, {'role': 'user', 'content': _U2}], None),
+    ([{'role': 'user', 'content': f' {_U1} \n'}, {'role': 'assistant', 'content': f'\n {_A1}  '}], None),
+    ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': '', 'tool_calls': [
+      {'type': 'function', 'function': {'name': 'qzxTOOL', 'arguments': {'x': 1}}}]}, {'role': 'tool', 'content': 'qzxRES'},
+      {'role': 'assistant', 'content': _A2}], [_TWIN_TOOL]),
+    ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1, 'reasoning_content': _R1},
+      {'role': 'user', 'content': _U2}, {'role': 'assistant', 'content': _A2, 'reasoning_content': _R2}], None),
+    ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': f'<think>\n{_R1}\n</think>\n\n{_A1}'}], None),
+    ([{'role': 'assistant', 'content': _A1}, {'role': 'user', 'content': _U1}], None),
+    ([{'role': 'user', 'content': ''}, {'role': 'assistant', 'content': ''}], None),
+]
+
+def _twin_renders(renderer: TemplateRenderer) -> list:
+    "What `renderer` makes of every twin probe, with and without the generation prompt (an error counts as its type: a twin refuses what the template refuses)."
+    out = []
+    for msgs, tools in _TWIN_PROBES:
+        for gen in (False, True):
+            try: out.append(renderer(msgs, tools, gen=gen))
+            except Exception as e: out.append(('error', type(e).__name__))
+    return out
+
+def tagged_twin(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
+    "The shipped tagged template (a key of `CHAT_TEMPLATES`) that renders byte-identically to `template` on every twin probe, or ''."
+    mine = _twin_renders(TemplateRenderer(tokenizer, template, chat_template_kwargs))
+    return next((n for n in CHAT_TEMPLATES if _twin_renders(TemplateRenderer(tokenizer, shipped_template(n), chat_template_kwargs)) == mine), '')
 
 # %% ../nbs/02a_templates.ipynb #029c0667
 def common_prefix(a: str, b: str) -> int:
@@ -313,7 +373,9 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
             rewrites = rewrites or not two.startswith(one[:one.rfind(_A1) + len(_A1)])
         except TemplateError: pass
     text = tokenizer.get_chat_template(template, None)
+    twin = '' if has_generation_tags(text) else tagged_twin(tokenizer, template, chat_template_kwargs)
     if has_generation_tags(text): mech, why = 'tags', 'the template has {% generation %} blocks'
+    elif twin: mech, why = 'tags', f'masks from the tagged twin of {twin}: the template renders byte-identically to the shipped {twin!r} on every twin probe'
     elif rewrites: mech, why = 'history-rewriting', 'a turn renders differently once a later turn follows it (probe: reasoning or content of an earlier turn changes)'
     else:
         mech = 'prefix'
@@ -322,7 +384,7 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
               f'no generation tags; the generation prompt {gen_prompt!r} ends the prompt of every assistant turn'
     earlier = next((t for t in specials if r4.startswith(t, r4.find(_A1) + len(_A1))), '')  # the first end token of an earlier turn
     return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt),
-                        asst_header, mech, why, tuple(specials), tuple(dict.fromkeys(x for x in (eot, earlier) if x)))
+                        asst_header, mech, why, tuple(specials), tuple(dict.fromkeys(x for x in (eot, earlier) if x)), twin)
 
 # %% ../nbs/02a_templates.ipynb #405fc376
 def template_key(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:

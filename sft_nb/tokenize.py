@@ -9,19 +9,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
-from .data import MAX_ROW_BYTES, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .data import MAX_ROW_BYTES, BAD_ROW_KEY, json_line, bad_row_marker, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
-from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with,
+from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with, shipped_template,
                               chat_ids, common_prefix, template_features, CHAT_TEMPLATES)
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'turn_spans', 'trained_turns', 'message_segments',
-           'render_turns', 'turn_parts', 'trained_parts', 'encode_texts', 'token_ranges', 'mask_from_ranges',
-           'finish_tokens', 'check_turns', 'lost_fields', 'tokenize_conversation', 'expand_turns', 'tokenize_turns',
-           'row_features', 'template_error', 'tokenize_rows', 'Renderer', 'ChatRenderer', 'make_renderer',
-           'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source', 'source_slice',
-           'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'tokenize_dataset']
+__all__ = ['MODES', 'HISTORY', 'Example', 'labels_for', 'content_text', 'span_renderer', 'turn_spans', 'trained_turns',
+           'message_segments', 'render_turns', 'turn_parts', 'trained_parts', 'encode_texts', 'token_ranges',
+           'mask_from_ranges', 'finish_tokens', 'check_turns', 'lost_fields', 'tokenize_conversation', 'expand_turns',
+           'tokenize_turns', 'row_features', 'template_error', 'tokenize_rows', 'Renderer', 'ChatRenderer',
+           'make_renderer', 'example_features', 'example_batch', 'SourceFallback', 'JsonlRows', 'stream_source',
+           'source_slice', 'tokenize_part', 'part_name', 'write_parts', 'ray_part', 'ray_parts', 'image_base_dir',
+           'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #48c95e3c
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
@@ -108,26 +109,19 @@ def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
         if nxt is not None: e += len(nxt)
     return e
 
-def _own(renderer, messages, tools, info: TemplateInfo, T: str, i: int, end: int) -> tuple[int, int]:
-    "Where assistant message `i`'s own rendering lies in the full render `T`: after what `messages[:i]` render, up to where message i+1 starts."
-    if i == 0: lo = 0
-    else:
-        P, gen = renderer(messages[:i], tools, gen=True), info.gen_prompt
-        q = P[:len(P) - len(gen)] if gen and P.endswith(gen) else P
-        lo = len(q) if T.startswith(q) else _snap(T, common_prefix(q, T), info.specials)
-    if i == len(messages) - 1: return lo, len(T)
-    F = renderer(messages[:i + 1], tools)
-    hi = len(F) if T.startswith(F) else end
-    return lo, end if end > hi and T[hi:end] in info.specials else hi  # a stop token the next message opens with ends this turn
+def span_renderer(tokenizer, template: str | None, chat_template_kwargs: dict | None, info: TemplateInfo) -> TemplateRenderer:
+    "What rows render through: the template's tagged twin when it has one (the same bytes, and spans from its tags in one render), else the template."
+    return TemplateRenderer(tokenizer, shipped_template(info.twin) if info.twin else template, chat_template_kwargs)
 
 def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
-    "The `{% generation %}` spans of the full render, one per assistant message, in order, and the own rendering of each of `turns`."
+    "The `{% generation %}` spans of the one full render, one per assistant message, in order; a turn's own rendering is what lies between its neighbours' spans (the tags are the truth: no prefix renders)."
     text, idx = renderer(messages, tools, tags=True)
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if len(idx) != len(asst):
         raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
-    spans = {i: (s, _turn_end(text, s, e, info, False)) for i, (s, e) in zip(asst, idx)}  # an end token right after the tag is the turn's
-    return text, spans, {i: _own(renderer, messages, tools, info, text, i, spans[i][1]) for i in turns}
+    ends = [(s, _turn_end(text, s, e, info, False)) for s, e in idx]  # an end token right after the tag is the turn's
+    own = {i: (ends[k - 1][1] if k else 0, ends[k + 1][0] if k + 1 < len(ends) else len(text)) for k, i in enumerate(asst) if i in turns}
+    return text, dict(zip(asst, ends)), own
 
 # %% ../nbs/02_tokenize.ipynb #5e7a0005
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
@@ -136,7 +130,9 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                text: str | None = None, # the full render, when the caller has it
               ) -> tuple[str, dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
     "(full render, {message index: (start, end)} of assistant turns, {message index: its own rendering}): from tags or prefix renders, never a text search."
-    if info.mechanism == 'tags': return _tag_spans(renderer, messages, tools, info, turns)
+    # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `history` asks for
+    if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and history == 'error'):
+        return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
     n, out, own, prev = len(messages), {}, {}, 0
     for i in sorted(turns):
@@ -421,7 +417,7 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs, own = render_turns(TemplateRenderer(tokenizer, template, kw), conv['messages'], conv['tools'], info, mode, history, segments=True)
+    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'], info, mode, history, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
@@ -472,7 +468,7 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
     indices = list(range(len(rows))) if indices is None else indices
     if spec.chat_template is not None and '{' not in spec.chat_template: spec = dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
     info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
-    renderer = TemplateRenderer(tokenizer, spec.chat_template, spec.chat_template_kwargs) if info is not None else None
+    renderer = span_renderer(tokenizer, spec.chat_template, spec.chat_template_kwargs, info) if info is not None else None
     good, bad, chats = [], [], []
     features = functools.cache(lambda: template_features(tokenizer, spec.chat_template, spec.chat_template_kwargs))  # probed on a first error
     for idx, row in zip(indices, rows):
@@ -595,10 +591,11 @@ def example_batch(good: list, renderer: Renderer, schema):
 
 # %% ../nbs/02_tokenize.ipynb #57bcc675
 class SourceFallback(Exception):
-    "A streamed line that JSON cannot read: the source goes through `sft_nb.data.load_source` instead, which decides what it means."
+    "A line the fast path does not read (over `MAX_ROW_BYTES`, or only whitespace): the source goes through `sft_nb.data.load_source` instead."
 
 class JsonlRows:
-    "A local JSONL file as rows without loading it: start/end bytes of its non-blank lines (16 bytes a row); each batch read and parsed once."
+    """A local JSONL file as rows without loading it: start/end bytes and line number of its non-blank lines (24 bytes a
+    row); each batch read once and parsed by `sft_nb.data.json_line`, the one JSONL rule (also `load_source`'s and the stream's)."""
     def __init__(self, path, max_rows: int | None = None):
         self.path, nl, pos = str(path), [], 0
         with open(path, 'rb') as f:
@@ -610,31 +607,36 @@ class JsonlRows:
         with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
             for k in np.flatnonzero(keep & (ends - starts <= 16)):
                 f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
-        self.starts, self.ends, self.size = starts[keep][:max_rows], ends[keep][:max_rows], pos
+        self.starts, self.ends, self.line_nos, self.size = starts[keep][:max_rows], ends[keep][:max_rows], (np.flatnonzero(keep) + 1)[:max_rows], pos
     def __len__(self): return len(self.starts)
     def shard(self, s: int, e: int) -> 'JsonlRows':
-        "Rows s:e as a JsonlRows of their own (the path, the file's size and their line offsets): what a Ray task reads itself."
+        "Rows s:e as a JsonlRows of their own (the path, the file's size, their line offsets and numbers): what a Ray task reads itself."
         out = object.__new__(JsonlRows)
-        out.path, out.size, out.starts, out.ends = self.path, self.size, self.starts[s:e], self.ends[s:e]
+        out.path, out.size, out.starts, out.ends, out.line_nos = self.path, self.size, self.starts[s:e], self.ends[s:e], self.line_nos[s:e]
         return out
     def readable(self) -> bool:
         "Does this machine see the file (at the same path, with the same size)?"
         return os.path.isfile(self.path) and os.path.getsize(self.path) == self.size
-    def lines(self, s: int, e: int) -> list[str]:
+    def lines(self, s: int, e: int) -> list[bytes]:
+        "The bytes of rows s:e, in one read."
         if e <= s: return []
         with open(self.path, 'rb') as f:
             f.seek(int(self.starts[s])); buf = f.read(int(self.ends[e - 1] - self.starts[s]))
         base = int(self.starts[s])
-        try: return [buf[a - base:b - base].decode('utf-8') for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
-        except UnicodeDecodeError as err: raise SourceFallback(str(err)) from None
-    def rows(self, s: int, e: int) -> list:
+        return [buf[a - base:b - base] for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
+    def rows(self, s: int, e: int) -> list[dict]:
+        "Rows s:e as dicts; a line the JSONL rule refuses (not UTF-8, not JSON, a key twice, not an object) is that row's bad-row marker, as `load_source` stores it."
         if e > s and int((self.ends[s:e] - self.starts[s:e]).max()) > MAX_ROW_BYTES:  # never read whole: the data stage's reader names it
             raise SourceFallback(f"a line of {self.path} is over {MAX_ROW_BYTES >> 20} MiB")
-        try: return [json.loads(l) for l in self.lines(s, e)]
-        except (json.JSONDecodeError, RecursionError) as err: raise SourceFallback(str(err)) from None  # the data stage's reader names the row
+        out = []
+        for raw, n in zip(self.lines(s, e), self.line_nos[s:e].tolist()):
+            rec = json_line(raw, self.path, n)
+            if rec is None: raise SourceFallback(f"{self.path}: line {n} holds only whitespace")  # `load_source` skips it: its row numbers then
+            out.append(rec[1] if rec[0] is not None else bad_row_marker(rec[1], n))
+        return out
     def __iter__(self):
         for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
-    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if isinstance(r, dict) for k in r})
+    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if BAD_ROW_KEY not in r for k in r})
 
 def stream_source(source) -> JsonlRows | None:
     "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
@@ -716,8 +718,7 @@ def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
     "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write; (None, None) when `rows` is a slice of a file this node cannot read."
     if isinstance(rows, JsonlRows):  # a slice of a local JSONL file: the task reads its own lines (nothing passes through the driver)
         if not rows.readable(): return None, None
-        import pyarrow as pa
-        rows = pa.table({'_json': rows.lines(0, len(rows))})
+        rows = rows.rows(0, len(rows))
     if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
     return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
 
@@ -738,7 +739,7 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
         st, table = ray.get(ref)
         if st is None:  # that node cannot read the source file: it gets the shard's lines instead
             a, b = shards[k]
-            st, table = ray.get(task.remote(pa.table({'_json': raw.lines(a, b)}), a, r_ref, fmt, batch_size, str(folder), part_name(k, len(shards))))
+            st, table = ray.get(task.remote(raw.rows(a, b), a, r_ref, fmt, batch_size, str(folder), part_name(k, len(shards))))
         if table is not None:  # that node could not see the folder
             with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
         stats.append(st)
@@ -760,9 +761,11 @@ def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto': spec = dataclasses.replace(spec, format=source.format)
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
-def _base_dir(source) -> Path | None:
+def image_base_dir(source) -> Path | None:
+    "The folder relative image paths of a local source resolve against: a folder source itself, a file's folder; None for anything else."
     path = source_path(source)
-    return Path(path).expanduser().parent if path and not path.startswith('sft_nb:') else None
+    if not path or path.startswith('sft_nb:') or not (p := Path(path).expanduser()).exists(): return None
+    return p if p.is_dir() else p.parent
 
 def _raise_first(ds, report, on_bad_row):
     if on_bad_row == 'raise' and report.bad_rows:
@@ -801,7 +804,7 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     import tempfile
     spec = _prepare(source, spec)
     num_proc, ray_shards = num_proc or spec.num_proc, spec.ray_shards if ray_shards is None else ray_shards
-    renderer = make_renderer(tokenizer, spec, _base_dir(source))
+    renderer = make_renderer(tokenizer, spec, image_base_dir(source))
     in_memory = isinstance(source, list)  # rows may hold objects Arrow cannot store (PIL images): tokenized from the list itself
     raw, fp = (source, _rows_fingerprint(source)) if in_memory else (None, file_fingerprint(source))
     if raw is None and (fp is None or renderer.needs_rows_for_key): raw = load_source(source)  # a local file's cache hit parses nothing

@@ -12,7 +12,7 @@ from fastcore.basics import patch
 from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
 from .config import TokenizeConfig
 from .templates import TemplateError, TemplateRenderer, template_info, load_template
-from .tokenize import (Example, Renderer, render_turns, message_segments, trained_parts, token_ranges, mask_from_ranges,
+from .tokenize import (Example, Renderer, render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges,
                              check_turns, encode_texts, finish_tokens, tokenize_dataset)
 
 # %% auto #0
@@ -138,7 +138,7 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     template = template or processor.chat_template
     ph, info = image_placeholder(processor, template), template_info(tok, template, kw)
     # the span finder of text rows (generation tags, else prefix renders), on the messages with their image parts
-    renderer = TemplateRenderer(tok, template, kw)
+    renderer = span_renderer(tok, template, kw, info)
     text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, history)
     segs = message_segments(renderer, msgs, tools, text, {i: (s, e) for s, e, i in spans}, info, image=ph)  # the views' labels, images in their message
     spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls)

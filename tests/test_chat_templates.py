@@ -2,13 +2,14 @@
 many conversations, and its `{% generation %}` masks equal the prefix-rendering masks of the original.
 
 Originals: `../shared/templates/` (the chat_templates repository, MIT; collapsed as its README says) and
-`tests/fixtures/templates/qwen3.jinja` (Qwen3's own template, sources in that folder's README).
+`tests/fixtures/templates/qwen3.jinja` (Qwen3's own template, sources in that folder's README); SmolLM2-135M-Instruct's
+own template (`sft_nb.models.smollm2_chat_template`, from the model's GGUF).
 """
 import random
 from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
-from sft_nb.models import tiny_chat_model
+from sft_nb.models import tiny_chat_model, smollm2_chat_template
 from sft_nb.templates import CHAT_TEMPLATES, add_family_specials, collapse_template, load_template, probe_template, render
 from sft_nb.data import BadRow
 from sft_nb.tokenize import tokenize_turns
@@ -19,6 +20,7 @@ ORIGINAL = {'chatml': 'chatml', 'llama3': 'llama-3-instruct', 'mistral': 'mistra
 
 def original(name: str) -> str:
     if name == 'qwen3': return (Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja').read_text()
+    if name == 'smollm2': return smollm2_chat_template()
     text = (SHARED / 'templates' / f'{ORIGINAL[name]}.jinja').read_text()
     return text if name == 'qwen2.5' else collapse_template(text)
 
@@ -60,12 +62,19 @@ def test_shipped_template_renders_as_the_original(name, toks):
             assert render(tok, msgs, tools, template=shipped, add_generation_prompt=gen) == \
                    render(tok, msgs, tools, template=orig, add_generation_prompt=gen), (name, k, msgs)
 
+def without_twin(template: str) -> str:
+    """The template with a branch only the twin probes reach (their contents hold 'qzx'; these conversations never do): it
+    renders every conversation here as before, has no tagged twin (`sft_nb.templates.tagged_twin`), so its masks come
+    from prefix renders, the judge of the tags."""
+    return "{% if messages[0]['content'] is string and 'qzx' in messages[0]['content'] %}-{% endif %}" + template
+
 @pytest.mark.parametrize('name', list(CHAT_TEMPLATES))
 def test_tag_masks_equal_prefix_masks(name, toks):
     """Same ids and the same trained tokens from the shipped template's tags as from prefix-rendering the original, in every
     mode; on Qwen3 (it rewrites history) with history='expand' (the default: one example per turn) and 'final' (the full
     render; where the original's prefix renders can place every turn: 'final' refuses some rows the tags handle)."""
-    tok, shipped, orig = toks[name], load_template(name), original(name)
+    tok, shipped, orig = toks[name], load_template(name), without_twin(original(name))
+    assert probe_template(tok, orig).twin == ''
     rewrites = probe_template(tok, orig).rewrites_history
     rng, features = random.Random(name + 'mask'), CHAT_TEMPLATES[name][1]
     n, compared = 0, 0

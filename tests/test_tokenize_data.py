@@ -152,3 +152,17 @@ def test_fast_mask_equals_offset_overlap(shared, qwen_tok, qwen_template, name):
     assert len(good) > 100
     for _, ex in good:
         assert ex.loss_mask == [int(any(a < e and b > s for s, e, _ in ex.spans)) for a, b in ex.offsets]  # a token overlapping a span
+
+
+def test_duplicate_key_row_same_in_map_style_and_streamed(tiny_tok, tmp_path):
+    "A JSONL row holding a key twice is one bad row with one reason whether the file is tokenized whole (the fast path) or streamed."
+    from sft_nb.data import BAD_ROW_KEY
+    from sft_nb.stream import stream_rows
+    row = lambda i: {'messages': [{'role': 'user', 'content': f'q{i}'}, {'role': 'assistant', 'content': f'a{i}'}]}
+    dup = '{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "content": "other"}]}'
+    src = tmp_path / 'dup.jsonl'
+    src.write_text('\n'.join([json.dumps(row(0)), dup, json.dumps(row(2))]) + '\n')
+    ds, rep = tokenize_dataset(str(src), tiny_tok, use_cache=False)
+    streamed = [r for _, r, _ in stream_rows(str(src))]
+    reason = f"{src}: line 2: key 'content' appears twice in one object; keep one of them"
+    assert streamed[1][BAD_ROW_KEY]['reason'] == reason and rep.bad_rows == [(1, 'bad_json', reason)] and ds['index'] == [0, 2]

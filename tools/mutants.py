@@ -111,7 +111,7 @@ MUTANTS = [
            both('sft_nb/cache.py', 'nbs/02b_cache.ipynb', 'spec.max_length, spec.truncation, fmt', 'spec.truncation, fmt'),
            notebooks=['nbs/02b_cache.ipynb']),
     Mutant('cache_checks_sizes_only', "a tokenize cache entry is checked by file sizes only: bytes altered in place are served",
-           [('sft_nb/cache.py', "return next((n for n in sizes if file_digest(folder / n) != recorded[n][1]), '')", "return ''")],
+           [('sft_nb/cache.py', "return next((n for n in sizes if file_digest(folder / n, 'xxh3') != recorded[n][1]), '')", "return ''")],
            tests=['tests/test_tokenize_data.py::test_cache_altered_in_place_is_detected']),
     # ---- checkpoints: integrity and resume
     Mutant('ckpt_digest_of_head_only', "a checkpoint file's digest covers its first 16 bytes only: a shard altered past them loads",
