@@ -236,10 +236,11 @@ def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     return model_inputs(mb), sel, tgt, None if w is None else target_weights(mb['labels'], w)
 
 @patch
-def _nll(self: FSDPWorker, mb: dict, aux: bool = False):
+def _nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
-    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."""
-    inputs, sel, tgt, wt = self._loss_inputs(mb)
+    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time. `loss_inputs`: `_loss_inputs(mb)` made
+    beforehand (the memory plan makes them from real tensors, then runs the model on fake ones)."""
+    inputs, sel, tgt, wt = loss_inputs or self._loss_inputs(mb)
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
