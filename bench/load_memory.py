@@ -1,11 +1,17 @@
-"""Per-worker peak host memory (RSS) of FSDP2 worker setup: a random ~300M-parameter Qwen2 saved as safetensors (fp32,
-~1.2 GiB), 1 vs 2 CPU (gloo) workers, the loading of git `--main` (its default `model.load`) against this tree's
-`model.load: rank0` (rank 0 reads it, the others build on `meta` and receive their shards), and this tree's
-`load: every_rank`. Each rank reports its RSS after imports (before setup) and its peak RSS after setup; ratios are
-against the checkpoint's weight bytes. `--phases`: also where this tree's `load: rank0` puts each rank's memory (RSS and
-peak after each step of `FSDPWorker._load_sharded`, 2 workers). Memory-heavy: run it alone.
+"""Per-worker peak host memory (VmHWM, absolute) of FSDP2 worker setup from a random ~310M-parameter Qwen2 saved as
+safetensors (fp32, ~1.2 GiB = W), 2 and 3 CPU (gloo) workers, side by side in one run:
 
-    python bench/load_memory.py [--main REF] [--layers 24] [--phases]
+- `every_rank` (this tree): each rank reads the whole checkpoint (`from_pretrained`), then shards;
+- `scatter` (git `--main`, its `model.load: rank0`): rank 0 reads it, the others build on `meta`, rank 0 scatters each
+  parameter's rows: measured from main's own code (a `git archive` of it), not a copy kept here;
+- `slices` (this tree, the default): every rank builds on `meta` and reads only its own rows from the safetensors files.
+
+Each rank reports its RSS after imports (before setup), its peak (VmHWM) after setup and the setup time; the node's
+sum is the sum of its ranks' peaks. Then the issue's targets: 2 workers every rank <= 1.1 W and rank 0 <= 1.25x the
+smallest rank; 3 workers the node's sum >= 40% below every_rank's; load time no slower than the scatter. Memory-heavy:
+run it alone.
+
+    python bench/load_memory.py [--main REF] [--layers 24]
 """
 import sys
 from pathlib import Path
@@ -23,45 +29,20 @@ def status_gib(field: str) -> float:
 
 def worker(a):
     "One rank: set up an FSDPWorker on the model folder and print its RSS before and its peak after setup (JSON)."
-    from dataclasses import asdict, fields
+    from dataclasses import asdict
     import torch
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
-    kw = {'path': a.model}
-    if a.load and 'load' in {f.name for f in fields(ModelConfig)}: kw['load'] = a.load
-    w = FSDPWorker(a.rank, a.world, asdict(ModelConfig(**kw)), asdict(OptimConfig()), total_steps=1)
+    w = FSDPWorker(a.rank, a.world, asdict(ModelConfig(path=a.model, load=a.load)), asdict(OptimConfig()), total_steps=1)
     w.init_dist('127.0.0.1', a.port)
     import transformers.models.qwen2.modeling_qwen2, torch.distributed.fsdp, torch.distributed.checkpoint.state_dict  # noqa: F401
     before = status_gib('VmRSS')  # after the imports setup would do: what follows is the loading's own memory
-    marks = trace_phases(w) if a.phases else None
     t0 = time.perf_counter()
     info = w.setup()
     secs = time.perf_counter() - t0
     import gc; gc.collect()
-    peak = status_gib('VmHWM')
-    print(json.dumps({'rank': a.rank, 'before': before, 'peak': peak, 'after': status_gib('VmRSS'), 'setup_s': secs, 'n_params': info['n_params'],
-                      'phases': marks}))
-
-
-def trace_phases(w) -> list:
-    "Record (phase, RSS, peak) after each step of the worker's sharded load, by wrapping the steps it calls (the list fills during setup)."
-    import sft_nb.backends.fsdp as F
-    marks = []
-    def after(name, fn):
-        def run(*args, **kw):
-            out = fn(*args, **kw)
-            marks.append((name(*args) if callable(name) else name, status_gib('VmRSS'), status_gib('VmHWM')))
-            return out
-        return run
-    w._build_model = after(lambda device='cpu': 'read checkpoint (rank 0)' if device == 'cpu' else 'build on meta', w._build_model)
-    w._shard = after('fully_shard', w._shard)
-    rebuild = F.rebuild_buffers
-    def mark_to_empty(*args):  # called right after model.to_empty: the rank's own shards are allocated
-        marks.append(('to_empty (own shards)', status_gib('VmRSS'), status_gib('VmHWM')))
-        return rebuild(*args)
-    F.rebuild_buffers = mark_to_empty
-    w._receive_shards = after('receive shards from rank 0', w._receive_shards)
-    return marks
+    print(json.dumps({'rank': a.rank, 'before': before, 'peak': status_gib('VmHWM'), 'after': status_gib('VmRSS'), 'setup_s': secs,
+                      'n_params': info['n_params']}))
     w.shutdown()
 
 
@@ -80,11 +61,11 @@ def build_model(d: Path, layers: int) -> int:
     return sum(f.stat().st_size for f in d.glob('*.safetensors'))
 
 
-def run(src: Path, model: Path, world: int, load: str | None, phases: bool = False) -> list[dict]:
+def run(src: Path, model: Path, world: int, load: str) -> list[dict]:
     "Start `world` rank processes on the code at `src`; their reports, by rank."
     sys.path.insert(0, str(ROOT)); from sft_nb.workers import free_port
     port, env = free_port(), {**os.environ, 'PYTHONPATH': str(src), 'OMP_NUM_THREADS': '1'}
-    cmd = [sys.executable, __file__, '--worker', '--world', str(world), '--port', str(port), '--model', str(model)] + (['--load', load] if load else []) + (['--phases'] if phases else [])
+    cmd = [sys.executable, __file__, '--worker', '--world', str(world), '--port', str(port), '--model', str(model), '--load', load]
     procs = [subprocess.Popen(cmd + ['--rank', str(r)], env=env, stdout=subprocess.PIPE, text=True) for r in range(world)]
     outs = [p.communicate(timeout=900)[0] for p in procs]
     if any(p.returncode for p in procs): raise RuntimeError(f"{src} world={world} load={load}: exit codes {[p.returncode for p in procs]}")
@@ -96,9 +77,8 @@ def main():
     ap.add_argument('--worker', action='store_true'); ap.add_argument('--rank', type=int, default=0)
     ap.add_argument('--world', type=int, default=1); ap.add_argument('--port', type=int, default=0)
     ap.add_argument('--model'); ap.add_argument('--load')
-    ap.add_argument('--main', default='main', help='git ref whose loading is the "before"')
+    ap.add_argument('--main', default='main', help='git ref whose scatter loading (model.load: rank0) is measured')
     ap.add_argument('--layers', type=int, default=24)
-    ap.add_argument('--phases', action='store_true', help="also trace this tree's rank0 load step by step (2 workers)")
     a = ap.parse_args()
     if a.worker: return worker(a)
     with tempfile.TemporaryDirectory() as tmp:
@@ -106,21 +86,31 @@ def main():
         old.mkdir()
         subprocess.run(f"git -C {ROOT} archive {a.main} sft_nb | tar -x -C {old}", shell=True, check=True)
         wbytes = build_model(model, a.layers)
+        W = wbytes / 2**30
         rev = subprocess.run(['git', '-C', str(ROOT), 'rev-parse', '--short', a.main], capture_output=True, text=True).stdout.strip()
-        print(f"weights: {wbytes / 2**30:.2f} GiB safetensors; before = git {a.main} ({rev}); RSS in GiB, ratio = RSS / weight bytes")
-        print(f"{'loading':<24}{'workers':>8}{'rank':>5}{'RSS before':>11}{'peak':>7}{'peak/W':>8}{'(peak-before)/W':>16}{'setup s':>8}")
-        for name, src, load, worlds in ((f'{a.main} (its default)', old, None, (1, 2)), ('rank0 (this tree)', ROOT, 'rank0', (1, 2)),
-                                         ('every_rank (this tree)', ROOT, 'every_rank', (2,))):
-            for world in worlds:
-                for r in run(src, model, world, load):
-                    print(f"{name:<24}{world:>8}{r['rank']:>5}{r['before']:>11.2f}{r['peak']:>7.2f}{r['peak'] * 2**30 / wbytes:>8.2f}"
-                          f"{(r['peak'] - r['before']) * 2**30 / wbytes:>16.2f}{r['setup_s']:>8.1f}", flush=True)
-        if a.phases:
-            print(f"\nload: rank0, 2 workers, step by step (GiB; ratio = (value - RSS before) / weight bytes)")
-            for r in run(ROOT, model, 2, 'rank0', phases=True):
-                for name, rss, peak in r['phases']:
-                    print(f"rank {r['rank']}  {name:<28} RSS {rss:5.2f} ({(rss - r['before']) * 2**30 / wbytes:5.2f})  "
-                          f"peak {peak:5.2f} ({(peak - r['before']) * 2**30 / wbytes:5.2f})", flush=True)
+        print(f"weights W = {W:.2f} GiB safetensors; scatter = git {a.main} ({rev}) model.load: rank0; load avg {os.getloadavg()[0]:.1f}; GiB")
+        print(f"{'loading':<12}{'workers':>8}{'rank':>5}{'RSS before':>11}{'VmHWM':>7}{'VmHWM/W':>9}{'setup s':>8}")
+        got = {}
+        for world in (2, 3):
+            for name, src, load in (('every_rank', ROOT, 'every_rank'), ('scatter', old, 'rank0'), ('slices', ROOT, 'slices')):
+                got[name, world] = rs = run(src, model, world, load)
+                for r in rs:
+                    print(f"{name:<12}{world:>8}{r['rank']:>5}{r['before']:>11.2f}{r['peak']:>7.2f}{r['peak'] / W:>9.2f}{r['setup_s']:>8.1f}", flush=True)
+        print(f"\n{'loading':<12}{'workers':>8}{'node sum':>9}{'sum/every_rank':>15}{'max rank/W':>11}{'rank0/min':>10}{'max setup s':>12}")
+        for (name, world), rs in got.items():
+            peaks = [r['peak'] for r in rs]
+            ref = sum(r['peak'] for r in got['every_rank', world])
+            print(f"{name:<12}{world:>8}{sum(peaks):>9.2f}{sum(peaks) / ref:>15.2f}{max(peaks) / W:>11.2f}{peaks[0] / min(peaks):>10.2f}"
+                  f"{max(r['setup_s'] for r in rs):>12.1f}")
+        s2, s3 = got['slices', 2], got['slices', 3]
+        p2 = [r['peak'] for r in s2]
+        t_new = max(r['setup_s'] for r in s2 + s3); t_old = max(r['setup_s'] for r in got['scatter', 2] + got['scatter', 3])
+        checks = {'2 workers: every rank <= 1.1 W': max(p2) <= 1.1 * W,
+                  '2 workers: rank 0 <= 1.25 x smallest rank': p2[0] <= 1.25 * min(p2),
+                  '3 workers: node sum >= 40% below every_rank': sum(r['peak'] for r in s3) <= 0.6 * sum(r['peak'] for r in got['every_rank', 3]),
+                  f'load time no slower than scatter ({t_new:.1f} s vs {t_old:.1f} s, slowest rank)': t_new <= t_old}
+        print()
+        for k, ok in checks.items(): print(f"{'MET ' if ok else 'MISSED'}  {k}")
 
 
 if __name__ == '__main__': main()

@@ -187,7 +187,7 @@ class ModelConfig:
     activation_checkpointing: Literal['none', 'full', 'selective'] = 'none'  # per block: none; full = keep only each block's input, recompute the rest in backward; selective = also keep matmul/attention outputs, recompute the cheap elementwise ops
     reshard_after_forward: bool = True  # sharded runs: free each block's gathered weights after its forward (gather again in backward); False keeps them, more memory, less communication
     cpu_offload: bool = False  # sharded runs: keep parameters, gradients and optimizer state in host memory (FSDP2 CPUOffloadPolicy), copied to the device per block
-    load: Literal['rank0', 'every_rank'] = 'rank0'  # sharded runs: rank 0 reads the checkpoint and sends each rank its shards (others build on `meta`); every_rank: each rank reads it all (world-size copies in host memory)
+    load: Literal['slices', 'every_rank'] = 'slices'  # sharded runs: slices = each rank builds on `meta` and reads only its own rows of each tensor from the safetensors files; every_rank: each rank reads it all (world-size copies in host memory)
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout

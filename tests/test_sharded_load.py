@@ -1,6 +1,7 @@
-"""Sharded loading (`model.load: rank0`): rank 0 reads the checkpoint, the other ranks build on `meta` and receive their
-shards. Real 2-process gloo groups: the first 5 steps' losses equal those of every rank reading the whole checkpoint
-(`load: every_rank`, the same FSDP layout: bitwise), tied embeddings stay tied, nothing stays on `meta`."""
+"""Sharded loading (`model.load: slices`): every rank builds on `meta` and reads only its own rows of each tensor from the
+safetensors files. Real 2-process gloo groups: the first 5 steps' losses and the weights after them equal those of every
+rank reading the whole checkpoint (`load: every_rank`, the same FSDP layout: bitwise) for tied, untied, LoRA and MoE
+models and the VLM; tied embeddings stay tied, nothing stays on `meta`."""
 import os
 from dataclasses import asdict
 import pytest
@@ -81,37 +82,48 @@ def untied_path(tmp_path_factory, tiny_path):
     return d
 
 
-def test_sharded_load_equals_every_rank_load(tiny_path, untied_path):
-    "Tied, untied and LoRA tiny models on 2 gloo ranks: rank0-load losses == every-rank-load losses bitwise, tying and rotary buffers intact."
+@pytest.fixture(scope='module')
+def moe_path(tmp_path_factory, tiny_tok):
+    "The tiny Qwen3-MoE of tests/test_moe.py (4 experts: each of 2 ranks reads 2 of them), saved as transformers saves it (one tensor per expert)."
+    from transformers import AutoModelForCausalLM
+    from test_moe import moe_config
+    d = tmp_path_factory.mktemp('moe')
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(moe_config(len(tiny_tok)), dtype=torch.float32).save_pretrained(d); tiny_tok.save_pretrained(d)
+    return d
+
+
+def test_sharded_load_equals_every_rank_load(tiny_path, untied_path, moe_path):
+    "Tied, untied, LoRA and MoE tiny models on 2 gloo ranks: slice-load losses and weights == every-rank-load ones bitwise, tying and rotary buffers intact."
     from sft_nb.config import ModelConfig
     cases = []
     for name, kw in (('tied', dict(path=str(tiny_path))), ('untied', dict(path=str(untied_path))),
-                     ('lora', dict(path=str(tiny_path), lora_r=4))):
-        for load in ('every_rank', 'rank0'): cases.append((f'{name}-{load}', asdict(ModelConfig(load=load, **kw))))
+                     ('lora', dict(path=str(tiny_path), lora_r=4)), ('moe', dict(path=str(moe_path)))):
+        for load in ('every_rank', 'slices'): cases.append((f'{name}-{load}', asdict(ModelConfig(load=load, **kw))))
     got = run_ranks(cases)
-    for name in ('tied', 'untied', 'lora'):
-        old, new = got[0][f'{name}-every_rank'], got[0][f'{name}-rank0']
+    for name in ('tied', 'untied', 'lora', 'moe'):
+        old, new = got[0][f'{name}-every_rank'], got[0][f'{name}-slices']
         print(name, new['losses'])
         assert new['losses'] == old['losses'], (name, old['losses'], new['losses'])
         assert new['losses'][-1] < new['losses'][0]
         for k, v in old['state'].items(): assert (new['state'][k] == v).all(), (name, k)
         for r in (0, 1):
-            info = got[r][f'{name}-rank0']
+            info = got[r][f'{name}-slices']
             assert info['tied'] == (name != 'untied') and info['meta'] == [] and info['inv_freq_ok'], (name, r, info)
             assert set(info['inv_freq'].values()) == {torch.float32}
-            assert got[r][f'{name}-rank0']['losses'] == new['losses']  # every rank saw the same global loss
-    assert got[0]['lora-rank0']['state'].keys() == got[0]['lora-every_rank']['state'].keys()
-    assert any('lora_A' in k for k in got[0]['lora-rank0']['state'])
+            assert got[r][f'{name}-slices']['losses'] == new['losses']  # every rank saw the same global loss
+    assert got[0]['lora-slices']['state'].keys() == got[0]['lora-every_rank']['state'].keys()
+    assert any('lora_A' in k for k in got[0]['lora-slices']['state'])
 
 
 def test_sharded_load_vlm(shared, tmp_path, ray_session):
-    "The tiny VLM on 2 Ray FSDP workers: rank0-load losses of 5 mixed image/text steps == every-rank-load losses."
+    "The tiny VLM on 2 Ray FSDP workers: slice-load losses of 5 mixed image/text steps == every-rank-load losses."
     from test_vlm import vlm_cfg
     from sft_nb.trainer import SFTTrainer
     runs = {}
-    for load in ('every_rank', 'rank0'):
+    for load in ('every_rank', 'slices'):
         with SFTTrainer(vlm_cfg(shared, tmp_path / load, train__num_steps=STEPS, train__micro_batch_size=2,
                                 placement__workers_per_node=2, model__load=load)) as t:
             runs[load] = t.fit()['loss'].tolist()
     print(runs)
-    assert runs['rank0'] == runs['every_rank'], runs
+    assert runs['slices'] == runs['every_rank'], runs

@@ -13,6 +13,7 @@ from ..loss import trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
+from .slices import checkpoint_files, checkpoint_sources, fill_from_checkpoint, init_lora
 from .ulysses import sp_shard, check_heads, register_ulysses
 from fastcore.basics import patch
 
@@ -99,49 +100,18 @@ def _shard(self: FSDPWorker, model, dtype):
 
 @patch
 def _load_sharded(self: FSDPWorker, dtype):
-    "Rank 0 reads the checkpoint; every rank builds on `meta`, shards, allocates its shards and receives them from rank 0 (`_receive_shards`)."
-    full = self._build_model('cpu').state_dict() if self.rank == 0 else {}
-    model = self._shard(checkpoint_blocks(self._build_model('meta'), self.mcfg['activation_checkpointing']), dtype)
+    "Every rank builds on `meta`, shards, allocates its shards and reads their rows from the checkpoint's safetensors files."
+    import torch
+    rng = torch.get_rng_state()  # where PEFT draws the adapters when it wraps a loaded model
+    meta = self._build_model('meta')
+    sources = checkpoint_sources(meta, checkpoint_files(self.path))
+    model = self._shard(checkpoint_blocks(meta, self.mcfg['activation_checkpointing']), dtype)
     model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
     rebuild_buffers(model, self.device)
-    self._receive_shards(model, full)
-    left = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type == 'meta']
-    if left: raise RuntimeError(f"sharded load left {left[:3]} on the meta device")
+    missing = fill_from_checkpoint(model, self.path, sources)
+    if self.mcfg['lora_r'] > 0: init_lora(model, rng); missing = [n for n in missing if '.lora_A.' not in n and '.lora_B.' not in n]
+    if missing: raise KeyError(f"model.path: {self.path} has no tensor for the model's parameters {missing[:3]}")
     return model
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #6cc86aac
-@patch
-def _receive_shards(self: FSDPWorker, model, full: dict):
-    "Fill the sharded `model` from rank 0's `full` state dict (emptied as it goes): each rank receives only its own rows of each parameter."
-    import torch, torch.distributed as dist
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-    W, dev, seen = self.world_size, self.device, set()
-    key = lambda n: n.replace(_CHECKPOINT_PREFIX, '')  # a checkpointed block's names, as the checkpoint has them
-    with torch.no_grad():
-        for name, p in model.named_parameters(remove_duplicate=False):
-            if id(p) in seen:  # a tied weight's second name: sent with the first
-                if self.rank == 0: full.pop(key(name))
-                continue
-            seen.add(id(p))
-            local, rows = p.to_local(), -(-p.shape[0] // W)  # FSDP2's Shard(0): ceil(n / W) rows a rank, the last ones fewer
-            direct = local.shape[0] == rows and local.is_contiguous() and local.device == dev
-            buf = local if direct else torch.empty((rows, *p.shape[1:]), dtype=p.dtype, device=dev)
-            parts = None
-            if self.rank == 0:
-                t = full.pop(key(name)).to(device=dev, dtype=p.dtype)
-                parts = list(torch.chunk(t, W, 0)); parts += [t[:0]] * (W - len(parts))
-                parts = [c.contiguous() if len(c) == rows else torch.cat([c, c.new_zeros((rows - len(c), *c.shape[1:]))]) for c in parts]
-            dist.scatter(buf, parts, src=0)
-            if not direct: local.copy_(buf[:local.shape[0]])
-            del buf, parts
-        for mname, m in model.named_modules():  # persistent buffers are not sharded: broadcast whole
-            for k, b in m._buffers.items():
-                if b is None or k in m._non_persistent_buffers_set: continue  # rebuilt on every rank (`rebuild_buffers`)
-                t = b.to(dev)
-                if self.rank == 0: t.copy_(full.pop(key(f'{mname}.{k}' if mname else k)))
-                dist.broadcast(t, 0)
-                if t is not b: b.copy_(t)
-    if full: raise RuntimeError(f"sharded load: checkpoint keys {list(full)[:3]} match no parameter or buffer of the model")
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
 _SAVE_OPS = None
@@ -187,7 +157,7 @@ def setup(self: FSDPWorker):
     self.sharded = self.world_size > 1 or dtype != torch.float32
     ac = self.mcfg['activation_checkpointing']
     if not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
-    elif self.mcfg['load'] == 'rank0': model = self._load_sharded(dtype)
+    elif self.mcfg['load'] == 'slices': model = self._load_sharded(dtype)
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
     if self.sp > 1: self._setup_sp(model)
     self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
@@ -266,10 +236,11 @@ def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     return model_inputs(mb), sel, tgt, None if w is None else target_weights(mb['labels'], w)
 
 @patch
-def _nll(self: FSDPWorker, mb: dict, aux: bool = False):
+def _nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
-    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time."""
-    inputs, sel, tgt, wt = self._loss_inputs(mb)
+    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time. `loss_inputs`: `_loss_inputs(mb)` made
+    beforehand (the memory plan makes them from real tensors, then runs the model on fake ones)."""
+    inputs, sel, tgt, wt = loss_inputs or self._loss_inputs(mb)
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
