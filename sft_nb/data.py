@@ -19,8 +19,8 @@ __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS
            'FORMAT_NAMES', 'BAD_ROW_KEY', 'MAX_ROW_BYTES', 'MIX_STOPS', 'BadRow', 'normalize_tool_calls',
            'normalize_tools', 'content_parts', 'split_tool_results', 'normalize_message', 'detect_format',
            'normalize_row', 'DataReport', 'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows',
-           'source_path', 'source_name', 'load_source', 'row_dict', 'source_columns', 'source_fingerprint',
-           'mix_counts', 'mix_indices']
+           'source_path', 'source_name', 'load_source', 'row_dict', 'row_columns', 'source_columns',
+           'source_fingerprint', 'mix_counts', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(UserError, ValueError):
@@ -605,19 +605,22 @@ def row_dict(ds_row: dict) -> dict:
     "A dataset row as the original dict (undoing the one-JSON-column storage of list/JSON sources)."
     return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row  # a reader's bad row: {BAD_ROW_KEY: ...}
 
+def row_columns(rows) -> list[str]:
+    """The columns of the first 20 readable rows of `rows` (an iterable of `(index, row)`; bad lines carry no columns);
+    a source whose every row is bad is a `BadRow` naming the first. Every reader (map-style, streamed, JSONL) asks this."""
+    cols, bad, n = set(), [], 0
+    for j, r in rows:
+        if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
+        elif isinstance(r, dict): cols |= set(r); n += 1
+        if n == 20: break
+    if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
+    return sorted(cols)
+
 def source_columns(ds) -> list[str]:
     "Column names of a source, looking inside JSON-stored rows."
-    if ds.column_names == ['_json']:
-        cols, bad, n = set(), [], 0
-        for k in range(0, len(ds), 1000):  # the first 20 readable rows (bad lines carry no columns)
-            for j, r in enumerate(ds.select(range(k, min(k + 1000, len(ds))))['_json'], k):
-                r = json.loads(r)
-                if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
-                elif isinstance(r, dict): cols |= set(r); n += 1
-                if n == 20: return sorted(cols)
-        if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
-        return sorted(cols)
-    return ds.column_names
+    if ds.column_names != ['_json']: return ds.column_names
+    return row_columns((j, json.loads(r)) for k in range(0, len(ds), 1000)
+                       for j, r in enumerate(ds.select(range(k, min(k + 1000, len(ds))))['_json'], k))
 
 def source_fingerprint(src, ds) -> str:
     "Content fingerprint of a source for cache keys: file bytes for local files, the Arrow fingerprint otherwise."

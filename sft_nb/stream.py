@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, iter_json_rows, json_line, load_source, row_dict
+from .data import BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, row_columns, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .cache import file_fingerprint
@@ -248,7 +248,7 @@ def detect(self: StreamPlan, s: int) -> str:
     if fmt != 'auto': return fmt
     head = [r for _, r, _ in islice(stream_rows(src), 20)]
     if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
-    return detect_format(sorted({k for r in head if BAD_ROW_KEY not in r for k in r}))
+    return detect_format(row_columns(enumerate(head)))
 
 # %% ../nbs/05b_stream.ipynb #5c64f955
 @patch

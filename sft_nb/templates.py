@@ -329,10 +329,19 @@ def _twin_renders(renderer: TemplateRenderer) -> list:
             except Exception as e: out.append(('error', type(e).__name__))
     return out
 
+def _tags_follow_prompt(renderer: TemplateRenderer) -> bool:
+    """Whether the twin's first `{% generation %}` block starts where the generation prompt ends: kwargs that move text
+    into the prompt (Qwen3's `enable_thinking=False` puts the empty think block there) make the tags train prompt text."""
+    msgs = _TWIN_PROBES[0][0]
+    _, spans = renderer(msgs, tags=True)
+    return bool(spans) and spans[0][0] >= len(renderer(msgs[:-1], gen=True))
+
 def tagged_twin(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
-    "The shipped tagged template (a key of `CHAT_TEMPLATES`) that renders byte-identically to `template` on every twin probe, or ''."
+    """The shipped tagged template (a key of `CHAT_TEMPLATES`) that renders byte-identically to `template` on every twin
+    probe and whose tags start after the generation prompt, or ''."""
     mine = _twin_renders(TemplateRenderer(tokenizer, template, chat_template_kwargs))
-    return next((n for n in CHAT_TEMPLATES if _twin_renders(TemplateRenderer(tokenizer, shipped_template(n), chat_template_kwargs)) == mine), '')
+    twins = (TemplateRenderer(tokenizer, shipped_template(n), chat_template_kwargs) for n in CHAT_TEMPLATES)
+    return next((n for n, t in zip(CHAT_TEMPLATES, twins) if _twin_renders(t) == mine and _tags_follow_prompt(t)), '')
 
 # %% ../nbs/02a_templates.ipynb #029c0667
 def common_prefix(a: str, b: str) -> int:

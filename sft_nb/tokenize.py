@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
-from .data import MAX_ROW_BYTES, BAD_ROW_KEY, json_line, bad_row_marker, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, source_fingerprint, row_dict
+from .data import MAX_ROW_BYTES, json_line, bad_row_marker, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, row_columns, source_fingerprint, row_dict
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with, shipped_template,
@@ -636,7 +636,7 @@ class JsonlRows:
         return out
     def __iter__(self):
         for s in range(0, len(self), 1024): yield from self.rows(s, min(len(self), s + 1024))
-    def columns(self) -> list[str]: return sorted({k for r in self.rows(0, min(20, len(self))) if BAD_ROW_KEY not in r for k in r})
+    def columns(self) -> list[str]: return row_columns(enumerate(self))
 
 def stream_source(source) -> JsonlRows | None:
     "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."

@@ -52,8 +52,8 @@ def test_bad_rows_reported_not_fatal(tiny_tok, tmp_path):
             {'conversations': 'nope'},
             {'messages': [{'role': 'user', 'content': 'hi'}, {'role': 'assistant', 'content': None, 'tool_calls': '{"name": '}]}]
     ds, rep = tokenize_dataset(rows, tiny_tok, TokenizeConfig(format='messages'), cache_dir=tmp_path)
-    assert len(ds) == 1 and rep.dropped == {'bad_format': 3}
-    assert [b[0] for b in rep.bad_rows] == [1, 2, 3]
+    assert len(ds) == 1 and rep.dropped == {'bad_format': 2, 'mixed_formats': 1}  # row 2 is ShareGPT: named as the other format
+    assert [b[0] for b in rep.bad_rows] == [1, 2, 3] and 'ShareGPT' in rep.bad_rows[1][2]
     assert 'not valid JSON' in rep.bad_rows[2][2]
     with pytest.raises(BadRow, match="row 1: message 0: unknown role 'alien'"):
         tokenize_dataset(rows, tiny_tok, TokenizeConfig(format='messages'), cache_dir=tmp_path, on_bad_row='raise')
