@@ -178,6 +178,7 @@ class TrainerPanel(Callback):
     "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
         self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
+        self.redraw = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
         self.plot, self.log = LivePlot(trainer), PanelLog()
         for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
             if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
@@ -205,24 +206,25 @@ class TrainerPanel(Callback):
 @patch_to(TrainerPanel)
 def refresh(self):
     "Redraw the status line, the progress bar and which buttons can be pressed now."
-    t = self.trainer
-    total, running = getattr(t, 'total_steps', None), t.action
-    h = t.step_metrics[-1] if t.step_metrics else None
-    self.progress.max, self.progress.value = max(1, total or 1), t.global_step
-    done = total is not None and t.global_step >= total
-    where = ' (from the panel)' if self.busy else ' (from a cell)'
-    stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
-    state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
-            else ('done: every step ran' if done and self.state == 'idle' else self.state)
-    self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
-                         + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
-                         + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
-    for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
-    for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
-    self.stop_button.disabled = running not in ('fit', 'train') or stopping
-    self.chat.send_button.disabled = bool(running)
-    plan = getattr(t, 'data', None)
-    self.data_line.value = data_html(plan.data_report if plan is not None else None)
+    with self.redraw:
+        t = self.trainer
+        total, running = getattr(t, 'total_steps', None), t.action
+        h = t.step_metrics[-1] if t.step_metrics else None
+        self.progress.max, self.progress.value = max(1, total or 1), t.global_step
+        done = total is not None and t.global_step >= total
+        where = ' (from the panel)' if self.busy else ' (from a cell)'
+        stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
+        state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
+                else ('done: every step ran' if done and self.state == 'idle' else self.state)
+        self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
+                             + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
+                             + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
+        for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
+        for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
+        self.stop_button.disabled = running not in ('fit', 'train') or stopping
+        self.chat.send_button.disabled = bool(running)
+        plan = getattr(t, 'data', None)
+        self.data_line.value = data_html(plan.data_report if plan is not None else None)
 
 @patch_to(TrainerPanel, as_prop=True)
 def busy(self) -> bool:
