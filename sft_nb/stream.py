@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, row_columns, iter_json_rows, json_line, load_source, row_dict
+from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, row_columns, iter_json_rows, json_line, load_source, row_dict
 from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .cache import file_fingerprint

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from .config import SourceConfig, TokenizeConfig
-from .data import MAX_ROW_BYTES, json_line, bad_row_marker, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, row_columns, source_fingerprint, row_dict
+from .data import MAX_ROW_BYTES, BAD_ROW_KEY, json_line, bad_row_marker, source_path, BadRow, DataReport, normalize_row, detect_format, load_source, source_columns, row_columns, source_fingerprint, row_dict
 from .paths import live_tmp, clean_stale_tmp
 from .cache import cache_root, cache_key, file_fingerprint, index_parts, open_parts, load_entry, commit_entry
 from .templates import (TemplateError, TemplateInfo, TemplateRenderer, template_info, render, load_template, templates_with, shipped_template,

@@ -64,7 +64,7 @@ def test_shipped_template_renders_as_the_original(name, toks):
 
 def without_twin(template: str) -> str:
     """The template with a branch only the twin probes reach (their contents hold 'qzx'; these conversations never do): it
-    renders every conversation here as before, has no tagged twin (`sft_nb.templates.tagged_twin`), so its masks come
+    renders every conversation here byte for byte like `template`, has no tagged twin (`sft_nb.templates.tagged_twin`), so its masks come
     from prefix renders, the judge of the tags."""
     return "{% if messages[0]['content'] is string and 'qzx' in messages[0]['content'] %}-{% endif %}" + template
 
