@@ -601,6 +601,7 @@ def _builtin(cfg: SourceConfig):
     if cfg.split not in rows: raise BadRow(f"sft_nb:identity has splits {list(rows)}, not {cfg.split!r}")
     return load_source(rows[cfg.split][:cfg.max_rows], null_content=_null_choice(cfg, None))
 
+# %% ../nbs/01_data.ipynb #43d81182
 def row_dict(ds_row: dict) -> dict:
     "A dataset row as the original dict (undoing the one-JSON-column storage of list/JSON sources)."
     return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row  # a reader's bad row: {BAD_ROW_KEY: ...}
