@@ -36,6 +36,21 @@ def tiny_tok(tiny_path):
 
 
 @pytest.fixture(scope='session')
+def tiny_llama_path(tiny_tok, tmp_path_factory) -> Path:
+    """A random Llama (SmolLM2-135M-Instruct's architecture and head layout: 9 heads, 3 KV heads, tied embeddings, no
+    attention bias) at ~0.1M parameters, with the tiny tokenizer: the Llama paths without the 135M model."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(vocab_size=len(tiny_tok), hidden_size=72, intermediate_size=192, num_hidden_layers=3, num_attention_heads=9,
+                      num_key_value_heads=3, tie_word_embeddings=True, max_position_embeddings=512,
+                      eos_token_id=tiny_tok.eos_token_id, pad_token_id=tiny_tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(3)
+    d = tmp_path_factory.mktemp('tiny_llama')
+    AutoModelForCausalLM.from_config(cfg, dtype=torch.float32).save_pretrained(d); tiny_tok.save_pretrained(d)
+    return d
+
+
+@pytest.fixture(scope='session')
 def ray_session() -> str:
     """One local Ray cluster (capped object store) for the whole session; always shut down. In-process trainers join it;
     yields its address for subprocesses and notebook kernels (`placement.ray_address`, the notebooks' `ray_address`)."""

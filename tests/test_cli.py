@@ -145,12 +145,14 @@ def test_two_node_cluster_matches_one_node(tmp_path, ray_session):
     import ray
     alive = lambda: sum(n['Alive'] for n in ray.nodes())
     n0 = alive()
-    node = _ray_node([f'--address={ray_session}'], tmp_path)
-    try:
+    for attempt in range(2):  # `ray start` gives a raylet 30 s to register (fixed in Ray): a loaded machine can miss it once
+        node = _ray_node([f'--address={ray_session}'], tmp_path)
         deadline = time.time() + 120
-        while alive() <= n0:
-            assert node.poll() is None and time.time() < deadline, (tmp_path / 'ray_0.log').read_text()[-3000:]
-            time.sleep(0.5)
+        while alive() <= n0 and node.poll() is None and time.time() < deadline: time.sleep(0.5)
+        if alive() > n0: break
+        _stop(node)
+    try:
+        assert alive() > n0, (tmp_path / f'ray_{attempt}.log').read_text()[-3000:]
         common = ['-p', 'max_steps', '3', '-p', 'global_batch_size', '8', '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false',
                   '-p', 'ray_address', ray_session]
         code, _, err = cli('run', TRAIN_NB, *common, '-p', 'num_nodes', '2', '-p', 'workers_per_node', '1', '-p', 'strategy', 'STRICT_SPREAD',

@@ -272,11 +272,15 @@ def test_driver_killed_during_save_resumes_exactly(tiny_path, tmp_path, ray_sess
         straight = t.fit()['loss'].tolist()
     env = {**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1',
            'PYTHONPATH': os.pathsep.join([str(Path(__file__).parent), os.environ.get('PYTHONPATH', '')])}
-    for point, at in [('workers', 1), ('rename', 2), ('marker', 2), ('prune', 3)]:
+    points = [('workers', 1), ('rename', 2), ('marker', 2), ('prune', 3)]
+    drivers = {point: subprocess.Popen([sys.executable, '-c', DRIVER, json.dumps(run_cfg(tiny_path, tmp_path / point, **base)), point, str(at)],
+                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+               for point, at in points}  # the four drivers at once, each on its own worker of the session's cluster
+    for point, p in drivers.items():
+        err = p.communicate(timeout=600)[1]
+        assert p.returncode == -signal.SIGKILL, (point, p.returncode, err[-3000:])
+    for point, _ in points:
         run = tmp_path / point
-        cfg = run_cfg(tiny_path, run, **base)
-        p = subprocess.run([sys.executable, '-c', DRIVER, json.dumps(cfg), point, str(at)], env=env, capture_output=True, text=True, timeout=600)
-        assert p.returncode == -signal.SIGKILL, (point, p.returncode, p.stderr[-3000:])
         assert (run / '.lock').exists()  # the dead driver's lock is left behind ...
         with SFTTrainer(run_cfg(tiny_path, run, checkpoint__resume='latest', **base), train_data=ROWS) as r:  # ... and taken over
             start = r.global_step

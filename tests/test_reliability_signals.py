@@ -19,7 +19,7 @@ def train_losses(run_dir):
 def test_sigterm_saves_at_the_next_step_and_resumes_exactly(tmp_path, ray_session):
     """`sft-nb train`: SIGTERM saves at the next step boundary (exit 143, naming it); resumed losses equal an unstopped run's.
     The signalled command is a real process; the resume and the unstopped run go through the CLI in this process."""
-    args = [ROOT / 'examples' / 'tiny.yaml', 'train.num_steps=40', 'checkpoint.export_hf=false', 'logging.trackers=[jsonl]',
+    args = [ROOT / 'examples' / 'tiny.yaml', 'train.num_steps=15', 'checkpoint.export_hf=false', 'logging.trackers=[jsonl]',
             'data.eval={}', f'placement.ray_address={ray_session}']
     p = subprocess.Popen([SFT_NB, 'train', *map(str, args), f'checkpoint.run_dir={tmp_path / "cut"}'], env=ENV,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -32,8 +32,8 @@ def test_sigterm_saves_at_the_next_step_and_resumes_exactly(tmp_path, ray_sessio
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
     done = train_losses(tmp_path / 'cut')
     step = done[-1][0]
-    assert 3 <= step < 40 and [s for s, _ in done] == list(range(1, step + 1))
-    assert f"stopped by SIGTERM at step {step} of 40; checkpoint {tmp_path / 'cut' / 'checkpoints' / f'step_{step:06d}'}" in err
+    assert 3 <= step < 15 and [s for s, _ in done] == list(range(1, step + 1))
+    assert f"stopped by SIGTERM at step {step} of 15; checkpoint {tmp_path / 'cut' / 'checkpoints' / f'step_{step:06d}'}" in err
     assert 'checkpoint.resume=latest' in err
     code, _, err = cli('train', *args, f'checkpoint.run_dir={tmp_path / "cut"}', 'checkpoint.resume=latest')
     assert code == 0, err[-3000:]
@@ -95,7 +95,7 @@ def test_sigterm_in_sft_nb_run_saves_at_the_next_step(tmp_path, ray_session):
     first), the command exits 143 naming the checkpoint, and `-p resume latest` continues to the same losses as a run that
     was never stopped."""
     nb = ROOT / 'examples' / 'train.ipynb'
-    params = ['-p', 'max_steps', '30', '-p', 'export_hf', 'False', '-p', 'eval_samples', '0', '-p', 'ray_address', ray_session]
+    params = ['-p', 'max_steps', '15', '-p', 'export_hf', 'False', '-p', 'eval_samples', '0', '-p', 'ray_address', ray_session]
     cut = tmp_path / 'cut'
     p = subprocess.Popen([SFT_NB, 'run', nb, *params, '--run-dir', cut], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     metrics = cut / 'metrics.jsonl'
@@ -107,9 +107,9 @@ def test_sigterm_in_sft_nb_run_saves_at_the_next_step(tmp_path, ray_session):
     assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
     done = train_losses(cut)
     step = done[-1][0]
-    assert 3 <= step < 30 and [s for s, _ in done] == list(range(1, step + 1))
+    assert 3 <= step < 15 and [s for s, _ in done] == list(range(1, step + 1))
     ck = cut / 'checkpoints' / f'step_{step:06d}'
-    assert f"sft-nb run: stopped by SIGTERM at step {step} of 30; checkpoint {ck}" in err and '-p resume latest' in err, err[-3000:]
+    assert f"sft-nb run: stopped by SIGTERM at step {step} of 15; checkpoint {ck}" in err and '-p resume latest' in err, err[-3000:]
     assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == step
     code, _, err = cli('run', nb, *params, '-p', 'resume', 'latest', '--run-dir', cut)
     assert code == 0, err[-3000:]
