@@ -98,24 +98,30 @@ def test_sigterm_in_sft_nb_run_saves_at_the_next_step(tmp_path, ray_session):
     params = ['-p', 'max_steps', '15', '-p', 'export_hf', 'False', '-p', 'eval_samples', '0', '-p', 'ray_address', ray_session]
     cut = tmp_path / 'cut'
     p = subprocess.Popen([SFT_NB, 'run', nb, *params, '--run-dir', cut], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    metrics = cut / 'metrics.jsonl'
-    deadline = time.time() + 300
-    while time.time() < deadline and p.poll() is None and not (metrics.exists() and len(train_losses(cut)) >= 3):
-        time.sleep(0.2)
-    p.send_signal(signal.SIGTERM)
-    out, err = p.communicate(timeout=300)
-    assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
-    done = train_losses(cut)
-    step = done[-1][0]
-    assert 3 <= step < 15 and [s for s, _ in done] == list(range(1, step + 1))
-    ck = cut / 'checkpoints' / f'step_{step:06d}'
-    assert f"sft-nb run: stopped by SIGTERM at step {step} of 15; checkpoint {ck}" in err and '-p resume latest' in err, err[-3000:]
-    assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == step
-    code, _, err = cli('run', nb, *params, '-p', 'resume', 'latest', '--run-dir', cut)
-    assert code == 0, err[-3000:]
-    code, _, err = cli('run', nb, *params, '--run-dir', tmp_path / 'straight')
-    assert code == 0, err[-3000:]
-    assert train_losses(cut) == train_losses(tmp_path / 'straight')
+    log = open(tmp_path / 'straight.log', 'w')  # a file, not a pipe: nobody reads it until the end
+    straight = subprocess.Popen([SFT_NB, 'run', nb, *params, '--run-dir', tmp_path / 'straight'], env=ENV,  # meanwhile: the unstopped run
+                                stdout=subprocess.DEVNULL, stderr=log)
+    try:
+        metrics = cut / 'metrics.jsonl'
+        deadline = time.time() + 300
+        while time.time() < deadline and p.poll() is None and not (metrics.exists() and len(train_losses(cut)) >= 3):
+            time.sleep(0.2)
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=300)
+        assert p.returncode == 128 + signal.SIGTERM, (p.returncode, err[-3000:])
+        done = train_losses(cut)
+        step = done[-1][0]
+        assert 3 <= step < 15 and [s for s, _ in done] == list(range(1, step + 1))
+        ck = cut / 'checkpoints' / f'step_{step:06d}'
+        assert f"sft-nb run: stopped by SIGTERM at step {step} of 15; checkpoint {ck}" in err and '-p resume latest' in err, err[-3000:]
+        assert json.loads((ck / 'trainer_state.json').read_text())['global_step'] == step
+        code, _, err = cli('run', nb, *params, '-p', 'resume', 'latest', '--run-dir', cut)
+        assert code == 0, err[-3000:]
+        assert straight.wait(timeout=300) == 0, (tmp_path / 'straight.log').read_text()[-3000:]
+        assert train_losses(cut) == train_losses(tmp_path / 'straight')
+    finally:
+        if straight.poll() is None: straight.terminate(); straight.wait(120)  # SIGTERM: sft-nb stops its kernel too
+        log.close()
 
 
 @pytest.mark.parametrize('sig, when', [(signal.SIGTERM, 'imports'), (signal.SIGINT, 'imports'), (signal.SIGTERM, 'setup')])
