@@ -14,7 +14,7 @@ and the Qwen2.5 template (`../shared/templates/qwen2.5-instruct.jinja`, used as-
   trl        TRL 1.16's own preparation, `SFTTrainer._prepare_dataset` (conversational LM with assistant_only_loss, or
              conversational prompt/completion for the last turn)
   limit      render every conversation once + one batched tokenization of all texts, no masking
-  ours       `sft_nb.tokenize.tokenize_rows` in batches of 256, single process (normalizes the raw rows itself)
+  ours       `sft_nb.renderers.tokenize_rows` in batches of 256, single process (normalizes the raw rows itself)
   ours ds    `sft_nb.tokenize.tokenize_dataset(path, ..., num_proc=1|2, use_cache=False)` (reads the file, Arrow output)
 
 Each measurement is repeated (default 3) and the best time is kept; the repeats run in rounds (every method once per
@@ -198,7 +198,8 @@ def main():
     from sft_nb.data import load_source, row_dict, detect_format, source_columns, normalize_row
     from sft_nb.models import smollm2_instruct
     from sft_nb.config import TokenizeConfig
-    from sft_nb.tokenize import tokenize_rows, tokenize_dataset
+    from sft_nb.renderers import tokenize_rows
+    from sft_nb.tokenize import tokenize_dataset
     datasets.disable_progress_bars()
     transformers.logging.set_verbosity_error()
     logging.getLogger('trl').setLevel(logging.ERROR)
@@ -434,7 +435,7 @@ def _cpu_ratio(a):
 
 def _check_cost(repeats):
     "CPU seconds of `tokenize_rows` on both demo sets (all_assistant, batches of 256) with the self-check and with it replaced by a no-op, interleaved."
-    import sft_nb.tokenize as T
+    import sft_nb.renderers as T
     from transformers import AutoTokenizer
     from sft_nb.data import load_source, row_dict, detect_format, source_columns
     from sft_nb.models import smollm2_instruct
@@ -466,7 +467,7 @@ def _profile(tok, template, mode, name=TOOL_SET, top=25):
     import cProfile, pstats
     from sft_nb.data import load_source, row_dict, detect_format, source_columns
     from sft_nb.config import TokenizeConfig
-    from sft_nb.tokenize import tokenize_rows
+    from sft_nb.renderers import tokenize_rows
     raw = load_source(str(DATASETS[name]))
     fmt, rows = detect_format(source_columns(raw)), [row_dict(r) for r in raw]
     spec = TokenizeConfig(mode=mode, chat_template=template, max_length=None)

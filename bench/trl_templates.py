@@ -19,7 +19,7 @@ sys.path[:] = [p for p in sys.path if Path(p or '.').resolve() != _HERE]
 import re, json, argparse
 from transformers import AutoTokenizer
 from sft_nb.models import tiny_chat_model
-from sft_nb.tokenize import tokenize_conversation, tokenize_turns
+from sft_nb.renderers import tokenize_conversation, tokenize_turns
 from sft_nb.templates import template_info, chat_ids
 ap = argparse.ArgumentParser(); ap.add_argument('--templates', default=None, help="folder of TRL's chat templates (default: the installed trl's)")
 args = ap.parse_args()

@@ -6,7 +6,7 @@
 from __future__ import annotations
 from typing import Sequence
 import torch
-from .tokenize import labels_for  # the labels rule lives with the examples it reads
+from .renderers import labels_for  # the labels rule lives with the examples it reads
 
 # %% auto #0
 __all__ = ['VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'model_inputs',

@@ -11,7 +11,9 @@ from .config import TokenizeConfig
 from .data import BadRow, detect_format, load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .config import TokenizeConfig
-from .tokenize import HISTORY, MODES, Example, labels_for, image_base_dir, tokenize_conversation, tokenize_rows
+from .spans import HISTORY, MODES
+from .renderers import Example, labels_for, tokenize_conversation, tokenize_rows
+from .tokenize import image_base_dir
 from fastcore.basics import patch
 
 # %% auto #0

@@ -12,7 +12,7 @@ from .collate import collate_padded, collate_packed
 from .config import ConfigError, SourceConfig
 from .data import detect_format, load_source, row_dict, source_columns, source_name
 from .config import TokenizeConfig
-from .tokenize import tokenize_rows
+from .renderers import tokenize_rows
 from .dataplan import split_for_ranks
 
 # %% auto #0

@@ -9,7 +9,7 @@ from datetime import datetime
 import pandas as pd
 from .data import BAD_ROW_KEY, BadRow, detect_format, normalize_row
 from .templates import TemplateError, load_template, probe_template, render, template_features, templates_with
-from .tokenize import tokenize_turns
+from .renderers import tokenize_turns
 
 # %% auto #0
 __all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'data_features', 'unrendered', 'lint_template', 'failed']

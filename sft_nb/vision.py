@@ -12,12 +12,12 @@ from fastcore.basics import patch
 from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
 from .config import TokenizeConfig
 from .templates import TemplateError, TemplateRenderer, template_info, load_template
-from .tokenize import (Example, Renderer, render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges,
-                             check_turns, encode_texts, finish_tokens, tokenize_dataset)
+from .spans import render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges, check_turns
+from .renderers import Example, Renderer, encode_texts, finish_tokens
 
 # %% auto #0
 __all__ = ['IMAGE_MARKER', 'load_image', 'vision_conversation', 'VisionExample', 'image_placeholder', 'expand_placeholders',
-           'tokenize_vision', 'tokenize_vision_rows', 'ProcessorRenderer', 'tokenize_vision_dataset']
+           'tokenize_vision', 'tokenize_vision_rows', 'ProcessorRenderer']
 
 # %% ../nbs/02c_vision.ipynb #44cf4b7b
 IMAGE_MARKER = '<image>'
@@ -251,13 +251,3 @@ def fill_row(self: ProcessorRenderer) -> dict:
     ids = encode_texts(self.tokenizer, [text])[0][0]
     return {'input_ids': list(ids), 'loss_mask': [0] * len(ids),
             'pixel_values': np.asarray(out['pixel_values'], dtype=np.float32).reshape(-1).tolist(), 'image_grid_thw': grid}
-
-# %% ../nbs/02c_vision.ipynb #ab8f99ee
-def tokenize_vision_dataset(source, # a SourceConfig, path, list of dicts or datasets.Dataset (images relative to the file)
-                            processor, # Qwen2-VL-style processor
-                            spec: TokenizeConfig | None = None,
-                            *, on_bad_row: str = 'skip', cache_dir: str | None = None, use_cache: bool = True,
-                            num_proc: int | None = None, ray_shards: int | None = None, batch_size: int = 64):
-    "Tokenize a source of image and text rows → (memory-mapped Dataset with pixel_values/image_grid_thw, DataReport): `tokenize_dataset` with the processor."
-    return tokenize_dataset(source, processor, spec, on_bad_row=on_bad_row, cache_dir=cache_dir, use_cache=use_cache,
-                            num_proc=num_proc, ray_shards=ray_shards, batch_size=batch_size)

@@ -4,7 +4,7 @@ replica's micro-batches."""
 import numpy as np
 from sft_nb.config import load_config
 from sft_nb.dataplan import DataPlan
-from sft_nb.tokenize import labels_for
+from sft_nb.renderers import labels_for
 
 ROWS = [{'messages': [{'role': 'user', 'content': f'question {k}' + ' more' * (k % 5)},
                       {'role': 'assistant', 'content': f'answer {k}' + ' longer' * (k % 3)}]} for k in range(12)]

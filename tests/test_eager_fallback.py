@@ -26,7 +26,7 @@ def test_auto_falls_back_to_eager_and_packed_equals_padded(gemma2_path, tiny_tok
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
     from sft_nb.collate import collate_padded, collate_packed
-    from sft_nb.tokenize import tokenize_conversation
+    from sft_nb.renderers import tokenize_conversation
     exs = [tokenize_conversation(r, tiny_tok) for r in rows(6)]
     padded = [collate_padded(exs[j:j + 2], tiny_tok.pad_token_id) for j in (0, 2, 4)]
     packed = collate_packed([exs[:3], exs[3:]], tiny_tok.pad_token_id, capacity=max(sum(len(e.input_ids) for e in exs[k:k + 3]) for k in (0, 3)) + 4)

@@ -20,7 +20,8 @@ from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, chat_ids, collapse_template, render
 from sft_nb.config import TokenizeConfig
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_conversation, tokenize_dataset
+from sft_nb.renderers import tokenize_conversation
+from sft_nb.tokenize import tokenize_dataset
 
 CHIP = re.compile(r'<span class="k (y|n) r-(\w+)" style="[^"]*" title="[^"]*">(.*?)</span>', re.S)
 

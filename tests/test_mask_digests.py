@@ -28,7 +28,7 @@ def _digests(shared: Path, tiny_path) -> dict:
     from sft_nb.data import load_source, row_dict, detect_format, source_columns
     from sft_nb.models import smollm2_chat_template
     from sft_nb.templates import add_family_specials
-    from sft_nb.tokenize import tokenize_rows
+    from sft_nb.renderers import tokenize_rows
     rows = {}
     for name in DATASETS:
         raw = load_source(str(shared / 'datasets' / name))

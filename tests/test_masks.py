@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from sft_nb.data import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, collapse_template, render, chat_ids
-from sft_nb.tokenize import tokenize_conversation
+from sft_nb.renderers import tokenize_conversation
 
 FAMILIES = [f for f in FAMILY_SPECIALS]
 STRICT = {'chatml', 'llama-3-instruct', 'mistral-instruct', 'gemma-it', 'phi-3'}  # alternate user/assistant only
@@ -65,7 +65,7 @@ def test_masks_on_real_templates(templates, family, conv, mode):
     if conv == 'tools' and family in STRICT:  # these templates refuse tool turns: a reported bad row, never a wrong mask
         with pytest.raises(BadRow, match='template'):
             from sft_nb.config import TokenizeConfig
-            from sft_nb.tokenize import tokenize_rows
+            from sft_nb.renderers import tokenize_rows
             _, bad = tokenize_rows([{'messages': raw, 'tools': tools}], tok, TokenizeConfig(chat_template=template, mode=mode), 'messages')
             raise BadRow(bad[0][2], kind=bad[0][1])
         return

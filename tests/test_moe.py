@@ -48,7 +48,7 @@ def test_aux_loss_gradient_is_nll_plus_coef_times_sequence_mean(moe_path, tiny_t
     "One worker, two padded micro-batches: the gradient equals that of Σ NLL / n_trained + coef · Σ_s aux_s / n_seqs by hand."
     from transformers import AutoModelForCausalLM
     from sft_nb.collate import collate_padded
-    from sft_nb.tokenize import tokenize_conversation
+    from sft_nb.renderers import tokenize_conversation
     from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
     w, info = _worker(moe_path)
     assert info['router_aux_coef'] == COEF and not w.model.config.output_router_logits
@@ -76,7 +76,7 @@ def test_aux_loss_gradient_is_nll_plus_coef_times_sequence_mean(moe_path, tiny_t
 def test_packed_equals_padded_on_the_aux_loss(moe_path, tiny_tok):
     "The same 6 sequences, padded in 3 micro-batches of 2 or packed in 2 rows with padding at the end: same NLL, aux sum, n_seqs and gradients."
     from sft_nb.collate import collate_padded, collate_packed
-    from sft_nb.tokenize import tokenize_conversation
+    from sft_nb.renderers import tokenize_conversation
     exs = [tokenize_conversation(r, tiny_tok) for r in rows(6)]
     padded = [collate_padded(exs[j:j + 2], tiny_tok.pad_token_id) for j in (0, 2, 4)]
     cap = max(sum(len(e.input_ids) for e in exs[:3]), sum(len(e.input_ids) for e in exs[3:])) + 5  # fill at the end of each row

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from sft_nb.data import BadRow
 from sft_nb.templates import chat_ids, template_info
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_conversation, tokenize_turns, tokenize_rows
+from sft_nb.renderers import tokenize_conversation, tokenize_turns, tokenize_rows
 
 FIX = Path(__file__).parent / 'fixtures' / 'templates'
 
@@ -282,7 +282,7 @@ def ex_messages(conv):
 # ---- the self-check every row passes: trained tokens only inside their own turn
 def test_self_check_names_the_message_when_spans_reach_a_user_turn(tiny_tok, monkeypatch):
     "A span finder that went wrong (here: made to start every span 3 chars before its turn, in the user turn) gives a BadRow, never a mask."
-    import sft_nb.tokenize as T
+    import sft_nb.spans as T
     real = T.turn_spans
     def early(*a, **k):
         text, spans, own = real(*a, **k)
@@ -297,7 +297,7 @@ def test_self_check_names_the_message_when_spans_reach_a_user_turn(tiny_tok, mon
 
 
 def test_self_check_names_the_next_message(tiny_tok, monkeypatch):
-    import sft_nb.tokenize as T
+    import sft_nb.spans as T
     real = T.turn_spans
     def late(*a, **k):
         text, spans, own = real(*a, **k)
@@ -326,7 +326,7 @@ PEER_TEMPLATES = {'dummy': (DUMMY, ('<|im_start|>', '<|im_end|>'), None), 'phi3'
 @pytest.mark.parametrize('name', list(PEER_TEMPLATES))
 def test_self_check_runs_and_passes_on_peer_templates(tiny_path, monkeypatch, name):
     "Every row of every peer template above goes through the check (counted) and passes it, the quoted-answer row included."
-    import sft_nb.tokenize as T
+    import sft_nb.renderers as T
     template, specials, eos = PEER_TEMPLATES[name]
     tok, calls, real = tok_with(tiny_path, *specials, eos=eos), [], T.check_turns
     monkeypatch.setattr(T, 'check_turns', lambda *a, **k: (calls.append(1), real(*a, **k)))

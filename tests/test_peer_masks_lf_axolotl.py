@@ -27,7 +27,7 @@ from transformers import AutoTokenizer
 from sft_nb.data import BadRow, normalize_row
 from sft_nb.templates import add_family_specials, chat_ids, collapse_template
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_conversation, tokenize_turns, tokenize_rows
+from sft_nb.renderers import tokenize_conversation, tokenize_turns, tokenize_rows
 
 FIX = Path(__file__).parent / 'fixtures' / 'templates'
 U = lambda c: {'role': 'user', 'content': c}

@@ -18,7 +18,7 @@ from sft_nb.data import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, TemplateError, add_family_specials, collapse_template, render, chat_ids
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_conversation, tokenize_rows, tokenize_turns
+from sft_nb.renderers import tokenize_conversation, tokenize_rows, tokenize_turns
 
 FIX = Path(__file__).parent / 'fixtures' / 'templates'
 DS_SPECIALS = ['<｜User｜>', '<｜Assistant｜>', '<｜tool▁calls▁begin｜>', '<｜tool▁calls▁end｜>', '<｜tool▁call▁begin｜>',

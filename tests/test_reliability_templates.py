@@ -5,7 +5,7 @@ recursion without end, a sandbox escape) must be a `TemplateError` naming the te
 crash or a silent success (Jinja renders an unsafe attribute as '')."""
 import pytest
 from sft_nb.templates import TemplateError, TemplateRenderer, chat_ids, render, shipped_template, template_info
-from sft_nb.tokenize import tokenize_conversation
+from sft_nb.renderers import tokenize_conversation
 from sft_nb.lint import lint_template
 
 CONV = [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello'}]

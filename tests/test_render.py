@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from sft_nb.config import TokenizeConfig
 from sft_nb.tokenize import tokenize_dataset, make_renderer
-from sft_nb.vision import ProcessorRenderer, tokenize_vision_dataset, vision_conversation, tokenize_vision
+from sft_nb.vision import ProcessorRenderer, vision_conversation, tokenize_vision
 
 
 @pytest.fixture(scope='module')
@@ -43,7 +43,6 @@ def test_image_rows_parallel_and_ray_equal_serial(proc, image_source, tmp_path):
     assert sum(bool(g) for g in serial['image_grid_thw']) > len(serial) // 2
     par, rep_par = tokenize_dataset(str(src), proc, spec, use_cache=False, batch_size=4, num_proc=2)
     assert par.to_dict() == serial.to_dict() and rep_par == rep
-    assert tokenize_vision_dataset(str(src), proc, spec, use_cache=False)[0].to_dict() == serial.to_dict()  # the thin wrapper
     cached, rep_c = tokenize_dataset(str(src), proc, spec, cache_dir=tmp_path / 'cache', num_proc=2)
     assert cached.to_dict() == serial.to_dict() and rep_c == rep
     started = init_ray(num_cpus=2, object_store_memory=128 * 1024**2)
@@ -67,7 +66,8 @@ def test_image_rows_parallel_and_ray_equal_serial(proc, image_source, tmp_path):
 def test_jsonl_shards_read_by_ray_tasks(tiny_tok, tmp_path, ray_session, bad_line):
     "ray_shards on a local .jsonl: each task gets line offsets and reads its own rows; dataset and report equal serial's (a bad line too)."
     import ray
-    from sft_nb.tokenize import JsonlRows, ray_part
+    from sft_nb.rows import JsonlRows
+    from sft_nb.tokenize import ray_part
     lines = [json.dumps({'messages': [{'role': 'user', 'content': f'question {i}'}, {'role': 'assistant', 'content': f'answer {i}'}]})
              for i in range(40)]
     if bad_line: lines[17] = '{"messages": [oops'

@@ -23,7 +23,7 @@ def _rank(rank, world, port, cases, out):
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import OptimConfig
     from sft_nb.collate import collate_padded
-    from sft_nb.tokenize import tokenize_conversation
+    from sft_nb.renderers import tokenize_conversation
     res = {}
     w0 = None
     for name, mcfg in cases:

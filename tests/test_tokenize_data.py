@@ -70,7 +70,7 @@ def test_parallel_equals_serial(shared, qwen_tok, qwen_template, tmp_path):
 def test_truncation_keeps_the_first_tokens_with_their_mask(tiny_tok):
     """truncation='keep_start' at every max_length that leaves a trained token: the example is the first max_length tokens of
     the uncut one, with the mask of exactly those tokens."""
-    from sft_nb.tokenize import tokenize_conversation
+    from sft_nb.renderers import tokenize_conversation
     msgs = [{'role': 'user', 'content': 'A question that takes a few tokens?'},
             {'role': 'assistant', 'content': 'An answer of several words, then a few more.'}]
     full = tokenize_conversation(msgs, tiny_tok)
@@ -144,7 +144,7 @@ def test_turns_reduced_to_end_of_turn_are_reported(shared, tiny_tok, qwen_tok, q
 def test_fast_mask_equals_offset_overlap(shared, qwen_tok, qwen_template, name):
     "The char_to_token mask (hot path) equals the per-token offset-overlap definition on every real row."
     from sft_nb.data import load_source, row_dict, detect_format, source_columns
-    from sft_nb.tokenize import tokenize_rows
+    from sft_nb.renderers import tokenize_rows
     ds = load_source(shared / 'datasets' / name)
     rows = [row_dict(r) for r in ds] + [{'messages': [{'role': 'user', 'content': 'héllo 🙂'}, {'role': 'assistant', 'content': 'ça va 🙂🙂'}]}]
     good, _ = tokenize_rows(rows[:-1], qwen_tok, TokenizeConfig(chat_template=qwen_template, max_length=None), detect_format(source_columns(ds)))

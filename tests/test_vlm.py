@@ -5,8 +5,9 @@ import pytest
 from sft_nb.config import ConfigError
 from helpers import run_cfg
 from sft_nb.config import TokenizeConfig
-from sft_nb.tokenize import tokenize_conversation
-from sft_nb.vision import vision_conversation, tokenize_vision, tokenize_vision_dataset, tokenize_vision_rows
+from sft_nb.renderers import tokenize_conversation
+from sft_nb.vision import vision_conversation, tokenize_vision, tokenize_vision_rows
+from sft_nb.tokenize import tokenize_dataset
 
 
 @pytest.fixture(scope='module')
@@ -88,7 +89,7 @@ def test_bad_and_truncated_image_rows(proc, demo, shared, tmp_path):
     spec = TokenizeConfig(max_length=full.image_tokens[0][0] + 3, truncation='keep_start')
     src = tmp_path / 'd.json'; src.write_text(json.dumps([demo[1]]))
     (tmp_path / 'mllm_demo_data').symlink_to(shared / 'datasets' / 'mllm_demo_data')
-    ds, rep = tokenize_vision_dataset(str(src), proc, spec, use_cache=False)
+    ds, rep = tokenize_dataset(str(src), proc, spec, use_cache=False)
     assert len(ds) == 0 and rep.bad_rows[0][1] == 'truncated_image' and 'cut through image 0' in rep.bad_rows[0][2]
 
 

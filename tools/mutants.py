@@ -43,17 +43,17 @@ def both(py: str, nb: str, original: str, replacement: str) -> list[tuple[str, s
 MUTANTS = [
     # ---- assistant-only masks
     Mutant('mask_eot_untrained', "the end-of-turn token closing each trained turn is not trained",
-           [('sft_nb/tokenize.py', 'for a, z in ranges: mask[a:z] = [1] * (z - a)', 'for a, z in ranges: mask[a:z - 1] = [1] * (z - a - 1)')],
+           [('sft_nb/spans.py', 'for a, z in ranges: mask[a:z] = [1] * (z - a)', 'for a, z in ranges: mask[a:z - 1] = [1] * (z - a - 1)')],
            tests=['tests/test_masks.py::test_masks_on_real_templates[chatml-multi-all_assistant]']),
     Mutant('mask_last_assistant_trains_all', "mode='last_assistant' trains every assistant turn",
-           [('sft_nb/tokenize.py', 'trained = {asst[-1]}', 'trained = set(asst)')],
+           [('sft_nb/spans.py', 'trained = {asst[-1]}', 'trained = set(asst)')],
            tests=['tests/test_masks.py::test_masks_on_real_templates[chatml-multi-last_assistant]']),
     # ---- labels: the shift and the ignore index
     Mutant('labels_mask_shifted', "labels take the mask of the token before: the token after each trained one is the target",
-           [('sft_nb/tokenize.py', 'zip(ids[1:], mask[1:])', 'zip(ids[1:], mask[:-1])')],
+           [('sft_nb/renderers.py', 'zip(ids[1:], mask[1:])', 'zip(ids[1:], mask[:-1])')],
            notebooks=['nbs/05_collate.ipynb']),
     Mutant('labels_first_token_a_target', "a sequence's first token is a target (in a packed row: predicted from the previous document)",
-           [('sft_nb/tokenize.py', 'return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]',
+           [('sft_nb/renderers.py', 'return [-100] + [i if m else -100 for i, m in zip(ids[1:], mask[1:])]',
              'return [i if m else -100 for i, m in zip(ids, mask)]')],
            notebooks=['nbs/05_collate.ipynb']),
     Mutant('padding_trained', "a padded batch's padding is labelled with the pad id instead of -100, so it is trained",
@@ -104,7 +104,7 @@ MUTANTS = [
            tests=['tests/test_optim.py::test_decay_spans_the_steps_after_warmup']),
     # ---- tokenization: truncation and the cache
     Mutant('truncation_keeps_mask_tail', "a truncated row keeps its first tokens but the last max_length entries of its mask",
-           [('sft_nb/tokenize.py', 'ids, mask, truncated = ids[:max_length], mask[:max_length], True',
+           [('sft_nb/renderers.py', 'ids, mask, truncated = ids[:max_length], mask[:max_length], True',
              'ids, mask, truncated = ids[:max_length], mask[-max_length:], True')],
            tests=['tests/test_tokenize_data.py::test_truncation_keeps_the_first_tokens_with_their_mask']),
     Mutant('cache_key_ignores_max_length', "the tokenize cache key leaves out max_length: another max_length is served the old entry",
