@@ -18,7 +18,7 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['COLORS', 'ROLE_COLORS', 'CALL_TAIL_NOTE', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles',
-           'token_rows', 'summary', 'ImageChip', 'render_example', 'scale_color', 'loss_title', 'loss_summary',
+           'token_rows', 'summary', 'ImageChip', 'format_example', 'scale_color', 'loss_title', 'loss_summary',
            'loss_legend_html', 'inspect_examples', 'inspect_row', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
@@ -172,7 +172,7 @@ def _ansi_form(cells: list, head: str, losses: dict | None, loss_view: str) -> s
     return head + '\n' + ''.join(body)
 
 # %% ../nbs/03_inspect.ipynb #30c4aa96
-def render_example(ex: Example, # a tokenized row
+def format_example(ex: Example, # a tokenized row
                    tokenizer=None, # for token strings in hover titles (and pieces of text-less rows)
                    form: str = 'html', # 'html' | 'ansi' | 'text'
                    view: str = 'tokens', # 'tokens' (one chip per token) | 'text' (the rendered text, by character)
@@ -352,10 +352,10 @@ def update(self: Inspector):
     lv = self.loss_view.value
     if self.example is None:
         self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-    elif len(self.examples) == 1: self.html.value = render_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
+    elif len(self.examples) == 1: self.html.value = format_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
     else:  # history='expand': the examples of one row side by side, one column per trained turn
         n = len(self.examples)
-        cols = [f'<div style="flex:1;min-width:0">{render_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
+        cols = [f'<div style="flex:1;min-width:0">{format_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
         self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
     if (mech := self.mechanism()):  # under the rendering: which mechanism found the spans, and why
@@ -443,9 +443,9 @@ def inspect_main(argv: list[str] | None = None,
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
     losses = scorer.token_losses(exs, k=a.top_k) if scorer is not None else [None] * len(exs)
     heads = [head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '') for k in range(len(exs))]
-    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(render_example(ex, tokenizer, form, a.view, h, lo) + '\n')
+    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(format_example(ex, tokenizer, form, a.view, h, lo) + '\n')
     if a.html:
-        body = ''.join(render_example(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
+        body = ''.join(format_example(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
         Path(a.html).write_text(f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(head)}</title></head><body>{body}</body></html>')
         print(f'wrote {a.html}', file=sys.stderr)
     return 0

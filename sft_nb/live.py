@@ -73,17 +73,17 @@ class PanelLog:
                 if i or self.lines[-1][0] != 'text': self.lines.append(['text', ''])
                 # a progress bar redraws its line after a carriage return
                 self.lines[-1][1] = part.rsplit('\r', 1)[1] if '\r' in part else self.lines[-1][1] + part
-            self._render()
+            self._redraw()
 
     def error(self, exc: BaseException):
         "The exception as the notebook shows it (`sft_nb.errors.error_html`): a short box, the traceback folded for a user's mistake."
         head = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
-        with self._lock: self.lines.append(['error', head, error_html(exc)]); self._render()
+        with self._lock: self.lines.append(['error', head, error_html(exc)]); self._redraw()
 
     @property
     def text(self) -> str: return '\n'.join(l[1] for l in self.lines if l[1])
 
-    def _render(self):
+    def _redraw(self):
         self.lines = self.lines[-self.max_lines:]
         out = []
         for kind, msg, *tb in self.lines:
@@ -178,7 +178,7 @@ class TrainerPanel(Callback):
     "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
         self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
-        self.redraw = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
+        self.refreshing = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
         self.plot, self.log = LivePlot(trainer), PanelLog()
         for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
             if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
@@ -206,7 +206,7 @@ class TrainerPanel(Callback):
 @patch_to(TrainerPanel)
 def refresh(self):
     "Redraw the status line, the progress bar and which buttons can be pressed now."
-    with self.redraw:
+    with self.refreshing:
         t = self.trainer
         total, running = getattr(t, 'total_steps', None), t.action
         h = t.step_metrics[-1] if t.step_metrics else None
@@ -302,7 +302,7 @@ class ChatBox:
         self.widget = W.VBox([self.output, W.HBox([self.text, W.VBox([self.send_button, self.clear_button])]),
                               W.HBox([self.mode, self.temperature, self.top_p, self.max_new_tokens])])
         for w, c in ((self.widget, 'sft-nb-chat'), (self.output, 'sft-nb-chat-output'), (self.text, 'sft-nb-chat-input'), (self.send_button, 'sft-nb-chat-send')): w.add_class(c)
-        self.render()
+        self.redraw()
 
     def send(self):
         "Send the text box's message; the reply streams into the output area from the panel's thread."
@@ -316,13 +316,13 @@ class ChatBox:
                                              self.top_p.value if sample else 1.0, seed=len(self.messages), on_text=self.piece)
             except BaseException: self.messages.pop(); self.text.value = msg; raise  # no half turn; the message is kept to resend
             finally: self.reply = None
-            self.messages.append({'role': 'assistant', 'content': r}); self.render()
-        self.render(); self.panel.start('chat', reply)
+            self.messages.append({'role': 'assistant', 'content': r}); self.redraw()
+        self.redraw(); self.panel.start('chat', reply)
 
-    def piece(self, text: str): self.reply += text; self.render()
-    def clear(self): self.messages, self.reply = [], None; self.render()
+    def piece(self, text: str): self.reply += text; self.redraw()
+    def clear(self): self.messages, self.reply = [], None; self.redraw()
 
-    def render(self):
+    def redraw(self):
         "The conversation as HTML, the reply being streamed last (with a cursor)."
         empty = '<i style="color:#777">(an empty reply: only blanks or special tokens)</i>'
         turn = lambda who, text, cls: f'<div class="{cls}"><b>{who}:</b> {html.escape(text) if text.strip() else empty}</div>'

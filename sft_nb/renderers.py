@@ -247,7 +247,7 @@ class Renderer:
     template: str | None = None  # the chat template text rows are rendered with (cache key)
     needs_rows_for_key: bool = False  # True when the rows reference content (image files) that the cache key must hash
     def check(self, fmt: str): pass  # fail fast, once, before the first batch (e.g. a template that cannot be probed)
-    def render_rows(self, rows: list[dict], indices: list[int], fmt: str) -> tuple[list, list]:
+    def examples(self, rows: list[dict], indices: list[int], fmt: str) -> tuple[list, list]:
         "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`); a row is kept whole or dropped whole."
         raise NotImplementedError
     def features(self) -> dict: return {}  # extra Arrow columns (name → datasets feature) this renderer stores
@@ -259,9 +259,9 @@ class Renderer:
         "An untrained row that exercises every parameter (a rank with no data still runs the whole graph)."
         pad = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.tokenizer.eos_token_id
         return {'input_ids': [pad, pad], 'loss_mask': [0, 0]}
-    def render(self, row: dict, fmt: str = 'messages') -> Example:
+    def example(self, row: dict, fmt: str = 'messages') -> Example:
         "One row → its (first) Example; a bad row raises `BadRow`."
-        good, bad = self.render_rows([row], [0], fmt)
+        good, bad = self.examples([row], [0], fmt)
         if bad: raise BadRow(bad[0][2], kind=bad[0][1])
         return good[0][1]
 
@@ -274,5 +274,5 @@ class ChatRenderer(Renderer):
     def accepts(cls, obj) -> bool: return not hasattr(obj, 'image_processor')
     def check(self, fmt: str):
         if fmt != 'pretokenized': template_info(self.tokenizer, self.spec.chat_template, self.spec.chat_template_kwargs)
-    def render_rows(self, rows, indices, fmt):
+    def examples(self, rows, indices, fmt):
         return tokenize_rows(rows, self.tokenizer, self.spec, fmt, indices, keep_offsets=False)

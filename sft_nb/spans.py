@@ -79,7 +79,57 @@ def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]
     own = {i: (ends[k - 1][1] if k else 0, ends[k + 1][0] if k + 1 < len(ends) else len(text)) for k, i in enumerate(asst) if i in turns}
     return text, dict(zip(asst, ends)), own
 
-# %% ../nbs/02d_spans.ipynb #5e7a0005
+# %% ../nbs/02d_spans.ipynb #7a0e1f9b
+def _role_header(info: TemplateInfo) -> str:
+    """The role header every assistant turn starts with: the generation prompt without an opened think block (QwQ, Qwen3
+    nothink, Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'),
+    else what all the probe's headers share."""
+    gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
+    return gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
+
+def _start_in_prefix(P: str, F: str, info: TemplateInfo, header: str) -> tuple[int, int]:
+    """(s, lo) of a turn in F, the render through it, after P, the render before it with the generation prompt: s where
+    its trained text starts (after the header), lo where its own rendering starts; s = -1 when F does not start with
+    the text P has before the turn (the template changes it once this turn follows)."""
+    gen = info.gen_prompt
+    if F.startswith(P): s, lo = len(P), len(P) - len(gen) if gen and P.endswith(gen) else len(P)
+    else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
+        lo = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
+        s = lo + len(header) if F.startswith(header, lo) else lo
+        if not F.startswith(P[:lo]): s = -1
+    if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
+    return s, lo
+
+def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str, where: str) -> tuple[int, int]:
+    """history='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T, right after
+    the end of its prompt P found in T (anchored on the text of `before`, the message before the turn)."""
+    gen = info.gen_prompt
+    a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
+                len(content_text(before).strip()) + 1)
+    if a < 0 or not (T.startswith(gen, a) or T.startswith(header, a)):
+        raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
+    return a + (len(gen) if T.startswith(gen, a) else len(header)), a
+
+def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, history: str, where: str) -> tuple[int, int]:
+    """(e, nxt): where the turn's text ends in the full render T, and where the next message starts in T (-1: T writes this
+    turn's end itself). A turn T shows differently than F is refused, or, with history='final', ends at the first end-of-turn token after s."""
+    if last: return len(T), len(T)
+    if not moved and T.startswith(F): return len(F), len(F)
+    e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
+    if not moved and _only_specials(F[e:], info.specials): return e, -1
+    if history != 'final':  # the turn's own text changes once later messages follow
+        raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
+                     f"{T[e:e + 30]!r}); the template rewrites history: use history='expand' (one example per turn), "
+                     "history='final' or mode='last_assistant'", kind='template_error')
+    # the first token after s that ends an assistant turn of this template (the probe's earlier and final end tokens,
+    # and the one this turn ends with on its own: GPT-OSS <|call|>)
+    ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
+    hits = [(j, -len(x), x) for x in ends if (j := T.find(x, s)) >= 0]
+    if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
+    j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
+    return j + len(x), -1
+
+# %% ../nbs/02d_spans.ipynb #c7f1ee81
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
                history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
@@ -90,52 +140,23 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
     if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and history == 'error'):
         return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
-    n, out, own, prev = len(messages), {}, {}, 0
+    n, header, out, own, prev = len(messages), _role_header(info), {}, {}, 0
     for i in sorted(turns):
-        where = f"message {i}"
+        where, last = f"message {i}", i == n - 1
         if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
-        P = renderer(messages[:i], tools, gen=True)
-        F = T if i == n - 1 else renderer(messages[:i + 1], tools)
-        gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
-        # the role header every assistant turn has: the generation prompt without an opened think block (QwQ, Qwen3 nothink,
-        # Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'), else what all headers share
-        h = gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
-        if F.startswith(P): s, lo = len(P), len(P) - len(gen) if gen and P.endswith(gen) else len(P)
-        else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
-            base = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
-            s, lo = base + len(h) if F.startswith(h, base) else base, base
-            if not F.startswith(P[:base]): s = -1  # the text before this turn is not this prefix's (it changes once this turn follows)
-        if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
-        moved = s < 0 or (F is not T and not T.startswith(F[:s]))
-        if moved:  # what comes before this turn changes once later messages follow (Qwen3 drops reasoning once a new user turn comes)
+        P = renderer(messages[:i], tools, gen=True)  # 1. the prompt: the messages before the turn, then the generation prompt
+        F = T if last else renderer(messages[:i + 1], tools)  # 2. the render through the turn
+        s, lo = _start_in_prefix(P, F, info, header)  # 3. where the turn starts in F
+        moved = s < 0 or (F is not T and not T.startswith(F[:s]))  # 4. does the full render show the text before it differently?
+        if moved:  # (Qwen3 drops reasoning once a new user turn comes): refused, or 'final': as the full render shows it
             if history != 'final':
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
-            a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
-                        len(content_text(messages[i - 1]).strip()) + 1)
-            if a < 0 or not (T.startswith(gen, a) or T.startswith(h, a)):
-                raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
-            s, lo = a + (len(gen) if T.startswith(gen, a) else len(h)), a  # 'final': the turn as the full render shows it after its prompt
+            s, lo = _start_in_full(T, P, messages[i - 1], info, header, where)
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
-        if i == n - 1: e = len(T)
-        elif not moved and T.startswith(F): e = len(F)
-        else:
-            e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
-            if moved or not _only_specials(F[e:], info.specials):  # the turn's own text changes once later messages follow
-                if history != 'final':
-                    raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
-                                 f"{T[e:e + 30]!r}); the template rewrites history: use history='expand' (one example per turn), "
-                                 "history='final' or mode='last_assistant'", kind='template_error')
-                # 'final': the turn as the full render shows it, up to the first token that ends an assistant turn of this template
-                # (the probe's earlier and final end tokens, and the one this turn ends with on its own: GPT-OSS <|call|>)
-                ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
-                hits = [(j, -len(x), x) for x in ends if (j := T.find(x, s)) >= 0]
-                if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
-                j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
-                e = j + len(x)
-        nxt = e if i == n - 1 or (not moved and T.startswith(F)) else -1  # where the next message starts in T (-1: T writes this turn's end itself)
-        e = _turn_end(T, s, e, info, i == n - 1)
-        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # a stop token the next message opens with (GLM-4) ends this turn
+        e, nxt = _end_in_full(T, F, s, last, moved, info, history, where)  # 5. where its text ends in the full render
+        e = _turn_end(T, s, e, info, last)  # 6. through its end of turn, not the template text after it
+        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # 7. its own rendering: to the next message (a stop token the next message opens with, GLM-4, is this turn's)
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
             raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
         out[i], own[i], prev = (s, e), (lo, hi), e

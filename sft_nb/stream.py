@@ -79,7 +79,7 @@ def check_stream(cfg: SFTConfig):
 # %% ../nbs/05b_stream.ipynb #c125bf2d
 class StreamPlan(DataPlan):
     "A `DataPlan` over a stream: rows read lazily, tokenized a few at a time into a window of `data.stream_buffer` examples, each step drawn (or packed) from it."
-    render_batch = 64  # rows rendered per tokenizer call
+    tokenize_batch = 64  # rows rendered per tokenizer call
     streams = True
     keep = 3  # steps whose batch and state stay at hand (the trainer draws one step ahead)
     def __init__(self, cfg: SFTConfig, tokenizer=None, processor=None, train_data=None, eval_data: dict | None = None):
@@ -213,12 +213,12 @@ def report(self: StreamPlan) -> DataReport:
 
 # %% ../nbs/05b_stream.ipynb #77fa4e6a
 @patch
-def render(self: StreamPlan, rows: list) -> list[dict]:
+def examples(self: StreamPlan, rows: list) -> list[dict]:
     "Tokenize `(source, pass, index, row)` rows → examples in read order; a bad row is dropped whole."
     done = []  # (position in rows, source, Example)
     for s in sorted({r[0] for r in rows}):
         at = [k for k, r in enumerate(rows) if r[0] == s]
-        good, bad = self.renderer.render_rows([rows[k][3] for k in at], at, self.fmts[s])  # labelled by position: unique
+        good, bad = self.renderer.examples([rows[k][3] for k in at], at, self.fmts[s])  # labelled by position: unique
         first = {k for k in at if rows[k][1] == 0}
         self.count(s, len(first), [(rows[k][2], e) for k, e in good if k in first], [(rows[k][2], kd, m) for k, kd, m in bad if k in first])
         done += [(k, s, e) for k, e in good]
@@ -231,10 +231,10 @@ def render(self: StreamPlan, rows: list) -> list[dict]:
 # %% ../nbs/05b_stream.ipynb #5b6eb0dd
 @patch
 def fill(self: StreamPlan):
-    "Top the window up to `data.stream_buffer` examples, reading and rendering at most `render_batch` rows at a time."
+    "Top the window up to `data.stream_buffer` examples, reading and rendering at most `tokenize_batch` rows at a time."
     cap = self.cfg.data.stream_buffer
     while len(self.buffer) < cap:
-        if not self.carry: self.carry = self.render(self.read(min(self.render_batch, cap - len(self.buffer))))
+        if not self.carry: self.carry = self.examples(self.read(min(self.tokenize_batch, cap - len(self.buffer))))
         self.peak = max(self.peak, len(self.buffer) + len(self.carry))
         k = cap - len(self.buffer)
         self.buffer, self.carry = self.buffer + self.carry[:k], self.carry[k:]

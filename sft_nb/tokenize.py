@@ -80,7 +80,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
             gc.disable()  # a batch makes ~10^5 short-lived lists and no cycles worth chasing: collector passes cost ~8% (bench/tokenize.py)
             e = min(stop, s + batch_size)
             rows = raw[s:e] if isinstance(raw, list) else source_slice(raw, s, e)
-            good, bad = renderer.render_rows(rows, list(range(offset + s, offset + e)), fmt)
+            good, bad = renderer.examples(rows, list(range(offset + s, offset + e)), fmt)
             b = example_batch(good, renderer, schema)
             st['bad'] += sorted(bad, key=lambda b: b[0])
             st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})

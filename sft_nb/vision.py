@@ -204,7 +204,7 @@ class ProcessorRenderer(Renderer):
     def check(self, fmt: str):
         if fmt not in ('messages', 'sharegpt'): raise BadRow(f"image rows need the messages or sharegpt format, not {fmt!r}")
         template_info(self.tokenizer, self.template, self.spec.chat_template_kwargs)
-    def render_rows(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir, indices)
+    def examples(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir, indices)
     def features(self) -> dict:
         import datasets
         return {'pixel_values': datasets.List(datasets.Value('float32')), 'image_grid_thw': datasets.List(datasets.List(datasets.Value('int32')))}

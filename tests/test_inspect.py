@@ -13,7 +13,7 @@ from sft_nb.batchviz import TRAINED, batch_fig, batch_grid
 from sft_nb.collate import collate_packed, collate_padded
 from sft_nb.data import normalize_row
 from sft_nb.datareport import dataset_report
-from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, render_example
+from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, format_example
 from sft_nb.models import load_tokenizer
 from sft_nb.lint import CHECKS, failed, lint_template
 from sft_nb.models import smollm2_chat_template
@@ -118,7 +118,7 @@ def test_inspector_controls(shared, qwen, tiny_tok):
 def test_one_colour_map_for_html_and_ansi(tiny_tok):
     msgs = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]
     ex = tokenize_conversation(msgs, tiny_tok)
-    h, a = render_example(ex, tiny_tok, 'html'), render_example(ex, tiny_tok, 'ansi')
+    h, a = format_example(ex, tiny_tok, 'html'), format_example(ex, tiny_tok, 'ansi')
     for name in ('trained', 'masked'):
         r, g, b = (int(COLORS[name][k:k + 2], 16) for k in (1, 3, 5))
         assert f'background:{COLORS[name]}' in h and f'\x1b[48;2;{r};{g};{b}m' in a

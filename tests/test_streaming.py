@@ -113,8 +113,8 @@ def test_streaming_config_errors(tiny_path, tmp_path, jsonl):
 def test_packed_steps_train_the_window_rows(tiny_tok, jsonl):
     sp = plan(tiny_tok, jsonl, packing__enabled=True, tokenize__max_length=96, data__stream_buffer=24)
     seen = []  # every example that entered the window, in order
-    render = sp.render
-    sp.render = lambda rows: seen.extend(out := render(rows)) or out
+    examples = sp.examples
+    sp.examples = lambda rows: seen.extend(out := examples(rows)) or out
     seen += sp.buffer  # what prepare() filled
     trained = []
     for s in range(12):
