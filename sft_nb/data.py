@@ -126,15 +126,23 @@ def _text(content, where: str) -> str:
 # %% ../nbs/01_data.ipynb #a1d0e017
 NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: null` and no tool calls becomes
 
-def _part_weight(content, where: str):
-    "The one `weight` a message's content parts carry (Axolotl's per-part weights), None if none does; parts that differ are refused."
-    if not isinstance(content, list): return None
-    ws = [p.get('weight', 1) for p in content if isinstance(p, dict)]
-    if not any(isinstance(p, dict) and 'weight' in p for p in content): return None
-    if len(set(ws)) > 1:
-        raise BadRow(f"{where}: content parts carry different weights {ws}; a turn is trained whole or not at all here "
-                     "(split the message into one message per weight, or put one weight on the message)")
-    return ws[0]
+def _part_weights(content, where: str) -> tuple:
+    """(the weight of a message's trained content parts, [(start, end)] of its weight-0 text parts in the joined content) under
+    Axolotl's per-part `weight` (or `train: false`); (None, []) when no part carries one. Trained parts that differ are refused."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and ('weight' in p or 'train' in p) for p in content): return None, []
+    ws, holes, at = [], [], 0
+    for j, p in enumerate(content):
+        if not isinstance(p, dict) or PART_TYPES.get(p.get('type', 'text')) != 'text': continue
+        n, w = len(_part_text(p, f"{where}.content[{j}]")), p['weight'] if 'weight' in p else (0 if p.get('train') is False else 1)
+        if w == 0:
+            if holes and holes[-1][1] == at: holes[-1] = (holes[-1][0], at + n)
+            else: holes.append((at, at + n))
+        else: ws.append(w)
+        at += n
+    if len(set(map(str, ws))) > 1:
+        raise BadRow(f"{where}: content parts carry different weights {ws}; parts may be trained (one weight) or weight 0, "
+                     "not weighted apart (split the message into one message per weight)")
+    return (ws[0] if ws else 0), [h for h in holes if h[1] > h[0]] if ws else []
 
 def split_tool_results(m, i: int) -> list:
     "A user message of Anthropic `tool_result` parts → one tool message per part (with its `tool_use_id`); any other message as it is."
@@ -173,7 +181,7 @@ def normalize_message(m, i: int,
         for k in ('name', 'tool_call_id'):
             if m.get(k) is not None: out[k] = m[k]
     key = 'loss_weight' if 'loss_weight' in m else 'weight'
-    w, pw = m.get(key), _part_weight(m.get('content'), where)
+    (pw, holes), w = _part_weights(m.get('content'), where), m.get(key)
     if pw is not None:
         if w is not None and w != pw: raise BadRow(f"{where}: {key} {w!r} and the content parts' weight {pw!r} disagree")
         w, key = pw, 'weight'
@@ -181,6 +189,7 @@ def normalize_message(m, i: int,
         raise BadRow(f"{where}: {key} must be a finite number >= 0, got {w!r}")
     if m.get('train') is False or (w is not None and w == 0): out['train'] = False
     elif w is not None and w != 1: out['loss_weight'] = float(w)  # fractional: its tokens weigh w in the loss (see sft_nb.collate)
+    if holes and role == 'assistant' and out.get('train') is not False: out['untrained_parts'] = holes  # [(start, end)] of `content`, never trained
     return out
 
 # %% ../nbs/01_data.ipynb #21471508

@@ -28,7 +28,7 @@ class Example:
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (char start, char end, message index) of trained spans
     segments: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, role) of every message located in `text`
     eot: str = ''  # the template's trained end-of-turn text
-    masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls') kept out of training
+    masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls'|'weight 0') kept out of training
     loss_weights: list[float] | None = None  # per-token loss weight (0 where untrained) when a trained message has a fractional loss_weight; None: loss_mask is the weight
     lost: list[tuple[int, str]] = field(default_factory=list)  # (message index, 'reasoning'|'tool_calls') of trained turns whose field the template does not render
     @property
@@ -92,6 +92,17 @@ def lost_fields(text: str, messages: list[dict], turns, tools: list | None = Non
         if any(c['function']['name'] not in text for c in messages[m].get('tool_calls') or []): out.append((m, 'tool_calls'))
     return out
 
+def _untrained_parts(text: str, spans, messages: list[dict]) -> list[tuple[int, int, int]]:
+    "(start, end, message) in `text` of the weight-0 content parts of trained messages: the message's content located inside its own trained span."
+    out = []
+    for i in sorted({sp[2] for sp in spans if sp[2] >= 0 and messages[sp[2]].get('untrained_parts')}):
+        s, e = min(a for a, _, j in spans if j == i), max(b for _, b, j in spans if j == i)
+        k = text.find(messages[i]['content'], s, e)
+        if k < 0: raise BadRow(f"message {i}: the template does not render its content as written, so its weight-0 content parts "
+                               "cannot be located", kind='template_error')
+        out += [(k + a, k + b, i) for a, b in messages[i]['untrained_parts']]
+    return out
+
 def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True, tools: list | None = None) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
@@ -103,6 +114,9 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
         ranges = token_ranges(enc, offsets, spans, len(text))
         check_turns(text, spans, ranges, own, messages, enc.token_to_chars if offsets is None else offsets.__getitem__)
         mask = mask_from_ranges(len(ids), ranges)
+        if holes := _untrained_parts(text, spans, messages):  # a token holding any character of a weight-0 part is not trained (Axolotl's rule)
+            for a, z in token_ranges(enc, offsets, holes, len(text)): mask[a:z] = [0] * (z - a)
+            masked += [(a, b, i, 'weight 0') for a, b, i in holes]
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets

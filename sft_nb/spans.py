@@ -70,14 +70,27 @@ def span_renderer(tokenizer, template: str | None, chat_template_kwargs: dict | 
     return TemplateRenderer(tokenizer, shipped_template(info.twin) if info.twin else template, chat_template_kwargs)
 
 def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
-    "The `{% generation %}` spans of the one full render, one per assistant message, in order; a turn's own rendering is what lies between its neighbours' spans (the tags are the truth: no prefix renders)."
+    "The `{% generation %}` blocks of the one full render, grouped by assistant message; a turn's own rendering is what lies between its neighbours' blocks (the tags are the truth: no prefix renders)."
     text, idx = renderer(messages, tools, tags=True)
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
-    if len(idx) != len(asst):
-        raise BadRow(f"the template's {{% generation %}} blocks mark {len(idx)} spans for {len(asst)} assistant messages", kind='template_error')
-    ends = [(s, _turn_end(text, s, e, info, False)) for s, e in idx]  # an end token right after the tag is the turn's
-    own = {i: (ends[k - 1][1] if k else 0, ends[k + 1][0] if k + 1 < len(ends) else len(text)) for k, i in enumerate(asst) if i in turns}
-    return text, dict(zip(asst, ends)), own
+    blocks = [(s, _turn_end(text, s, e, info, False)) for s, e in idx]  # an end token right after a block is the turn's
+    groups = [[b] for b in blocks] if len(blocks) == len(asst) else _group_blocks(renderer, messages, tools, text, idx, blocks, asst)
+    own = {i: (groups[k - 1][-1][1] if k else 0, groups[k + 1][0][0] if k + 1 < len(groups) else len(text)) for k, i in enumerate(asst) if i in turns}
+    return text, dict(zip(asst, groups)), own
+
+def _group_blocks(renderer, messages, tools, text, idx, blocks, asst) -> list[list[tuple[int, int]]]:
+    """The blocks of each assistant message, for a template that marks several blocks in one message (its content trained,
+    its tool call not): the tagged render through message i holds exactly the blocks of the messages up to i."""
+    groups, k = [], 0
+    for i in asst:
+        t, part = renderer(messages[:i + 1], tools, tags=True)
+        n = len(part)
+        if [tuple(x) for x in part] != [tuple(x) for x in idx[:n]] or (n and not text.startswith(t[:part[-1][1]])):
+            raise BadRow(f"message {i}: the template's {{% generation %}} blocks move once later messages follow", kind='template_error')
+        if n <= k: raise BadRow(f"message {i}: the template's {{% generation %}} blocks mark nothing of this assistant message", kind='template_error')
+        groups.append(blocks[k:n]); k = n
+    if k < len(blocks): raise BadRow(f"the template's {{% generation %}} blocks mark {len(blocks) - k} spans after the last assistant message", kind='template_error')
+    return groups
 
 # %% ../nbs/02d_spans.ipynb #7a0e1f9b
 def _role_header(info: TemplateInfo) -> str:
@@ -134,8 +147,8 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                turns, # the assistant message indices to locate
                history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
                text: str | None = None, # the full render, when the caller has it
-              ) -> tuple[str, dict[int, tuple[int, int]], dict[int, tuple[int, int]]]:
-    "(full render, {message index: (start, end)} of assistant turns, {message index: its own rendering}): from tags or prefix renders, never a text search."
+              ) -> tuple[str, dict[int, list[tuple[int, int]]], dict[int, tuple[int, int]]]:
+    "(full render, {message index: [(start, end)] trained spans of the turn (one, or a template's several generation blocks)}, {message index: its own rendering}): from tags or prefix renders, never a text search."
     # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `history` asks for
     if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and history == 'error'):
         return _tag_spans(renderer, messages, tools, info, turns)
@@ -143,13 +156,15 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
     n, header, out, own, prev = len(messages), _role_header(info), {}, {}, 0
     for i in sorted(turns):
         where, last = f"message {i}", i == n - 1
-        if i == 0: raise BadRow(f"{where}: an assistant message first has no prompt to follow", kind='template_error')
-        P = renderer(messages[:i], tools, gen=True)  # 1. the prompt: the messages before the turn, then the generation prompt
+        try: P = renderer(messages[:i], tools, gen=True)  # 1. the prompt: the messages before the turn, then the generation prompt
+        except Exception as e:  # an assistant message first (SkyRL's encode case): its prompt is the template's render of no message
+            if i: raise
+            raise BadRow(f"{where}: an assistant message first, and the template cannot render the prompt before it ({e})", kind='template_error') from e
         F = T if last else renderer(messages[:i + 1], tools)  # 2. the render through the turn
         s, lo = _start_in_prefix(P, F, info, header)  # 3. where the turn starts in F
         moved = s < 0 or (F is not T and not T.startswith(F[:s]))  # 4. does the full render show the text before it differently?
         if moved:  # (Qwen3 drops reasoning once a new user turn comes): refused, or 'final': as the full render shows it
-            if history != 'final':
+            if history != 'final' or i == 0:
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
                              "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
             s, lo = _start_in_full(T, P, messages[i - 1], info, header, where)
@@ -159,7 +174,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # 7. its own rendering: to the next message (a stop token the next message opens with, GLM-4, is this turn's)
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
             raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
-        out[i], own[i], prev = (s, e), (lo, hi), e
+        out[i], own[i], prev = [(s, e)], (lo, hi), e
     return T, out, own
 
 # %% ../nbs/02d_spans.ipynb #5e7a0002
@@ -195,7 +210,7 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
         if ends[j] is None: ends[j] = ends[j + 1]
     segs, a = [], 0
     for j, (m, b) in enumerate(zip(messages, ends)):
-        if j in spans: segs.append((*spans[j], j, m['role']))
+        if j in spans: segs.append((spans[j][0][0], spans[j][-1][1], j, m['role']))
         else:
             c = content_text(m, image).strip()
             k = text.find(c, a, b) if c else -1  # inside this message's own text: a label for display, never a mask
@@ -212,7 +227,7 @@ def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, histo
         segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
     except (BadRow, TemplateError): raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
-    return text, [(s, e, i) for i, (s, e) in sorted(spans.items()) if i in trained], segs, own
+    return text, [(s, e, i) for i, blocks in sorted(spans.items()) if i in trained for s, e in blocks], segs, own
 
 # %% ../nbs/02d_spans.ipynb #71036f25
 def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:

@@ -140,7 +140,7 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     # the span finder of text rows (generation tags, else prefix renders), on the messages with their image parts
     renderer = span_renderer(tok, template, kw, info)
     text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, history)
-    segs = message_segments(renderer, msgs, tools, text, {i: (s, e) for s, e, i in spans}, info, image=ph)  # the views' labels, images in their message
+    segs = message_segments(renderer, msgs, tools, text, {i: [(s, e) for s, e, j in spans if j == i] for *_, i in spans}, info, image=ph)  # the views' labels, images in their message
     spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls)
     pv, grid = None, []
     if images:
