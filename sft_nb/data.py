@@ -139,7 +139,7 @@ def _part_weights(content, where: str) -> tuple:
             else: holes.append((at, at + n))
         else: ws.append(w)
         at += n
-    if len(set(map(str, ws))) > 1:
+    if any(w != ws[0] for w in ws[1:]):
         raise BadRow(f"{where}: content parts carry different weights {ws}; parts may be trained (one weight) or weight 0, "
                      "not weighted apart (split the message into one message per weight)")
     return (ws[0] if ws else 0), [h for h in holes if h[1] > h[0]] if ws else []

@@ -296,7 +296,7 @@ def check_turns(text: str, spans, ranges, own: dict, messages: list[dict],
             raise BadRow(f"message {i} (assistant): its trained token {text[ta:chars(a)[1]]!r} is also trained for message {prev}", kind='mask_check')
         if ta < lo:
             raise BadRow(f"message {i} (assistant): trained token {text[ta:chars(a)[1]]!r} starts at char {ta}, inside the text of the "
-                         f"messages before this turn (they end at char {lo}; the last is message {i - 1}, {messages[i - 1]['role']})", kind='mask_check')
+                         f"messages before this turn (they end at char {lo}; " + (f"the last is message {i - 1}, {messages[i - 1]['role']})" if i else "the template's own text before the first message)"), kind='mask_check')
         if tz > hi:
             j = i + 1
             raise BadRow(f"message {i} (assistant): trained token {text[chars(z - 1)[0]:tz]!r} ends at char {tz}, past this turn's own "
