@@ -82,19 +82,32 @@ class SignalStop:
     a step), `Preempted` is raised at once where the main thread is: nothing runs on, setup's clean-up runs, and the
     command exits 128 + the signal's number. Past `grace_s` without a boundary `give_up()` runs and the process exits.
     `got`: the names received. Ray's start replaces the SIGTERM handler with one exiting 15: `arm()` puts this one back,
-    and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted` raised into it."""
+    and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted` raised into it. A
+    `Preempted` that Python swallows (the signal met a weakref callback or a `__del__`, whose exceptions go to
+    `sys.unraisablehook`, as an import's module-lock callback does) is raised again at once, where the main thread is next."""
     def __init__(self, who: str, grace_s: float, stop=lambda name: False, give_up=lambda: None, hint: str = '',
                  doing: str = 'saving a checkpoint at the end of this step'):  # what `stop` set going, for the message
         self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing  # hint: where to resume
-        self.got, self.prev, self.timer, self.raised = [], {}, None, False
+        self.got, self.prev, self.timer, self.raised, self.again, self.prev_hook = [], {}, None, False, False, None
+        self.wake = threading.Event()
     def arm(self):
         if threading.current_thread() is threading.main_thread():
             for s in (signal.SIGTERM, signal.SIGINT):
                 h = signal.signal(s, self.on_signal)
                 self.prev.setdefault(s, h)
+            if self.prev_hook is None:
+                self.prev_hook, sys.unraisablehook = sys.unraisablehook, self.on_unraisable
+                threading.Thread(target=self.resend, daemon=True).start()
         return self
+    def on_unraisable(self, u):
+        if not (self.raised and isinstance(u.exc_value, Preempted)): return self.prev_hook(u)
+        self.again = True; self.wake.set()  # raised here, it would be lost again: `resend` sends the signal once more
+    def resend(self):
+        while self.wake.wait() and self.prev_hook is not None:
+            self.wake.clear(); signal.pthread_kill(threading.main_thread().ident, signal.Signals[self.got[0]])
     def on_signal(self, signum, frame):
         name = signal.Signals(signum).name
+        if self.again: self.again = False; raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0])
         self.got.append(name)
         if not self.stop(name):
             if len(self.got) == 1: self.raised = True; raise Preempted(f"stopped by {name} outside a training step", name)
@@ -110,6 +123,7 @@ class SignalStop:
     def __enter__(self): return self.arm()
     def __exit__(self, typ, e, tb):
         for s, h in self.prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
+        if self.prev_hook is not None: sys.unraisablehook, self.prev_hook, self.again = self.prev_hook, None, False; self.wake.set()
         if self.timer is not None: self.timer.cancel()
         if typ is SystemExit and e.code == signal.SIGTERM and not self.got:  # Ray's handler ran before `arm` could take it back
             self.got.append('SIGTERM'); self.raised = True
