@@ -11,6 +11,7 @@ import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
 from .config import load_yaml
 from .errors import UserError
+from .workers import child_pids
 
 # %% auto #0
 __all__ = ['RUN_WORDS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
@@ -68,11 +69,11 @@ def in_thread(fn):
 
 def kernel_pids() -> list[int]:
     "PIDs of this process's children that are Jupyter kernels (jupyter_client starts them in a session of their own: no Ctrl-C reaches them)."
-    me, found = os.getpid(), []
-    for p in Path('/proc').glob('[0-9]*'):
+    found = []
+    for pid in child_pids():
         try:
-            if int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == me and b'kernel' in (p / 'cmdline').read_bytes(): found.append(int(p.name))
-        except (OSError, ValueError, IndexError): pass
+            if b'kernel' in Path(f'/proc/{pid}/cmdline').read_bytes(): found.append(pid)
+        except OSError: pass
     return found
 
 class SignalStop:

@@ -4,15 +4,15 @@
 
 # %% ../nbs/07_workers.ipynb #e5d925d0
 from __future__ import annotations
-import errno, json, os, random, re, socket, time
+import errno, json, os, random, re, signal, socket, time, warnings
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'free_port', 'stop_ray', 'write_error', 'DistWorker', 'save_rng', 'load_rng',
-           'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'DistWorker', 'save_rng',
+           'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -32,13 +32,31 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     # so no worker start waits on the runtime-env agent. The driver's own environment is restored right after.
     before = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    try:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
-        ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False, log_to_driver=True)
+    try:
+        for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss that once
+            mine = child_pids()
+            try:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
+                ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False, log_to_driver=True)
+                break
+            except Exception as e:
+                if attempt == 2 or 'timed out during startup' not in str(e): raise
+                for pid in set(child_pids()) - set(mine): os.kill(pid, signal.SIGKILL)  # the half-started node's GCS and raylet
+                ray.shutdown()
+                warnings.warn("Ray's local node did not register within Ray's 30 s (a loaded machine?): starting it once more")
     finally:
         for k, v in before.items():
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
     return True
+
+def child_pids() -> list[int]:
+    "PIDs of this process's children (from /proc)."
+    me, found = os.getpid(), []
+    for p in Path('/proc').glob('[0-9]*'):
+        try:
+            if int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == me: found.append(int(p.name))
+        except (OSError, ValueError, IndexError): pass
+    return found
 
 def free_port() -> int:
     with socket.socket() as s:
