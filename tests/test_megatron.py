@@ -154,11 +154,23 @@ def fsdp_reference(tiny_path, tmp_path_factory):
     return get
 
 
+@pytest.fixture(scope='module')
+def megatron_run(tiny_path, tmp_path_factory):
+    "Megatron's STEPS steps per (layout, packed, weighted), once: the parity cases and the resume tests' straight runs share them."
+    cache = {}
+    def get(layout, packed=False, weighted=False):
+        if (layout, packed, weighted) not in cache:
+            cache[layout, packed, weighted] = _losses(tiny_path, tmp_path_factory.mktemp(f'megatron_{layout}'), WROWS if weighted else ROWS,
+                                                      placement__backend='megatron', **LAYOUTS[layout], **(PACKED if packed else {}))
+        return cache[layout, packed, weighted]
+    return get
+
+
 @pytest.mark.parametrize('packed,weighted,layout', CASES, ids=[f"{'packed' if p else 'padded'}-{'fractional' if w else '0/1'}-{l}" for p, w, l in CASES])
-def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, fsdp_reference, packed, weighted, layout):
+def test_megatron_matches_fsdp(ray_session, fsdp_reference, megatron_run, packed, weighted, layout):
     "5 steps: Megatron TP=1, DP=2, TP=2 and PP=2 give FSDP's per-step losses, grad norms and final weights (≤1e-4 of their size; weights ≤2e-2 of lr·steps), also with fractional loss weights."
     ref_loss, ref_gn, ref_w = fsdp_reference(packed, weighted)
-    loss, gn, w = _losses(tiny_path, tmp_path, WROWS if weighted else ROWS, placement__backend='megatron', **LAYOUTS[layout], **(PACKED if packed else {}))
+    loss, gn, w = megatron_run(layout, packed, weighted)
     # loss and grad norm of their magnitude; weights of the distance STEPS Adam updates of ~lr move them
     dl, dg, dw = rel_gap(loss, ref_loss), rel_gap(gn, ref_gn), rel_gap(w, ref_w, scale=1e-3 * STEPS)
     print(f'{"packed" if packed else "padded"}{" weighted" if weighted else ""} {layout}: relative gaps loss {dl:.2e} grad_norm {dg:.2e} weights {dw:.2e} of lr·steps')
@@ -166,12 +178,12 @@ def test_megatron_matches_fsdp(tiny_path, tmp_path, ray_session, fsdp_reference,
 
 
 @pytest.mark.parametrize('layout', ['tp2', 'dp2_to_dp1'])
-def test_megatron_resume_exact(tiny_path, tmp_path, ray_session, layout):
-    "5 steps straight == 2 steps, save, kill, resume in a new trainer (TP=2 again, or DP=2 → DP=1), 3 more; then export HF."
-    base = dict(placement__backend='megatron', placement__workers_per_node=2)
-    if layout == 'tp2': base['placement__tensor_parallel'] = 2
+def test_megatron_resume_exact(tiny_path, tmp_path, ray_session, megatron_run, layout):
+    "5 steps straight (the parity case's run) == 2 steps, save, kill, resume in a new trainer (TP=2 again, or DP=2 → DP=1), 3 more; then export HF."
+    straight = 'tp2' if layout == 'tp2' else 'dp2'
+    base = dict(placement__backend='megatron', **LAYOUTS[straight])
     after = {**base, 'placement__workers_per_node': 1} if layout == 'dp2_to_dp1' else base
-    full, _, w_full = _losses(tiny_path, tmp_path / 'full', **base)
+    full, _, w_full = megatron_run(straight)
     t = SFTTrainer(make_cfg(tiny_path, tmp_path / 'half', **base), train_data=ROWS)
     t.fit(2)
     ckpt = t.save()
