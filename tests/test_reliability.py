@@ -10,8 +10,8 @@ from sft_nb.trainer import SFTTrainer
 from sft_nb.dataplan import Sampler, make_sampler
 from sft_nb.callbacks import NonFiniteLoss
 from sft_nb.checkpoint import RunDirBusy
+from helpers import local_run, run_cfg
 import sft_nb.trainer as trainer_mod
-from helpers import run_cfg
 
 ROWS = identity_rows()['train']
 
@@ -268,8 +268,7 @@ def test_driver_killed_during_save_resumes_exactly(tiny_path, tmp_path, ray_sess
     import ray
     gcs = ray.get_runtime_context().gcs_address
     base = dict(train__num_steps=4, checkpoint__save_every=1, checkpoint__keep_last=1, placement__ray_address=gcs)
-    with SFTTrainer(run_cfg(tiny_path, tmp_path / 'straight', **base), train_data=ROWS) as t:
-        straight = t.fit()['loss'].tolist()
+    straight = [m['loss'] for m in local_run(run_cfg(tiny_path, tmp_path / 'straight', **base), ROWS)[0]]  # 1 rank, in this process
     env = {**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'HF_HUB_OFFLINE': '1',
            'PYTHONPATH': os.pathsep.join([str(Path(__file__).parent), os.environ.get('PYTHONPATH', '')])}
     points = [('workers', 1), ('rename', 2), ('marker', 2), ('prune', 3)]

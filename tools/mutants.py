@@ -15,7 +15,7 @@ Only in-process checks can be named: Ray workers import sft_nb from the installe
     python tools/mutants.py --only NAME     one mutant (repeat --only for more), after its own checks' baseline
 """
 from __future__ import annotations
-import argparse, json, os, re, shutil, subprocess, sys, tempfile, time
+import argparse, json, os, re, shutil, signal, subprocess, sys, tempfile, threading, time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +181,7 @@ def env_for(tmp: Path) -> dict:
 
 
 def run(cmd: list[str], tmp: Path) -> tuple[int, str]:
+    if cmd[:3] == PYTEST and WARM.up(): return WARM.run(cmd[3:], tmp)
     try:
         p = subprocess.run(cmd, cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=TIMEOUT)
         return p.returncode, p.stdout + p.stderr
@@ -188,8 +189,70 @@ def run(cmd: list[str], tmp: Path) -> tuple[int, str]:
         return -1, f"timed out after {TIMEOUT} s\n{e.stdout or ''}{e.stderr or ''}"
 
 
+PYTEST = [sys.executable, '-m', 'pytest']
+
 def pytest_cmd(ids: list[str], first_failure: bool) -> list[str]:
-    return [sys.executable, '-m', 'pytest', '-q', '-p', 'no:cacheprovider', '-rfE'] + (['-x'] if first_failure else []) + ids
+    return PYTEST + ['-q', '-p', 'no:cacheprovider', '-rfE'] + (['-x'] if first_failure else []) + ids
+
+
+# A Python that has imported what every named test imports (torch, transformers' model code, pytest: ~5 s of CPU) and not
+# sft_nb; each pytest run is a fork of it in its copy (sft_nb, imported after the fork, comes from the copy). One thread
+# only: a fork of a process with threads may hold their locks. It reads one job a line: [copy, argv, output file]; the
+# forked run writes its exit code to output + '.rc' last.
+FORK_SERVER = r"""
+import json, os, signal, sys, threading
+import torch, numpy, pandas, pytest, transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2
+if threading.active_count() != 1: sys.exit(f'fork server: {threading.active_count()} threads after the imports')
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runs are reaped by the kernel
+print('ready', flush=True)
+for line in sys.stdin:
+    tmp, argv, out = json.loads(line)
+    pid = os.fork()
+    if pid:
+        print(pid, flush=True); continue
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the tests wait for their own children
+    fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0)
+    os.chdir(tmp); sys.path.insert(0, tmp); os.environ.update(PYTHONPATH=tmp, SFT_NB_HOME=os.path.join(tmp, 'home'))
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 1); os.dup2(fd, 2)
+    try: rc = int(pytest.main(argv))
+    except BaseException as e: print(f'fork server run: {e!r}'); rc = 3
+    sys.stdout.flush(); sys.stderr.flush()
+    open(out + '.rc', 'w').write(str(rc)); os._exit(rc)
+"""
+
+
+class ForkServer:
+    "Runs of `pytest ARGV` in a copy, forked from one warm Python (`FORK_SERVER`); started on first use, by one thread at a time."
+    def __init__(self): self.proc, self.lock, self.failed = None, threading.Lock(), False
+    def up(self) -> bool:
+        with self.lock:
+            if self.proc is None and not self.failed:
+                env = {k: v for k, v in env_for(BUILD).items() if k not in ('PYTHONPATH', 'SFT_NB_HOME')}
+                self.proc = subprocess.Popen([sys.executable, '-c', FORK_SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                if self.proc.stdout.readline().strip() != 'ready':  # a server that cannot start: every run is its own process
+                    print('fork server did not start: each pytest run imports everything itself', flush=True)
+                    self.proc.kill(); self.proc, self.failed = None, True
+            return self.proc is not None
+    def run(self, argv: list[str], tmp: Path) -> tuple[int, str]:
+        out = tmp / f'.pytest-{time.monotonic_ns()}.log'
+        with self.lock:
+            self.proc.stdin.write(json.dumps([str(tmp), argv, str(out)]) + '\n'); self.proc.stdin.flush()
+            pid = int(self.proc.stdout.readline())
+        rc, deadline = Path(f'{out}.rc'), time.monotonic() + TIMEOUT
+        while not rc.exists() and time.monotonic() < deadline: time.sleep(0.1)
+        text = out.read_text(errors='replace') if out.exists() else ''
+        if not rc.exists():
+            try: os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError: pass
+            return -1, f"timed out after {TIMEOUT} s\n{text}"
+        return int(rc.read_text()), text
+    def stop(self):
+        if self.proc is not None: self.proc.stdin.close(); self.proc.wait(30); self.proc = None
+
+
+WARM = ForkServer()
 
 
 def nbdev_cmd(nb: str) -> list[str]:
@@ -310,6 +373,7 @@ def main(argv=None) -> int:
                 if not ok: missed.append(m.name)
                 print(f"{'caught' if ok else 'MISSED'}  {m.name:<32} {dt:5.0f} s  {why}", flush=True)
     finally:
+        WARM.stop()
         if not a.keep: shutil.rmtree(base, ignore_errors=True)
     print(f"{len(chosen) - len(missed)} of {len(chosen)} mutants caught in {time.perf_counter() - t0:.0f} s"
           + (f"; missed: {', '.join(missed)}" if missed else ''))
