@@ -112,13 +112,12 @@ def test_trainer_sp(tiny_path, tmp_path, ray_session):
 
 
 def test_trainer_sp_exact_resume(tiny_path, tmp_path, ray_session):
-    "sp=2: 4 steps straight == 2 steps, save, new workers, resume, 2 more (losses, Σ weight, weights)."
+    "sp=2: 4 steps straight (saving at step 2 on the way) == resumed from that save by new workers, 2 more (losses, Σ weight, weights)."
     sp = dict(train__num_steps=4, placement__workers_per_node=2, placement__sequence_parallel=2, optim__schedule='cosine')
     with SFTTrainer(_cfg(tiny_path, tmp_path / 'full', **sp), train_data=WROWS) as t:
+        t.fit(2); ckpt = t.save()  # a save changes nothing of the run that goes on
         h = t.fit(); full, n_full, w_full = h['loss'].tolist(), h['n_trained'].tolist(), t.group.call('full_state')[0]
-    with SFTTrainer(_cfg(tiny_path, tmp_path / 'half', **sp), train_data=WROWS) as t:
-        t.fit(2); t.save()
-    with SFTTrainer(_cfg(tiny_path, tmp_path / 'half', checkpoint__resume='latest', **sp), train_data=WROWS) as r:
+    with SFTTrainer(_cfg(tiny_path, tmp_path / 'resumed', checkpoint__resume=str(ckpt), **sp), train_data=WROWS) as r:
         assert r.global_step == 2
         h = r.fit(); resumed, n_res, w = h['loss'].tolist(), h['n_trained'].tolist(), r.group.call('full_state')[0]
     assert n_res == n_full and resumed[:2] == full[:2]  # the history before the checkpoint, as logged
