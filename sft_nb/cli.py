@@ -254,7 +254,7 @@ def _cmd_plan(a):
     check_overrides(a.overrides)
     from sft_nb.config import load_config
     from sft_nb.plan import plan, plan_report
-    p = plan(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device)
+    p = plan(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
     print(plan_report(p)); sys.exit(0 if p['fits'] else 3)
 
 def _cmd_inspect(a, rest):
@@ -295,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node'); pl.add_argument('--nodes', type=int, default=1, help='nodes')
     pl.add_argument('--gpu-memory', type=float, help='GiB of one GPU (needed for --device cuda)')
     pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda', help='cpu: plan CPU ranks on this host (host memory, as a CPU dry run counts it)')
+    pl.add_argument('--no-data', action='store_true', help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model folder has a tokenizer)")
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):
         sub.add_parser(name, help=h, add_help=False)

@@ -4,16 +4,20 @@
 
 # %% ../nbs/08e_plan.ipynb #2ca28c5d
 from __future__ import annotations
-import time
+import copy, time
 from dataclasses import asdict
+from pathlib import Path
+import pandas as pd
 import torch
 from .config import SFTConfig
 from .dataplan import synthetic_dataset
 from .collate import collate_padded, collate_packed
-from .trainer import dry_run_verdict
+from .dataplan import DataPlan
+from .datareport import long_rows, long_rows_line
+from .trainer import dry_run_verdict, largest_micro_batch, plan_class
 
 # %% auto #0
-__all__ = ['PARTS', 'parts_of', 'plan_batch', 'step_memory', 'plan', 'plan_report']
+__all__ = ['PARTS', 'parts_of', 'plan_data', 'plan_batch', 'step_memory', 'plan', 'data_fit', 'plan_report']
 
 # %% ../nbs/08e_plan.ipynb #501d1c90
 PARTS = {'weights': ('Sharded Param', 'Unsharded Param', 'Buffer', 'All Gather'),
@@ -24,16 +28,27 @@ def parts_of(kinds: dict) -> dict:
     "{part: bytes} of an `FSDPMemTracker` snapshot ({kind: bytes})."
     return {k: sum(kinds.get(n, 0) for n in names) for k, names in PARTS.items()}
 
-def plan_batch(cfg: SFTConfig, vocab_size: int) -> dict:
-    "The micro-batch a plan steps on: `micro_batch_size` rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the first trained, collated as the run collates them."
+def plan_data(cfg: SFTConfig) -> DataPlan | None:
+    "`data.train` tokenized and planned as a run plans it (no workers), where it can be: data is named, not streamed, and the model folder has its tokenizer; else None."
+    from sft_nb.models import load_model_inputs, resolve_model_path
+    if not cfg.data.train or cfg.data.streaming: return None
+    folder = Path(resolve_model_path(cfg.model.path))
+    if not any((folder / f).exists() for f in ('tokenizer.json', 'tokenizer_config.json')): return None  # config.json alone
+    tok, proc = load_model_inputs(cfg.model.path, cfg.tokenize.chat_template)
+    d = plan_class(cfg)(cfg, tok, proc); d.prepare(); d.plan()
+    return d
+
+def plan_batch(cfg: SFTConfig, vocab_size: int, data: DataPlan | None = None) -> dict:
+    "The micro-batch a plan steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run` takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the first trained, collated as the run collates them."
+    if data is not None: return largest_micro_batch(data, max(1, cfg.train.micro_batch_size))
     n = (cfg.packing.capacity or cfg.tokenize.max_length) if cfg.packing.enabled else cfg.tokenize.max_length
     rows = [{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in synthetic_dataset(max(1, cfg.train.micro_batch_size), n, vocab_size, cfg.data.seed)]
     mb = collate_packed([[r] for r in rows], 0, n) if cfg.packing.enabled else collate_padded(rows, 0)
     return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
 
 # %% ../nbs/08e_plan.ipynb #7aba08ee
-def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32) -> tuple[dict, dict, tuple, int]:
-    "Rank 0's {FSDP2 memory kind: bytes} at the peak of one fake training step of `cfg` on `world` ranks, and kept (weights, gradients, optimizer state after the step; activations at the end of the forward), the micro-batch's shape, and this process's RSS with the model built on `meta`; needs a process without a process group."
+def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan | None = None) -> tuple[dict, dict, tuple, int]:
+    "Rank 0's {FSDP2 memory kind: bytes} at the peak of one fake training step of `cfg` on `world` ranks (on `plan_batch(cfg, vocab, data)`), and kept (weights, gradients, optimizer state after the step; activations at the end of the forward), the micro-batch's shape, and this process's RSS with the model built on `meta`; needs a process without a process group."
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -52,7 +67,7 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32) -> tuple[dict, 
         if w.sp > 1: w._setup_sp(model)
         runtime = rank_memory()['rss']  # this process as a worker is before it loads weights: torch, transformers, the model's code
         w.loss_chunk = loss_chunk_for(model, cfg.model.loss_chunk)
-        mb = w._to_dev(plan_batch(cfg, model.config.get_text_config().vocab_size))
+        mb = w._to_dev(plan_batch(cfg, model.config.get_text_config().vocab_size, data))
         inputs, sel, tgt, wt = w._loss_inputs(mb)
         n_sel, o = int(sel.sum()), cfg.optim
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True))
@@ -78,15 +93,17 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
          nodes: int = 1, # nodes
          gpu_memory: float | None = None, # GiB a GPU has (device='cuda')
          device: str = 'cuda', # 'cuda': bf16 if model.dtype asks for it, parts on the GPU; 'cpu': fp32, host memory as a CPU dry run counts it
+         data: bool = True, # step on the data's longest rows and say which rows one rank cannot hold, where `plan_data` can read it
         ) -> dict:
-    "The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's parts, and the plan's own time."
+    "The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's parts, the plan's own time and, with data, `data` (`data_fit`)."
     from sft_nb.backends.fsdp import rank_capacity
     if cfg.placement.backend != 'fsdp': raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r}: plan covers the fsdp backend")
     if device == 'cuda' and not gpu_memory: raise ValueError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, world = time.perf_counter(), gpus * nodes
     if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
-    peak, after, shape, runtime = step_memory(cfg, world, dtype)
+    d = plan_data(cfg) if data else None
+    peak, after, shape, runtime = step_memory(cfg, world, dtype, d)
     base = runtime if device == 'cpu' else 0
     kept, at_peak = parts_of(after), parts_of(peak)
     parts = kept | ({'runtime': base} if base else {})
@@ -94,7 +111,33 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
     ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap, 'capacity_from': cap_from,
               'host': f'node{r // gpus}', 'device': device, 'parts': parts, 'at_peak': at_peak} for r in range(world)]
     cfg.placement.num_nodes, cfg.placement.workers_per_node = nodes, gpus  # the advice names the planned cluster
-    return dry_run_verdict(cfg, ranks, shape) | {'plan_s': time.perf_counter() - t0}
+    out = dry_run_verdict(cfg, ranks, shape)
+    if d is not None: out['data'] = data_fit(cfg, world, dtype, d, out['ranks'][0]['capacity'] - base)
+    return out | {'plan_s': time.perf_counter() - t0}
+
+def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> dict:
+    """Which of `d`'s rows one rank holds within `capacity` bytes (its peak without the runtime), `long_rows`' counts, and
+    `sp_fits`: the least `sequence_parallel` that holds the longest row and divides the attention heads and the ranks (None:
+    none does). The longest row one rank holds (`worker_tokens`) is where a line through two fake steps of one row
+    (`tokenize.max_length` tokens and half that) meets `capacity`: the activations grow linearly in a row's tokens (sdpa,
+    chunked loss); `bytes_per_token` and `fixed` are that line."""
+    one = copy.deepcopy(cfg)
+    one.train.micro_batch_size, one.packing.enabled, one.placement.sequence_parallel = 1, False, 1
+    n1, n2, at = cfg.tokenize.max_length, max(1, cfg.tokenize.max_length // 2), {}
+    for n in (n1, n2):
+        one.tokenize.max_length = n; at[n] = step_memory(one, world, dtype)[0]['Total']
+    per = max(1e-9, (at[n1] - at[n2]) / max(1, n1 - n2))
+    fixed = at[n1] - per * n1
+    tokens = max(1, int((capacity - fixed) // per))  # rows past max_length were dropped: the line only decides below it
+    rows = long_rows(pd.DataFrame({'tokens': d.lengths, 'kept': True}), tokens, cfg.placement.sequence_parallel)
+    heads = _heads(cfg)
+    fits = next((s for s in range(rows['sp_needed'], world + 1) if world % s == 0 and heads % s == 0), None)
+    return rows | {'rows': len(d.lengths), 'sp_fits': fits, 'bytes_per_token': per, 'fixed': fixed, 'heads': heads}
+
+def _heads(cfg: SFTConfig) -> int:
+    from transformers import AutoConfig
+    from sft_nb.models import resolve_model_path
+    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config().num_attention_heads
 
 # %% ../nbs/08e_plan.ipynb #77a98cda
 def plan_report(p: dict) -> str:
@@ -103,5 +146,9 @@ def plan_report(p: dict) -> str:
     lines = [f"{len(p['ranks'])} ranks ({r['device']}), micro-batch {p['shape']}; each rank (rank 0 holds the largest shards):"]
     lines += [f"  {k:<12}{g(v)}" for k, v in r['parts'].items()]
     lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: " + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
-              f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message'], f"planned in {p['plan_s']:.1f} s"]
+              f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message']]
+    if (d := p.get('data')) is not None:
+        sp = f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits'] else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it"
+        lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; " + long_rows_line(d) + f" ({sp})")
+    lines.append(f"planned in {p['plan_s']:.1f} s")
     return '\n'.join(lines)

@@ -24,7 +24,7 @@ from .backends import start_workers
 
 # %% auto #0
 __all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'dry_run_batch',
-           'dry_run_verdict']
+           'largest_micro_batch', 'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
 class TrainerBusy(UserError, RuntimeError):
@@ -427,9 +427,13 @@ def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the back
         n = (cfg.packing.capacity or cfg.tokenize.max_length) if cfg.packing.enabled else cfg.tokenize.max_length
         ds = synthetic_dataset(micro, n, len(t.tokenizer), cfg.data.seed)
         mb = d.collate([{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in ds])
-    else:
-        size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
-        mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
+        return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
+    return largest_micro_batch(d, micro)
+
+def largest_micro_batch(d: DataPlan, micro: int) -> dict:
+    "The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run collates them."
+    size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
+    mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
     return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
 
 def _advice(cfg, ranks: list[dict]) -> list[str]:
