@@ -31,18 +31,6 @@ def in_process_worker(path, **placement):
     return w
 
 
-def test_roundtrip_exact_all_layouts(tiny_path):
-    "HF → Megatron shards (TP ∈ {1,2}, PP ∈ {1,2}) → HF gives back every tensor bit for bit."
-    from transformers import AutoConfig, AutoModelForCausalLM
-    from sft_nb.backends.megatron_convert import hf_to_mcore, mcore_to_hf
-    cfg = AutoConfig.from_pretrained(tiny_path)
-    sd = AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()
-    for tp in (1, 2):
-        for pp in (1, 2):
-            back = mcore_to_hf({(t, p): hf_to_mcore(sd, cfg, tp, pp, t, p) for t in range(tp) for p in range(pp)}, cfg)
-            assert sorted(back) == sorted(sd) and all(back[k].equal(sd[k]) for k in sd), (tp, pp)
-
-
 def _logits_match(path, length=32):
     # HF 'eager' attention is the same arithmetic as megatron's local attention; HF's own sdpa and eager
     # differ by ~1e-4 on SmolLM2-135M (logits up to ~34; fp32 vs fp64 differs by 8e-5), so compare with eager

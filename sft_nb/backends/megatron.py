@@ -12,20 +12,14 @@ from ..workers import TrainWorker, save_rng, load_rng
 from ..optim import take_step
 from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
+from .slices import Rows, checkpoint_files
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['load_hf_state', 'transformer_config', 'build_gpt_model', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch',
-           'megatron_dp_index', 'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
+__all__ = ['transformer_config', 'build_gpt_model', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch', 'megatron_dp_index',
+           'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
-def load_hf_state(path: str) -> dict:
-    "The HF state dict of a local model folder, read from its safetensors files (no model is built)."
-    from safetensors.torch import load_file
-    files = sorted(Path(path).glob('*.safetensors'))
-    if not files: raise FileNotFoundError(f"model.path: no *.safetensors in {path}")
-    return {k: v for f in files for k, v in load_file(str(f)).items()}
-
 def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1):
     "A megatron `TransformerConfig` equivalent to a Llama-family HF config (dense models only)."
     if any(getattr(hf_cfg, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
@@ -236,7 +230,8 @@ def setup(self: MegatronWorker) -> dict:
         seed_model_parallel_rng(self.seed, self.tp_rank)
     self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16', cp=self.cp, te=self.thd)
     self.loss_chunk = self.mcfg.get('loss_chunk', 0)
-    local = hf_to_mcore(load_hf_state(self.path), self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
+    with Rows(checkpoint_files(self.path)) as rd:  # this rank's rows and columns of each tensor, nothing more
+        local = hf_to_mcore(rd, self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
     if self.thd: local = te_names(local)
     missing, unexpected = self.model.load_state_dict(local, strict=False)
     missing = [k for k in missing if not k.endswith('_extra_state')]

@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 from ..config import ConfigError
+from .slices import Rows, StateRows
 
 # %% auto #0
 __all__ = ['hf_dims', 'check_parallel_sizes', 'stage_layers', 'fuse_qkv', 'split_qkv', 'hf_to_mcore', 'mcore_to_hf']
@@ -58,34 +59,45 @@ _LAYER_NORMS = {'input_layernorm.weight': 'input_layernorm.weight',
                 'self_attn.q_norm.weight': 'self_attention.q_layernorm.weight',  # Qwen3
                 'self_attn.k_norm.weight': 'self_attention.k_layernorm.weight'}
 
-def _tp(t, tp, r, dim=0): return t.chunk(tp, dim)[r].clone()
+def _chunk(n: int, tp: int, r: int) -> tuple[int, int]:
+    "Rows `a..b` of `torch.chunk(n rows, tp)[r]`."
+    size = -(-n // tp); a = min(n, r * size)
+    return a, min(n, a + size)
 
-def hf_to_mcore(hf: dict, # HF state dict (full, CPU)
+def _tp_rows(src, key, tp, r): return src.rows(key, *_chunk(src.shape(key)[0], tp, r))
+def _tp_cols(src, key, tp, r): return src.cols(key, *_chunk(src.shape(key)[1], tp, r))
+
+def _qkv(src, a: str, kind: str, d: dict, tp: int, r: int) -> torch.Tensor:
+    "This TP rank's rows of the fused QKV: the q, k and v rows of its own query groups only (contiguous in each), fused."
+    g, hd = d['groups'] // tp, d['head_dim']
+    q_rows = d['heads'] // d['groups'] * hd * g
+    q = src.rows(a + f'q_proj.{kind}', r * q_rows, (r + 1) * q_rows)
+    k, v = (src.rows(a + f'{p}_proj.{kind}', r * g * hd, (r + 1) * g * hd) for p in 'kv')
+    return fuse_qkv(q, k, v, {**d, 'groups': g, 'heads': d['heads'] // tp})
+
+def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors files, or a state dict in memory
                 cfg, # HF config
                 tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> dict:
-    "The megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard."
+    "The megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard, reading only the parts of each tensor that the shard holds."
     d = check_parallel_sizes(cfg, tp, pp)
-    unsupported = [k for k in hf if k.endswith(('o_proj.bias', 'mlp.gate_proj.bias', 'mlp.down_proj.bias'))]
+    unsupported = [k for k in src if k.endswith(('o_proj.bias', 'mlp.gate_proj.bias', 'mlp.down_proj.bias'))]
     if unsupported: raise ValueError(f"model.path: biases outside q/k/v are not supported ({unsupported[0]})")
     out = {}
-    if pp_rank == 0: out['embedding.word_embeddings.weight'] = _tp(hf['model.embed_tokens.weight'], tp, tp_rank)
+    if pp_rank == 0: out['embedding.word_embeddings.weight'] = _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
     for local, i in enumerate(stage_layers(d['layers'], pp, pp_rank)):
         h, m = f'model.layers.{i}.', f'decoder.layers.{local}.'
-        for src, dst in _LAYER_NORMS.items():
-            if h + src in hf: out[m + dst] = hf[h + src].clone()
+        for norm, dst in _LAYER_NORMS.items():
+            if h + norm in src: out[m + dst] = src.tensor(h + norm)
         a = h + 'self_attn.'
         for kind in ('weight', 'bias'):
-            if a + f'q_proj.{kind}' in hf:
-                qkv = fuse_qkv(*(hf[a + f'{p}_proj.{kind}'] for p in 'qkv'), d)
-                out[m + f'self_attention.linear_qkv.{kind}'] = _tp(qkv, tp, tp_rank)
-        out[m + 'self_attention.linear_proj.weight'] = _tp(hf[a + 'o_proj.weight'], tp, tp_rank, 1)
-        gate, up = hf[h + 'mlp.gate_proj.weight'], hf[h + 'mlp.up_proj.weight']
-        out[m + 'mlp.linear_fc1.weight'] = torch.cat([_tp(gate, tp, tp_rank), _tp(up, tp, tp_rank)])
-        out[m + 'mlp.linear_fc2.weight'] = _tp(hf[h + 'mlp.down_proj.weight'], tp, tp_rank, 1)
+            if a + f'q_proj.{kind}' in src: out[m + f'self_attention.linear_qkv.{kind}'] = _qkv(src, a, kind, d, tp, tp_rank)
+        out[m + 'self_attention.linear_proj.weight'] = _tp_cols(src, a + 'o_proj.weight', tp, tp_rank)
+        out[m + 'mlp.linear_fc1.weight'] = torch.cat([_tp_rows(src, h + f'mlp.{p}_proj.weight', tp, tp_rank) for p in ('gate', 'up')])
+        out[m + 'mlp.linear_fc2.weight'] = _tp_cols(src, h + 'mlp.down_proj.weight', tp, tp_rank)
     if pp_rank == pp - 1:
-        out['decoder.final_layernorm.weight'] = hf['model.norm.weight'].clone()
-        if not d['tied']: out['output_layer.weight'] = _tp(hf['lm_head.weight'], tp, tp_rank)
-        elif pp > 1: out['output_layer.weight'] = _tp(hf['model.embed_tokens.weight'], tp, tp_rank)
+        out['decoder.final_layernorm.weight'] = src.tensor('model.norm.weight')
+        if not d['tied']: out['output_layer.weight'] = _tp_rows(src, 'lm_head.weight', tp, tp_rank)
+        elif pp > 1: out['output_layer.weight'] = _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
     return out
 
 # %% ../../nbs/07b2_backends.megatron_convert.ipynb #520858f8

@@ -9,8 +9,8 @@ from pathlib import Path
 import torch
 
 # %% auto #0
-__all__ = ['safetensors_header', 'checkpoint_files', 'state_key', 'Rows', 'checkpoint_sources', 'read_rows', 'local_rows',
-           'fill_from_checkpoint', 'init_lora']
+__all__ = ['safetensors_header', 'checkpoint_files', 'state_key', 'Rows', 'StateRows', 'checkpoint_sources', 'read_rows',
+           'local_rows', 'fill_from_checkpoint', 'init_lora']
 
 # %% ../../nbs/07a2_backends.slices.ipynb #98e60381
 _DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'I64': torch.int64,
@@ -41,8 +41,10 @@ def state_key(name: str) -> str:
 
 # %% ../../nbs/07a2_backends.slices.ipynb #3c3cb86c
 class Rows:
-    "Reads rows of checkpoint tensors: `rows(key, a, b)` is rows `a..b` of tensor `key` (its dtype), read from its file with one `readinto`."
-    def __init__(self, files: dict[str, str]): self.files, self.heads, self.handles = files, {}, {}
+    "Reads rows of checkpoint tensors: `rows(key, a, b)` is rows `a..b` of tensor `key` (its dtype), read from its file with one read."
+    def __init__(self, files: dict[str, str]): self.files, self.heads, self.handles, self.read = files, {}, {}, 0
+    def __contains__(self, key: str) -> bool: return key in self.files
+    def __iter__(self): return iter(self.files)
     def close(self):
         for h in self.handles.values(): h.close()
     def __enter__(self): return self
@@ -55,17 +57,45 @@ class Rows:
         (head, start), h = self.heads[f], self.handles[f]
         return head[key], start, h
 
+    def _read(self, h, buf: memoryview, pos: int):
+        "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts."
+        while len(buf):
+            n = os.preadv(h.fileno(), [buf], pos); buf, pos = buf[n:], pos + n
+
     def rows(self, key: str, a: int, b: int) -> torch.Tensor:
         e, start, h = self._entry(key)
         shape, dt = e['shape'], _DTYPES[e['dtype']]
         inner = math.prod(shape[1:]) * dt.itemsize
         out = torch.empty([b - a, *shape[1:]] if shape else [], dtype=dt)
-        buf, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner
-        while len(buf):  # one read, unless the kernel returns it in parts
-            n = os.preadv(h.fileno(), [buf], pos); buf, pos = buf[n:], pos + n
+        self._read(h, memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner)
+        self.read += out.nbytes
         return out
 
     def tensor(self, key: str) -> torch.Tensor: return self.rows(key, 0, (self.shape(key) or [1])[0])
+
+    def cols(self, key: str, a: int, b: int) -> torch.Tensor:
+        "Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column is not), nothing else."
+        e, start, h = self._entry(key)
+        (n, m), size = e['shape'], _DTYPES[e['dtype']].itemsize
+        out = torch.empty(n, b - a, dtype=_DTYPES[e['dtype']])
+        buf, seg, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size, start + e['data_offsets'][0] + a * size
+        for r in range(n): self._read(h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
+        self.read += out.nbytes
+        return out
+
+# %% ../../nbs/07a2_backends.slices.ipynb #34a6e8d6
+class StateRows:
+    "`Rows`' questions (`shape`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict already in memory."
+    def __init__(self, state: dict[str, torch.Tensor]): self.state, self.read = state, 0
+    def __contains__(self, key: str) -> bool: return key in self.state
+    def __iter__(self): return iter(self.state)
+    def shape(self, key: str) -> list[int]: return list(self.state[key].shape)
+    def _give(self, t):
+        self.read += t.nbytes
+        return t.clone()
+    def rows(self, key: str, a: int, b: int) -> torch.Tensor: return self._give(self.state[key][a:b])
+    def cols(self, key: str, a: int, b: int) -> torch.Tensor: return self._give(self.state[key][:, a:b])
+    def tensor(self, key: str) -> torch.Tensor: return self._give(self.state[key])
 
 # %% ../../nbs/07a2_backends.slices.ipynb #dc1a8433
 def checkpoint_sources(model, files: dict[str, str]) -> dict[str, tuple]:
