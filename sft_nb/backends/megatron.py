@@ -16,8 +16,8 @@ from .slices import Rows, checkpoint_files
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['transformer_config', 'build_gpt_model', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch', 'megatron_dp_index',
-           'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
+__all__ = ['transformer_config', 'build_gpt_model', 'te_name', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch',
+           'megatron_dp_index', 'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
 
 # %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
 def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1):
@@ -66,11 +66,14 @@ def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = Fals
 _TE_NORMS = {'input_layernorm.weight': 'self_attention.linear_qkv.layer_norm_weight',  # TE fuses the norm into the next linear
              'pre_mlp_layernorm.weight': 'mlp.linear_fc1.layer_norm_weight'}
 
-def te_names(state: dict, back: bool = False) -> dict:
-    "A local-spec megatron state dict under TransformerEngine's names (`back`: the other way); every other key is the same."
+def te_name(key: str, back: bool = False) -> str:
+    "A local-spec megatron state key under TransformerEngine's name (`back`: the other way); every other key is the same."
     pairs = [(b, a) for a, b in _TE_NORMS.items()] if back else list(_TE_NORMS.items())
-    def name(k): return next((k[:-len(a)] + b for a, b in pairs if k.endswith('.' + a)), k)
-    return {name(k): v for k, v in state.items()}
+    return next((key[:-len(a)] + b for a, b in pairs if key.endswith('.' + a)), key)
+
+def te_names(state: dict, back: bool = False) -> dict:
+    "State dict `state` under `te_name`s."
+    return {te_name(k, back): v for k, v in state.items()}
 
 def thd_available(use_gpu: bool, dtype: str) -> bool:
     "True where TransformerEngine's THD attention runs: CUDA, `transformer_engine` installed, bf16 compute (its THD kernels are 16-bit)."
@@ -230,11 +233,16 @@ def setup(self: MegatronWorker) -> dict:
         seed_model_parallel_rng(self.seed, self.tp_rank)
     self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16', cp=self.cp, te=self.thd)
     self.loss_chunk = self.mcfg.get('loss_chunk', 0)
-    with Rows(checkpoint_files(self.path)) as rd:  # this rank's rows and columns of each tensor, nothing more
-        local = hf_to_mcore(rd, self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank)
-    if self.thd: local = te_names(local)
-    missing, unexpected = self.model.load_state_dict(local, strict=False)
-    missing = [k for k in missing if not k.endswith('_extra_state')]
+    own, seen = self.model.state_dict(keep_vars=True), set()
+    with Rows(checkpoint_files(self.path)) as rd, torch.no_grad():  # this rank's rows and columns of each tensor, one tensor at a time
+        for k, t in hf_to_mcore(rd, self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank):
+            k = te_name(k) if self.thd else k
+            if k in own:
+                if t.shape != own[k].shape: raise RuntimeError(f"HF→megatron mapping mismatch: {k} is {list(t.shape)}, the model's {list(own[k].shape)}")
+                own[k].copy_(t)
+            seen.add(k)
+    missing = [k for k in own if k not in seen and not k.endswith('_extra_state')]
+    unexpected = [k for k in seen if k not in own]
     if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
     self.model.to(self.device)
     o = self.ocfg

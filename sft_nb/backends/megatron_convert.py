@@ -6,6 +6,7 @@
 from __future__ import annotations
 import torch
 from ..config import ConfigError
+from collections.abc import Iterator
 from .slices import Rows, StateRows
 
 # %% auto #0
@@ -77,28 +78,26 @@ def _qkv(src, a: str, kind: str, d: dict, tp: int, r: int) -> torch.Tensor:
 
 def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors files, or a state dict in memory
                 cfg, # HF config
-                tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> dict:
-    "The megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard, reading only the parts of each tensor that the shard holds."
+                tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    "(name, tensor) pairs of the megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard, one tensor at a time, reading only the parts of each tensor that the shard holds."
     d = check_parallel_sizes(cfg, tp, pp)
     unsupported = [k for k in src if k.endswith(('o_proj.bias', 'mlp.gate_proj.bias', 'mlp.down_proj.bias'))]
     if unsupported: raise ValueError(f"model.path: biases outside q/k/v are not supported ({unsupported[0]})")
-    out = {}
-    if pp_rank == 0: out['embedding.word_embeddings.weight'] = _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
+    if pp_rank == 0: yield 'embedding.word_embeddings.weight', _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
     for local, i in enumerate(stage_layers(d['layers'], pp, pp_rank)):
         h, m = f'model.layers.{i}.', f'decoder.layers.{local}.'
         for norm, dst in _LAYER_NORMS.items():
-            if h + norm in src: out[m + dst] = src.tensor(h + norm)
+            if h + norm in src: yield m + dst, src.tensor(h + norm)
         a = h + 'self_attn.'
         for kind in ('weight', 'bias'):
-            if a + f'q_proj.{kind}' in src: out[m + f'self_attention.linear_qkv.{kind}'] = _qkv(src, a, kind, d, tp, tp_rank)
-        out[m + 'self_attention.linear_proj.weight'] = _tp_cols(src, a + 'o_proj.weight', tp, tp_rank)
-        out[m + 'mlp.linear_fc1.weight'] = torch.cat([_tp_rows(src, h + f'mlp.{p}_proj.weight', tp, tp_rank) for p in ('gate', 'up')])
-        out[m + 'mlp.linear_fc2.weight'] = _tp_cols(src, h + 'mlp.down_proj.weight', tp, tp_rank)
+            if a + f'q_proj.{kind}' in src: yield m + f'self_attention.linear_qkv.{kind}', _qkv(src, a, kind, d, tp, tp_rank)
+        yield m + 'self_attention.linear_proj.weight', _tp_cols(src, a + 'o_proj.weight', tp, tp_rank)
+        yield m + 'mlp.linear_fc1.weight', torch.cat([_tp_rows(src, h + f'mlp.{p}_proj.weight', tp, tp_rank) for p in ('gate', 'up')])
+        yield m + 'mlp.linear_fc2.weight', _tp_cols(src, h + 'mlp.down_proj.weight', tp, tp_rank)
     if pp_rank == pp - 1:
-        out['decoder.final_layernorm.weight'] = src.tensor('model.norm.weight')
-        if not d['tied']: out['output_layer.weight'] = _tp_rows(src, 'lm_head.weight', tp, tp_rank)
-        elif pp > 1: out['output_layer.weight'] = _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
-    return out
+        yield 'decoder.final_layernorm.weight', src.tensor('model.norm.weight')
+        if not d['tied']: yield 'output_layer.weight', _tp_rows(src, 'lm_head.weight', tp, tp_rank)
+        elif pp > 1: yield 'output_layer.weight', _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
 
 # %% ../../nbs/07b2_backends.megatron_convert.ipynb #520858f8
 def mcore_to_hf(shards: dict, # {(tp_rank, pp_rank): megatron state dict} for every shard of one replica
