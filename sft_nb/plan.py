@@ -110,6 +110,7 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
     cap, cap_from = (int(gpu_memory * 2**30), f'--gpu-memory {gpu_memory:g} GiB') if device == 'cuda' else rank_capacity()
     ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap, 'capacity_from': cap_from,
               'host': f'node{r // gpus}', 'device': device, 'parts': parts, 'at_peak': at_peak} for r in range(world)]
+    cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     cfg.placement.num_nodes, cfg.placement.workers_per_node = nodes, gpus  # the advice names the planned cluster
     out = dry_run_verdict(cfg, ranks, shape)
     if d is not None: out['data'] = data_fit(cfg, world, dtype, d, out['ranks'][0]['capacity'] - base)
