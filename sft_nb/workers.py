@@ -11,8 +11,9 @@ from typing import Any
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'DistWorker', 'save_rng',
-           'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup']
+__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'compact_malloc',
+           'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
+           'WorkerGroup']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -84,6 +85,15 @@ def write_error(e: BaseException) -> dict | None:
         todo += [x.__cause__, x.__context__] + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()]
     return None
 
+# %% ../nbs/07_workers.ipynb #5e1a0c78
+def compact_malloc(threshold: int = 2**20) -> bool:
+    "Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False (nothing done) without glibc or where `MALLOC_MMAP_THRESHOLD_` is set."
+    import ctypes
+    if 'MALLOC_MMAP_THRESHOLD_' in os.environ: return False
+    try: mallopt = ctypes.CDLL('libc.so.6').mallopt
+    except (OSError, AttributeError): return False
+    return mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
+
 # %% ../nbs/07_workers.ipynb #295f862d
 class DistWorker:
     "Base of backend workers: rank bookkeeping and `torch.distributed` setup."
@@ -104,7 +114,7 @@ class DistWorker:
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                           WORLD_SIZE=str(self.world_size), LOCAL_RANK='0')
         if use_gpu: torch.cuda.set_device(0)  # Ray gives each actor one GPU, visible as device 0
-        else: torch.set_num_threads(max(1, threads))
+        else: torch.set_num_threads(max(1, threads)); compact_malloc()
         dist.init_process_group('nccl' if use_gpu else 'gloo', rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=timeout_s))
         return True
