@@ -17,7 +17,7 @@ from .datareport import long_rows, long_rows_line
 from .trainer import dry_run_verdict, largest_micro_batch, plan_class
 
 # %% auto #0
-__all__ = ['PARTS', 'parts_of', 'plan_data', 'plan_batch', 'step_memory', 'plan', 'data_fit', 'plan_report']
+__all__ = ['PARTS', 'parts_of', 'plan_data', 'plan_batch', 'step_memory', 'plannable', 'plan', 'data_fit', 'plan_report']
 
 # %% ../nbs/08e_plan.ipynb #501d1c90
 PARTS = {'weights': ('Sharded Param', 'Unsharded Param', 'Buffer', 'All Gather'),
@@ -54,7 +54,7 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
     from torch.testing._internal.distributed.fake_pg import FakeStore
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from sft_nb.backends.fsdp import FSDPWorker, checkpoint_blocks, rank_memory
+    from sft_nb.backends.fsdp import FSDPWorker, checkpoint_blocks, rank_memory, warm_optimizer
     from sft_nb.loss import resolve_attn_implementation, loss_chunk_for
     from sft_nb.models import resolve_model_path
     if dist.is_initialized(): raise RuntimeError("plan: this process already has a process group; plan in a fresh one (`sft-nb plan`)")
@@ -74,6 +74,7 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
         with mode:
             model.to_empty(device='cpu')
             opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            warm_optimizer(opt)  # a later step's: Adam's state is held through forward and backward
             fsel = mode.from_tensor(sel); fsel.nonzero_memo = n_sel  # the trained positions' count: a static shape
             tracker = FSDPMemTracker(model, opt)
             with tracker:
@@ -86,6 +87,18 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
         named = lambda d: {str(getattr(k, 'value', k)): v for k, v in d.items()}
         return named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']}, tuple(mb['input_ids'].shape), runtime
     finally: dist.destroy_process_group()
+
+# %% ../nbs/08e_plan.ipynb #a1c3e5f8
+def plannable(cfg: SFTConfig, dtype) -> None:
+    "Raise NotImplementedError, naming the key, for a model `plan` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in float32."
+    from transformers import AutoConfig
+    from sft_nb.models import resolve_model_path
+    mc = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    if getattr(mc, 'vision_config', None) is not None:
+        raise NotImplementedError(f"model.path: {cfg.model.path!r} is a vision-language model; plan covers text models (its vision tower sizes tensors from each image's grid, which fake tensors do not hold): measure it with the run's dry_run")
+    tc = mc.get_text_config()
+    if dtype == torch.float32 and any(getattr(tc, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
+        raise NotImplementedError("model.dtype: a mixture-of-experts model plans in bfloat16 on GPUs (model.dtype=bfloat16, device='cuda'): torch's fake grouped_mm, which its experts run through, takes bf16 only")
 
 # %% ../nbs/08e_plan.ipynb #bd616f19
 def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
@@ -102,6 +115,7 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
     t0, world = time.perf_counter(), gpus * nodes
     if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
+    plannable(cfg, dtype)
     d = plan_data(cfg) if data else None
     peak, after, shape, runtime = step_memory(cfg, world, dtype, d)
     base = runtime if device == 'cpu' else 0

@@ -18,8 +18,8 @@ from .ulysses import sp_shard, check_heads, register_ulysses
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats', 'rank_memory',
-           'reset_peak_memory', 'rank_capacity']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats', 'warm_optimizer',
+           'rank_memory', 'reset_peak_memory', 'rank_capacity']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
 def _model_cls(path):
@@ -400,6 +400,14 @@ def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temper
     if st['done']: st['past'] = None  # a finished reply holds no memory on the worker
     return out
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4f
+def warm_optimizer(opt) -> None:
+    "Give a fresh optimizer the state it holds from a run's second step on: one step on zero gradients (it moves the weights by weight decay; the caller puts them back)."
+    import torch
+    params = [p for g in opt.param_groups for p in g['params'] if p.requires_grad]
+    for p in params: p.grad = torch.zeros_like(p)
+    opt.step(); opt.zero_grad(set_to_none=True)
+
 # %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
 def rank_memory(use_gpu: bool = False) -> dict:
     "This process's memory now: {'rss', 'peak'} bytes (host VmRSS/VmHWM on CPU; allocated / max allocated on the GPU)."
@@ -449,6 +457,7 @@ def dry_run(self: FSDPWorker, micro_batch: dict, memory_limit: int | None = None
         opt_snap = {p: {k: (_local(v).to('cpu', copy=True) if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in self.opt.state.items()}
     held = 0 if self.use_gpu else sum(t.nbytes for t in snap) + sum(v.nbytes for s in opt_snap.values() for v in s.values() if torch.is_tensor(v))
     step, rng, cuda_rng = self.step, torch.get_rng_state(), (torch.cuda.get_rng_state() if self.use_gpu else None)
+    if not self.opt.state: warm_optimizer(self.opt)  # the step measured is a later step's: it holds the optimizer's state throughout
     if self.use_gpu: torch.cuda.synchronize()
     before = rank_memory(self.use_gpu)['rss']
     reset_peak_memory(self.use_gpu)
