@@ -86,7 +86,7 @@ def main():
     ap.add_argument('--worker', action='store_true'); ap.add_argument('--rank', type=int, default=0)
     ap.add_argument('--world', type=int, default=1); ap.add_argument('--port', type=int, default=0)
     ap.add_argument('--model'); ap.add_argument('--load')
-    ap.add_argument('--main', default='main', help='git ref whose scatter loading (model.load: rank0) is measured')
+    ap.add_argument('--main', default='3fe3b79', help='git ref whose scatter loading (model.load: rank0) is measured (3fe3b79: the last main that had it)')
     ap.add_argument('--megatron-ref', default='fc28d16', help="git ref whose Megatron loading (each rank reads the whole checkpoint) is measured")
     ap.add_argument('--layers', type=int, default=24)
     ap.add_argument('--only', choices=('fsdp', 'megatron'))

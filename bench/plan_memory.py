@@ -1,7 +1,8 @@
 """The plan (`sft_nb.plan.plan`, fake tensors + fake process group + FSDPMemTracker) against the real CPU dry run
 (`FSDPWorker.dry_run`, what `SFTTrainer.dry_run(full_length=True)` runs on each worker: one step on rows of
 `tokenize.max_length` tokens, peak VmHWM less its snapshot), side by side for the configurations that run on this
-machine; prints rank 0's peaks and plan / dry run.
+machine; prints rank 0's peaks and plan / dry run. Both step on the same rows (`plan_batch` without data: the plan is
+given `data=False`, else it would step on the data's own longest rows), as a later step does (`warm_optimizer`).
 
     python bench/plan_memory.py [--cases tiny-1,tiny-2-full,...]
 
@@ -18,15 +19,24 @@ CASES = {
     'tiny-1': ('tiny', 1, []), 'tiny-2': ('tiny', 2, []), 'tiny-3': ('tiny', 3, []),
     'tiny-2-full': ('tiny', 2, ['model.activation_checkpointing=full']),
     'tiny-2-packed': ('tiny', 2, ['packing.enabled=true']),
-    'smollm2-1': ('smollm2', 1, []), 'smollm2-2-full': ('smollm2', 2, ['model.activation_checkpointing=full']),
+    'tiny-2-sp2': ('tiny', 2, ['placement.sequence_parallel=2']),
+    'smollm2-1': ('smollm2', 1, []), 'smollm2-1-full': ('smollm2', 1, ['model.activation_checkpointing=full']),
+    'smollm2-2-full': ('smollm2', 2, ['model.activation_checkpointing=full']),
+    'smollm2-2-packed-full': ('smollm2', 2, ['model.activation_checkpointing=full', 'packing.enabled=true']),
+    'smollm2-3-sp3-full': ('smollm2', 3, ['model.activation_checkpointing=full', 'placement.sequence_parallel=3']),
+    '310m-2-full': ('310m', 2, ['model.activation_checkpointing=full']),
 }
-BASE = ['data.train=[{path: "sft_nb:identity"}]', 'tokenize.max_length=1024', 'train.micro_batch_size=2', 'train.global_batch_size=8',
-        'train.num_steps=1', 'checkpoint.export_hf=false', 'logging.trackers=[jsonl]']
+BASE = ['data.train=[{path: "sft_nb:identity"}]', 'tokenize.max_length=1024', 'train.micro_batch_size=2', 'train.num_steps=1', 'checkpoint.export_hf=false', 'logging.trackers=[jsonl]']
+
+
+def args(model, ranks, over) -> list[str]:
+    "The case's config overrides: one micro-batch of 2 rows on each of `ranks` workers."
+    return BASE + [f'model.path={model}', f'placement.workers_per_node={ranks}', f'train.global_batch_size={2 * ranks}'] + over
 
 
 def plan_peak(model, ranks, over) -> int:
     code = ("import json,sys; from sft_nb.config import load_config; from sft_nb.plan import plan; "
-            f"p = plan(load_config(None, {BASE + [f'model.path={model}'] + over!r}), gpus={ranks}, device='cpu'); "
+            f"p = plan(load_config(None, {args(model, ranks, over)!r}), gpus={ranks}, device='cpu', data=False); "
             "print(json.dumps({'peak': p['ranks'][0]['peak'], 'parts': p['ranks'][0]['parts'], 's': p['plan_s']}))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     if out.returncode: raise RuntimeError(out.stderr[-2000:])
@@ -52,20 +62,33 @@ def dry_peak(model, ranks, over):
     from sft_nb.workers import free_port
     ctx, port = mp.get_context('spawn'), free_port()
     q = ctx.Queue()
-    procs = [ctx.Process(target=_dry_rank, args=(r, ranks, port, BASE + [f'model.path={model}'] + over, q)) for r in range(ranks)]
+    procs = [ctx.Process(target=_dry_rank, args=(r, ranks, port, args(model, ranks, over), q)) for r in range(ranks)]
     for p in procs: p.start()
     got = sorted(q.get(timeout=900) for _ in procs)
     for p in procs: p.join(60)
     return got[0][1], got[0][2]
 
 
+def model_310m() -> str:
+    "bench/load_memory.py's random ~310M Qwen2 (1.13 GiB of fp32 weights, tied), saved once under build/."
+    import importlib.util
+    d = Path(__file__).resolve().parent.parent / 'build' / 'qwen2-310m'
+    if not (d / 'config.json').exists():
+        spec = importlib.util.spec_from_file_location('load_memory', Path(__file__).with_name('load_memory.py'))
+        lm = importlib.util.module_from_spec(spec); spec.loader.exec_module(lm)
+        d.mkdir(parents=True, exist_ok=True); lm.build_model(d, 24)
+    return str(d)
+
+
 def main():
     ap = argparse.ArgumentParser(); ap.add_argument('--cases', default=','.join(CASES))
     a = ap.parse_args()
+    paths = {'310m': model_310m()} if any(CASES[c][0] == '310m' for c in a.cases.split(',')) else {}
     print(f"load avg {os.getloadavg()[0]:.1f}; rank 0 peak in GiB; rows of 1024 tokens, micro-batch 2")
     print(f"{'case':<16}{'ranks':>6}{'dry run':>9}{'plan':>7}{'plan/dry':>9}{'plan s':>8}  plan parts (GiB)")
     for name in a.cases.split(','):
         model, ranks, over = CASES[name]
+        model = paths.get(model, model)
         d, shape = dry_peak(model, ranks, over)
         p = plan_peak(model, ranks, over)
         parts = ' '.join(f"{k} {v / 2**30:.2f}" for k, v in p['parts'].items())

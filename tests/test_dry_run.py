@@ -1,5 +1,6 @@
 """SFTTrainer.dry_run (the memory dry run) on 2 gloo ranks under Ray: its per-rank peaks are those of the first
-real step (host RSS, VmHWM reset through /proc/self/clear_refs on both), the weights come back bitwise, the next real
+real step (host RSS, VmHWM reset through /proc/self/clear_refs on both; the dry run steps as a later step, holding
+Adam's state, 2 MiB for the tiny model), the weights come back bitwise, the next real
 step's loss is that of a run without the dry run, and a memory cap below the peak is told what to change before any
 step is taken."""
 import torch
