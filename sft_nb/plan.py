@@ -113,9 +113,9 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
     if cfg.placement.backend != 'fsdp': raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r}: plan covers the fsdp backend")
     if device == 'cuda' and not gpu_memory: raise ValueError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, world = time.perf_counter(), gpus * nodes
-    if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
     plannable(cfg, dtype)
+    if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     d = plan_data(cfg) if data else None
     peak, after, shape, runtime = step_memory(cfg, world, dtype, d)
     base = runtime if device == 'cpu' else 0
