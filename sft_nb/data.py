@@ -249,6 +249,8 @@ def normalize_row(row: dict, fmt: str,
     if fmt == 'pretokenized':
         ids = row.get('input_ids')
         if not isinstance(ids, list) or not ids: raise BadRow("input_ids: expected a non-empty list of ints")
+        if (odd := next(((i, x) for i, x in enumerate(ids) if not isinstance(x, int) or isinstance(x, bool)), None)) is not None:
+            raise BadRow(f"input_ids: position {odd[0]} holds {odd[1]!r}, not an integer token id (a float column? ids are never rounded)")
         if row.get('loss_mask') is not None: mask = [int(bool(x)) for x in row['loss_mask']]
         else: mask = [int(l != -100) for l in row['labels']]
         if len(mask) != len(ids): raise BadRow(f"loss_mask/labels length {len(mask)} != input_ids length {len(ids)}")
@@ -423,7 +425,10 @@ def json_line(raw: bytes, # one line of a JSONL file, as read
     except UnicodeDecodeError as e:
         return None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)", kind='bad_encoding')
     try: row = json.loads(text, object_pairs_hook=_unique_keys)
-    except json.JSONDecodeError as e: return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
+    except json.JSONDecodeError as e:
+        if '\r' in text: return None, BadRow(f"{p}: line {n} holds carriage returns (CR) between rows: the file ends its lines with CR alone "
+                                             "(old Mac style); JSONL rows end with \\n: convert it (tr '\\r' '\\n' < in > out)", kind='bad_json')
+        return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
     except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
     except RecursionError: return None, BadRow(f"{p}: line {n}: JSON nested deeper than Python's JSON reader goes (no row needs that)", kind='bad_json')
     if isinstance(row, dict): return text, row

@@ -262,12 +262,11 @@ def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:
     step = verify_checkpoint(path)['global_step']  # digests, a DCP .metadata that runs no code, a valid state, as a resume checks
     shards = sorted(path.glob('megatron_tp*_pp*.pt'))
     if shards:
-        from transformers import AutoConfig
         from sft_nb.backends.megatron import load_shard
         from sft_nb.backends.megatron_convert import mcore_to_hf
-        from sft_nb.models import resolve_model_path
+        from sft_nb.models import model_config
         parts = {(int(f.stem.split('_tp')[1][:2]), int(f.stem.split('_pp')[1][:2])): load_shard(f)['model'] for f in shards}
-        return mcore_to_hf(parts, AutoConfig.from_pretrained(resolve_model_path(cfg.model.path), trust_remote_code=False)), step
+        return mcore_to_hf(parts, model_config(cfg.model.path)), step
     return path, step  # an FSDP (torch.distributed.checkpoint) folder: read into the model by `RunScorer`
 
 # %% ../nbs/08c_lens.ipynb #660ea663

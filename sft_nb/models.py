@@ -11,11 +11,11 @@ from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'TOKENIZER_FILES', 'save_built', 'seeded_model',
-           'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm',
-           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'check_no_remote_code', 'check_weights',
-           'check_model_path', 'context_limit', 'check_context', 'add_template_specials', 'load_tokenizer',
-           'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'SAFETENSORS_DTYPES', 'TOKENIZER_FILES', 'save_built',
+           'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor',
+           'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'safetensors_header',
+           'check_no_remote_code', 'model_config', 'check_weights', 'check_model_path', 'context_limit',
+           'check_context', 'add_template_specials', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -159,6 +159,42 @@ def resolve_model_path(path: str) -> str:
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
     return path
 
+# %% ../nbs/06_models.ipynb #5014487b
+def _dtypes():
+    import torch
+    return {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'F8_E4M3': torch.float8_e4m3fn,
+            'F8_E5M2': torch.float8_e5m2, 'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8,
+            'U64': torch.uint64, 'U32': torch.uint32, 'U16': torch.uint16, 'U8': torch.uint8, 'BOOL': torch.bool}
+
+SAFETENSORS_DTYPES = _dtypes()  # a safetensors dtype name → the torch dtype its bytes are
+
+def safetensors_header(f: str | Path) -> tuple[dict, int]:
+    "({key: {'dtype', 'shape', 'data_offsets'}}, the byte where the data starts) of safetensors file `f`, every entry checked against the file: a `ConfigError` naming the file and tensor otherwise."
+    import json, math
+    from sft_nb.config import ConfigError
+    f = Path(f)
+    def bad(why): return ConfigError(f"model.path: {f} is damaged: {why}; download or save the model again")
+    try: size, h = f.stat().st_size, open(f, 'rb')
+    except OSError as e: raise ConfigError(f"model.path: cannot read {f} ({e.strerror})") from None
+    with h:
+        if size < 8: raise bad(f"it is {size} bytes, too short for a safetensors header")
+        n = int.from_bytes(h.read(8), 'little')
+        if 8 + n > size: raise bad(f"its header claims {n:,} bytes, the file has {size:,} bytes")
+        try: head = json.loads(h.read(n))
+        except (ValueError, UnicodeDecodeError) as e: raise bad(f"its header is not JSON ({e})") from None
+    if not isinstance(head, dict): raise bad("its header is not a JSON object")
+    head.pop('__metadata__', None)
+    for k, e in head.items():
+        dt, shape, offs = (e.get('dtype'), e.get('shape'), e.get('data_offsets')) if isinstance(e, dict) else (None, None, None)
+        if dt not in SAFETENSORS_DTYPES: raise bad(f"tensor {k}: dtype {dt!r} is none of {', '.join(SAFETENSORS_DTYPES)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)): raise bad(f"tensor {k}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs) and 0 <= offs[0] <= offs[1]):
+            raise bad(f"tensor {k}: data_offsets {offs!r} is not [start, end]")
+        if offs[1] - offs[0] != math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize:
+            raise bad(f"tensor {k}: {dt} {shape} is {math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize:,} bytes, its data_offsets span {offs[1] - offs[0]:,}")
+        if 8 + n + offs[1] > size: raise bad(f"tensor {k} ends at byte {8 + n + offs[1]:,}, the file has {size:,} (truncated)")
+    return head, 8 + n
+
 # %% ../nbs/06_models.ipynb #20ad2e64
 def check_no_remote_code(folder: Path) -> None:
     "A `ConfigError` naming the folder and its `auto_map` when its config.json needs the folder's own code: sft_nb never runs it (every load passes trust_remote_code=False)."
@@ -172,23 +208,22 @@ def check_no_remote_code(folder: Path) -> None:
                           f"transformers does not ship, and auto_map {json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. "
                           "Use a model of an architecture transformers ships, or convert this one to one")
 
-def check_weights(folder: Path) -> None:
-    "A `ConfigError` naming the file and what is wrong when a `*.safetensors` file's header does not fit the file (damaged, truncated, not safetensors)."
-    import json
+def model_config(path: str | Path):
+    "The transformers config of model folder or hub id `path` (after `resolve_model_path`): the one way sft_nb reads one, never running the folder's code (`check_no_remote_code`, trust_remote_code=False); a `ConfigError` naming the folder when transformers cannot read it or builds no causal LM from it."
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from sft_nb.config import ConfigError
-    for f in sorted(folder.glob('*.safetensors')):
-        size = f.stat().st_size
-        with open(f, 'rb') as fh:
-            head = fh.read(8)
-            n = int.from_bytes(head, 'little') if len(head) == 8 else None
-            bad = f"is {size} bytes, too short for a safetensors header" if n is None else (
-                  f"its header claims {n:,} bytes, the file has {size:,} bytes" if 8 + n > size else None)
-            if bad is None:
-                try: meta = json.loads(fh.read(n))
-                except (ValueError, UnicodeDecodeError) as e: meta, bad = {}, f"its header is not JSON ({e})"
-                ends = [v['data_offsets'][1] for k, v in meta.items() if k != '__metadata__' and isinstance(v, dict) and len(v.get('data_offsets') or []) == 2] if isinstance(meta, dict) else []
-                if bad is None and ends and 8 + n + max(ends) > size: bad = f"its tensors need {8 + n + max(ends):,} bytes, the file has {size:,} (truncated)"
-        if bad: raise ConfigError(f"model.path: {f} is damaged: {bad}; download or save the model again")
+    p = resolve_model_path(str(path))
+    if (folder := Path(p).expanduser()).is_dir(): check_no_remote_code(folder)
+    try: cfg = AutoConfig.from_pretrained(p, trust_remote_code=False)
+    except ValueError as e: raise ConfigError(f"model.path: transformers cannot read the config of {p} ({str(e).splitlines()[0]})") from None
+    if not any(type(cfg) in auto._model_mapping for auto in (AutoModelForCausalLM, AutoModelForImageTextToText)):
+        raise ConfigError(f"model.path: {p} is a {cfg.model_type!r} model ({type(cfg).__name__}), which transformers builds no causal language "
+                          "model of; sft_nb fine-tunes decoder-only language models (and vision-language models): pick one of those")
+    return cfg
+
+def check_weights(folder: Path) -> None:
+    "A `ConfigError` naming the file, the tensor and what is wrong when a `*.safetensors` file's header does not fit the file (`safetensors_header`)."
+    for f in sorted(folder.glob('*.safetensors')): safetensors_header(f)
 
 # %% ../nbs/06_models.ipynb #98b344f8
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json')
@@ -265,7 +300,7 @@ def load_model_inputs(path: str, # model.path
                       template: str | None = None, # tokenize.chat_template: its family's special tokens are added (`add_template_specials`)
                      ) -> tuple:
     "(tokenizer, processor or None) of `model.path`, checked by `check_model_path`; a template's special tokens must fit the model's embedding."
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     from sft_nb.config import ConfigError
     p = check_model_path(path)
     try:
@@ -275,7 +310,7 @@ def load_model_inputs(path: str, # model.path
         raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
     vocab = set(tokenizer.get_vocab())
     new = add_template_specials(tokenizer, template) if processor is None else []
-    rows = getattr(AutoConfig.from_pretrained(p, trust_remote_code=False), 'vocab_size', None) if new else None
+    rows = getattr(model_config(p), 'vocab_size', None) if new else None
     if rows is not None and max(tokenizer.convert_tokens_to_ids(new)) >= rows:
         fits = [n for n, (fam, _) in CHAT_TEMPLATES.items() if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
         raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks ({', '.join(new)}); "

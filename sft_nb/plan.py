@@ -91,9 +91,8 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
 # %% ../nbs/08e_plan.ipynb #a1c3e5f8
 def plannable(cfg: SFTConfig, dtype) -> None:
     "Raise NotImplementedError, naming the key, for a model `plan` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in float32."
-    from transformers import AutoConfig
-    from sft_nb.models import resolve_model_path
-    mc = AutoConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    from sft_nb.models import model_config
+    mc = model_config(cfg.model.path)
     if getattr(mc, 'vision_config', None) is not None:
         raise NotImplementedError(f"model.path: {cfg.model.path!r} is a vision-language model; plan covers text models (its vision tower sizes tensors from each image's grid, which fake tensors do not hold): measure it with the run's dry_run")
     tc = mc.get_text_config()
@@ -150,9 +149,8 @@ def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> d
     return rows | {'rows': len(d.lengths), 'sp_fits': fits, 'bytes_per_token': per, 'fixed': fixed, 'heads': heads}
 
 def _heads(cfg: SFTConfig) -> int:
-    from transformers import AutoConfig
-    from sft_nb.models import resolve_model_path
-    return AutoConfig.from_pretrained(resolve_model_path(cfg.model.path)).get_text_config().num_attention_heads
+    from sft_nb.models import model_config
+    return model_config(cfg.model.path).get_text_config().num_attention_heads
 
 # %% ../nbs/08e_plan.ipynb #77a98cda
 def plan_report(p: dict) -> str:

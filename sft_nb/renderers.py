@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from .config import TokenizeConfig
 from .data import BadRow, normalize_row
-from .templates import CHAT_TEMPLATES, TemplateError, load_template, template_features, template_info
+from .templates import CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features, template_info
 from .spans import HISTORY, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer, token_ranges, trained_parts
 
 # %% auto #0
@@ -223,10 +223,18 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
         try:
             conv = normalize_row(row, fmt)
             if 'input_ids' in conv:
+                if (top := max(conv['input_ids'])) >= len(tokenizer) or min(conv['input_ids']) < 0:
+                    bad_id = top if top >= len(tokenizer) else min(conv['input_ids'])
+                    raise BadRow(f"input_ids: id {bad_id} at position {conv['input_ids'].index(bad_id)} is outside the tokenizer's "
+                                 f"{len(tokenizer)} ids (0..{len(tokenizer) - 1}): the row was tokenized for another model", kind='bad_format')
                 good.append((idx, Example(*finish_tokens(conv['input_ids'], conv['loss_mask'], spec.max_length, spec.truncation))))
             elif 'prompt' in conv:
                 good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation, spec.mode)))
             else:
+                if big := next(((i, len(m['content'])) for i, m in enumerate(conv['messages']) if isinstance(m.get('content'), str)
+                                and len(m['content']) > MAX_TEMPLATE_VALUE), None):  # the template's size guard would blame the template
+                    raise BadRow(f"message {big[0]} is {big[1]:,} characters, over the {MAX_TEMPLATE_VALUE:,} a chat template renders "
+                                 "(far past any model's context): split or drop this row", kind='bad_format')
                 turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.history, segments=keep_offsets))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
                 chats += [(idx, conv['tools'], *t) for t in turns]

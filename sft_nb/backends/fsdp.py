@@ -13,7 +13,7 @@ from ..loss import trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
-from .slices import checkpoint_files, checkpoint_sources, fill_from_checkpoint, init_lora
+from .slices import check_checkpoint, fill_from_checkpoint, init_lora, load_pretrained
 from .ulysses import sp_shard, check_heads, register_ulysses
 from fastcore.basics import patch
 
@@ -30,8 +30,8 @@ def _model_cls(path):
 
 def _arch_cls(path):
     "The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers does not map its config."
-    from transformers import AutoConfig
-    try: return _model_cls(path)._model_mapping[type(AutoConfig.from_pretrained(path, trust_remote_code=False))]
+    from sft_nb.models import model_config
+    try: return _model_cls(path)._model_mapping[type(model_config(path))]
     except (KeyError, ValueError): return None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #37de5637
@@ -73,11 +73,11 @@ def rebuild_buffers(model, device) -> list[str]:
 @patch
 def _build_model(self: FSDPWorker, device: str = 'cpu'):
     import torch
-    from transformers import AutoConfig
+    from sft_nb.models import model_config
     cls = _model_cls(self.path)
     with torch.device(device):
-        if device == 'meta': model = cls.from_config(AutoConfig.from_pretrained(self.path, trust_remote_code=False), dtype=torch.float32, attn_implementation=self.attn)
-        else: model = cls.from_pretrained(self.path, dtype=torch.float32, attn_implementation=self.attn)
+        if device == 'meta': model = cls.from_config(model_config(self.path), dtype=torch.float32, attn_implementation=self.attn)
+        else: model = load_pretrained(cls, self.path, attn_implementation=self.attn)
         if self.mcfg['lora_r'] > 0:
             from peft import LoraConfig, get_peft_model
             model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
@@ -104,13 +104,12 @@ def _load_sharded(self: FSDPWorker, dtype):
     import torch
     rng = torch.get_rng_state()  # where PEFT draws the adapters when it wraps a loaded model
     meta = self._build_model('meta')
-    sources = checkpoint_sources(meta, checkpoint_files(self.path))
+    sources = check_checkpoint(meta, self.path)  # before any rank reads: shapes, missing tensors, the tie rule
     model = self._shard(checkpoint_blocks(meta, self.mcfg['activation_checkpointing']), dtype)
     model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
     rebuild_buffers(model, self.device)
-    missing = fill_from_checkpoint(model, self.path, sources)
-    if self.mcfg['lora_r'] > 0: init_lora(model, rng); missing = [n for n in missing if '.lora_A.' not in n and '.lora_B.' not in n]
-    if missing: raise KeyError(f"model.path: {self.path} has no tensor for the model's parameters {missing[:3]}")
+    fill_from_checkpoint(model, self.path, sources)
+    if self.mcfg['lora_r'] > 0: init_lora(model, rng)
     return model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6

@@ -208,13 +208,12 @@ class MegatronWorker(TrainWorker):
 @patch
 def setup(self: MegatronWorker) -> dict:
     import torch
-    from transformers import AutoConfig
     from megatron.core import parallel_state as ps
-    from sft_nb.models import resolve_model_path
+    from sft_nb.models import resolve_model_path, model_config
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     if self.mcfg['lora_r'] > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
     self.path = str(resolve_model_path(self.mcfg['path']))
-    self.hf_cfg = AutoConfig.from_pretrained(self.path, trust_remote_code=False)
+    self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
     self.thd = thd_available(self.use_gpu, self.mcfg['dtype'])  # rows as THD segments: only TransformerEngine's attention takes them
     if self.cp > 1 and not self.thd:

@@ -4,34 +4,41 @@
 
 # %% ../../nbs/07a2_backends.slices.ipynb #e863dc79
 from __future__ import annotations
-import json, math, os
+import json, math, os, warnings
 from pathlib import Path
 import torch
+from ..config import ConfigError
+from ..models import SAFETENSORS_DTYPES, safetensors_header
 
 # %% auto #0
-__all__ = ['safetensors_header', 'checkpoint_files', 'state_key', 'Rows', 'StateRows', 'checkpoint_sources', 'read_rows',
-           'local_rows', 'fill_from_checkpoint', 'init_lora']
+__all__ = ['checkpoint_files', 'state_key', 'Rows', 'StateRows', 'checkpoint_sources', 'read_rows', 'local_rows', 'model_tensors',
+           'check_checkpoint', 'fill_from_checkpoint', 'load_pretrained', 'init_lora']
 
 # %% ../../nbs/07a2_backends.slices.ipynb #98e60381
-_DTYPES = {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'I64': torch.int64,
-           'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8, 'U8': torch.uint8, 'BOOL': torch.bool}
-
-def safetensors_header(f: str | Path) -> tuple[dict, int]:
-    "({key: {'dtype', 'shape', 'data_offsets'}}, the byte where the data starts) of safetensors file `f`: its 8-byte length and JSON header."
-    with open(f, 'rb') as h:
-        n = int.from_bytes(h.read(8), 'little'); head = json.loads(h.read(n))
-    head.pop('__metadata__', None)
-    return head, 8 + n
-
 def checkpoint_files(path: str | Path) -> dict[str, str]:
-    "Checkpoint key → the safetensors file of model folder `path` that holds it (the index, or the files' headers; no tensor data read)."
+    "Checkpoint key → the safetensors file of model folder `path` that holds it, from the index or the files' headers (no tensor data read), each header checked (`safetensors_header`); a missing shard, a key the index puts in a file that does not hold it, or a key in two files: a `ConfigError` naming them."
     path = Path(path)
     if (idx := path / 'model.safetensors.index.json').exists():
-        return {k: str(path / f) for k, f in json.loads(idx.read_text())['weight_map'].items()}
+        try: wmap = dict(json.loads(idx.read_text())['weight_map'])
+        except (ValueError, KeyError, TypeError) as e: raise ConfigError(f"model.path: {idx} is not a safetensors index (no 'weight_map' of tensor → file: {e!r})") from None
+        if gone := sorted({f for f in wmap.values() if not (path / f).is_file()}):
+            raise ConfigError(f"model.path: {idx} puts tensors in {', '.join(gone)}, missing from {path}: download or save the model again")
+        heads = {f: safetensors_header(path / f)[0] for f in sorted(set(wmap.values()))}
+        for k, f in wmap.items():
+            if k not in heads[f]:
+                where = next((g for g, h in heads.items() if k in h), None)
+                raise ConfigError(f"model.path: {idx} puts {k} in {f}, which does not hold it ({f'{where} does' if where else 'no shard does'}): "
+                                  "the index does not fit the files; save the model again")
+        return {k: str(path / f) for k, f in wmap.items()}
     files = sorted(path.glob('*.safetensors'))
-    if not files: raise FileNotFoundError(f"model.path: {path} holds no *.safetensors file; sharded loading reads slices of them "
-                                          "(model.load: every_rank reads any format transformers reads)")
-    return {k: str(f) for f in files for k in safetensors_header(f)[0]}
+    if not files: raise ConfigError(f"model.path: {path} holds no *.safetensors file; sharded loading reads slices of them "
+                                    "(model.load: every_rank reads any format transformers reads)")
+    out = {}
+    for f in files:
+        for k in safetensors_header(f)[0]:
+            if k in out: raise ConfigError(f"model.path: tensor {k} is in both {out[k]} and {f}: keep one of them (or add model.safetensors.index.json)")
+            out[k] = str(f)
+    return out
 
 def state_key(name: str) -> str:
     "The checkpoint-side name of a parameter of the built model: without activation-checkpoint wrappers and PEFT's `base_model.model.` / `.base_layer`."
@@ -57,17 +64,19 @@ class Rows:
         (head, start), h = self.heads[f], self.handles[f]
         return head[key], start, h
 
-    def _read(self, h, buf: memoryview, pos: int):
-        "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts."
+    def _read(self, key: str, h, buf: memoryview, pos: int):
+        "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts; a file that ends first (cut after its header was checked) is named."
         while len(buf):
-            n = os.preadv(h.fileno(), [buf], pos); buf, pos = buf[n:], pos + n
+            if not (n := os.preadv(h.fileno(), [buf], pos)):
+                raise ConfigError(f"model.path: {self.files[key]} ends at byte {pos:,}, inside tensor {key} (the file was cut short); download or save the model again")
+            buf, pos = buf[n:], pos + n
 
     def rows(self, key: str, a: int, b: int) -> torch.Tensor:
         e, start, h = self._entry(key)
-        shape, dt = e['shape'], _DTYPES[e['dtype']]
+        shape, dt = e['shape'], SAFETENSORS_DTYPES[e['dtype']]
         inner = math.prod(shape[1:]) * dt.itemsize
         out = torch.empty([b - a, *shape[1:]] if shape else [], dtype=dt)
-        self._read(h, memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner)
+        self._read(key, h, memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner)
         self.read += out.nbytes
         return out
 
@@ -76,10 +85,10 @@ class Rows:
     def cols(self, key: str, a: int, b: int) -> torch.Tensor:
         "Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column is not), nothing else."
         e, start, h = self._entry(key)
-        (n, m), size = e['shape'], _DTYPES[e['dtype']].itemsize
-        out = torch.empty(n, b - a, dtype=_DTYPES[e['dtype']])
+        (n, m), size = e['shape'], SAFETENSORS_DTYPES[e['dtype']].itemsize
+        out = torch.empty(n, b - a, dtype=SAFETENSORS_DTYPES[e['dtype']])
         buf, seg, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size, start + e['data_offsets'][0] + a * size
-        for r in range(n): self._read(h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
+        for r in range(n): self._read(key, h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
         self.read += out.nbytes
         return out
 
@@ -137,26 +146,78 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return p.to_local(), (off[0] if off else 0)
 
-def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None) -> list[str]:
-    "Copy each parameter's local rows and each persistent buffer from the safetensors files of `path`; the parameters nothing in the checkpoint fills."
-    files = checkpoint_files(path)
-    sources = sources if sources is not None else checkpoint_sources(model, files)
+def model_tensors(model):
+    "(checkpoint-side names, tensor) of each parameter (a tied one once, with all its names, the input embedding's first) and each persistent buffer."
     names = {}
-    for n, p in model.named_parameters(remove_duplicate=False): names.setdefault(id(p), (p, []))[1].append(n)
-    missing = []
+    for n, p in model.named_parameters(remove_duplicate=False): names.setdefault(id(p), (p, []))[1].append(state_key(n))
+    yield from ((ns, p) for p, ns in names.values())
+    for mname, m in model.named_modules():
+        for k, b in m._buffers.items():
+            if b is not None and k not in m._non_persistent_buffers_set: yield [state_key(f'{mname}.{k}' if mname else k)], b  # the others: `rebuild_buffers`
+
+# %% ../../nbs/07a2_backends.slices.ipynb #f882766c
+def _same_values(rd: Rows, a: str, b: str, chunk: int = 1024) -> bool:
+    "Whether checkpoint tensors `a` and `b` hold the same values, compared `chunk` rows at a time."
+    if rd.shape(a) != rd.shape(b): return False
+    n, same = (rd.shape(a) or [1])[0], lambda x, y: torch.equal(x, y) if x.dtype == y.dtype else torch.equal(x.double(), y.double())
+    return all(same(rd.rows(a, r, min(n, r + chunk)), rd.rows(b, r, min(n, r + chunk))) for r in range(0, n, chunk))
+
+def _file_key(source: tuple) -> str: return next(iter(source[1].values()))[0]  # the checkpoint key a model tensor is read as it is from
+
+def check_checkpoint(model, # built from config.json, on `meta` or anywhere: global shapes
+                     path: str | Path) -> dict:
+    "`checkpoint_sources` of `model` and the safetensors files of `path` once every tensor the model needs is there with its shape (LoRA adapters aside); a `ConfigError` naming file, tensor and both shapes otherwise. A tied head is the input embedding; a file head of other values is warned about."
+    files = checkpoint_files(path)
+    sources = checkpoint_sources(model, files)
+    missing, wrong = [], []
+    with Rows(files) as rd:
+        for ns, t in model_tensors(model):
+            key = next((n for n in ns if n in sources), None)
+            if key is None:
+                if not any('.lora_' in n for n in ns): missing.append(ns[0])
+                continue
+            if sources[key][0] is not None: continue  # merged by a converter: `fill_from_checkpoint` checks what it makes
+            k = _file_key(sources[key])
+            if rd.shape(k) != list(t.shape): wrong.append(f"{k} is {rd.shape(k)} in {files[k]}, the model config.json builds has {list(t.shape)}")
+            heads = [_file_key(sources[n]) for n in ns[1:] if n in sources and sources[n][0] is None]
+            if heads and not _same_values(rd, k, heads[0]):
+                warnings.warn(f"model.path: {files[heads[0]]} holds {heads[0]} with other values than {k}; config.json ties them "
+                              f"(tie_word_embeddings), so the head is {k} and that tensor is not used. To train the file's own head, "
+                              "set tie_word_embeddings: false in config.json", stacklevel=2)
+    if wrong: raise ConfigError(f"model.path: the checkpoint does not fit config.json: {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else '')
+                                + "; fix config.json (hidden_size, num_key_value_heads, ...) or the weights")
+    if missing:
+        hint = " (config.json unties the head, tie_word_embeddings: false, and the file has none: set it true if the head is the embedding)" if any('lm_head' in n for n in missing) else ''
+        raise ConfigError(f"model.path: {path} has no tensor for the model's {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else '') + hint)
+    return sources
+
+def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
+    "Copy each parameter's local rows and each persistent buffer from the safetensors files of `path` (`check_checkpoint`ed unless its `sources` are given); LoRA adapters are left to `init_lora`."
+    files = checkpoint_files(path)
+    sources = sources if sources is not None else check_checkpoint(model, path)
     with Rows(files) as rd, torch.no_grad():
-        for p, ns in names.values():
-            key = next((state_key(n) for n in ns if state_key(n) in sources), None)
-            if key is None: missing.append(ns[0]); continue
-            local, a = local_rows(p)
-            if local.shape[0]: local.copy_(read_rows(rd, sources[key], a, a + local.shape[0]))
-        for mname, m in model.named_modules():
-            for k, b in m._buffers.items():
-                if b is None or k in m._non_persistent_buffers_set: continue  # rebuilt from the config (`rebuild_buffers`)
-                key = state_key(f'{mname}.{k}' if mname else k)
-                if key not in sources: raise KeyError(f"model.path: {path} has no tensor for the model's buffer {key}")
-                b.copy_(read_rows(rd, sources[key], 0, b.shape[0] if b.dim() else 1).reshape(b.shape))
-    return missing
+        for ns, t in model_tensors(model):
+            key = next((n for n in ns if n in sources), None)
+            if key is None: continue  # a LoRA adapter (anything else: refused by `check_checkpoint`)
+            local, a = local_rows(t)
+            if not (n := local.shape[0] if t.dim() else 1): continue  # a rank with no rows of this tensor
+            got = read_rows(rd, sources[key], a, a + n)
+            if got.shape != local.shape: raise ConfigError(f"model.path: {path}: {key} rows {a}..{a + n} read as {list(got.shape)}, the model holds {list(local.shape)} there")
+            local.copy_(got)
+
+def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, ...)
+                    path: str, **kw) -> torch.nn.Module:
+    "What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint` on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint` fills, or the same refusal."
+    from sft_nb.models import model_config
+    cfg = model_config(path)
+    with torch.device('meta'): meta = cls.from_config(cfg, dtype=torch.float32, **kw)
+    if Path(path).is_dir() and any(Path(path).glob('*.safetensors')): check_checkpoint(meta, path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*tie.*')  # its own word on a file head that differs: `check_checkpoint` says ours
+        model = cls.from_pretrained(path, config=cfg, dtype=torch.float32, trust_remote_code=False, **kw)
+    if meta.get_output_embeddings() is not None and meta.get_output_embeddings().weight is meta.get_input_embeddings().weight:
+        model.get_output_embeddings().weight = model.get_input_embeddings().weight
+    return model
 
 # %% ../../nbs/07a2_backends.slices.ipynb #04087b15
 def init_lora(model, rng_state: torch.Tensor):
