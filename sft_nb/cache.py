@@ -78,7 +78,9 @@ def load_entry(folder: Path, verify: bool = True): # verify=False: the entry thi
             warnings.warn(f"tokenization cache entry {folder}: {e}; rebuilding it", stacklevel=3)
             return None
         return open_parts(folder / 'data'), rep
-    except Exception: return None
+    except (OSError, ValueError, KeyError) as e:  # Arrow's and datasets' read errors are these; anything else is a bug: raised
+        warnings.warn(f"tokenization cache entry {folder} cannot be read ({type(e).__name__}: {e}); rebuilding it", stacklevel=3)
+        return None
 
 # %% ../nbs/02b_cache.ipynb #77a44e6f
 def commit_entry(tmp: Path, folder: Path, report: DataReport):

@@ -278,11 +278,12 @@ class RunScorer:
         from transformers import AutoModelForCausalLM
         from sft_nb.config import load_config
         from sft_nb.models import resolve_model_path
+        from sft_nb.backends.slices import load_pretrained
         self.run_dir = Path(run_dir)
         if not (self.run_dir / 'config.yaml').exists(): raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
         self.cfg = load_config(str(self.run_dir / 'config.yaml'))
         self.base_path = str(resolve_model_path(self.cfg.model.path))
-        load = lambda p: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32, trust_remote_code=False).eval()
+        load = lambda p: load_pretrained(AutoModelForCausalLM, p).eval()  # checked as a worker checks it: a whole export, shapes, no folder code
         self.base, hf = load(self.base_path), self.run_dir / 'hf'
         if (hf / 'config.json').exists(): self.model, self.model_path, self.step = load(str(hf)), str(hf), None
         else:

@@ -11,11 +11,12 @@ from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials
 from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'SAFETENSORS_DTYPES', 'TOKENIZER_FILES', 'save_built',
-           'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model', 'build_tiny_processor',
-           'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'safetensors_header',
-           'check_no_remote_code', 'model_config', 'check_weights', 'check_model_path', 'context_limit',
-           'check_context', 'add_template_specials', 'load_tokenizer', 'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'SAFETENSORS_DTYPES', 'EXPORT_PARTIAL', 'TOKENIZER_FILES',
+           'save_built', 'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
+           'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
+           'safetensors_header', 'check_no_remote_code', 'check_whole', 'model_config', 'check_weights',
+           'check_model_path', 'context_limit', 'check_context', 'add_template_specials', 'load_tokenizer',
+           'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -208,12 +209,21 @@ def check_no_remote_code(folder: Path) -> None:
                           f"transformers does not ship, and auto_map {json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. "
                           "Use a model of an architecture transformers ships, or convert this one to one")
 
+EXPORT_PARTIAL = '.sft_nb_export_incomplete'  # in an export folder while `save_hf_folder` writes it; gone once the export is whole
+
+def check_whole(folder: Path) -> None:
+    "A `ConfigError` naming `folder` when it is an sft_nb export that did not finish (it still holds `EXPORT_PARTIAL`)."
+    from sft_nb.config import ConfigError
+    if (folder / EXPORT_PARTIAL).exists():
+        raise ConfigError(f"model.path: {folder} is an export that did not finish (it still holds {EXPORT_PARTIAL}): export again "
+                          "(trainer.export()) or continue from the run's checkpoint")
+
 def model_config(path: str | Path):
     "The transformers config of model folder or hub id `path` (after `resolve_model_path`): the one way sft_nb reads one, never running the folder's code (`check_no_remote_code`, trust_remote_code=False); a `ConfigError` naming the folder when transformers cannot read it or builds no causal LM from it."
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from sft_nb.config import ConfigError
     p = resolve_model_path(str(path))
-    if (folder := Path(p).expanduser()).is_dir(): check_no_remote_code(folder)
+    if (folder := Path(p).expanduser()).is_dir(): check_whole(folder); check_no_remote_code(folder)
     try: cfg = AutoConfig.from_pretrained(p, trust_remote_code=False)
     except ValueError as e: raise ConfigError(f"model.path: transformers cannot read the config of {p} ({str(e).splitlines()[0]})") from None
     if not any(type(cfg) in auto._model_mapping for auto in (AutoModelForCausalLM, AutoModelForImageTextToText)):
@@ -234,6 +244,7 @@ def check_model_path(path: str) -> str:
     out = resolve_model_path(path)
     p = Path(out).expanduser()
     if p.is_dir():
+        check_whole(p)  # first: a half-written export lacks its tokenizer too
         if not (p / 'config.json').exists(): raise ConfigError(f"model.path: {path!r} is a folder without config.json (not a Hugging Face model folder)")
         if not any((p / f).exists() for f in TOKENIZER_FILES):  # else transformers' error speaks of a missing chat template
             raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); "

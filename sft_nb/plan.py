@@ -4,12 +4,12 @@
 
 # %% ../nbs/08e_plan.ipynb #2ca28c5d
 from __future__ import annotations
-import copy, time
+import copy, json, time
 from dataclasses import asdict
 from pathlib import Path
 import pandas as pd
 import torch
-from .config import SFTConfig
+from .config import ConfigError, SFTConfig
 from .dataplan import synthetic_dataset
 from .collate import collate_padded, collate_packed
 from .dataplan import DataPlan
@@ -17,7 +17,8 @@ from .datareport import long_rows, long_rows_line
 from .trainer import dry_run_verdict, largest_micro_batch, plan_class
 
 # %% auto #0
-__all__ = ['PARTS', 'parts_of', 'plan_data', 'plan_batch', 'step_memory', 'plannable', 'plan', 'data_fit', 'plan_report']
+__all__ = ['PARTS', 'PLAN_FIELDS', 'parts_of', 'plan_data', 'plan_batch', 'step_memory', 'plannable', 'plan', 'data_fit',
+           'plan_report']
 
 # %% ../nbs/08e_plan.ipynb #501d1c90
 PARTS = {'weights': ('Sharded Param', 'Unsharded Param', 'Buffer', 'All Gather'),
@@ -89,10 +90,19 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
     finally: dist.destroy_process_group()
 
 # %% ../nbs/08e_plan.ipynb #a1c3e5f8
+PLAN_FIELDS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads')  # the sizes a plan is of
+
 def plannable(cfg: SFTConfig, dtype) -> None:
-    "Raise NotImplementedError, naming the key, for a model `plan` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in float32."
-    from sft_nb.models import model_config
-    mc = model_config(cfg.model.path)
+    "A `ConfigError` naming the sizes config.json leaves to transformers' defaults; NotImplementedError, naming the key, for a model `plan` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in float32."
+    from sft_nb.models import model_config, resolve_model_path
+    mc, f = model_config(cfg.model.path), Path(resolve_model_path(cfg.model.path)) / 'config.json'
+    if f.is_file():  # a plan of transformers' defaults would be another model's: config.json must say the sizes
+        raw, tc = json.loads(f.read_text()), mc.get_text_config()
+        raw = raw.get('text_config', raw) if tc is not mc else raw
+        said = lambda k: k in raw or any(a in raw for a, t in tc.attribute_map.items() if t == k)  # GPT-2: n_embd for hidden_size
+        if missing := [k for k in PLAN_FIELDS if hasattr(tc, k) and not said(k)]:
+            raise ConfigError(f"model.path: {f} does not say {', '.join(missing)}; the plan would take transformers' defaults "
+                              f"({', '.join(f'{k} {getattr(tc, k)}' for k in missing)}), another model's: write them into config.json")
     if getattr(mc, 'vision_config', None) is not None:
         raise NotImplementedError(f"model.path: {cfg.model.path!r} is a vision-language model; plan covers text models (its vision tower sizes tensors from each image's grid, which fake tensors do not hold): measure it with the run's dry_run")
     tc = mc.get_text_config()
@@ -110,7 +120,10 @@ def plan(cfg: SFTConfig, # the run's config (model.path may hold only config.jso
     "The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's parts, the plan's own time and, with data, `data` (`data_fit`)."
     from sft_nb.backends.fsdp import rank_capacity
     if cfg.placement.backend != 'fsdp': raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r}: plan covers the fsdp backend")
-    if device == 'cuda' and not gpu_memory: raise ValueError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
+    for name, n in (('gpus', gpus), ('nodes', nodes)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ConfigError(f"{name}: {n!r}; give a whole number of at least 1 (--{name})")
+    if gpu_memory is not None and not gpu_memory > 0: raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
+    if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, world = time.perf_counter(), gpus * nodes
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
     plannable(cfg, dtype)

@@ -4,10 +4,10 @@
 
 # %% ../nbs/02_tokenize.ipynb #97699279
 from __future__ import annotations
-import dataclasses, gc, hashlib, json
+import dataclasses, errno, gc, hashlib, json
 from pathlib import Path
 import numpy as np
-from .config import SourceConfig, TokenizeConfig
+from .config import ConfigError, SourceConfig, TokenizeConfig
 from .data import BadRow, DataReport, detect_format, load_source, source_columns, source_fingerprint, source_path
 from .paths import clean_stale_tmp, live_tmp
 from .cache import cache_key, cache_root, commit_entry, file_fingerprint, index_parts, load_entry, open_parts
@@ -230,16 +230,22 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
     root = folder.parent if use_cache else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
     if use_cache: clean_stale_tmp(root, '.*.tmp*')  # what killed tokenizations left; a live one's folder is locked
-    with live_tmp(root, f'.{key}.tmp') as tmp:
-        (tmp / 'data').mkdir()
-        run = ray_parts if ray_shards > 0 else write_parts
-        try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
-        except SourceFallback:  # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
-            raw = load_source(source)
-            for f in (tmp / 'data').iterdir(): f.unlink()
-            stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
-        index_parts(tmp / 'data', example_features(renderer), key[:16])
-        report = _report(len(raw), stats)
-        if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
-        commit_entry(tmp, folder, report)
+    try:
+        with live_tmp(root, f'.{key}.tmp') as tmp:
+            (tmp / 'data').mkdir()
+            run = ray_parts if ray_shards > 0 else write_parts
+            try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+            except SourceFallback:  # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
+                raw = load_source(source)
+                for f in (tmp / 'data').iterdir(): f.unlink()
+                stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
+            index_parts(tmp / 'data', example_features(renderer), key[:16])
+            report = _report(len(raw), stats)
+            if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
+            commit_entry(tmp, folder, report)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and 'No space left' not in str(e): raise  # Arrow's writer says it in words
+        moves = 'tokenize.cache_dir (the cache_dir parameter)' if use_cache else 'the TMPDIR environment variable'
+        raise ConfigError(f"tokenize.cache_dir: no space left in {root} while writing the tokenized data ({e.strerror}); nothing was cached. "
+                          f"Free space there, or point {moves} at a folder on a larger disk") from None
     return _raise_first(*load_entry(folder, verify=False), on_bad_row)

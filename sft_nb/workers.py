@@ -191,12 +191,16 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
                    source: str, # the model folder the run started from (processor config, default tokenizer)
                    tokenizer_path: str | None = None, # a tokenizer folder other than `source`
                   ) -> None:
-    "`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json` goes along."
+    "`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json` goes along; `EXPORT_PARTIAL` marks the folder until it is whole."
     import shutil
     from transformers import AutoTokenizer
+    from sft_nb.models import EXPORT_PARTIAL
+    Path(path).mkdir(parents=True, exist_ok=True)
+    (partial := Path(path, EXPORT_PARTIAL)).write_text('sft_nb is writing this export; loaders refuse the folder until this file is gone\n')
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(path)
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
+    partial.unlink()  # last: the folder is whole
 
 class TrainWorker(DistWorker):
     "What every backend's training worker is given (the model and optim configs as dicts, the run's steps and seed, the placement) and how it exports."
