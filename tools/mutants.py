@@ -132,6 +132,13 @@ MUTANTS = [
                 'for s in range(0, h.shape[0], max(1, ctx.chunk - 1)):'),
            tests=['tests/test_loss.py::test_linear_nll_equals_cross_entropy', 'tests/test_loss.py::test_worker_chunked_equals_one_shot'],
            notebooks=['nbs/06c_loss.ipynb']),
+    # ---- trust no file
+    Mutant('slices_shape_unchecked', "a checkpoint tensor of another shape than config.json builds is read as the model's shape",
+           [('sft_nb/backends/slices.py', 'if rd.shape(k) != list(t.shape): wrong.append(', 'if False: wrong.append(')],
+           tests=['tests/test_trust_no_file.py::test_a_tensor_of_other_shape_than_config_json_is_refused_by_both_modes']),
+    Mutant('pretokenized_ids_unbounded', "a pretokenized id past the tokenizer's vocabulary is kept (the worker dies on it at the first step)",
+           [('sft_nb/renderers.py', "if (top := max(conv['input_ids'])) >= len(tokenizer) or", "if False and (top := max(conv['input_ids'])) >= len(tokenizer) or")],
+           tests=['tests/test_trust_no_file.py::test_pretokenized_ids_are_checked_on_read']),
 ]
 
 
