@@ -33,7 +33,7 @@ setuptools.setup(
     url=cfg['git_url'],
     packages=setuptools.find_packages(include=[lib_path, lib_path + '.*']),
     include_package_data=True,
-    package_data={cfg['lib_name']: ['chat_templates/*.jinja']},  # our tagged training templates (sft_nb.templates.CHAT_TEMPLATES)
+    package_data={cfg['lib_name']: ['chat_templates/*.jinja', 'sample_data/*']},  # our tagged training templates (sft_nb.templates.CHAT_TEMPLATES), the examples' sample rows
     install_requires=requirements,
     extras_require={'dev': dev_requirements},
     python_requires='>=' + cfg['min_python'],

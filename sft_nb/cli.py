@@ -4,7 +4,7 @@
 
 # %% ../nbs/11_cli.ipynb #ef2c9e85
 from __future__ import annotations
-import argparse, ast, json, os, signal, sys, threading, time
+import argparse, ast, json, os, re, signal, sys, threading, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
 import yaml
@@ -14,8 +14,9 @@ from .errors import UserError
 from .workers import child_pids
 
 # %% auto #0
-__all__ = ['RUN_WORDS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters', 'in_thread', 'kernel_pids',
-           'SignalStop', 'in_run_words', 'run_notebook', 'check_overrides', 'build_parser', 'main']
+__all__ = ['RUN_WORDS', 'ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
+           'in_thread', 'kernel_pids', 'SignalStop', 'in_run_words', 'NotebookError', 'run_notebook', 'check_overrides',
+           'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -142,6 +143,11 @@ def in_run_words(message: str, declared: dict) -> str:
     return message
 
 # %% ../nbs/11_cli.ipynb #517daef8
+ANSI = re.compile(r'\x1b\[[0-9;]*m')  # colour codes in a kernel's traceback lines
+
+class NotebookError(UserError, RuntimeError):
+    "A notebook cell stopped on the user's mistake (a `UserError` in the kernel): its message, the cell, the executed notebook, its fix."
+
 def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
                  grace_s: float = 120) -> Path: # seconds from SIGTERM/SIGINT to a checkpoint in the kernel; then it is killed
     "Validate `params`, then execute `notebook` with papermill; returns the executed notebook's path."
@@ -179,6 +185,12 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
             raise Preempted(f"{said} (executed notebook: {target}{kept}); continue with the same command and -p resume latest",
                             stopped[0]) from None
         first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
+        where = f"cell {e.exec_count} `{first[:80]}` of {notebook}; executed notebook: {target}{kept}"
+        lines = [ANSI.sub('', l) for l in e.traceback or []]
+        if lines and not any('Traceback' in l or l.startswith('---') for l in lines):  # a UserError's box: what, where, the fix
+            fix = next((l.removeprefix('fix: ') for l in lines if l.startswith('fix: ')), None)
+            raise NotebookError(f"{e.ename}: {in_run_words(e.evalue, declared)} ({where})", fix=fix and in_run_words(fix, declared)) from None
+        print('\n'.join(lines), file=sys.stderr)  # a bug keeps its traceback, as the kernel wrote it
         raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {in_run_words(e.evalue, declared)} "
                            f"(executed notebook: {target}{kept})") from None
     finally:
@@ -187,11 +199,14 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     return out
 
 # %% ../nbs/11_cli.ipynb #bbe33bbe
+PAPERMILL_BANNERS = re.compile(r'(Executing|Ending) Cell \d+-+$|(Input|Output) Notebook: |Executing notebook with kernel')
+
 def _cmd_run(a):
     import logging
     log = logging.getLogger('papermill')  # papermill streams cell output through this logger
     if not log.handlers: log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO); log.propagate = False
+    log.filters = [lambda r: not PAPERMILL_BANNERS.match(r.getMessage())]  # the cells' own output, not papermill's cell-by-cell banners
     params = {}
     if a.file:
         try: params.update(load_yaml(Path(a.file).read_text(), f'-f {a.file}') or {})
@@ -303,6 +318,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
+    debug = '--debug' in argv  # the traceback of a refused or failed command, below its message
+    argv = [x for x in argv if x != '--debug']
     p = build_parser()
     if argv and argv[0] in ('inspect', 'pack', 'demo'):  # these parse their own arguments (and --help)
         cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
@@ -313,8 +330,11 @@ def main(argv=None):
     except Preempted as e:
         print(f"sft-nb {cmd}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (ValueError, RuntimeError, OSError, ImportError) as e:  # bad input and failed runs: one line, no traceback
+    except (ValueError, RuntimeError, OSError, ImportError) as e:  # bad input and failed runs: what, where, the fix; no traceback
         print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)
+        if getattr(e, 'fix', None): print(f"fix: {e.fix}", file=sys.stderr)
+        if debug: traceback.print_exception(e)
+        elif not isinstance(e, UserError) and cmd != 'run': print(f"(sft-nb {cmd} --debug shows the traceback)", file=sys.stderr)  # run printed the kernel's
         sys.exit(2 if isinstance(e, ValueError) else 1)
 
 if __name__ == '__main__' and 'IPython' not in sys.modules: main()  # not when a notebook kernel runs this cell

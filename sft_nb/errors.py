@@ -47,7 +47,8 @@ def format_user_error(exc: UserError) -> list[str]:
         exc._folded = True  # IPython may ask twice (the error output, the execute reply): one fold
         def show():
             ip.events.unregister('post_execute', show)
-            display({'text/html': folded_traceback_html(exc), 'text/plain': traceback_text(exc)}, raw=True)
+            n = traceback_text(exc).count(chr(10))  # a terminal or an executed notebook's text shows the box alone, as the browser does
+            display({'text/html': folded_traceback_html(exc), 'text/plain': f'(traceback folded: {n} lines; the HTML output holds it)'}, raw=True)
         ip.events.register('post_execute', show)
     head, *rest = error_lines(exc)
     kind, msg = head.split(': ', 1) if ': ' in head else (head, '')

@@ -168,3 +168,30 @@ def test_two_node_cluster_matches_one_node(tmp_path, ray_session):
     local, local_losses = read_run(tmp_path / 'local')
     assert len(set(spread['worker_nodes'])) == 2 and len(set(local['worker_nodes'])) == 1  # one worker on each node; both on one
     assert spread_losses == pytest.approx(local_losses, rel=1e-6)  # the same 2 ranks, on one node or two
+
+
+def test_a_users_mistake_is_one_short_message_in_the_terminal_and_the_executed_notebook(tmp_path):
+    """`sft-nb run` with a data file that does not exist: the terminal holds at most 6 lines (no traceback) naming the file,
+    the cell and the fix; the executed notebook's error is the same box (2 lines) and its folded traceback one line of text."""
+    r = sft_nb('run', TRAIN_NB, '-p', 'train_data', 'missing/chats.jsonl', '--run-dir', tmp_path / 'run', cwd=tmp_path)
+    out = (r.stdout + r.stderr).strip().splitlines()
+    assert r.returncode != 0 and len(out) <= 6 and 'Traceback' not in r.stdout + r.stderr, out
+    assert any("MissingFile: data source 'missing/chats.jsonl' does not exist" in l and 'trainer.setup()' in l for l in out), out
+    assert f'fix: check the path (a relative one is read from {tmp_path})' in out, out
+    nb = json.loads((tmp_path / 'run' / 'train.ipynb').read_text())
+    outputs = [o for c in nb['cells'] for o in c.get('outputs', [])]
+    (err,) = [o for o in outputs if o['output_type'] == 'error']
+    assert len(err['traceback']) == 2 and 'fix: check the path' in err['traceback'][1], err['traceback']
+    texts = [''.join(o['data']['text/plain']) for o in outputs if o['output_type'] == 'display_data' and 'text/plain' in o['data']]
+    assert any(t.startswith('(traceback folded:') and '\n' not in t for t in texts), texts
+
+
+def test_a_genuine_bug_in_a_notebook_keeps_its_traceback(tmp_path):
+    "A cell that raises an exception which is no user mistake (a KeyError): `sft-nb run` prints the kernel's traceback and the failing cell."
+    nb = nbformat.v4.new_notebook(metadata={'kernelspec': {'name': 'python3', 'display_name': 'python3', 'language': 'python'}})
+    nb.cells = [nbformat.v4.new_code_cell("key = 'b'", metadata={'tags': ['parameters']}),
+                nbformat.v4.new_code_cell("def lookup(k): return {'a': 1}[k]\nlookup(key)")]
+    nbformat.write(nb, tmp_path / 'bug.ipynb')
+    r = sft_nb('run', tmp_path / 'bug.ipynb', '--run-dir', tmp_path / 'run', cwd=tmp_path)
+    assert r.returncode != 0 and 'Traceback (most recent call last)' in r.stderr and 'lookup(key)' in r.stderr, r.stderr
+    assert "failed: KeyError: 'b'" in r.stderr, r.stderr
