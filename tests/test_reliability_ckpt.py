@@ -117,6 +117,8 @@ def test_checkpoint_of_another_model_is_refused(tiny_path, tmp_path, straight):
     cfg['num_hidden_layers'] += 1
     if 'layer_types' in cfg: cfg['layer_types'] = cfg['layer_types'] + cfg['layer_types'][-1:]
     (big / 'config.json').write_text(json.dumps(cfg))
+    from transformers import AutoConfig, AutoModelForCausalLM
+    AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(big)).save_pretrained(big)  # weights of 3 layers: a whole model
     with SFTTrainer(run_cfg(big, tmp_path / 'big', **BASE), train_data=ROWS) as t:
         t.fit(2)
     ck = tmp_path / 'big' / 'checkpoints' / 'step_000002'
