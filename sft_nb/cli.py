@@ -15,8 +15,8 @@ from .workers import child_pids
 
 # %% auto #0
 __all__ = ['RUN_WORDS', 'ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
-           'in_thread', 'kernel_pids', 'SignalStop', 'in_run_words', 'NotebookError', 'run_notebook', 'check_overrides',
-           'build_parser', 'main']
+           'check_parameter_names', 'in_thread', 'kernel_pids', 'SignalStop', 'in_run_words', 'NotebookError',
+           'run_notebook', 'check_overrides', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -55,6 +55,50 @@ def check_parameters(declared: dict, given: dict) -> dict:
             else: raise ParameterError(f"parameter {k!r} expects {t}, got {type(v).__name__} {v!r}")
         out[k] = float(v) if t == 'float' else v
     return out
+
+# %% ../nbs/11_cli.ipynb #c2f40982
+def _names(src: str, assigned: bool) -> set[str]:
+    "The names cell source `src` assigns at top level (`assigned`), or every name it mentions; IPython magics read as IPython runs them."
+    from IPython.core.inputtransformer2 import TransformerManager
+    try: tree = ast.parse(TransformerManager().transform_cell(src))
+    except SyntaxError: return set()
+    if not assigned: return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {k.arg for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg}
+    targets = [t for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    return {e.id for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)}
+
+def _reads_binds(src: str) -> tuple[set[str], set[str]]:
+    "(the names cell source `src` reads, the names it binds: assignments, imports, definitions, arguments)."
+    from IPython.core.inputtransformer2 import TransformerManager
+    try: tree = ast.parse(TransformerManager().transform_cell(src))
+    except SyntaxError: return set(), set()
+    nodes = list(ast.walk(tree))
+    reads = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    binds = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {a.arg for a in nodes if isinstance(a, ast.arg)}
+    binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    return reads, binds | {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+
+def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
+                          notebook: str | Path | None = None, # the notebook file; None: the one JupyterLab runs (JPY_SESSION_NAME)
+                         ) -> None:
+    "A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other cell of `notebook` uses, with the closest parameter."
+    import builtins, difflib
+    notebook = notebook or os.environ.get('JPY_SESSION_NAME')
+    if not notebook or not Path(notebook).is_file(): return  # no notebook file to hold the names against (a plain IPython session)
+    cells = [c for c in json.loads(Path(notebook).read_text())['cells'] if c['cell_type'] == 'code']
+    tags = lambda c: c.get('metadata', {}).get('tags', [])
+    params = next((c for c in cells if 'parameters' in tags(c)), None)
+    if params is None: return
+    declared = _names(''.join(params['source']), True)
+    other = [''.join(c['source']) for c in cells if c is not params and 'injected-parameters' not in tags(c)]
+    used = set().union(*(_names(s, False) for s in other))
+    reads, binds = (set().union(*x) for x in zip(*map(_reads_binds, other))) if other else (set(), set())
+    names = sorted(declared & used | reads - binds - set(dir(builtins)))  # the parameters: what other cells read and none of them binds
+    ran = [s for s in ns.get('In', [])[-3:-1]  # the parameters cell and papermill's injected one ('# Parameters'): assignments only
+           if (a := _names(s, True)) and (a & declared or s.startswith('# Parameters')) and not _names(s, False) - a]
+    for name in sorted({n for s in ran for n in _names(s, True)} - used):
+        close = difflib.get_close_matches(name, names, n=1)
+        raise ParameterError(f"{name}: not a parameter of this notebook" + (f"; did you mean {close[0]}?" if close else ''),
+                             fix=f"rename it in the parameters cell (this notebook's parameters: {', '.join(names)})")
 
 # %% ../nbs/11_cli.ipynb #98bcc790
 def in_thread(fn):

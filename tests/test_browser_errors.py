@@ -6,7 +6,7 @@ the cell that reads it is run again. Screenshots: build/browser/error_*.png."""
 from __future__ import annotations
 import re
 import pytest
-from jupyter_lab import Notebook, with_params
+from jupyter_lab import LAB_DIR, Notebook, with_params
 from sft_nb.lint import CHECKS
 
 pytestmark = pytest.mark.timeout(900)
@@ -43,10 +43,18 @@ def _check_box(nb, cell, kind: str, what: str, fix: str, shot: str) -> str:
 
 
 def test_mistakes_in_interactive_show_one_box(lab, browser):
-    nb = Notebook(browser, lab, with_params('interactive.ipynb', 'interactive_errors.ipynb', {'train_data': "'nope.jsonl'"}))
+    "A misspelled parameter (num_step), then a missing file, an unknown template and max_length=8, each fixed in a new cell."
+    name = with_params('interactive.ipynb', 'interactive_errors.ipynb', {'train_data': "'nope.jsonl'"})
+    f = LAB_DIR / name
+    f.write_text(f.read_text().replace('num_steps = 150', 'num_step = 20', 1))  # the typo a user makes in the parameters cell
+    nb = Notebook(browser, lab, name)
     try:
         _run_menu(nb, 'runmenu:run-all')
         setup = _code_cell(nb, 'trainer.setup()')
+        _check_box(nb, setup, 'ParameterError', 'num_step: not a parameter of this notebook; did you mean num_steps?',
+                   "fix: rename it in the parameters cell", 'error_interactive_typo')
+        nb.run_new_cell('num_steps = 20')
+        _rerun(nb, setup)
         _check_box(nb, setup, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_interactive_missing')
         setup.locator('.sft-nb-error-tb summary').click()  # one click opens the traceback
         assert TB in setup.locator('.jp-OutputArea').inner_text()
