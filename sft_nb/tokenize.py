@@ -17,8 +17,8 @@ from .rows import JsonlRows, SourceFallback, source_slice, stream_source
 from .vision import ProcessorRenderer
 
 # %% auto #0
-__all__ = ['make_renderer', 'example_features', 'example_batch', 'tokenize_part', 'part_name', 'write_parts', 'ray_part',
-           'ray_parts', 'image_base_dir', 'tokenize_dataset']
+__all__ = ['PROGRESS_ROWS', 'make_renderer', 'example_features', 'example_batch', 'tokenize_part', 'part_name', 'write_parts',
+           'ray_part', 'ray_parts', 'image_base_dir', 'tokenize_dataset']
 
 # %% ../nbs/02_tokenize.ipynb #243f778d
 def make_renderer(obj, # a tokenizer, a vision-language processor or a Renderer
@@ -68,6 +68,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
                   start: int, stop: int, renderer: Renderer, fmt: str, batch_size: int,
                   path: str | Path | None = None, # write the part here (an Arrow stream file); None: return it as a Table
                   offset: int = 0, # source index of row 0 of `raw` (a shard sent to a Ray task)
+                  progress=None, # called with each batch's row count (a progress bar's `update`)
                  ):
     "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
     import pyarrow as pa
@@ -89,6 +90,7 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
             st['n_real'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
             st['max_length'] = max(st['max_length'], int(lens.max(initial=0)))
             w.write_batch(b)
+            if progress is not None: progress(e - s)
             del rows, good, b
             if gc_on: gc.enable()  # between batches the collector runs as usual: memory stays bounded by one batch
     finally:
@@ -105,19 +107,27 @@ _FORKED = None  # (raw, renderer, fmt, batch_size, bounds, folder) handed to for
 
 def _forked_part(k: int):
     raw, renderer, fmt, batch_size, bounds, folder = _FORKED
-    return tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size, Path(folder) / part_name(k, len(bounds) - 1))[0]
+    return k, tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size, Path(folder) / part_name(k, len(bounds) - 1))[0]
+
+PROGRESS_ROWS = 5000  # a source this long shows a progress bar while it is tokenized (~2 s and more on one core)
 
 def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_size: int = 256) -> list[dict]:
     "Tokenize the whole source into `folder/data-*.arrow`: one contiguous shard per process (forked: the source is shared, not copied)."
     global _FORKED
+    from tqdm.auto import tqdm
     n = len(raw)
     bounds = np.linspace(0, n, max(1, min(num_proc, n)) + 1).astype(int).tolist()
-    if len(bounds) == 2: return [tokenize_part(raw, 0, n, renderer, fmt, batch_size, folder / part_name(0, 1))[0]]
-    import multiprocessing as mp
-    _FORKED = (raw, renderer, fmt, batch_size, bounds, str(folder))
-    try:
-        with mp.get_context('fork').Pool(len(bounds) - 1) as pool: return pool.map(_forked_part, range(len(bounds) - 1))
-    finally: _FORKED = None
+    with tqdm(total=n, desc='tokenize', unit='row', disable=n < PROGRESS_ROWS, dynamic_ncols=True) as bar:
+        if len(bounds) == 2: return [tokenize_part(raw, 0, n, renderer, fmt, batch_size, folder / part_name(0, 1), progress=bar.update)[0]]
+        import multiprocessing as mp
+        _FORKED = (raw, renderer, fmt, batch_size, bounds, str(folder))
+        try:
+            with mp.get_context('fork').Pool(len(bounds) - 1) as pool:
+                out = {}
+                for k, st in pool.imap_unordered(_forked_part, range(len(bounds) - 1)):  # a part's rows counted as it ends
+                    out[k] = st; bar.update(bounds[k + 1] - bounds[k])
+                return [out[k] for k in sorted(out)]
+        finally: _FORKED = None
 
 # %% ../nbs/02_tokenize.ipynb #a1ef975e
 def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,

@@ -166,3 +166,19 @@ def test_duplicate_key_row_same_in_map_style_and_streamed(tiny_tok, tmp_path):
     streamed = [r for _, r, _ in stream_rows(str(src))]
     reason = f"{src}: line 2: key 'content' appears twice in one object; keep one of them"
     assert streamed[1][BAD_ROW_KEY]['reason'] == reason and rep.bad_rows == [(1, 'bad_json', reason)] and ds['index'] == [0, 2]
+
+
+def test_a_long_source_shows_tokenization_progress(tiny_tok, tmp_path, monkeypatch, capsys):
+    "A source of PROGRESS_ROWS rows or more shows a tqdm bar counting rows while it is tokenized (one process and two); a short one shows none."
+    import json
+    import sft_nb.tokenize as tk
+    from sft_nb.config import TokenizeConfig
+    monkeypatch.setattr(tk, 'PROGRESS_ROWS', 40)
+    rows = [{'messages': [{'role': 'user', 'content': f'q {i}'}, {'role': 'assistant', 'content': f'a {i}'}]} for i in range(50)]
+    f = tmp_path / 'rows.jsonl'; f.write_text(''.join(json.dumps(r) + '\n' for r in rows))
+    for num_proc in (1, 2):
+        tk.tokenize_dataset(str(f), tiny_tok, TokenizeConfig(max_length=64), num_proc=num_proc, batch_size=16, use_cache=False)
+        err = capsys.readouterr().err
+        assert 'tokenize: 100%' in err and '50/50' in err, (num_proc, err)
+    tk.tokenize_dataset(rows[:10], tiny_tok, TokenizeConfig(max_length=64))
+    assert 'tokenize' not in capsys.readouterr().err
