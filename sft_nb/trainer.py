@@ -23,8 +23,8 @@ from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'dry_run_batch',
-           'largest_micro_batch', 'dry_run_verdict']
+__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'retire',
+           'dry_run_batch', 'largest_micro_batch', 'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
 class TrainerBusy(UserError, RuntimeError):
@@ -395,6 +395,16 @@ def shutdown(self: SFTTrainer):
     if self.group is not None: self.group.shutdown(); self.group, self.backend = None, None
     self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
+
+# %% ../nbs/08_trainer.ipynb #d84bdafb
+def retire(old, # what the notebook's `trainer` held before (anything else is left alone)
+           timeout: float = 600) -> None:
+    "Stop an `SFTTrainer` a notebook is about to replace: its running fit at the next step boundary, then its workers and the Ray it started."
+    if not isinstance(old, SFTTrainer): return
+    if old.request_stop():
+        end = time.monotonic() + timeout
+        while old.running and time.monotonic() < end: time.sleep(0.05)
+    old.shutdown()
 
 # %% ../nbs/08_trainer.ipynb #ef328302
 @patch

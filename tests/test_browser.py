@@ -53,3 +53,43 @@ def test_packing_simulator_in_browser(lab, browser):
     sim.scroll_into_view_if_needed(); nb.shot('packsim', sim)
     nb.check_clean()
     nb.close()
+
+
+def _descendants(pid: int) -> list[int]:
+    "PIDs below `pid` in the process tree (from /proc)."
+    from pathlib import Path
+    parent = {}
+    for p in Path('/proc').glob('[0-9]*'):
+        try: parent[int(p.name)] = int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1])
+        except (OSError, ValueError, IndexError): pass
+    out, todo = [], [pid]
+    while todo:
+        top = todo.pop()
+        kids = [c for c, par in parent.items() if par == top]
+        out += kids; todo += kids
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    from pathlib import Path
+    try: return Path(f'/proc/{pid}/cmdline').read_bytes().replace(b'\0', b' ').decode(errors='replace')
+    except OSError: return ''
+
+
+def test_run_all_three_times_leaves_one_trainer(lab, browser):
+    "interactive.ipynb Run All three times in one kernel: each run retires the trainer before it, so one worker process remains."
+    from jupyter_lab import with_params
+    nb = Notebook(browser, lab, with_params('interactive.ipynb', 'interactive_rerun.ipynb',
+                                            {'num_steps': '4', 'eval_every': '0', 'early_stopping': '0', 'keep_best': 'False'}))
+    try:
+        for _ in range(3):
+            nb.run_all()
+            nb.page.locator('.sft-nb-panel').first.wait_for(timeout=120_000)
+        kernel = nb.session()['kernel']['id']
+        (kpid,) = [int(p.name) for p in __import__('pathlib').Path('/proc').glob('[0-9]*') if f'kernel-{kernel}' in _cmdline(int(p.name))]
+        workers = [p for p in _descendants(kpid) if _cmdline(p).startswith('ray::FSDPWorker')]
+        assert len(workers) == 1, [_cmdline(p) for p in workers]
+        nb.shot('run_all_three_times', nb.page.locator('.sft-nb-panel').first)
+        cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
+        cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
+    finally: nb.close()
