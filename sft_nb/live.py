@@ -248,7 +248,7 @@ def start(self, name: str, fn):
         self.thread = None; self.refresh()
     self.stopped, self.state = False, 'idle'
     self.thread = threading.Thread(target=work, name=name, daemon=True)
-    self.thread.start(); self.refresh()
+    self.thread.start(); self.take_interrupts(); self.refresh()
 
 @patch_to(TrainerPanel)
 def stop(self):
@@ -257,6 +257,19 @@ def stop(self):
         # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
         self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
     self.refresh()
+
+@patch_to(TrainerPanel)
+def on_interrupt(self, signum, frame):
+    "The kernel's interrupt (JupyterLab's ■, Kernel › Interrupt) while no cell runs: this panel's fit stops after its step, as Stop does, and says so."
+    if self.busy: self.log.write('interrupt: '); self.stop()
+
+@patch_to(TrainerPanel)
+def take_interrupts(self):
+    "Let the kernel's interrupt reach `on_interrupt`: between messages ipykernel ignores SIGINT (its `saved_sigint_handler`, put back after each message), so a fit in this panel's thread would never hear it; a cell that runs still gets KeyboardInterrupt."
+    from IPython import get_ipython
+    kernel = getattr(get_ipython(), 'kernel', None)
+    if kernel is not None and hasattr(kernel, 'saved_sigint_handler') and threading.current_thread() is threading.main_thread():
+        kernel.saved_sigint_handler = self.on_interrupt
 
 @patch_to(TrainerPanel)
 def wait(self, timeout: float | None = None):

@@ -217,3 +217,22 @@ def test_inspector_shows_what_trains(run):
     assert nb.errors_shown().count() == 1
     run.busy_cell.click(); page.keyboard.press('Escape'); page.keyboard.press('d'); page.keyboard.press('d')
     nb.check_clean()
+
+
+def test_kernel_interrupt_stops_a_panel_fit(run):
+    "The toolbar's interrupt (Kernel › Interrupt Kernel) while the panel fits: the fit stops after its step, the panel says so."
+    nb, page = run.nb, run.page
+    run.panel.scroll_into_view_if_needed()
+    before = int(re.search(r'step (\d+)/3000', status(nb)).group(1))
+    button(nb, 'Fit').click()
+    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')", timeout=60_000)
+    page.wait_for_function(f"() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= {before + 2}",
+                           timeout=120_000, polling=500)
+    page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Kernel$')).click()
+    page.locator('.lm-Menu-item[data-command="kernelmenu:interrupt"]').click()
+    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')", timeout=180_000)
+    said = re.findall(r'interrupt: stop: the run stops after step (\d+)', page.locator('.sft-nb-log').text_content())
+    stopped = int(re.search(r'stopped at step (\d+)', status(nb)).group(1))
+    assert said and int(said[-1]) == stopped > before + 1, (said, stopped, before)
+    _wait_idle(page)
+    nb.shot('panel_interrupted', run.panel)
