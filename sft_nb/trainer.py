@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 import pandas as pd
 from fastcore.basics import patch
-from .config import SFTConfig, load_config, save_config
+from .config import ConfigError, SFTConfig, load_config, save_config
 from .errors import UserError
 from .stream import StreamPlan
 from .dataplan import DataPlan, synthetic_dataset
@@ -194,6 +194,11 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume) if c.checkpoint.resume else None
+    if resume is None and c.checkpoint.resume == 'latest' and (kept := [n for n in ('metrics.jsonl', 'samples.jsonl', 'best', 'hf') if (self.run_dir / n).exists()
+                                                                       and (n != 'metrics.jsonl' or (self.run_dir / n).stat().st_size)]):
+        raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({', '.join(kept)}) but no checkpoint: its steps cannot be continued, and "
+                          "starting at step 0 would write over them. Save the trainer that ran it first (trainer.save(), the panel's Save), "
+                          "or start over with checkpoint.overwrite=true")
     if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)  # another data stream: refused before Ray starts
     if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
@@ -240,7 +245,8 @@ def step(self: SFTTrainer) -> dict:
 @patch
 @action('fit')
 def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
-    "Run `n_steps` more steps (default: to the end), honouring stop/save/evaluate flags after each step."
+    "Run `n_steps` more steps (default: to the end; a finished run continues `n_steps` more), honouring stop/save/evaluate flags after each step."
+    if n_steps and self.global_step >= self.total_steps: self._continue(self.global_step + n_steps)  # done: more steps asked for
     end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
     self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
     self._emit('on_train_start')
@@ -283,7 +289,7 @@ def evaluate(self: SFTTrainer) -> dict:
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-    state = {'global_step': self.global_step, 'history': self.step_metrics, 'model': self.model_fingerprint,
+    state = {'global_step': self.global_step, 'history': self.step_metrics, 'evals': self.eval_history, 'model': self.model_fingerprint,
              **self.data.ckpt_state(self.global_step)}
     final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
@@ -305,7 +311,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.backend.load(str(path))
     self.global_step, self.step_metrics = state['global_step'], state['history']
-    self.eval_history = [e for e in self.eval_history if e['step'] <= self.global_step]
+    self.eval_history = [e for e in state.get('evals', []) if e['step'] <= self.global_step]  # the chart's eval points up to here
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
     self.record_resume(path, changed)
@@ -321,8 +327,9 @@ def write_config(self: SFTTrainer):
     save_config(self.cfg, self.run_dir / 'config.yaml')
     f = self.run_dir / 'events.jsonl'
     events = [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
-    notes = [f"# resumed at step {e['step']} from {e['checkpoint']}: " + (', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in e['changed'].items()) or 'no change')
-             + (f" ({e['lr_schedule']})" if 'lr_schedule' in e else '') for e in events if e.get('event') == 'resume']
+    how = lambda e: f"resumed at step {e['step']} from {e['checkpoint']}" if e['event'] == 'resume' else f"continued at step {e['step']}"
+    notes = [f"# {how(e)}: " + (', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in e['changed'].items()) or 'no change')
+             + (f" ({e['lr_schedule']})" if 'lr_schedule' in e else '') for e in events if e.get('event') in ('resume', 'continue')]
     if notes:
         with open(self.run_dir / 'config.yaml', 'a') as out: out.write('# segments (run_dir/events.jsonl); the config above is the last one\n' + '\n'.join(notes) + '\n')
 
@@ -333,6 +340,19 @@ def record_resume(self: SFTTrainer, path, changed: dict):
     if 'train.num_steps' in changed or 'train.num_epochs' in changed: ev['lr_schedule'] = LR_RULE
     with open(self.run_dir / 'events.jsonl', 'a') as f: f.write(json.dumps(ev) + '\n')
     self.write_config()
+
+@patch
+def _continue(self: SFTTrainer, total: int):
+    "Make a finished run `total` steps long, in place (workers, data plan, config): `LR_RULE`; recorded in events.jsonl and config.yaml, and said."
+    if isinstance(self.data, StreamPlan):
+        raise ConfigError(f"trainer.fit: a streamed run cannot be made longer in place; resume it with train.num_steps={total}")
+    old = self.total_steps
+    self.backend.set_total_steps(total)
+    self.cfg.train.num_steps, self.data.total_steps = total, total
+    with open(self.run_dir / 'events.jsonl', 'a') as f:
+        f.write(json.dumps({'event': 'continue', 'step': self.global_step, 'changed': {'train.num_steps': [old, total]}, 'lr_schedule': LR_RULE}) + '\n')
+    self.write_config()
+    print(f"the run continues: {old} -> {total} steps ({LR_RULE})", file=sys.stderr)
 
 # %% ../nbs/08_trainer.ipynb #a79c85aa
 @patch

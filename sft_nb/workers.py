@@ -210,6 +210,11 @@ class TrainWorker(DistWorker):
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
         self.placement, self.step = placement or {}, 0  # step: optimizer steps taken
 
+    def set_total_steps(self, total_steps: int) -> bool:
+        "The run's new length: `take_step`'s LR schedule reads it from the next step on."
+        self.total_steps = total_steps
+        return True
+
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
         "`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank takes part in gathering."
         state = self.full_state()

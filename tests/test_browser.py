@@ -77,10 +77,11 @@ def _cmdline(pid: int) -> str:
 
 
 def test_run_all_three_times_leaves_one_trainer(lab, browser):
-    "interactive.ipynb Run All three times in one kernel: each run retires the trainer before it, so one worker process remains."
+    """interactive.ipynb Run All three times in one kernel: each run retires the trainer before it, so one worker process
+    remains. Then the 20-step run, done, continues to 30 from a cell: steps 1-20 and the chart's eval points stay."""
     from jupyter_lab import with_params
     nb = Notebook(browser, lab, with_params('interactive.ipynb', 'interactive_rerun.ipynb',
-                                            {'num_steps': '4', 'eval_every': '0', 'early_stopping': '0', 'keep_best': 'False'}))
+                                            {'num_steps': '20', 'eval_every': '10', 'early_stopping': '0', 'keep_best': 'False'}))
     try:
         for _ in range(3):
             nb.run_all()
@@ -90,6 +91,27 @@ def test_run_all_three_times_leaves_one_trainer(lab, browser):
         workers = [p for p in _descendants(kpid) if _cmdline(p).startswith('ray::FSDPWorker')]
         assert len(workers) == 1, [_cmdline(p) for p in workers]
         nb.shot('run_all_three_times', nb.page.locator('.sft-nb-panel').first)
+        from jupyter_lab import button, status
+        button(nb, 'Fit').click()
+        nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('step 20/20')", timeout=300_000)
+        losses = _kernel_json(nb, "import json; print('LOSSES', json.dumps(trainer.history.loss.tolist()))", 'LOSSES')
+        nb.run_new_cell('trainer.fit(10)')
+        nb.page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('step 30/30')", timeout=300_000)
+        after = _kernel_json(nb, "print('LOSSES', json.dumps(trainer.history.loss.tolist()))", 'LOSSES')
+        assert len(after) == 30 and after[:20] == losses, (losses, after)
+        traces = nb.page.locator('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')
+        nb.page.wait_for_function("() => document.querySelectorAll('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')[1]?.querySelectorAll('path.point').length === 3",
+                                  timeout=60_000)
+        assert traces.nth(0).locator('path.point').count() == 30 and traces.nth(1).locator('path.point').count() == 3  # evals at 10, 20, 30
+        nb.shot('panel_continued_to_30', nb.page.locator('.sft-nb-panel').first)
         cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
         cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
     finally: nb.close()
+
+
+def _kernel_json(nb, code: str, tag: str):
+    "Run `code` in a new cell; the JSON it prints after `tag`."
+    import json
+    out = nb.run_new_cell(code).locator('.jp-OutputArea-output', has_text=tag)
+    out.wait_for(timeout=60_000)
+    return json.loads(out.inner_text().split(tag, 1)[1])

@@ -193,3 +193,35 @@ def test_lora_adapter_only_exact_resume_and_both_exports(tiny_path, tmp_path, ra
         a = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), adapter).eval()(ids).logits
         b = base.eval()(ids).logits
     assert rel_gap(m, a) <= 1e-5 and rel_gap(m, b) > 1e-3
+
+
+def test_a_finished_run_continues_in_place_as_a_resume_extends_it(tiny_path, tmp_path, ray_session):
+    """A 4-step run, done, then `fit(2)`: it continues to 6 steps in the same workers (steps 1-4 as they were, 5-6 at the LR the
+    6-step schedule gives, the event recorded), exactly as a resume of its step-4 checkpoint with train.num_steps=6 continues;
+    that resume restores the eval points (the chart's) up to step 4."""
+    base = dict(train__num_steps=4, train__eval_every=2, optim__schedule='cosine', optim__lr=1e-3, data__eval_fraction=0.25)
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'run', **base), train_data=ROWS) as t:
+        first = t.fit()['loss'].tolist()
+        ckpt = t.save()
+        h = t.fit(2)
+        assert t.total_steps == 6 and len(h) == 6 and h.loss.tolist()[:4] == first
+        assert h.lr.tolist()[4:] == pytest.approx([lr_at(s, 1e-3, 6, 'cosine') for s in (4, 5)])
+        assert [e['step'] for e in t.eval_history] == [2, 4, 6]
+    events = [json.loads(l) for l in (tmp_path / 'run' / 'events.jsonl').read_text().splitlines()]
+    assert events[-1]['event'] == 'continue' and events[-1]['changed'] == {'train.num_steps': [4, 6]} and 'lr_schedule' in events[-1]
+    assert '# continued at step 4: train.num_steps 4 -> 6' in (tmp_path / 'run' / 'config.yaml').read_text()
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'resumed', checkpoint__resume=str(ckpt), **{**base, 'train__num_steps': 6}), train_data=ROWS) as r:
+        assert [e['step'] for e in r.eval_history] == [2, 4]  # restored from the checkpoint: the chart keeps its eval points
+        resumed = r.fit()['loss'].tolist()
+    assert_rel_close(resumed[4:], h.loss.tolist()[4:], 4e-6, 'continued in place vs resumed')
+
+
+def test_resume_latest_without_a_checkpoint_never_writes_over_a_run(tiny_path, tmp_path, ray_session):
+    "A run folder whose run trained but never saved: `checkpoint.resume=latest` is refused by name, and its metrics stay as they were."
+    from sft_nb.config import ConfigError
+    with SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=4), train_data=ROWS) as t: t.fit(2)
+    before = (tmp_path / 'metrics.jsonl').read_text()
+    t = SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=4, checkpoint__resume='latest'), train_data=ROWS)
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume=latest: .* holds a run \(metrics\.jsonl\) but no checkpoint.*Save the trainer"):
+        t.setup()
+    assert (tmp_path / 'metrics.jsonl').read_text() == before and t.group is None

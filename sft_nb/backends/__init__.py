@@ -45,6 +45,7 @@ class Backend(Protocol):
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
         "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from the backend's `hf_model`)."
     def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
+    def set_total_steps(self, total_steps: int) -> bool: "The run's new length (a finished run continued): the LR schedule's from the next step on."
     def shutdown(self): "Leave the process group."
 
 # %% ../../nbs/07_backends.ipynb #6a2168af
@@ -84,6 +85,7 @@ class BackendGroup:
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> list:
         return self.group.call('export_hf', path, tokenizer_path, lora_export)
     def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list: return self.group.call('profile', action, path, ranks)
+    def set_total_steps(self, total_steps: int) -> list: return self.group.call('set_total_steps', total_steps)
 
 # %% ../../nbs/07_backends.ipynb #0fed937b
 from fastcore.basics import patch
