@@ -161,3 +161,17 @@ def test_template_error_names_what_the_template_lacks(shared, tmp_path):
     assert (row, reason) == (0, 'template_error') and why.startswith('chat template error: chat template given in tokenize.chat_template') and why.endswith(tail)
     assert Inspector(str(path), tok, cfg, row=0).error == f'template_error: {why}'
     assert rep.lost.get('tools', 0) > 0 and 'tool schemas (tools) the chat template does not render' in str(rep)
+
+
+def test_an_alpaca_row_with_history_trains_every_answer(tiny_tok):
+    "Alpaca's `history` ([question, answer] pairs before the instruction) becomes earlier turns: every answer is trained, no question is."
+    from sft_nb.renderers import tokenize_conversation
+    row = {'instruction': 'And 3 plus 3?', 'input': '', 'output': 'It is 6.', 'system': 'Be brief.',
+           'history': [['What is 1 plus 1?', 'It is 2.'], ['And 2 plus 2?', 'It is 4.']]}
+    msgs = normalize_row(row, 'alpaca')['messages']
+    assert [(m['role'], m['content']) for m in msgs] == [('system', 'Be brief.'), ('user', 'What is 1 plus 1?'), ('assistant', 'It is 2.'),
+                                                       ('user', 'And 2 plus 2?'), ('assistant', 'It is 4.'),
+                                                       ('user', 'And 3 plus 3?'), ('assistant', 'It is 6.')]
+    ex = tokenize_conversation(msgs, tiny_tok)
+    trained = ''.join(trained_runs(ex, tiny_tok))
+    assert all(a in trained for a in ('It is 2.', 'It is 4.', 'It is 6.')) and 'plus' not in trained and 'brief' not in trained, trained

@@ -9,7 +9,7 @@ import re
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
-from sft_nb.batchviz import TRAINED, batch_fig, batch_grid
+from sft_nb.batchviz import MASKED, PAD, TRAINED, batch_fig, batch_grid
 from sft_nb.collate import collate_packed, collate_padded
 from sft_nb.data import normalize_row
 from sft_nb.datareport import dataset_report
@@ -300,8 +300,13 @@ def test_batch_heatmap(qwen, glaive):
     exs = [tokenize_conversation(normalize_row(r, 'sharegpt')['messages'], tok, tools=normalize_row(r, 'sharegpt')['tools'], template=template)
            for r in glaive[:5]]
     padded, packed = collate_padded(exs, tok.pad_token_id), collate_packed([exs[:2], exs[2:]], tok.pad_token_id)
-    for batch in (padded, packed):
-        assert batch_fig(batch).to_plotly_json() == batch_fig(batch).to_plotly_json()
+    for batch, rows in ((padded, [[e] for e in exs]), (packed, [exs[:2], exs[2:]])):
+        width = len(batch['labels'][0])
+        want = []  # from the examples alone: each sequence's tokens trained where its loss mask says (never its first), then padding
+        for seqs in rows:
+            row = [TRAINED if m and t > 0 else MASKED for e in seqs for t, m in enumerate(e.loss_mask)]
+            want.append(row + [PAD] * (width - len(row)))
+        assert [list(r) for r in batch_fig(batch).data[0].z] == want
         grid, starts = batch_grid(batch)
         assert int((grid == TRAINED).sum()) == batch['n_trained']
     fig = batch_fig(packed)
