@@ -23,8 +23,8 @@ from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'retire',
-           'dry_run_batch', 'largest_micro_batch', 'dry_run_verdict']
+__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'unsaved_run',
+           'retire', 'dry_run_batch', 'largest_micro_batch', 'dry_run_verdict']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
 class TrainerBusy(UserError, RuntimeError):
@@ -185,6 +185,13 @@ def _prepare_data(self: SFTTrainer) -> DataPlan:
     return self.data.prepare()  # assigned first: when no row is usable, `trainer.data_report` says per row why
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
+def unsaved_run(run_dir: Path, save_every: int) -> str:
+    "What of a run in `run_dir` no checkpoint holds and its save policy never meant to save ('' when nothing): a `best/` or `hf/` export, or more steps logged than `save_every` (a run killed in its first save logged no more than that; it restarts at step 0)."
+    f = run_dir / 'metrics.jsonl'
+    steps = sum(json.loads(l).get('kind') == 'train' for l in f.read_text().splitlines() if l.strip()) if f.exists() else 0
+    kept = [n for n in ('best', 'hf') if (run_dir / n).exists()] + ([f'{steps} steps in metrics.jsonl'] if steps > (save_every or 0) else [])
+    return ', '.join(kept)
+
 @patch
 def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
@@ -194,9 +201,8 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume) if c.checkpoint.resume else None
-    if resume is None and c.checkpoint.resume == 'latest' and (kept := [n for n in ('metrics.jsonl', 'samples.jsonl', 'best', 'hf') if (self.run_dir / n).exists()
-                                                                       and (n != 'metrics.jsonl' or (self.run_dir / n).stat().st_size)]):
-        raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({', '.join(kept)}) but no checkpoint: its steps cannot be continued, and "
+    if resume is None and c.checkpoint.resume == 'latest' and (kept := unsaved_run(self.run_dir, c.checkpoint.save_every)):
+        raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({kept}) but no checkpoint: its steps cannot be continued, and "
                           "starting at step 0 would write over them. Save the trainer that ran it first (trainer.save(), the panel's Save), "
                           "or start over with checkpoint.overwrite=true")
     if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)  # another data stream: refused before Ray starts

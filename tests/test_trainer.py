@@ -222,6 +222,6 @@ def test_resume_latest_without_a_checkpoint_never_writes_over_a_run(tiny_path, t
     with SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=4), train_data=ROWS) as t: t.fit(2)
     before = (tmp_path / 'metrics.jsonl').read_text()
     t = SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=4, checkpoint__resume='latest'), train_data=ROWS)
-    with pytest.raises(ConfigError, match=r"checkpoint\.resume=latest: .* holds a run \(metrics\.jsonl\) but no checkpoint.*Save the trainer"):
+    with pytest.raises(ConfigError, match=r"checkpoint\.resume=latest: .* holds a run \(2 steps in metrics\.jsonl\) but no checkpoint.*Save the trainer"):
         t.setup()
     assert (tmp_path / 'metrics.jsonl').read_text() == before and t.group is None
