@@ -48,8 +48,8 @@ import argparse, datetime, gc, json, platform, re, statistics, tempfile, time, w
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
-DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json')
+SHARED = next((p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists()), None)  # the GPU machine has none: --data
+DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json') if SHARED else None
 METHODS = ('ours padded', 'ours packed', 'trl padded', 'trl packed')
 
 
@@ -502,14 +502,14 @@ def gpu_main(args):
     from sft_nb.models import smollm2_instruct, tiny_chat_model
     dry = args.dry_run
     if not dry and not torch.cuda.is_available(): raise SystemExit("--gpu needs a CUDA GPU (torch.cuda.is_available() is False); --dry-run runs the code path on CPU")
-    folder = tiny_chat_model() if dry else smollm2_instruct()
+    folder = tiny_chat_model() if dry else (args.model_folder or smollm2_instruct())
     use_gpu = not dry
     args.n_steps = args.steps_gpu if not dry else 3
     name = torch.cuda.get_device_name(0) if use_gpu else 'CPU (dry run)'
     peak = peak_tflops(name, args.peak_tflops) if use_gpu else None
     mcfg = AutoConfig.from_pretrained(folder)
     from transformers import AutoModelForCausalLM
-    n_params = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(folder).parameters())  # tied embeddings once
+    with torch.device('meta'): n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(mcfg).parameters())  # tied embeddings once
     v = versions()
     print(f"device: {name}; peak bf16 dense: {f'{peak} TFLOP/s' if peak else 'unknown (pass --peak-tflops)'}; versions {v}; "
           f"{'bf16 compute, fp32 master weights' if use_gpu else 'fp32'}; batch {args.batch}, max_length {args.max_length}, {args.n_steps} steps")
@@ -522,7 +522,7 @@ def gpu_main(args):
               "final loss | mean loss |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     lines, out = [], {'device': name, 'peak_tflops': peak, 'versions': v, 'args': vars(args), 'runs': {}}
     for data_name in args.datasets.split(','):
-        path = DATA if data_name == 'mixed' else uniform_rows(folder, args.max_length)
+        path = (args.data or DATA) if data_name == 'mixed' else uniform_rows(folder, args.max_length)
         data = prepare(folder, args.max_length, path)
         log(f"[{data_name}] {data['report']}")
         res, ours_padded = {}, None
@@ -636,6 +636,8 @@ def main():
     p.add_argument('--gpu', action='store_true', help='CUDA: SmolLM2 bf16, ours vs TRL, packed vs padded, mixed/uniform data: tokens/s, MFU, memory')
     p.add_argument('--dry-run', action='store_true', help='with --gpu: run the GPU code path on CPU with the tiny model (3 steps, fp32)')
     p.add_argument('--datasets', default='mixed,uniform', help='--gpu: comma list of mixed (alpaca lengths), uniform (one length)')
+    p.add_argument('--model-folder', default=None, help='--gpu: the model folder (default: SmolLM2-135M-Instruct; tools/gpu_check.sh builds random-weight ones from configs)')
+    p.add_argument('--data', default=None, help='--gpu: the mixed-length rows (default: ../shared/datasets/alpaca_en_demo.json)')
     p.add_argument('--peak-tflops', type=float, default=None, help='peak dense bf16 TFLOP/s of the GPU (default: looked up by device name)')
     p.add_argument('--interleave', choices=('auto', 'all', 'pairs'), default='auto',
                    help="all: the 4 methods step by step together; pairs: ours/TRL padded, then ours/TRL packed (less memory); "

@@ -204,7 +204,7 @@ def resolve_attn_implementation(impl: str, # `model.attn_implementation`
                                 device_type: str, # 'cpu' or 'cuda'
                                 model_cls: type | None = None, # the model's class (its `_supports_sdpa` / `_supports_flex_attn`); None: both
                                ) -> str:
-    "'auto' → 'flex_attention' on CUDA (when this torch and the model class have it), else 'sdpa', else 'eager' (a class with neither, e.g. Gemma 2 on CPU); any other value as given."
+    "'auto' → 'flex_attention' on CUDA (when this torch and the model class have it), else 'sdpa', else 'eager' (a class with neither on CPU); any other value as given."
     if impl != 'auto': return impl
     has = lambda flag: model_cls is None or bool(getattr(model_cls, flag, True))
     if device_type == 'cuda' and has('_supports_flex_attn'):

@@ -10,11 +10,11 @@ from pathlib import Path
 from .errors import UserError
 
 # %% auto #0
-__all__ = ['CHAT_TEMPLATES', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS', 'FAMILY_SPECIALS',
-           'shipped_template', 'templates_with', 'TemplateError', 'load_template', 'render', 'chat_ids',
-           'has_generation_tags', 'template_name', 'TemplateRenderer', 'bounded_template', 'TemplateInfo',
-           'tagged_twin', 'common_prefix', 'probe_template', 'template_key', 'template_info', 'collapse_template',
-           'add_family_specials', 'template_features']
+__all__ = ['CHAT_TEMPLATES', 'REASONING_FIELDS', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS',
+           'FAMILY_SPECIALS', 'shipped_template', 'templates_with', 'TemplateError', 'load_template', 'plain_data',
+           'render', 'chat_ids', 'has_generation_tags', 'template_name', 'TemplateRenderer', 'bounded_template',
+           'TemplateInfo', 'tagged_twin', 'common_prefix', 'probe_template', 'template_key', 'template_info',
+           'collapse_template', 'add_family_specials', 'template_features']
 
 # %% ../nbs/02a_templates.ipynb #e30b0002
 CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
@@ -53,10 +53,26 @@ def load_template(template: str | None) -> str | None:
                         fix=(f"did you mean {near[0]!r}? " if near else '') + "give a shipped name, a .jinja file that exists, "
                             "inline Jinja (it has {% or {{), or nothing for the model's own template")
 
+REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')  # names a message's reasoning comes under; templates read the first (or `thinking`)
+
+def plain_data(value):
+    """`value` rebuilt from JSON's types alone, what a template's sandbox may see: subclasses of str/int/float (enums, numpy
+    scalars) as their base type, dataclasses and pydantic models as dicts, anything else as an inert '<TypeName>'."""
+    import dataclasses
+    from collections.abc import Mapping
+    if value is None or type(value) in (str, int, float, bool): return value
+    for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):  # the value itself, not the subclass's str()
+        if isinstance(value, base): return plain(value)
+    if isinstance(value, Mapping): return {plain_data(k): plain_data(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)): return type(value)(plain_data(v) for v in value)
+    if hasattr(value, 'item') and getattr(value, 'shape', None) == (): return plain_data(value.item())  # a numpy or torch scalar
+    if dataclasses.is_dataclass(value) and not isinstance(value, type): return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, 'model_dump', None)): return plain_data(value.model_dump())
+    return f'<{type(value).__name__}>'
+
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
     "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
-    from transformers.utils.chat_template_utils import _normalize_chat_messages, _plain_template_data
-    return TemplateRenderer(tokenizer, template, kwargs)(_plain_template_data(_normalize_chat_messages(messages)), tools, gen=add_generation_prompt)
+    return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))), tools, gen=add_generation_prompt)
 
 def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **kwargs) -> list[int]:
     "`apply_chat_template(..., tokenize=True)` ids as a plain list: `render`, tokenized without special tokens added."
@@ -82,10 +98,9 @@ class TemplateRenderer:
     `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character spans. A template
     that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a `TemplateError` naming it."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
-        from transformers.utils.chat_template_utils import _plain_template_data
         kw = dict(chat_template_kwargs or {})
         self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
-        self.variables = _plain_template_data({**tokenizer.special_tokens_map, **kw})
+        self.variables = plain_data({**tokenizer.special_tokens_map, **kw})
         self.name, self._text, self._compiled = template_name(tokenizer, template), {}, {}
     def text(self, tools=None) -> str:
         "The template text used for a conversation with (or without) tools."
@@ -95,15 +110,15 @@ class TemplateRenderer:
     def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
         import jinja2
         from jinja2.exceptions import SecurityError
-        from transformers.utils import chat_template_utils as ctu
         tools = tools if tools is not None else self.tools
         key = tools is not None
         msgs = []
         for m in messages:
+            if not isinstance(m, dict): raise TypeError(f'chat messages are dicts, got {type(m).__name__}: {m!r:.80}')
             m = {k: v for k, v in m.items() if v is not None}
-            r = next((m[k] for k in ctu._REASONING_FIELDS if m.get(k) is not None), None)
+            r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
             msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
-        args = dict(messages=msgs, tools=ctu._plain_template_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
+        args = dict(messages=msgs, tools=plain_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
         try:
             if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
             if not tags: return self._compiled[key].render(**args, **self.variables)

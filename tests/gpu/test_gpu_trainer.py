@@ -1,4 +1,4 @@
-"""SFTTrainer on CUDA: bf16 FSDP2 with fp32 master weights, packed = padded, split invariance, exact resume, nccl with 2 Ray
+"""SFTTrainer on CUDA: the Ray worker on one GPU (nccl, world size 1), bf16 FSDP2 with fp32 master weights, packed = padded, split invariance, exact resume, nccl with 2 Ray
 workers (needs 2 GPUs), Megatron TP=1 vs FSDP, chunked loss = one-shot loss through a whole step. Tolerances: README.md."""
 import os
 import pytest
@@ -50,6 +50,20 @@ def test_bf16_fsdp2_keeps_fp32_master_weights(tiny_path, tmp_path, ray_session):
     ms, state, info = one_step(gpu_cfg(tiny_path, tmp_path, train__num_steps=5), steps=5)
     assert all(v.dtype == torch.float32 for v in state.values()) and info['dtypes'] == ['torch.float32']  # master weights
     assert info['attn'] == ('sdpa' if ON_CPU else 'flex_attention') and ms[-1]['loss'] < ms[0]['loss']
+
+
+def test_ray_worker_nccl_one_gpu(tiny_path, tmp_path, ray_session):
+    """The path users take: `SFTTrainer` starts one Ray worker (another process) that joins a process group of world size 1
+    over nccl on the GPU (gloo on CPU) and steps there; its weights are on CUDA and the step's loss is finite."""
+    import math, ray
+    with SFTTrainer(gpu_cfg(tiny_path, tmp_path), train_data=ROWS) as t:
+        m = t.step()
+        info = ray.get(t.group.actors[0].__ray_call__.remote(lambda w: {
+            'pid': os.getpid(), 'backend': str(torch.distributed.get_backend()), 'world': torch.distributed.get_world_size(),
+            'device': str(next(w.model.parameters()).device.type), 'gpu': torch.cuda.get_device_name(0) if torch.cuda.is_available() else None}))
+    print(f"Ray worker: {info}, loss {m['loss']:.4f}")
+    assert info['pid'] != os.getpid() and info['world'] == 1 and math.isfinite(m['loss'])
+    assert (info['backend'], info['device']) == (('gloo', 'cpu') if ON_CPU else ('nccl', 'cuda'))
 
 
 @pytest.mark.parametrize('weighted', [False, True])
@@ -113,3 +127,26 @@ def test_megatron_tp1_matches_fsdp(tiny_path, tmp_path, ray_session):
     dl, dg, dw = rel_gap(h1['loss'], h0['loss']), rel_gap(h1['grad_norm'], h0['grad_norm']), rel_gap(w1, w0, scale=LR * 3)
     print(f"megatron vs fsdp on CUDA, relative gaps: {dl:.2e} {dg:.2e} {dw:.2e}")
     assert dl <= 1e-4 and dg <= 1e-4 and dw <= 3e-2  # weights: of 3 updates of lr
+
+
+def test_dry_run_against_plan(tiny_path, tmp_path, ray_session):
+    """The GPU dry run (one bf16 step per rank on the largest micro-batch, torch.cuda's peak) and `plan` of the same config
+    on 1 GPU (fake tensors, no weights): both written to $OUT/plan_vs_dry_run.json; the plan within 30% of the dry run
+    (on CPU it is within 15%: bench/plan_memory.py; this is its first GPU comparison). With SFT_NB_GPU_TESTS_ON_CPU=1 both
+    run on CPU (`plan(device='cpu')`, host memory): the test's own code, not a GPU result."""
+    import json
+    from pathlib import Path
+    from sft_nb.config import load_config
+    from sft_nb.plan import plan
+    rows = tmp_path / 'rows.jsonl'
+    rows.write_text(''.join(json.dumps(r) + '\n' for r in ROWS))
+    cfg = gpu_cfg(tiny_path, tmp_path / 'dry', train__micro_batch_size=4, data__train=[{'path': str(rows)}])
+    with SFTTrainer(cfg) as t: dry = t.dry_run()  # both step on the data's largest micro-batch (`largest_micro_batch`)
+    p = plan(load_config(cfg), gpus=1, gpu_memory=None if ON_CPU else torch.cuda.get_device_properties(0).total_memory / 2**30,
+             device='cpu' if ON_CPU else 'cuda')
+    d, q = dry['ranks'][0]['peak'], p['ranks'][0]['peak']
+    out = Path(os.environ.get('OUT') or tmp_path) / 'plan_vs_dry_run.json'
+    out.write_text(json.dumps({'dry_run_peak': d, 'plan_peak': q, 'ratio': q / d, 'plan_parts': p['ranks'][0]['parts'],
+                               'dry_run': dry['ranks'][0]}, indent=1, default=str))
+    print(f"plan {q / 2**20:.1f} MiB vs dry run {d / 2**20:.1f} MiB: {q / d:.2f}")
+    assert 0.7 <= q / d <= 1.3, (q, d)
