@@ -53,6 +53,7 @@ def load_template(template: str | None) -> str | None:
                         fix=(f"did you mean {near[0]!r}? " if near else '') + "give a shipped name, a .jinja file that exists, "
                             "inline Jinja (it has {% or {{), or nothing for the model's own template")
 
+# %% ../nbs/02a_templates.ipynb #560033e8
 REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')  # names a message's reasoning comes under; templates read the first (or `thinking`)
 
 def plain_data(value):
@@ -70,6 +71,7 @@ def plain_data(value):
     if callable(getattr(value, 'model_dump', None)): return plain_data(value.model_dump())
     return f'<{type(value).__name__}>'
 
+# %% ../nbs/02a_templates.ipynb #e4bdd870
 def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
     "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
     return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))), tools, gen=add_generation_prompt)

@@ -14,7 +14,7 @@ from sft_nb.templates import CHAT_TEMPLATES, add_family_specials, collapse_templ
 from sft_nb.data import BadRow
 from sft_nb.renderers import tokenize_turns
 
-from conftest import SHARED
+SHARED = next(p / 'shared' for p in Path(__file__).resolve().parents if (p / 'shared' / 'DESIGN.md').exists())
 ORIGINAL = {'chatml': 'chatml', 'llama3': 'llama-3-instruct', 'mistral': 'mistral-instruct', 'gemma': 'gemma-it', 'phi3': 'phi-3',
             'qwen2.5': 'qwen2.5-instruct'}
 
