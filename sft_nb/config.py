@@ -258,6 +258,7 @@ class PlacementConfig:
     context_parallel: int = 1  # megatron context-parallel size (rows split over cp ranks in attention); CUDA with TransformerEngine only
     sequence_parallel: int = 1  # fsdp: adjacent ranks that share every row (Ulysses: 1/sp of its tokens each, all tokens of 1/sp of the heads inside attention); must divide the world size and the model's heads
     object_store_memory: int = 512 * 1024**2  # bytes of object store for a local Ray cluster
+    keep_warm: bool = True  # after `shutdown` the workers wait, their run released, for the next trainer of this placement in this process (Ray stays up)
     @property
     def world_size(self): return self.num_nodes * self.workers_per_node
     @property

@@ -415,11 +415,12 @@ def chat(self: SFTTrainer, messages: str | list[dict], # a user message, or a co
 @patch
 @action('shutdown', setup=False)
 def shutdown(self: SFTTrainer):
-    "Stop the workers (and Ray, if this trainer started it). The trainer can be set up again."
+    "Stop the workers: with `placement.keep_warm` they wait, warm, for the next trainer of this placement, and Ray stays up; otherwise they end, and Ray if this trainer started it. The trainer can be set up again."
     for cb in self.callbacks: cb.close()
     self.data.close()
-    if self.group is not None: self.group.shutdown(); self.group, self.backend = None, None
-    self._ray_started = stop_ray(self._ray_started)
+    warm = self.cfg.placement.keep_warm
+    if self.group is not None: self.group.shutdown(keep_warm=warm); self.group, self.backend = None, None
+    if not warm: self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
 
 # %% ../nbs/08_trainer.ipynb #d84bdafb

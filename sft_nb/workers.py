@@ -13,7 +13,7 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'compact_malloc',
            'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
-           'WorkerGroup']
+           'WorkerGroup', 'release_parked']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
@@ -67,6 +67,7 @@ def stop_ray(started: bool) -> bool:
     "Shut down Ray when `started` (what `init_ray` returned: this process started or connected it); False, the new `started`."
     if started:
         import ray
+        release_parked()
         ray.shutdown()
     return False
 
@@ -148,6 +149,23 @@ class DistWorker:
     def shutdown(self):
         import torch.distributed as dist
         if dist.is_initialized(): dist.destroy_process_group()
+        return True
+
+    def release(self) -> bool:
+        "Let go of all a run built (process group, model, optimizer, data), keep the imported libraries: the process waits warm (`park`)."
+        import gc, ctypes, torch
+        self.shutdown()
+        for k in [k for k in vars(self) if k not in ('rank', 'world_size')]: delattr(self, k)
+        gc.collect()
+        if torch.cuda.is_available(): torch.cuda.empty_cache()
+        else:
+            try: ctypes.CDLL('libc.so.6').malloc_trim(0)  # the freed heap back to the OS (glibc)
+            except (OSError, AttributeError): pass
+        return True
+
+    def reinit(self, kwargs: dict) -> bool:
+        "Become the worker `type(self)(**kwargs)` would be, in this (warm) process."
+        self.__init__(**kwargs)
         return True
 
     def write_checkpoint(self, path: str) -> dict | None:
@@ -250,9 +268,19 @@ class WorkerGroup:
                  num_nodes: int = 1, workers_per_node: int = 1, strategy: str = 'PACK', use_gpu: bool = False,
                  cpus_per_worker: float = 1, init_kwargs: dict | None = None, timeout_s: float = 60):
         import ray
+        self.world_size, self.dead = num_nodes * workers_per_node, None  # dead: why this group can no longer act
+        self.shape = (worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, ray.get_runtime_context().get_job_id())
+        kwargs = [dict(rank=r, world_size=self.world_size, **(init_kwargs or {})) for r in range(self.world_size)]
+        if not self.unpark(kwargs): self._place(kwargs, timeout_s)
+        addr, port = self.call_rank(0, 'address')
+        self.call('init_dist', addr, port, use_gpu, int(cpus_per_worker))
+
+    def _place(self, kwargs: list[dict], timeout_s: float):
+        "New actors, one per rank, in a new placement group."
+        import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        self.world_size, self.dead = num_nodes * workers_per_node, None  # dead: why this group can no longer act
+        worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, _ = self.shape
         bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
         try: ray.get(self.pg.ready(), timeout=timeout_s)
@@ -264,10 +292,7 @@ class WorkerGroup:
         cls = ray.remote(worker_cls)
         self.actors = [cls.options(num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
                                    scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-                                   ).remote(rank=r, world_size=self.world_size, **(init_kwargs or {}))
-                       for r in range(self.world_size)]
-        addr, port = self.call_rank(0, 'address')
-        self.call('init_dist', addr, port, use_gpu, int(cpus_per_worker))
+                                   ).remote(**kwargs[r]) for r in range(self.world_size)]
 
     def _wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
         import ray
@@ -331,10 +356,43 @@ def kill(self: WorkerGroup):
         except Exception: pass
         self.pg = None
 
+# %% ../nbs/07_workers.ipynb #834c756b
+_PARKED: list = []  # at most one WorkerGroup a trainer let go of: its workers released, waiting warm for the next group of its shape
+
 @patch
-def shutdown(self: WorkerGroup):
-    "Leave the process group cleanly, then kill the actors."
+def park(self: WorkerGroup) -> bool:
+    "Release every rank's run (`DistWorker.release`) and keep the actors and their placement for the next group of this shape in this process (another parked group is killed). False when a rank fails (the group is then dead)."
+    try: self.call('release')
+    except WorkerError: return False
+    release_parked()
+    warm = WorkerGroup.__new__(WorkerGroup)
+    warm.shape, warm.world_size, warm.actors, warm.pg, warm.dead = self.shape, self.world_size, self.actors, self.pg, None
+    _PARKED.append(warm)
+    self.actors, self.pg, self.dead = [], None, 'its workers were released'
+    return True
+
+@patch
+def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
+    "Take over the parked group when its shape is this group's: rank r becomes `worker_cls(**kwargs[r])` in its warm process. A parked group of another shape is killed (its resources may be needed)."
+    warm = next((g for g in _PARKED if g.shape == self.shape), None)
+    if warm is not None: _PARKED.remove(warm)
+    release_parked()
+    if warm is None: return False
+    try: warm.call_per_rank('reinit', [(k,) for k in kwargs])
+    except WorkerError: return False  # a parked worker died meanwhile (the group was killed): new ones are placed
+    self.actors, self.pg = warm.actors, warm.pg
+    return True
+
+def release_parked():
+    "Kill the parked worker group, if any: its processes end and the CPUs/GPUs it held are free again."
+    while _PARKED: _PARKED.pop().kill()
+
+@patch
+def shutdown(self: WorkerGroup, keep_warm: bool = False): # `park` the workers instead of killing them
+    "Leave the process group cleanly, then kill the actors (or keep them warm)."
     if self.actors:
+        if keep_warm and self.park(): return
         try: self.call('shutdown')
         except WorkerError: pass
     self.kill()
+
