@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
 sys.path.insert(0, str(ROOT))
+from sft_nb.paths import shared_dir  # noqa: E402
+SHARED = shared_dir(ROOT)
 from sft_nb.packing import MIN_SLACK_MAX_ROWS, STRATEGIES, lower_bound, pack  # noqa: E402
 
 

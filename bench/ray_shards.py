@@ -17,7 +17,8 @@ import argparse, json, shutil, signal, socket, subprocess, tempfile, time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
+from sft_nb.paths import shared_dir  # noqa: E402
+SHARED = shared_dir(ROOT)
 ENV = {**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'PYTHONPATH': str(ROOT)}
 RAY = str(Path(sys.executable).parent / 'ray')
 

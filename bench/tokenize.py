@@ -64,7 +64,9 @@ os.environ.setdefault('HF_DATASETS_OFFLINE', '1')
 import argparse, datetime, importlib.metadata as md, logging, platform, random, shutil, tempfile, time, types, warnings
 
 ROOT = _HERE.parent
-SHARED = next((p / 'shared' for p in ROOT.parents if (p / 'shared' / 'datasets').exists()), Path('/work/shared'))
+sys.path.insert(0, str(ROOT))
+from sft_nb.paths import shared_dir  # noqa: E402
+SHARED = shared_dir(ROOT)
 DATASETS = {'alpaca': SHARED / 'datasets' / 'alpaca_en_demo.json',
             'glaive_toolcall': SHARED / 'datasets' / 'glaive_toolcall_en_demo.json'}
 TEMPLATE_PATH = SHARED / 'templates' / 'qwen2.5-instruct.jinja'

@@ -2,6 +2,7 @@
 import os, signal
 from pathlib import Path
 import pytest
+from sft_nb.paths import shared_dir
 from jupyter_lab import lab, browser  # noqa: F401 (one JupyterLab server and one Chromium for the session's browser tests)
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -15,7 +16,7 @@ os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')
 # they signal need Python's own handler.
 signal.signal(signal.SIGINT, signal.default_int_handler)
 
-SHARED = next((p / 'shared' for p in Path(__file__).resolve().parents if (p / 'shared' / 'DESIGN.md').exists()), None)
+SHARED = shared_dir(Path(__file__), missing_ok=True)
 
 
 @pytest.fixture(scope='session')

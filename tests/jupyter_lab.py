@@ -2,7 +2,10 @@
 `examples/` under `build/lab/` (so autosave never touches the repository) and one headless Chromium (Debian's
 `chromium` through Playwright's own driver; never `playwright install`), both started once per pytest session
 (`tests/conftest.py` makes the fixtures visible to every test module). `Notebook` opens one notebook in its own
-workspace, runs its cells and reads the page. Screenshots: `build/browser/`."""
+workspace, runs its cells and reads the page. A test waits for the states it needs by polling for them up to one
+generous deadline of its own (`Notebook.until`, `Notebook.see`; `BUDGET_S`), not with a fixed time per wait: on a loaded
+machine a slow step only uses time that a fast one left. Each screenshot (`build/browser/`) is a check: `Notebook.shot`
+asserts that it is not blank and holds the colours the test names (and not others)."""
 from __future__ import annotations
 import json, os, re, secrets, shutil, socket, subprocess, sys, time, urllib.request
 from pathlib import Path
@@ -11,6 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 # one lab folder per pytest-xdist worker (each worker that runs a browser test starts its own server)
 LAB_DIR, SHOTS = ROOT / 'build' / f"lab{os.environ.get('PYTEST_XDIST_WORKER', '')}", ROOT / 'build' / 'browser'
+BUDGET_S = 780  # one browser test's deadline for all its waits (pytest-timeout, 900 s, stays the backstop)
 
 
 def _free_port() -> int:
@@ -66,16 +70,34 @@ class Notebook:
     def __init__(self, browser, lab, name: str):
         base, token = self.base, self.token = lab
         self.name = name
+        self.restart_clock()
         self.page = browser.new_page(viewport={'width': 1400, 'height': 1000})
         self.errors = []
         self.page.on('console', lambda m: m.type == 'error' and self.errors.append(m.text))
         self.page.on('pageerror', lambda e: self.errors.append(str(e)))
         self.page.goto(f'{base}/lab/workspaces/{Path(name).stem}/tree/{name}?reset&token={token}')
-        self.page.wait_for_selector('.jp-NotebookPanel .jp-Cell', timeout=120_000)
-        for _ in range(240):  # the page can show "idle" before its kernel is connected: ask the server
-            if (k := self.session()) and k['kernel']['execution_state'] == 'idle': break
+        self.see(self.page.locator('.jp-NotebookPanel .jp-Cell').first)
+        # the page can show "idle" before its kernel is connected: ask the server
+        while not ((k := self.session()) and k['kernel']['execution_state'] == 'idle'):
+            if time.monotonic() > self.deadline: pytest.fail(f'the kernel of {name} did not start by the deadline')
             time.sleep(0.5)
-        else: pytest.fail(f'the kernel of {name} did not start in 120 s')
+
+    def restart_clock(self, budget_s: float = BUDGET_S):
+        "Start this test's deadline (a module's tests that share one notebook each start their own)."
+        self.deadline = time.monotonic() + budget_s
+
+    def left_ms(self) -> float:
+        "Milliseconds left to the deadline: the timeout of every wait (at least 1 ms, so a wait past it fails at once)."
+        return max(1.0, (self.deadline - time.monotonic()) * 1000)
+
+    def until(self, js: str, polling: float = 500):
+        "Poll the page until the JavaScript predicate `js` holds, up to the deadline."
+        self.page.wait_for_function(js, timeout=self.left_ms(), polling=polling)
+
+    def see(self, locator):
+        "Wait, up to the deadline, until `locator` is on the page; returns it."
+        locator.wait_for(timeout=self.left_ms())
+        return locator
 
     def session(self) -> dict | None:
         "This notebook's session on the server (with its kernel), if it has one."
@@ -89,24 +111,23 @@ class Notebook:
             req = urllib.request.Request(f'{self.base}/api/sessions/{s["id"]}?token={self.token}', method='DELETE')
             urllib.request.urlopen(req, timeout=60)
 
-    def run_all(self, timeout: float = 600):
+    def run_all(self):
         self.page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Run$')).click()
         self.page.locator('.lm-Menu-item[data-command="runmenu:run-all"]').click()
-        self.page.wait_for_function('''() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
-            .some(e => e.textContent.trim() !== '[ ]:')''', timeout=60_000)
-        self.wait_executed(timeout)
+        self.until('''() => [...document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-CodeCell .jp-InputPrompt')]
+            .some(e => e.textContent.trim() !== '[ ]:')''')
+        self.wait_executed()
 
-    def wait_executed(self, timeout: float = 600):
+    def wait_executed(self):
         "Until every code cell shows an execution count, or a cell failed (Run All then stops): that fails the test."
-        self.page.wait_for_function('''() => {
+        self.until('''() => {
             const nb = document.querySelector('.jp-NotebookPanel:not(.lm-mod-hidden)');
             const ps = [...nb.querySelectorAll('.jp-CodeCell .jp-InputPrompt')].map(e => e.textContent.trim());
             // JupyterLab renders an error output as stderr text; IPython's traceback header tells it from a warning, and
             // a user's mistake (sft_nb.errors) is a short box followed by its folded traceback
             const failed = nb.querySelector('.sft-nb-error-tb') || [...nb.querySelectorAll('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]')]
                 .some(e => e.textContent.includes('Traceback (most recent call last)'));
-            return ps.length > 0 && (ps.every(t => /^\\[\\d+\\]:$/.test(t)) || (failed && !ps.some(t => t.includes('*')))); }''',
-            timeout=timeout * 1000, polling=500)
+            return ps.length > 0 && (ps.every(t => /^\\[\\d+\\]:$/.test(t)) || (failed && !ps.some(t => t.includes('*')))); }''')
         err = self.errors_shown()
         assert err.count() == 0, f'a cell failed: {err.first.inner_text()[-3000:]}'
 
@@ -121,6 +142,11 @@ class Notebook:
         self.page.keyboard.press('Shift+Enter')
         # found by its code: running the last cell appends another one, so "the last cell" moves
         return self.page.locator('.jp-NotebookPanel .jp-CodeCell', has=self.page.locator('.cm-content', has_text=code)).last
+
+    def kernel_json(self, code: str, tag: str):
+        "Run `code` in a new cell; the JSON it prints after `tag`."
+        out = self.see(self.run_new_cell(code).locator('.jp-OutputArea-output', has_text=tag))
+        return json.loads(out.inner_text().split(tag, 1)[1])
 
     def errors_shown(self, within=None):
         "Error outputs on the page, or within one cell: tracebacks, and the short boxes of a user's mistake (`user_errors`)."
@@ -138,8 +164,21 @@ class Notebook:
             '\n'.join(o for o in outs if 'Error' in o)[:3000]
         assert not self.errors, self.errors
 
-    def shot(self, name: str, locator=None):
-        (locator or self.page).screenshot(path=str(SHOTS / f'{name}.png'))
+    def shot(self, name: str, locator=None, colours: tuple[str, ...] = (), at_most: dict[str, int] | None = None) -> Path:
+        "Screenshot `locator` (or the page) to build/browser/`name`.png and check it (tools/screenshot.py's `check_png`)."
+        png = SHOTS / f'{name}.png'
+        (locator or self.page).screenshot(path=str(png))
+        screenshot_tool().check_png(png, colours, at_most)
+        return png
+
+
+def screenshot_tool():
+    "tools/screenshot.py as a module: its PNG reader, colour counts and `check_png`."
+    import importlib.util
+    spec = importlib.util.spec_from_file_location('sft_nb_screenshot', ROOT / 'tools' / 'screenshot.py')
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
 
 
 STDERR = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'

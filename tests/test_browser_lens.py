@@ -6,6 +6,7 @@ from __future__ import annotations
 import re
 from jupyter_lab import Notebook
 import pytest
+from sft_nb.inspect import COLORS
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -21,13 +22,13 @@ def test_ranked_rows_open_in_loss_mode(lab, browser):
     buttons = ranked.locator('button.jupyter-button', has_text=re.compile(r'^#\d+ '))
     assert buttons.count() == 10, buttons.all_inner_texts()
     text = buttons.nth(3).inner_text()
-    m = re.match(r'#4 (\S+) row (\d+)(?: example \d+ of \d+)? · mean (\d+\.\d+)', text)  # a row split per turn names its example
+    m = re.fullmatch(r'#4 train_data row (\d+) · mean (\d+\.\d+)', text.strip())  # rows given in memory are named train_data
     assert m, text
-    source, row, mean = m.group(1), int(m.group(2)), m.group(3)
+    source, row, mean = 'train_data', int(m.group(1)), m.group(2)
     before = _inspector_html(nb)
     buttons.nth(3).click()
-    nb.page.wait_for_function(f'''() => {{ const h = document.querySelector('.sft-nb-ranked .sft-nb-inspector .widget-html');
-        return h && h.textContent.includes('{source} row {row} ·') && h.textContent.includes('loss mean {mean}'); }}''', timeout=120_000)
+    nb.until(f'''() => {{ const h = document.querySelector('.sft-nb-ranked .sft-nb-inspector .widget-html');
+        return h && h.textContent.includes('{source} row {row} ·') && h.textContent.includes('loss mean {mean}'); }}''')
     assert nb.page.locator('.sft-nb-ranked .sft-nb-inspector .widget-slider .widget-readout').first.inner_text().strip() == str(row)
     html_now = _inspector_html(nb)
     assert html_now != before
@@ -41,15 +42,17 @@ def test_ranked_rows_open_in_loss_mode(lab, browser):
     assert 'rgb(123, 211, 137)' not in fills and len(fills) > 1, fills
     legend = ranked.locator('.sft-nb-inspector .loss-legend')
     assert legend.count() == 1 and legend.is_visible() and 'loss (nats)' in legend.inner_text()
-    ranked.scroll_into_view_if_needed(); nb.shot('lens_ranked_loss', ranked)
+    # on the screenshot too: masked chips grey, trained ones shaded by loss; the plain trained green only on the legend's
+    # 'trained' chip (~1,100 pixels; a row of green token chips is tens of thousands)
+    ranked.scroll_into_view_if_needed(); nb.shot('lens_ranked_loss', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
 
     ranked.locator('.sft-nb-inspector .widget-toggle-buttons button', has_text='before training → now').click()
-    nb.page.wait_for_function('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="diff"]')''', timeout=60_000)
+    nb.until('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="diff"]')''')
     h = ranked.locator('.sft-nb-inspector .widget-html').first.inner_text()
     assert 'first scored at step 0' in h and 'easier' in h, h[:500]
     assert ranked.locator('.sft-nb-inspector .sftnb span.k.loss').count() == n_loss
-    nb.shot('lens_ranked_diff', ranked)
+    nb.shot('lens_ranked_diff', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
     nb.check_clean()
     cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
-    cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
+    nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
     nb.close()

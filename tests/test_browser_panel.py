@@ -17,12 +17,16 @@ and reasoning), max_length 440 with truncation 'keep_start' (the longer tool-cal
 
 Screenshots: build/browser/panel_*.png, build/browser/inspector_truncated.png."""
 from __future__ import annotations
-import json, re, shutil
+import re, shutil
 from types import SimpleNamespace
 import pytest
 from jupyter_lab import Notebook, LAB_DIR, ROOT, button, points, status, with_params
+from sft_nb.inspect import COLORS
 
 pytestmark = pytest.mark.timeout(900)
+CHIPS = (COLORS['trained'], COLORS['masked'])  # trained and masked chips
+CHART = ('#636efa', '#ef553b')  # the chart's train line and eval points (plotly's first two colours)
+INS, DEL = '#c8f0c8', '#f7c6c6'  # the samples' inserted and removed words (sft_nb.live)
 FIX = ROOT / 'tests' / 'fixtures'
 PARAMS = {'train_data': "'tool_calls.jsonl,reasoning.jsonl'", 'template': "'qwen3'", 'max_length': '440', 'truncation': "'keep_start'",
           'num_steps': '3000', 'eval_every': '50', 'early_stopping': '0'}
@@ -54,13 +58,20 @@ def run(lab, browser):
     try:
         nb.run_all()
         yield SimpleNamespace(nb=nb, page=nb.page, panel=nb.page.locator('.sft-nb-panel'))
+        nb.restart_clock()
         cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")  # Ray goes with the trainer, not with the kernel
-        cell.locator('.jp-OutputArea-output', has_text='workers stopped').wait_for(timeout=120_000)
+        nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
     finally: nb.close()
 
 
-def _wait_idle(page):
-    page.wait_for_function('() => !document.querySelector(".sft-nb-panel button").disabled', timeout=120_000)
+@pytest.fixture(autouse=True)
+def deadline(request):
+    "Each test of this module gets its own deadline on the shared notebook (the first one's includes the Run All)."
+    if 'run' in request.fixturenames: request.getfixturevalue('run').nb.restart_clock()
+
+
+def _wait_idle(nb):
+    nb.until('() => !document.querySelector(".sft-nb-panel button").disabled')
 
 
 EVAL_LINES = "[...document.querySelectorAll('.sft-nb-log .sft-nb-log-text > div')].filter(d => d.textContent.startsWith('eval at step')).length"
@@ -70,9 +81,9 @@ def _evaluate(nb) -> int:
     "Click Evaluate; wait for its 'eval at step' log line and 4 sample rows per evaluation; returns the number of evaluations."
     n = nb.page.evaluate(f'() => {EVAL_LINES}') + 1
     button(nb, 'Evaluate').click()
-    nb.page.wait_for_function(f'() => {EVAL_LINES} === {n}', timeout=180_000)
-    nb.page.wait_for_function(f"() => document.querySelectorAll('{SAMPLES}').length === {4 * n}", timeout=60_000)
-    _wait_idle(nb.page)
+    nb.until(f'() => {EVAL_LINES} === {n}')
+    nb.until(f"() => document.querySelectorAll('{SAMPLES}').length === {4 * n}")
+    _wait_idle(nb)
     return n
 
 
@@ -84,13 +95,6 @@ def _samples_shown(page) -> list[dict]:
         return {{prompt: p.textContent, answer: empty ? '' : c.textContent, ins: a.querySelectorAll('ins').length, del: a.querySelectorAll('del').length}}; }})''')
 
 
-def _kernel(nb, code: str, tag: str, timeout=60_000):
-    "Run `code` in a new cell; the JSON it prints after `tag`."
-    out = nb.run_new_cell(code).locator('.jp-OutputArea-output', has_text=tag)
-    out.wait_for(timeout=timeout)
-    return json.loads(out.inner_text().split(tag, 1)[1])
-
-
 def test_step_fit_stop_evaluate(run):
     nb, page = run.nb, run.page
     data = page.locator('.sft-nb-data').text_content()  # Run All left the page at the last cell: off screen, innerText is ''
@@ -100,54 +104,52 @@ def test_step_fit_stop_evaluate(run):
     assert page.locator(SAMPLES).count() == 0  # nothing evaluated yet: no samples
     for k in (1, 2):
         button(nb, 'Step').click()
-        page.wait_for_function(f"() => document.querySelector('.sft-nb-status').textContent.includes('step {k}/3000')", timeout=120_000)
-        _wait_idle(page)
-    page.wait_for_function(f'{N_POINTS} === 2', timeout=30_000)
+        nb.until(f"() => document.querySelector('.sft-nb-status').textContent.includes('step {k}/3000')")
+        _wait_idle(nb)
+    nb.until(f'{N_POINTS} === 2')
     assert points(nb) == 2
 
     assert _evaluate(nb) == 1
     run.first = _samples_shown(page)
     assert all(r['prompt'].strip() for r in run.first) and all(r['ins'] == r['del'] == 0 for r in run.first)  # nothing to compare with yet
     assert page.locator('.sft-nb-samples-eval b').all_inner_texts() == ['samples at step 2']
-    nb.shot('panel_samples_first', run.panel)
+    nb.shot('panel_samples_first', run.panel, CHART)
 
     button(nb, 'Fit').click()
-    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')", timeout=60_000)
-    page.wait_for_function(f'{N_POINTS} >= 12', timeout=120_000)
+    nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')")
+    nb.until(f'{N_POINTS} >= 12')
     assert button(nb, 'Step').is_disabled() and button(nb, 'Fit').is_disabled() and not button(nb, 'Stop').is_disabled()
-    nb.shot('panel_mid_fit', run.panel)
+    nb.shot('panel_mid_fit', run.panel, CHART[:1])
     # the kernel stays responsive: a cell runs while the fit goes on, and sees it running
     cell = nb.run_new_cell("print('alive', trainer.action, trainer.running, trainer.global_step)")
-    cell.locator('.jp-OutputArea-output', has_text='alive').wait_for(timeout=60_000)
+    nb.see(cell.locator('.jp-OutputArea-output', has_text='alive'))
     assert 'alive fit True' in cell.locator('.jp-OutputArea-output').inner_text()  # action names it, running is a bool
     # a second run from a cell is refused with a clear error, and the panel's fit goes on
     run.busy_cell = nb.run_new_cell('trainer.fit()')
-    err = nb.errors_shown(run.busy_cell)
-    err.wait_for(timeout=60_000)
+    err = nb.see(nb.errors_shown(run.busy_cell))
     assert 'TrainerBusy' in err.inner_text() and 'trainer.fit() is running in another thread' in err.inner_text()
     assert nb.user_errors(run.busy_cell).count() == 1  # the user's mistake: one short box, its traceback folded
     assert 'Traceback (most recent call last)' not in run.busy_cell.locator('.jp-OutputArea').inner_text()
     assert 'fit running (from the panel)' in status(nb)
     # train on until the answers have had time to change (an eval_every evaluation may come meanwhile), then stop
-    page.wait_for_function("() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= 40",
-                           timeout=300_000, polling=500)
+    nb.until("() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= 40")
     button(nb, 'Stop').click()
     # the step in flight may be an eval_every evaluation with its samples (seconds, or a minute on a loaded 2-core machine)
-    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')", timeout=180_000)
+    nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')")
     expected = int(re.search(r'stops after step (\d+)', page.locator('.sft-nb-log').text_content()).group(1))
     run.stopped = int(re.search(r'stopped at step (\d+)', status(nb)).group(1))
     assert run.stopped == expected, (run.stopped, expected)  # within one step of the click
-    _wait_idle(page)
-    page.wait_for_function(f'{N_POINTS} === {run.stopped}', timeout=30_000)
+    _wait_idle(nb)
+    nb.until(f'{N_POINTS} === {run.stopped}')
     assert points(nb) == run.stopped and not button(nb, 'Fit').is_disabled() and button(nb, 'Stop').is_disabled()
-    nb.shot('panel_stopped', run.panel)
+    nb.shot('panel_stopped', run.panel, CHART)
 
 
 def test_samples_newest_first_marked_against_the_last(run):
     nb, page, stopped = run.nb, run.page, run.stopped
     # 2, or 3 when the fit passed step 50 (an eval_every evaluation); stopped right after that one, it is the newest
     n = _evaluate(nb) if stopped % 50 else page.evaluate(f'() => {EVAL_LINES}')
-    page.locator('.sft-nb-log', has_text=f'eval at step {stopped}').wait_for(timeout=10_000)
+    nb.see(page.locator('.sft-nb-log', has_text=f'eval at step {stopped}'))
     heads = page.locator('.sft-nb-samples-eval b').all_inner_texts()
     assert heads[0] == f'samples at step {stopped}' and heads[-1] == 'samples at step 2' and len(heads) == n, heads  # newest first
     shown = _samples_shown(page)
@@ -156,9 +158,10 @@ def test_samples_newest_first_marked_against_the_last(run):
     # answers after 40+ steps differ from those after two: the evaluation that follows step 2 marks them
     assert sum(r['ins'] + r['del'] for r in shown[-8:-4]) > 0, shown
     page.locator('.sft-nb-samples').scroll_into_view_if_needed()
-    nb.shot('panel_samples_diff', run.panel)
+    marks = (INS,) * any(r['ins'] for r in shown[-8:-4]) + (DEL,) * any(r['del'] for r in shown[-8:-4])
+    nb.shot('panel_samples_diff', run.panel, (*CHART, *marks))  # and the words changed since the evaluation at step 2
     # the page shows what the kernel holds (trainer.samples, as in run_dir/samples.jsonl), newest evaluation first
-    kernel = _kernel(nb, "import json; print('SAMPLES' + json.dumps([(s['step'], s['prompt'], s['answer']) for s in trainer.samples]))", 'SAMPLES')
+    kernel = nb.kernel_json("import json; print('SAMPLES' + json.dumps([(s['step'], s['prompt'], s['answer']) for s in trainer.samples]))", 'SAMPLES')
     assert [k[0] for k in kernel[:4]] == [2] * 4 and [k[0] for k in kernel[-4:]] == [stopped] * 4 and len(kernel) == 4 * n
     groups = [kernel[i:i + 4] for i in range(0, len(kernel), 4)][::-1]
     assert [(r['prompt'], r['answer']) for r in shown] == [(p, a) for g in groups for _, p, a in g]
@@ -169,10 +172,10 @@ def test_evaluate_again_counts_nothing(run):
     nb, page = run.nb, run.page
     n, samples = page.evaluate(f'() => {EVAL_LINES}'), page.locator(SAMPLES).count()
     button(nb, 'Evaluate').click()
-    page.locator('.sft-nb-log', has_text=f'no step since the evaluation at step {run.stopped}: the same weights').wait_for(timeout=120_000)
-    _wait_idle(page)
+    nb.see(page.locator('.sft-nb-log', has_text=f'no step since the evaluation at step {run.stopped}: the same weights'))
+    _wait_idle(nb)
     assert page.evaluate(f'() => {EVAL_LINES}') == n and page.locator(SAMPLES).count() == samples
-    assert _kernel(nb, "print('EVALS', len(trainer.eval_history))", 'EVALS') == n
+    assert nb.kernel_json("print('EVALS', len(trainer.eval_history))", 'EVALS') == n
 
 
 def test_chat_streams_what_the_kernel_holds(run):
@@ -181,38 +184,38 @@ def test_chat_streams_what_the_kernel_holds(run):
     page.evaluate('''() => { window.__stream = []; const out = document.querySelector('.sft-nb-chat-output');
         new MutationObserver(() => { const s = out.querySelector('.sft-nb-chat-streaming');
             if (s) window.__stream.push(s.textContent); }).observe(out, {subtree: true, childList: true, characterData: true}); }''')
-    _wait_idle(page)  # the chat answers between steps: nothing may run when Send is pressed
+    _wait_idle(nb)  # the chat answers between steps: nothing may run when Send is pressed
     box = page.locator('.sft-nb-chat-input textarea')
     box.scroll_into_view_if_needed(); box.click(); box.fill('What is the weather in Paris?')
     page.locator('.sft-nb-chat-send').click()
     # the kernel takes the click once it is idle; on a loaded 2-core machine that can take a while
-    page.locator('.sft-nb-chat-output .sft-nb-chat-user', has_text='What is the weather in Paris?').wait_for(timeout=180_000)
-    page.wait_for_function("() => document.querySelector('.sft-nb-chat-output .sft-nb-chat-assistant:not(.sft-nb-chat-streaming)')", timeout=300_000)
+    nb.see(page.locator('.sft-nb-chat-output .sft-nb-chat-user', has_text='What is the weather in Paris?'))
+    nb.until("() => document.querySelector('.sft-nb-chat-output .sft-nb-chat-assistant:not(.sft-nb-chat-streaming)')")
     shown = page.locator('.sft-nb-chat-output .sft-nb-chat-assistant').inner_text()
     partial = page.evaluate('() => [...new Set(window.__stream)]')
     assert len(partial) >= 3, partial  # the reply grew on the page piece by piece
     final = shown.removeprefix('model:').strip()
     assert final, shown  # after 40 steps the model says something visible (not only blanks or special tokens)
     assert all(final.startswith(p.removeprefix('model:').strip().rstrip('▌').strip()) for p in partial), (partial, final)
-    msgs = _kernel(nb, "import json; print('CHAT', json.dumps(panel.chat.messages))", 'CHAT')
+    msgs = nb.kernel_json("import json; print('CHAT', json.dumps(panel.chat.messages))", 'CHAT')
     assert msgs[0] == {'role': 'user', 'content': 'What is the weather in Paris?'} and msgs[1]['role'] == 'assistant'
     assert msgs[1]['content'].strip() == final  # the page shows what the kernel's chat holds
     stderr = page.locator('.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]').all_inner_texts()
     assert not [s for s in stderr if 'Loading weights' in s], stderr  # the workers' load progress is not a red box
     page.set_viewport_size({'width': 1400, 'height': 1900})  # the whole panel: buttons, chart, samples, chat, log
-    run.panel.scroll_into_view_if_needed(); nb.shot('panel_chat', run.panel)
+    run.panel.scroll_into_view_if_needed(); nb.shot('panel_chat', run.panel, CHART)
 
 
 def test_inspector_shows_what_trains(run):
     nb, page = run.nb, run.page
-    truth = _kernel(nb, '%run -i one_truth.py', 'ONE-TRUTH', timeout=120_000)
+    truth = nb.kernel_json('%run -i one_truth.py', 'ONE-TRUTH')
     assert truth['bad'] == [] and truth['n'] >= 48, truth  # every example of both files: the inspector's ids and mask are the trained ones
     assert truth['cut'] and all(n == 440 for *_, n in truth['cut']), truth  # cut rows among them, cut where training cuts them
     assert truth['max_length'] == 440
     ins = page.locator('.jp-OutputArea-output .sft-nb-inspector').first
-    ins.locator('.widget-html', has_text='truncated: yes').wait_for(timeout=60_000)  # the page shows the cut row as cut
+    nb.see(ins.locator('.widget-html', has_text='truncated: yes'))  # the page shows the cut row as cut
     assert ins.locator('.widget-slider .widget-readout').inner_text().strip() == str(truth['cut'][0][1])
-    ins.scroll_into_view_if_needed(); nb.shot('inspector_truncated', ins)
+    ins.scroll_into_view_if_needed(); nb.shot('inspector_truncated', ins, CHIPS)
     # the refused `trainer.fit()` cell is the only error output: take it out before the clean check
     assert nb.errors_shown().count() == 1
     run.busy_cell.click(); page.keyboard.press('Escape'); page.keyboard.press('d'); page.keyboard.press('d')
@@ -225,14 +228,13 @@ def test_kernel_interrupt_stops_a_panel_fit(run):
     run.panel.scroll_into_view_if_needed()
     before = int(re.search(r'step (\d+)/3000', status(nb)).group(1))
     button(nb, 'Fit').click()
-    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')", timeout=60_000)
-    page.wait_for_function(f"() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= {before + 2}",
-                           timeout=120_000, polling=500)
+    nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('fit running (from the panel)')")
+    nb.until(f"() => +(/step (\\d+)\\/3000/.exec(document.querySelector('.sft-nb-status').textContent) || [0, 0])[1] >= {before + 2}")
     page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Kernel$')).click()
     page.locator('.lm-Menu-item[data-command="kernelmenu:interrupt"]').click()
-    page.wait_for_function("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')", timeout=180_000)
+    nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('stopped at step')")
     said = re.findall(r'interrupt: stop: the run stops after step (\d+)', page.locator('.sft-nb-log').text_content())
     stopped = int(re.search(r'stopped at step (\d+)', status(nb)).group(1))
     assert said and int(said[-1]) == stopped > before + 1, (said, stopped, before)
-    _wait_idle(page)
-    nb.shot('panel_interrupted', run.panel)
+    _wait_idle(nb)
+    nb.shot('panel_interrupted', run.panel, CHART[:1])

@@ -5,6 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 from helpers import cli
+from jupyter_lab import screenshot_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN_NB = ROOT / 'examples' / 'train.ipynb'
@@ -72,7 +73,8 @@ def test_failing_notebook_names_the_cell(tmp_path):
 def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
     """The two batch commands as real processes on the session's cluster: `sft-nb train tiny.yaml` trains, exports and
     answers its eval samples; `sft-nb run examples/train.ipynb` compared with it streams its cells, writes the executed
-    notebook, a checkpoint, the export, samples before and after training and compare.html with both runs' curves."""
+    notebook, a checkpoint, the export, samples before and after training and compare.html with both runs' curves; the
+    same command with `-p resume latest -p max_steps 5` then extends that finished run."""
     r = sft_nb('train', ROOT / 'examples' / 'tiny.yaml', f'checkpoint.run_dir={tmp_path / "cli"}', 'train.num_steps=2',
                'eval.max_new_tokens=8', f'placement.ray_address={ray_session}')
     assert r.returncode == 0, r.stderr[-3000:]
@@ -104,8 +106,21 @@ def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
         assert {'nb train', 'cli train'} <= set(legend), legend  # one curve per run folder
         assert page.locator('#sft-nb-compare .scatterlayer .trace path.js-line').count() >= 2  # a drawn train curve per run
         (ROOT / 'build' / 'browser').mkdir(parents=True, exist_ok=True)
-        page.screenshot(path=str(ROOT / 'build' / 'browser' / 'compare_papermill.png'), full_page=True)
+        png = ROOT / 'build' / 'browser' / 'compare_papermill.png'
+        page.screenshot(path=str(png), full_page=True)
+        screenshot_tool().check_png(png)  # not blank
     finally: page.close()
+
+    # extending the finished run (README): `-p resume latest -p max_steps 5` trains steps 4-5 in the same folder, steps 1-3
+    # kept as they were, the change and the LR rule in events.jsonl
+    code, _, err = cli('run', TRAIN_NB, '-p', 'resume', 'latest', '-p', 'max_steps', '5', '-p', 'eval_samples', '0',
+                       '-p', 'ray_address', ray_session, '--run-dir', run)
+    assert code == 0, err[-3000:]
+    summary, longer = read_run(run)
+    assert summary['steps'] == 5 and len(longer) == 5 and longer[:3] == losses, (longer, losses)
+    ev = json.loads((run / 'events.jsonl').read_text().splitlines()[-1])
+    assert ev['step'] == 3 and ev['changed']['train.num_steps'] == [3, 5] and 'lr_schedule' in ev, ev
+    assert (run / 'checkpoints' / 'step_000005' / 'trainer_state.json').exists()
 
 
 def test_train_takes_sequence_parallel(tmp_path, ray_session):

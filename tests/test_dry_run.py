@@ -1,6 +1,6 @@
-"""SFTTrainer.dry_run (the memory dry run) on 2 gloo ranks under Ray: its per-rank peaks are those of the first
-real step (host RSS, VmHWM reset through /proc/self/clear_refs on both; the dry run steps as a later step, holding
-Adam's state, 2 MiB for the tiny model), the weights come back bitwise, the next real
+"""SFTTrainer.dry_run (the memory dry run) on 2 gloo ranks under Ray: what its step adds to each rank's memory covers
+what a real step adds (host RSS, VmHWM reset through /proc/self/clear_refs on both; the dry run steps as a later step,
+holding Adam's state, 2 MiB for the tiny model), the weights come back bitwise, the next real
 step's loss is that of a run without the dry run, and a memory cap below the peak is told what to change before any
 step is taken."""
 import torch
@@ -24,8 +24,10 @@ def first_step_peaks(t) -> tuple[dict, list[dict]]:
 
 
 def test_dry_run_peaks_weights_and_next_step(tiny_path, tmp_path, ray_session):
-    """The dry run's per-rank peaks are the first real step's (within 10%), the weights come back bitwise, the next step's loss
-    is bitwise that of a run without a dry run; a cap at half the peak is told what to change before any step."""
+    """What the dry run's step adds to each rank's memory covers what a real step adds (a real step after it stays within
+    30% of a step of its peak; no more than 1.5x a first step's in another process), the weights come back bitwise, the
+    next step's loss is bitwise that of a run without a dry run; a cap at half the peak is told what to change before
+    any step."""
     with SFTTrainer(cfg(tiny_path, tmp_path / 'plain')) as t:
         m_ref, mem_ref = first_step_peaks(t)
     with SFTTrainer(cfg(tiny_path, tmp_path / 'dry')) as t:
@@ -44,12 +46,16 @@ def test_dry_run_peaks_weights_and_next_step(tiny_path, tmp_path, ray_session):
               f"first real step {a['peak'] / 2**20:.1f} MiB (adds {(a['peak'] - a['before']) / 2**20:.1f}) without a dry run, "
               f"{b['peak'] / 2**20:.1f} MiB (adds {(b['peak'] - b['before']) / 2**20:.1f}) after it; "
               f"capacity {d['capacity'] / GiB:.1f} GiB ({d['capacity_from']})")
-        assert abs(d['peak'] - a['peak']) <= 0.1 * a['peak'], (d, a)
-        assert abs(d['peak'] - b['peak']) <= 0.1 * b['peak'], (d, b)
-        # the process's baseline (~450 MiB of torch and the model) dominates the peak; what the step itself adds is close
-        # too (measured: 54.0 vs 51.0 MiB, 54.3 vs 52.9; once, in a loaded full suite, 50.1 vs 64.0: the allocator's arenas
-        # differ from process to process). After the dry run the real step adds little: glibc keeps the heap.
-        assert abs((d['peak'] - d['before']) - (a['peak'] - a['before'])) <= 0.3 * (a['peak'] - a['before']), (d, a)
+        # The process's baseline (~450 MiB of torch and the model) dominates a peak, so a peak within 10% of another says
+        # nothing about the step; what the step adds above the baseline (~50 MiB here) is compared instead.
+        adds = a['peak'] - a['before']
+        # Counted too little: in the same process, on the same heap, the real step after the dry run needs memory the dry
+        # run did not count (measured: 3 MiB over it, a step's 6%; a dry run of half the batch: about half a step).
+        assert b['peak'] - d['peak'] <= 0.3 * adds, (d, b)
+        # Counted too much: what the dry run's step adds, against what a first real step adds in another process. Not
+        # the other way: the dry run's own baseline is higher by the heap its set-up left free and its step reuses
+        # (measured: 54.0 vs 51.0 MiB, 54.3 vs 52.9; on a loaded machine 29.2 vs 51.3).
+        assert d['peak'] - d['before'] <= 1.5 * adds, (d, a)
     assert_says_what_to_change(capped)
 
 

@@ -2,13 +2,13 @@
 oracle), the template linter on every real template, the batch heatmap, the dataset report, the
 papermill example, and a real-browser screenshot of the inspector."""
 import html
-import importlib.util
 import json
 from pathlib import Path
 import re
 import numpy as np
 import pytest
 from transformers import AutoTokenizer
+from jupyter_lab import screenshot_tool
 from sft_nb.batchviz import MASKED, PAD, TRAINED, batch_fig, batch_grid
 from sft_nb.collate import collate_packed, collate_padded
 from sft_nb.data import normalize_row
@@ -24,14 +24,6 @@ from sft_nb.renderers import tokenize_conversation
 from sft_nb.tokenize import tokenize_dataset
 
 CHIP = re.compile(r'<span class="k (y|n) r-(\w+)" style="[^"]*" title="[^"]*">(.*?)</span>', re.S)
-
-
-def _load_tools_screenshot():
-    from pathlib import Path
-    spec = importlib.util.spec_from_file_location('sft_nb_screenshot', Path(__file__).resolve().parents[1] / 'tools' / 'screenshot.py')
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
 
 
 @pytest.fixture(scope='module')
@@ -331,7 +323,7 @@ def test_dataset_report(shared, qwen, tmp_path):
 def executed_example(tmp_path_factory):
     "examples/inspect.ipynb run headless with papermill: tiny model, glaive data, Qwen2.5 template."
     out = tmp_path_factory.mktemp('example')
-    return _load_tools_screenshot().execute_example(out / 'inspect.ipynb', cache_dir=str(out / 'cache'))
+    return screenshot_tool().execute_example(out / 'inspect.ipynb', cache_dir=str(out / 'cache'))
 
 
 def test_example_notebook_runs_with_papermill(executed_example, shared):
@@ -353,7 +345,7 @@ def test_example_notebook_runs_with_papermill(executed_example, shared):
 
 def test_screenshot_shows_coloured_chips(executed_example):
     "The executed example → nbconvert page → headless Chromium screenshot → the chip colours are on it."
-    shot = _load_tools_screenshot()
+    shot = screenshot_tool()
     chromium, why = shot.ensure_chromium(install=True)
     if chromium is None: pytest.skip(f'no headless browser: {why}')
     page = shot.to_html(executed_example)

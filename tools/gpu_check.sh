@@ -51,9 +51,9 @@ CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 
 # tests/gpu: one verdict line per test, the ones one GPU cannot run named by what they need
 t=$SECONDS
-# --confcutdir: tests/gpu/conftest.py alone (tests/conftest.py needs ../shared and the browser harness, absent there)
+# tests/conftest.py's fixtures (it loads without ../shared; its browser fixtures start only when a test asks)
 TB=$(left "$TEST_BUDGET" 170)
-timeout -k 10 "$TB" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider --confcutdir tests/gpu --junitxml="$W/tests_gpu.xml" > "$W/tests_gpu.log" 2>&1
+timeout -k 10 "$TB" "$PY" -m pytest tests/gpu -q -rA -p no:cacheprovider --junitxml="$W/tests_gpu.xml" > "$W/tests_gpu.log" 2>&1
 trc=$?
 "$PY" - "$W/tests_gpu.xml" >> "$OUT_DIR/verdicts.txt" <<'EOF' || trc=1
 import sys, xml.etree.ElementTree as ET

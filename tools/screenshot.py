@@ -12,7 +12,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / 'examples' / 'inspect.ipynb'
-SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
 APT_INSTALL = ['apt-get', 'install', '-y', '--no-install-recommends', 'chromium', 'fonts-dejavu-core']
 CHROMIUM_FLAGS = ['--headless', '--no-sandbox', '--disable-gpu', '--disable-background-networking', '--disable-component-update',
                   '--disable-sync', '--hide-scrollbars', '--no-first-run', '--disable-dev-shm-usage']
@@ -41,8 +40,11 @@ def ensure_chromium(install: bool = True) -> tuple[str | None, str]:
 def execute_example(out_ipynb: Path, **parameters) -> Path:
     "Run examples/inspect.ipynb with papermill (defaults: glaive tool-calling data, tiny model, Qwen2.5 template)."
     import papermill
-    params = dict(data=str(SHARED / 'datasets' / 'glaive_toolcall_en_demo.json'), model='tiny', mode='all_assistant',
-                  template=str(SHARED / 'templates' / 'qwen2.5-instruct.jinja'), row=3, renderer='plotly_mimetype+notebook')
+    sys.path.insert(0, str(ROOT))
+    from sft_nb.paths import shared_dir
+    shared = shared_dir(ROOT)
+    params = dict(data=str(shared / 'datasets' / 'glaive_toolcall_en_demo.json'), model='tiny', mode='all_assistant',
+                  template=str(shared / 'templates' / 'qwen2.5-instruct.jinja'), row=3, renderer='plotly_mimetype+notebook')
     params.update(parameters)
     out_ipynb.parent.mkdir(parents=True, exist_ok=True)
     papermill.execute_notebook(str(EXAMPLE), str(out_ipynb), parameters=params, kernel_name='python3',
@@ -114,6 +116,28 @@ def count_color(png: Path, hex_color: str, tol: int = 4) -> int:
         return int((np.abs(a - target) <= tol).all(-1).sum())
     except ImportError:
         return sum(all(abs(px[i + k] - target[k]) <= tol for k in range(3)) for i in range(0, len(px), ch))
+
+
+def check_png(png: Path, colours: tuple[str, ...] = (), at_most: dict[str, int] | None = None, min_pixels: int = 30) -> dict[str, int]:
+    """A screenshot as a check: not blank (no colour covers more than 97% of it, and it has more than 16 colours: text,
+    widgets), each of `colours` (#rrggbb: chip fills, a chart's line, an error box) covers at least `min_pixels` pixels
+    and each colour of `at_most` at most that many. Returns the pixels of each named colour; an AssertionError names
+    what is wrong and the image's most common colours."""
+    from collections import Counter
+    w, h, ch, px = _png_pixels(png)
+    try:
+        import numpy as np
+        a = np.frombuffer(px, np.uint8).reshape(-1, ch)[:, :3].astype(np.int32)
+        vals, counts = np.unique(a[:, 0] << 16 | a[:, 1] << 8 | a[:, 2], return_counts=True)
+        seen = Counter({int(v).to_bytes(3, 'big'): int(k) for v, k in zip(vals, counts)})
+    except ImportError: seen = Counter(px[i:i + 3] for i in range(0, len(px), ch))
+    top = ', '.join(f'#{c.hex()} {k / (w * h):.1%}' for c, k in seen.most_common(8))
+    assert seen.most_common(1)[0][1] <= 0.97 * w * h and len(seen) > 16, f'{png.name} looks blank: {len(seen)} colours; most common: {top}'
+    at_most = at_most or {}
+    near = lambda c: sum(k for rgb, k in seen.items() if all(abs(x - int(c[i:i + 2], 16)) <= 3 for x, i in zip(rgb, (1, 3, 5))))
+    n = {c: near(c) for c in (*colours, *at_most)}  # pixels within 3 of the colour on every channel, as `count_color`
+    assert all(n[c] >= min_pixels for c in colours) and all(n[c] <= k for c, k in at_most.items()), f'{png.name}: {n}; most common: {top}'
+    return n
 
 
 def chip_pixels(png: Path) -> dict[str, int]:
