@@ -32,16 +32,15 @@ def status_gib(field: str) -> float:
 
 def worker(a):
     "One rank: set up an FSDPWorker (or a MegatronWorker, TP over all ranks) on the model folder and print its RSS before and its peak after setup (JSON)."
-    from dataclasses import asdict
     import torch
     from sft_nb.config import ModelConfig, OptimConfig
     if a.load == 'megatron':
         from sft_nb.backends.megatron import MegatronWorker
-        w = MegatronWorker(a.rank, a.world, asdict(ModelConfig(path=a.model)), asdict(OptimConfig()), total_steps=1,
+        w = MegatronWorker(a.rank, a.world, ModelConfig(path=a.model), OptimConfig(), total_steps=1,
                            placement={'tensor_parallel': a.world})
     else:
         from sft_nb.backends.fsdp import FSDPWorker
-        w = FSDPWorker(a.rank, a.world, asdict(ModelConfig(path=a.model, load=a.load)), asdict(OptimConfig()), total_steps=1)
+        w = FSDPWorker(a.rank, a.world, ModelConfig(path=a.model, load=a.load), OptimConfig(), total_steps=1)
     w.init_dist('127.0.0.1', a.port)
     import transformers.models.qwen2.modeling_qwen2, torch.distributed.fsdp, torch.distributed.checkpoint.state_dict  # noqa: F401
     if a.load == 'megatron': import megatron.core.models.gpt, safetensors.torch  # noqa: F401

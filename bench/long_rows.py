@@ -18,7 +18,6 @@ gradients and allocator slack; "step adds" is that peak minus the RSS just befor
 import argparse, json, sys, time
 from pathlib import Path
 sys.path = [p for p in sys.path if Path(p or '.').resolve() != Path(__file__).resolve().parent]  # bench/tokenize.py shadows the stdlib
-from dataclasses import asdict
 import torch
 import torch.multiprocessing as mp
 
@@ -38,7 +37,7 @@ def row(length: int, vocab: int, docs: int = 4, seed: int = 0) -> dict:
 def rank(r, world, sp, port, length, out):
     from sft_nb.backends.fsdp import FSDPWorker, reset_peak_memory, rank_memory
     from sft_nb.config import ModelConfig, OptimConfig
-    w = FSDPWorker(r, world, asdict(ModelConfig(path='smollm2', activation_checkpointing='full')), asdict(OptimConfig()),
+    w = FSDPWorker(r, world, ModelConfig(path='smollm2', activation_checkpointing='full'), OptimConfig(),
                    total_steps=1, placement={'sequence_parallel': sp})
     w.init_dist('127.0.0.1', port)
     try:

@@ -22,7 +22,8 @@ import argparse, json, subprocess, time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = next(p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists())
+from sft_nb.paths import shared_dir  # noqa: E402
+SHARED = shared_dir(ROOT)
 DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json')
 
 
@@ -50,7 +51,6 @@ def batch(folder, rows, capacity, model_name):
 
 def child(args):
     import ctypes, torch
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
     from sft_nb.models import smollm2_instruct, tiny_chat_model
@@ -58,9 +58,9 @@ def child(args):
     torch.set_num_threads(args.threads)
     folder = {'smollm2': smollm2_instruct, 'tiny': tiny_chat_model}[args.model]()
     mb, capacity = batch(folder, args.rows, args.capacity, args.model)
-    mcfg = asdict(ModelConfig(path=str(folder), loss_chunk=args.child_chunk, attn_implementation='sdpa',
-                              activation_checkpointing='full' if args.gradient_checkpointing else 'none'))
-    w = FSDPWorker(0, 1, mcfg, asdict(OptimConfig(lr=1e-5)), total_steps=10)
+    mcfg = ModelConfig(path=str(folder), loss_chunk=args.child_chunk, attn_implementation='sdpa',
+                              activation_checkpointing='full' if args.gradient_checkpointing else 'none')
+    w = FSDPWorker(0, 1, mcfg, OptimConfig(lr=1e-5), total_steps=10)
     w.init_dist('127.0.0.1', free_port(), threads=args.threads)
     w.setup()
     small = {k: (v[:1, :64] if isinstance(v, torch.Tensor) and v.dim() == 2 else v) for k, v in mb.items()}

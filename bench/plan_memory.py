@@ -45,12 +45,11 @@ def plan_peak(model, ranks, over) -> int:
 
 def _dry_rank(rank, world, port, args, q):
     import ray  # noqa: F401  (a worker is a Ray actor: its runtime has Ray loaded)
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import load_config
     from sft_nb.plan import plan_batch
     cfg = load_config(None, args)
-    w = FSDPWorker(rank, world, asdict(cfg.model), asdict(cfg.optim), total_steps=1, placement={'sequence_parallel': cfg.placement.sequence_parallel})
+    w = FSDPWorker(rank, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
     w.init_dist('127.0.0.1', port); w.setup()
     mb = plan_batch(cfg, w.model.config.get_text_config().vocab_size)
     q.put((rank, w.dry_run(mb)['peak'], tuple(mb['input_ids'].shape)))

@@ -48,7 +48,8 @@ import argparse, datetime, gc, json, platform, re, statistics, tempfile, time, w
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHARED = next((p / 'shared' for p in ROOT.parents if (p / 'shared' / 'DESIGN.md').exists()), None)  # the GPU machine has none: --data
+from sft_nb.paths import shared_dir  # noqa: E402
+SHARED = shared_dir(ROOT, missing_ok=True)  # the GPU machine has none: --data
 DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json') if SHARED else None
 METHODS = ('ours padded', 'ours packed', 'trl padded', 'trl packed')
 
@@ -560,7 +561,6 @@ def profile_main(args):
     """One padded step of the same 8 rows, in this process: sft_nb's worker code (`FSDPWorker.forward_backward` +
     `optim_step`, what the Ray actor runs) vs TRL (`training_step` + clip + optimizer step), timed and profiled."""
     import numpy as np, torch, trl
-    from dataclasses import asdict
     from datasets import Dataset
     from transformers import AutoTokenizer
     from sft_nb.backends.fsdp import FSDPWorker
@@ -580,7 +580,7 @@ def profile_main(args):
     n_trained, n_real = batch.pop('n_trained'), batch.pop('n_real')
     print(f"profile: {name}, {args.batch} rows, {n_real} real tokens, batch shape {tuple(batch['input_ids'].shape)}, "
           f"{n_trained} trained, {args.threads} threads")
-    w = FSDPWorker(0, 1, model=asdict(ModelConfig(path=str(folder))), optim=asdict(OptimConfig(lr=args.lr, schedule='constant')),
+    w = FSDPWorker(0, 1, model=ModelConfig(path=str(folder)), optim=OptimConfig(lr=args.lr, schedule='constant'),
                    total_steps=100)
     w.setup()
     ours = lambda: (w.forward_backward([batch], n_trained), w.optim_step())

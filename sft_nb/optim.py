@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 
 # %% auto #0
-__all__ = ['lr_at', 'take_step']
+__all__ = ['lr_at', 'take_step', 'adamw']
 
 # %% ../nbs/07c_optim.ipynb #47350bbb
 def lr_at(step: int, # optimizer steps already taken (0 for the first step)
@@ -28,14 +28,14 @@ def lr_at(step: int, # optimizer steps already taken (0 for the first step)
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
 
 # %% ../nbs/07c_optim.ipynb #38dd120f
-def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the `OptimConfig` as a dict), `step`, `total_steps`
+def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimConfig`), `step`, `total_steps`
               grad_norm: float, # the global gradient norm, the same on every rank
               skip: bool = False, # drop the gradients, no update (the driver's non-finite loss)
               clip=None, # () -> None: scale the gradients before the update (when the backend did not clip already)
              ) -> dict:
     "Set this step's LR, update unless `skip` or the norm is not finite, drop the gradients, count the step; {'grad_norm', 'lr', 'skipped'}."
     o = worker.ocfg
-    lr = lr_at(worker.step, o['lr'], worker.total_steps, o['schedule'], o['warmup_steps'], o['min_lr_ratio'])
+    lr = lr_at(worker.step, o.lr, worker.total_steps, o.schedule, o.warmup_steps, o.min_lr_ratio)
     for g in worker.opt.param_groups: g['lr'] = lr
     skip = bool(skip or not math.isfinite(grad_norm))
     if not skip:
@@ -44,3 +44,12 @@ def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the `OptimConfig`
     worker.opt.zero_grad(set_to_none=True)
     worker.step += 1  # also when skipped: the LR schedule follows the trainer's step count
     return {'grad_norm': grad_norm, 'lr': lr, 'skipped': skip}
+
+# %% ../nbs/07c_optim.ipynb #7dab346d
+def adamw(params, # the parameters it updates (those that require gradients)
+          cfg, # the run's `OptimConfig`
+         ):
+    "The run's AdamW over `params`: the one place its settings are read, for every backend and the memory plan."
+    import torch
+    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+

@@ -5,7 +5,6 @@
 # %% ../nbs/08e_plan.ipynb #2ca28c5d
 from __future__ import annotations
 import copy, json, time
-from dataclasses import asdict
 from pathlib import Path
 import pandas as pd
 import torch
@@ -57,11 +56,12 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from sft_nb.backends.fsdp import FSDPWorker, checkpoint_blocks, rank_memory, warm_optimizer
     from sft_nb.loss import resolve_attn_implementation, loss_chunk_for
+    from sft_nb.optim import adamw
     from sft_nb.models import resolve_model_path
     if dist.is_initialized(): raise RuntimeError("plan: this process already has a process group; plan in a fresh one (`sft-nb plan`)")
     dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
     try:
-        w = FSDPWorker(0, world, asdict(cfg.model), asdict(cfg.optim), total_steps=1, placement={'sequence_parallel': cfg.placement.sequence_parallel})
+        w = FSDPWorker(0, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
         w.path, w.sharded = resolve_model_path(cfg.model.path), True
         w.attn = resolve_attn_implementation(cfg.model.attn_implementation, 'cpu')  # what runs here; the GPU may pick flex_attention
         w.model = model = w._shard(checkpoint_blocks(w._build_model('meta'), cfg.model.activation_checkpointing), dtype)  # meshes outside fake mode
@@ -70,11 +70,11 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
         w.loss_chunk = loss_chunk_for(model, cfg.model.loss_chunk)
         mb = w._to_dev(plan_batch(cfg, model.config.get_text_config().vocab_size, data))
         inputs, sel, tgt, wt = w._loss_inputs(mb)
-        n_sel, o = int(sel.sum()), cfg.optim
+        n_sel = int(sel.sum())
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True))
         with mode:
             model.to_empty(device='cpu')
-            opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=o.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay)
+            opt = adamw([p for p in model.parameters() if p.requires_grad], cfg.optim)
             warm_optimizer(opt)  # a later step's: Adam's state is held through forward and backward
             fsel = mode.from_tensor(sel); fsel.nonzero_memo = n_sel  # the trained positions' count: a static shape
             tracker = FSDPMemTracker(model, opt)

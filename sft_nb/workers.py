@@ -9,6 +9,7 @@ from pathlib import Path
 from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
+from .config import ModelConfig, OptimConfig, PlacementConfig
 
 # %% auto #0
 __all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'compact_malloc',
@@ -221,12 +222,12 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
     partial.unlink()  # last: the folder is whole
 
 class TrainWorker(DistWorker):
-    "What every backend's training worker is given (the model and optim configs as dicts, the run's steps and seed, the placement) and how it exports."
-    def __init__(self, rank: int, world_size: int, model: dict, optim: dict, total_steps: int, seed: int = 0, use_gpu: bool = False,
-                 placement: dict | None = None):
+    "What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig` and `PlacementConfig`, its steps and seed) and how it exports."
+    def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int, seed: int = 0,
+                 use_gpu: bool = False, placement: PlacementConfig | None = None):
         super().__init__(rank, world_size)
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
-        self.placement, self.step = placement or {}, 0  # step: optimizer steps taken
+        self.placement, self.step = placement or PlacementConfig(), 0  # step: optimizer steps taken
 
     def set_total_steps(self, total_steps: int) -> bool:
         "The run's new length: `take_step`'s LR schedule reads it from the next step on."
@@ -262,6 +263,7 @@ def death_message(rank: int, what: str, e: BaseException) -> str:
                 f"away. If memory is short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
+# %% ../nbs/07_workers.ipynb #4b774298
 class WorkerGroup:
     "One Ray actor per rank, placed by a placement group; `call` fans a method out to all ranks."
     def __init__(self, worker_cls, # a DistWorker subclass

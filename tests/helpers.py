@@ -29,7 +29,6 @@ def local_run(cfg: dict, train_data, n_steps: int | None = None):
     gloo group), stepped as `SFTTrainer.step` steps it. Returns (per-step metrics: loss, grad_norm, weight_sum, n_trained;
     the final full state).
     Reference runs for parity tests: what runs under Ray (ranks, dealing, the transport) is compared against this."""
-    from dataclasses import asdict
     from sft_nb.backends import get_backend
     from sft_nb.models import load_model_inputs
     from sft_nb.trainer import SFTTrainer
@@ -39,8 +38,8 @@ def local_run(cfg: dict, train_data, n_steps: int | None = None):
     assert c.placement.world_size == 1, 'local_run is one rank'
     t.tokenizer, t.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     t._prepare_data().plan()
-    w = get_backend(c.placement.backend)(0, 1, model=asdict(c.model), optim=asdict(c.optim), total_steps=t.total_steps,
-                                         seed=c.train.seed, use_gpu=False, placement=asdict(c.placement))
+    w = get_backend(c.placement.backend)(0, 1, model=c.model, optim=c.optim, total_steps=t.total_steps,
+                                         seed=c.train.seed, use_gpu=False, placement=c.placement)
     w.init_dist('127.0.0.1', free_port())
     try:
         t.data.check_model(w.setup())
@@ -67,10 +66,9 @@ def cli(*args) -> tuple[int, str, str]:
 
 def fsdp_rank(rank, world, sp, port, model_cfg, mbs, n_global, out):
     "One FSDP rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses; rank 0 reports."
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
-    from sft_nb.config import OptimConfig
-    w = FSDPWorker(rank, world, model_cfg, asdict(OptimConfig()), total_steps=1, placement={'sequence_parallel': sp})
+    from sft_nb.config import OptimConfig, PlacementConfig
+    w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1, placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
     w.init_dist('127.0.0.1', port)
     try:
         w.setup()

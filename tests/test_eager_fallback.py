@@ -1,7 +1,6 @@
 """`attn_implementation: auto` on a model class without sdpa (Gemma 2) falls back to `eager`, with the additive
 form of the packed rows' block mask (made on the worker from the plan's bool mask), never the ValueError transformers
 raises for sdpa on such a class. A tiny Gemma 2 (the tiny tokenizer) trains on CPU, and packed == padded on it."""
-from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
@@ -34,7 +33,7 @@ def test_auto_falls_back_to_eager_and_packed_equals_padded(gemma2_path, tiny_tok
     n = sum(mb['n_trained'] for mb in padded)
     res = {}
     for name, mbs in (('padded', padded), ('packed', [packed])):
-        w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(gemma2_path))), asdict(OptimConfig(lr=1e-2, schedule='constant')), total_steps=3)
+        w = FSDPWorker(0, 1, ModelConfig(path=str(gemma2_path)), OptimConfig(lr=1e-2, schedule='constant'), total_steps=3)
         info = w.setup()
         assert info['attn_implementation'] == 'eager' and w.model.config._attn_implementation == 'eager'
         r = w.forward_backward(mbs, n)

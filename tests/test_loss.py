@@ -3,7 +3,6 @@ FSDP worker's gradients (tied head, LoRA-wrapped head, weights, packed), a whole
 megatron's chunked vocab-parallel loss against FSDP. The worker's FlexAttention eval on packed rows equals the dense-mask path.
 The worker's objective: its micro-batches and ranks all divide by the step's weight_sum (by hand on a Hugging Face
 forward; 2 ranks == 1)."""
-from dataclasses import asdict
 import pytest
 import torch
 import torch.nn.functional as F
@@ -63,7 +62,7 @@ def worker(tiny_path):
     "One in-process FSDP worker (1-rank gloo group); tests switch its `loss_chunk`."
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.workers import free_port
-    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(OptimConfig(lr=1e-3)), total_steps=3)
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(lr=1e-3), total_steps=3)
     w.init_dist('127.0.0.1', free_port())
     w.setup()
     yield w
@@ -143,7 +142,7 @@ def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
     n = sum(mb['weight_sum'] for mb in mbs)
     _, one = _grads(worker, mbs, n)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
-    _, two, _, _ = spawn(2, 1, asdict(ModelConfig(path=str(tiny_path))), [[{k: mb[k] for k in keep}] for mb in mbs], n)
+    _, two, _, _ = spawn(2, 1, ModelConfig(path=str(tiny_path)), [[{k: mb[k] for k in keep}] for mb in mbs], n)
     assert_rel_close(two, one, GRAD_TOL, '2 ranks vs 1: gradients')
 
 

@@ -1,7 +1,6 @@
 """Megatron's chunked vocab-parallel loss (`model.loss_chunk > 0`) equals megatron-core's own loss (`loss_chunk: 0`) in one
 in-process worker (1-rank gloo group, no Ray): Σ NLL, counts and every parameter's gradient, padded and packed, with and
 without fractional weights. TP/PP/DP against FSDP: tests/test_loss.py and tests/test_megatron.py (through Ray)."""
-from dataclasses import asdict
 import pytest
 import torch
 pytest.importorskip('megatron.core')
@@ -19,7 +18,7 @@ WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['ro
 def worker(tiny_path):
     from sft_nb.backends.megatron import MegatronWorker
     from sft_nb.workers import free_port
-    w = MegatronWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(OptimConfig()), total_steps=1)
+    w = MegatronWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(), total_steps=1)
     w.init_dist('127.0.0.1', free_port())
     w.setup()
     yield w

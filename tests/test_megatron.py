@@ -21,11 +21,10 @@ def make_cfg(tiny_path, run_dir, **kw):
 
 def in_process_worker(path, **placement):
     "A 1-rank MegatronWorker in this process (its own gloo group)."
-    from dataclasses import asdict
     from sft_nb.backends.megatron import MegatronWorker
-    from sft_nb.config import ModelConfig, OptimConfig
+    from sft_nb.config import ModelConfig, OptimConfig, PlacementConfig
     from sft_nb.workers import free_port
-    w = MegatronWorker(0, 1, asdict(ModelConfig(path=str(path))), asdict(OptimConfig()), total_steps=1, placement=placement or None)
+    w = MegatronWorker(0, 1, ModelConfig(path=str(path)), OptimConfig(), total_steps=1, placement=PlacementConfig(backend='megatron', **placement))
     w.init_dist('127.0.0.1', free_port())
     w.setup()
     return w
@@ -69,7 +68,6 @@ def test_stream_tokens_equal_fsdp(tiny_path, tmp_path):
     """MegatronWorker.stream_tokens (what the panel's chat calls; it recomputes the prefix each token) streams what the FSDP worker
     streams (KV cache) on the same tiny weights: greedy in pieces equals greedy all at once and each backend's `generate`, a seeded
     sampled reply is the same tokens on both, a reply ends at its EOS (then nothing more)."""
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
     from sft_nb.workers import free_port
@@ -85,7 +83,7 @@ def test_stream_tokens_equal_fsdp(tiny_path, tmp_path):
     w = in_process_worker(path)
     try: mega = _streams(w, prompt)
     finally: w.shutdown()
-    f = FSDPWorker(0, 1, asdict(ModelConfig(path=str(path))), asdict(OptimConfig()), total_steps=1)
+    f = FSDPWorker(0, 1, ModelConfig(path=str(path)), OptimConfig(), total_steps=1)
     f.init_dist('127.0.0.1', free_port()); f.setup()
     try: fsdp = _streams(f, prompt)
     finally: f.shutdown()

@@ -2,7 +2,6 @@
 steps on 2 gloo ranks with the same losses and gradient norms as without it (fp32, relative bounds), and leaves the
 same weights. cpu_offload (FSDP2 CPUOffloadPolicy) needs an accelerator: on CPU workers it is refused by name (no GPU
 here to run its parity test)."""
-from dataclasses import asdict
 import numpy as np
 from test_sharded_load import run_ranks
 
@@ -12,8 +11,8 @@ OPTIONS = {'ac_full': dict(activation_checkpointing='full'), 'ac_selective': dic
 
 def test_memory_options_keep_losses_and_gradients(tiny_path):
     from sft_nb.config import ModelConfig
-    cases = [('plain', asdict(ModelConfig(path=str(tiny_path))))]
-    cases += [(k, asdict(ModelConfig(path=str(tiny_path), **kw))) for k, kw in OPTIONS.items()]
+    cases = [('plain', ModelConfig(path=str(tiny_path)))]
+    cases += [(k, ModelConfig(path=str(tiny_path), **kw)) for k, kw in OPTIONS.items()]
     got = run_ranks(cases)[0]
     ref = got['plain']
     for k in OPTIONS:
@@ -28,5 +27,5 @@ def test_cpu_offload_on_cpu_workers_is_refused(tiny_path):
     import pytest
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
-    w = FSDPWorker(0, 2, asdict(ModelConfig(path=str(tiny_path), cpu_offload=True)), asdict(OptimConfig()), total_steps=1)
+    w = FSDPWorker(0, 2, ModelConfig(path=str(tiny_path), cpu_offload=True), OptimConfig(), total_steps=1)
     with pytest.raises(ValueError, match='model.cpu_offload: needs GPU workers'): w.setup()

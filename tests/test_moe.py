@@ -5,7 +5,6 @@ as `aux_loss` apart from the NLL `loss`. Checked: the gradient is that of NLL / 
 hand from the model's own forward; packed rows give the same losses, aux losses and gradient norms as padded ones (padding
 and packed fill never enter the aux loss); 2 ranks equal 1 rank; the trainer logs it; megatron refuses MoE models."""
 import json
-from dataclasses import asdict
 import numpy as np
 import pytest
 import torch
@@ -40,7 +39,7 @@ def rows(n=8):
 def _worker(path, **mkw):
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
-    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(path), **mkw)), asdict(OptimConfig(lr=1e-2, schedule='constant')), total_steps=3)
+    w = FSDPWorker(0, 1, ModelConfig(path=str(path), **mkw), OptimConfig(lr=1e-2, schedule='constant'), total_steps=3)
     return w, w.setup()
 
 

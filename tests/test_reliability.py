@@ -182,11 +182,10 @@ def test_train_evaluates_the_final_step_once(tiny_path, tmp_path, ray_session):
 # ---- checkpoints run no code -------------------------------------------------------------------------------------
 def test_checkpoint_rng_is_not_unpickled(tiny_path, tmp_path):
     "A crafted rng_rank0.pt in a checkpoint folder is never unpickled: RNG state is read from safetensors + JSON only."
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig
     from sft_nb.workers import free_port
-    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(load_config({}).optim), total_steps=1)
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path)), load_config({}).optim, total_steps=1)
     w.init_dist('127.0.0.1', free_port())
     try:
         w.setup()
@@ -206,12 +205,11 @@ def test_checkpoint_rng_is_not_unpickled(tiny_path, tmp_path):
 def test_worker_counts_on_from_its_checkpoint_step(tiny_path, tmp_path):
     """A worker that saved after 2 optimizer steps and took a third resumes from that checkpoint at step 2: `load` says so and
     the next step's LR is the schedule's at step 2."""
-    from dataclasses import asdict
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import ModelConfig, OptimConfig
     from sft_nb.optim import lr_at
     from sft_nb.workers import free_port
-    w = FSDPWorker(0, 1, asdict(ModelConfig(path=str(tiny_path))), asdict(OptimConfig(lr=1.0, schedule='linear')), total_steps=5)
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(lr=1.0, schedule='linear'), total_steps=5)
     w.init_dist('127.0.0.1', free_port())
     try:
         w.setup()

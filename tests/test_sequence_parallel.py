@@ -3,11 +3,10 @@ groups: sp=2 equals sp=1 (losses, every gradient, trained-token counts, per-toke
 with fractional loss weights and a length sp does not divide, also with fewer KV heads than sp and with activation
 checkpointing; sp=3 equals sp=1 on SmolLM2-135M's head layout (9 heads, 3 KV heads); a whole trainer step with sp=2 and with sp=2 × dp=2 on 4
 workers equals 1 worker; exact resume with sp=2."""
-from dataclasses import asdict
 import pytest
 import torch
 import torch.multiprocessing as mp
-from sft_nb.config import ModelConfig, OptimConfig, ConfigError
+from sft_nb.config import ModelConfig, OptimConfig, PlacementConfig, ConfigError
 from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close, rel_gap
@@ -59,7 +58,7 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
     mbs, n_global = batches(tiny_tok)
     assert mbs[0][0]['input_ids'].shape[1] % 2 and mbs[1][0]['input_ids'].shape[1] % 2  # sp=2 pads both
     assert mbs[0][0]['position_ids'].eq(0).sum() > 1 and 'loss_weights' in mbs[0][0]  # several documents, fractional weights
-    mcfg = asdict(ModelConfig(path=str(path), activation_checkpointing=ac, loss_chunk=5))
+    mcfg = ModelConfig(path=str(path), activation_checkpointing=ac, loss_chunk=5)
     for d in range(2):  # each replica's micro-batch alone
         r1, g1, e1, t1 = one_rank(mcfg, mbs[d:d + 1], n_global)
         r2, g2, e2, t2 = spawn(2, 2, mcfg, mbs[d:d + 1], n_global)
@@ -76,7 +75,7 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
 def test_sp2_dp2_equals_one_rank_worker(tiny_path, tiny_tok):
     "4 ranks, 2 replicas of sp=2: the gradient of the global-token loss of both replicas' micro-batches == one rank doing both."
     mbs, n_global = batches(tiny_tok)
-    mcfg = asdict(ModelConfig(path=str(tiny_path)))
+    mcfg = ModelConfig(path=str(tiny_path))
     r1, g1, _, _ = one_rank(mcfg, [[b for r in mbs for b in r]], n_global)
     r4, g4, _, _ = spawn(4, 2, mcfg, mbs, n_global)
     assert_rel_close(g4, g1, GRAD_TOL, 'sp=2 × dp=2 gradients')
@@ -128,7 +127,7 @@ def test_trainer_sp_exact_resume(tiny_path, tmp_path, ray_session):
 def _setup_error(rank, world, sp, port, model_cfg, out):
     "One rank's setup; the type and message of what it raised (None when it went through)."
     from sft_nb.backends.fsdp import FSDPWorker
-    w = FSDPWorker(rank, world, model_cfg, asdict(OptimConfig()), total_steps=1, placement={'sequence_parallel': sp})
+    w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1, placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
     w.init_dist('127.0.0.1', port)
     try:
         w.setup(); out.put((rank, None, None))
@@ -145,7 +144,7 @@ def test_moe_aux_loss_refused_at_setup(tiny_tok, tmp_path):
     AutoModelForCausalLM.from_config(moe_config(len(tiny_tok)), dtype=torch.float32).save_pretrained(tmp_path); tiny_tok.save_pretrained(tmp_path)
     ctx, port = mp.get_context('spawn'), free_port()
     out = ctx.Queue()
-    ps = [ctx.Process(target=_setup_error, args=(r, 2, 2, port, asdict(ModelConfig(path=str(tmp_path))), out)) for r in range(2)]
+    ps = [ctx.Process(target=_setup_error, args=(r, 2, 2, port, ModelConfig(path=str(tmp_path)), out)) for r in range(2)]
     for p in ps: p.start()
     got = sorted(out.get(timeout=300) for _ in ps)
     for p in ps: p.join(timeout=60)
@@ -166,7 +165,7 @@ def test_sp3_equals_sp1_on_nine_heads(tiny_tok, tiny_llama_path):
     n_global = row['weight_sum']
     for k in ('n_trained', 'n_real', 'weight_sum', 'seq_lens', 'cu_seqlens'): row.pop(k, None)
     assert row['position_ids'].eq(0).sum() > 2 and 'loss_weights' in row  # several documents, fractional weights; sp=3 pads
-    mcfg = asdict(ModelConfig(path=str(tiny_llama_path), loss_chunk=512))
+    mcfg = ModelConfig(path=str(tiny_llama_path), loss_chunk=512)
     r1, g1, e1, _ = one_rank(mcfg, [[row]], n_global)
     r3, g3, e3, _ = spawn(3, 3, mcfg, [[row]], n_global)
     assert r3['weight_sum'] == r1['weight_sum'] and e3['weight_sum'] == e1['weight_sum']

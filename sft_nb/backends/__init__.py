@@ -5,7 +5,6 @@
 # %% ../../nbs/07_backends.ipynb #3e18d00c
 from __future__ import annotations
 import importlib
-from dataclasses import asdict
 from typing import Protocol
 from ..workers import WorkerGroup
 
@@ -103,6 +102,6 @@ def start_workers(cfg, # the run's `SFTConfig`
     "The workers of `cfg.placement` (backend, nodes × workers, strategy, GPUs), started, as a `BackendGroup`."
     p, cls = cfg.placement, get_backend(cfg.placement.backend)
     group = WorkerGroup(cls, p.num_nodes, p.workers_per_node, p.strategy, p.use_gpu, p.cpus_per_worker,
-                        init_kwargs=dict(model=asdict(cfg.model), optim=asdict(cfg.optim), total_steps=total_steps,
-                                         seed=cfg.train.seed, use_gpu=p.use_gpu, placement=asdict(p)))
+                        init_kwargs=dict(model=cfg.model, optim=cfg.optim, total_steps=total_steps,
+                                         seed=cfg.train.seed, use_gpu=p.use_gpu, placement=p))
     return BackendGroup(group, cls, p)

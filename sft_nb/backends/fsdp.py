@@ -8,7 +8,7 @@ import json, os, random
 from pathlib import Path
 import numpy as np
 from ..workers import TrainWorker, save_rng, load_rng
-from ..optim import take_step
+from ..optim import adamw, take_step
 from ..loss import trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
@@ -38,7 +38,7 @@ def _arch_cls(path):
 class FSDPWorker(TrainWorker):
     "FSDP2 training worker (one per rank)."
     @property
-    def sp(self) -> int: return self.placement.get('sequence_parallel', 1)  # ranks that share each row (Ulysses)
+    def sp(self) -> int: return self.placement.sequence_parallel  # ranks that share each row (Ulysses)
 
     @property
     def device(self):
@@ -78,10 +78,10 @@ def _build_model(self: FSDPWorker, device: str = 'cpu'):
     with torch.device(device):
         if device == 'meta': model = cls.from_config(model_config(self.path), dtype=torch.float32, attn_implementation=self.attn)
         else: model = load_pretrained(cls, self.path, attn_implementation=self.attn)
-        if self.mcfg['lora_r'] > 0:
+        if self.mcfg.lora_r > 0:
             from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(r=self.mcfg['lora_r'], lora_alpha=self.mcfg['lora_alpha'],
-                                                     lora_dropout=self.mcfg['lora_dropout'], target_modules=self.mcfg['lora_target_modules']))
+            model = get_peft_model(model, LoraConfig(r=self.mcfg.lora_r, lora_alpha=self.mcfg.lora_alpha,
+                                                     lora_dropout=self.mcfg.lora_dropout, target_modules=self.mcfg.lora_target_modules))
     return model
 
 @patch
@@ -92,8 +92,8 @@ def _shard(self: FSDPWorker, model, dtype):
     mesh = init_device_mesh(self.device.type, (self.world_size,))
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
-              reshard_after_forward=self.mcfg['reshard_after_forward'],
-              offload_policy=CPUOffloadPolicy() if self.mcfg['cpu_offload'] else OffloadPolicy())
+              reshard_after_forward=self.mcfg.reshard_after_forward,
+              offload_policy=CPUOffloadPolicy() if self.mcfg.cpu_offload else OffloadPolicy())
     for unit in fsdp_units(model): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
     fully_shard(model, **kw)
     return model
@@ -105,11 +105,11 @@ def _load_sharded(self: FSDPWorker, dtype):
     rng = torch.get_rng_state()  # where PEFT draws the adapters when it wraps a loaded model
     meta = self._build_model('meta')
     sources = check_checkpoint(meta, self.path)  # before any rank reads: shapes, missing tensors, the tie rule
-    model = self._shard(checkpoint_blocks(meta, self.mcfg['activation_checkpointing']), dtype)
-    model.to_empty(device='cpu' if self.mcfg['cpu_offload'] else self.device)
+    model = self._shard(checkpoint_blocks(meta, self.mcfg.activation_checkpointing), dtype)
+    model.to_empty(device='cpu' if self.mcfg.cpu_offload else self.device)
     rebuild_buffers(model, self.device)
     fill_from_checkpoint(model, self.path, sources)
-    if self.mcfg['lora_r'] > 0: init_lora(model, rng)
+    if self.mcfg.lora_r > 0: init_lora(model, rng)
     return model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
@@ -144,22 +144,22 @@ def checkpoint_blocks(model, mode: str = 'none'):
 def setup(self: FSDPWorker):
     import torch
     from sft_nb.models import resolve_model_path
-    if self.mcfg['cpu_offload'] and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
+    if self.mcfg.cpu_offload and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
         raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in host memory already")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-    self.path = resolve_model_path(self.mcfg['path'])
-    dtype = torch.bfloat16 if (self.mcfg['dtype'] == 'bfloat16' and self.use_gpu) else torch.float32
+    self.path = resolve_model_path(self.mcfg.path)
+    dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     # auto: sdpa on CPU, flex on CUDA, eager for a model class without them (Gemma 2 has no sdpa)
-    self.attn = resolve_attn_implementation(self.mcfg['attn_implementation'], self.device.type, _arch_cls(self.path))
+    self.attn = resolve_attn_implementation(self.mcfg.attn_implementation, self.device.type, _arch_cls(self.path))
     # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
     # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
     self.sharded = self.world_size > 1 or dtype != torch.float32
-    ac = self.mcfg['activation_checkpointing']
+    ac = self.mcfg.activation_checkpointing
     if not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
-    elif self.mcfg['load'] == 'slices': model = self._load_sharded(dtype)
+    elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
     if self.sp > 1: self._setup_sp(model)
-    self.loss_chunk = loss_chunk_for(model, self.mcfg.get('loss_chunk', 0))
+    self.loss_chunk = loss_chunk_for(model, self.mcfg.loss_chunk)
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
     self.model = model
@@ -167,8 +167,7 @@ def setup(self: FSDPWorker):
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         if getattr(c, 'output_router_logits', False): c.output_router_logits = False  # the worker computes it per sequence (`_nll`)
     params = [p for p in model.parameters() if p.requires_grad]
-    o = self.ocfg
-    self.opt = torch.optim.AdamW(params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
+    self.opt = adamw(params, self.ocfg)
     # sharded parameters are DTensors, whose numel() is already the whole tensor's
     return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
             'packable': self.packable, 'attn_implementation': self.attn, 'router_aux_coef': self.aux_coef}
@@ -276,7 +275,7 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_glo
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
     "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
     import torch
-    params, max_norm = [p for p in self.model.parameters() if p.requires_grad], self.ocfg['max_grad_norm']
+    params, max_norm = [p for p in self.model.parameters() if p.requires_grad], self.ocfg.max_grad_norm
     gn = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float('inf'))  # clips in place
     return take_step(self, float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn), skip)  # the global norm: every rank decides alike
 
@@ -344,7 +343,7 @@ def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
     "A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."
     model = self._build_model('cpu')
     model.load_state_dict(state, strict=False)
-    return model.merge_and_unload() if self.mcfg['lora_r'] > 0 and lora_export != 'adapter' else model
+    return model.merge_and_unload() if self.mcfg.lora_r > 0 and lora_export != 'adapter' else model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed
 from fastcore.basics import patch

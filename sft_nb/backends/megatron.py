@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from ..config import ConfigError
 from ..workers import TrainWorker, save_rng, load_rng
-from ..optim import take_step
+from ..optim import adamw, take_step
 from ..loss import chunked_token_nll
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 from .slices import Rows, checkpoint_files
@@ -188,7 +188,7 @@ class MegatronWorker(TrainWorker):
     def __init__(self, *args, **kwargs):  # `TrainWorker`'s arguments
         super().__init__(*args, **kwargs)
         p = self.placement
-        self.tp, self.pp, self.cp = p.get('tensor_parallel', 1), p.get('pipeline_parallel', 1), p.get('context_parallel', 1)
+        self.tp, self.pp, self.cp = p.tensor_parallel, p.pipeline_parallel, p.context_parallel
         megatron_dp_index(self.rank, self.world_size, self.tp, self.pp, self.cp)  # validates TP×PP×CP | world
 
     @staticmethod
@@ -211,11 +211,11 @@ def setup(self: MegatronWorker) -> dict:
     from megatron.core import parallel_state as ps
     from sft_nb.models import resolve_model_path, model_config
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-    if self.mcfg['lora_r'] > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
-    self.path = str(resolve_model_path(self.mcfg['path']))
+    if self.mcfg.lora_r > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
+    self.path = str(resolve_model_path(self.mcfg.path))
     self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
-    self.thd = thd_available(self.use_gpu, self.mcfg['dtype'])  # rows as THD segments: only TransformerEngine's attention takes them
+    self.thd = thd_available(self.use_gpu, self.mcfg.dtype)  # rows as THD segments: only TransformerEngine's attention takes them
     if self.cp > 1 and not self.thd:
         raise ConfigError(f"placement.context_parallel: {self.cp} needs TransformerEngine's attention on CUDA in bf16 (megatron-core's local "
                           "attention asserts context_parallel_size == 1): transformer_engine on the GPU workers and model.dtype=bfloat16, or context_parallel=1")
@@ -230,8 +230,8 @@ def setup(self: MegatronWorker) -> dict:
     else:
         from sft_nb.backends.megatron_compat import seed_model_parallel_rng
         seed_model_parallel_rng(self.seed, self.tp_rank)
-    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg['dtype'] == 'bfloat16', cp=self.cp, te=self.thd)
-    self.loss_chunk = self.mcfg.get('loss_chunk', 0)
+    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg.dtype == 'bfloat16', cp=self.cp, te=self.thd)
+    self.loss_chunk = self.mcfg.loss_chunk
     own, seen = self.model.state_dict(keep_vars=True), set()
     with Rows(checkpoint_files(self.path)) as rd, torch.no_grad():  # this rank's rows and columns of each tensor, one tensor at a time
         for k, t in hf_to_mcore(rd, self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank):
@@ -244,11 +244,10 @@ def setup(self: MegatronWorker) -> dict:
     unexpected = [k for k in seen if k not in own]
     if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
     self.model.to(self.device)
-    o = self.ocfg
     self.params = list(self.model.parameters())
     # norms are the only TP-replicated parameters (megatron tags sharded ones only when it initializes them)
     self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith(('layernorm.weight', 'layer_norm_weight'))}
-    self.opt = torch.optim.AdamW(self.params, lr=o['lr'], betas=tuple(o['betas']), eps=o['eps'], weight_decay=o['weight_decay'])
+    self.opt = adamw(self.params, self.ocfg)
     n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
     return {'n_params': int(n), 'n_trainable': int(n), 'packable': True, 'thd': self.thd}
 
@@ -377,7 +376,7 @@ def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
     self._reduce_grads()
     sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
     gn = self._mp_sum(sq) ** 0.5
-    max_norm = self.ocfg['max_grad_norm'] if self.ocfg['max_grad_norm'] > 0 else float('inf')
+    max_norm = self.ocfg.max_grad_norm if self.ocfg.max_grad_norm > 0 else float('inf')
     coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
     return take_step(self, gn, skip, clip=lambda: [p.grad.mul_(coef) for p in self.params])
 

@@ -4,7 +4,6 @@ that path, and THD = the dense-mask path (the local layer spec, the worker's cho
 every gradient within bf16 tolerances (README.md), trained-token counts identical. With 2 GPUs, context_parallel=2 equals
 context_parallel=1 through the trainer. Skipped without CUDA or transformer_engine (megatron-core's local attention
 asserts `packed_seq_params is None`, so there is nothing to run on CPU)."""
-from dataclasses import asdict
 import pytest
 import torch
 if not torch.cuda.is_available(): pytest.skip('needs CUDA', allow_module_level=True)
@@ -24,7 +23,7 @@ def worker(path):
     "A 1-rank megatron worker on this GPU (its own nccl group), bf16 compute."
     from sft_nb.backends.megatron import MegatronWorker
     from sft_nb.workers import free_port
-    w = MegatronWorker(0, 1, asdict(ModelConfig(path=str(path), dtype='bfloat16')), asdict(OptimConfig()), total_steps=1, use_gpu=True)
+    w = MegatronWorker(0, 1, ModelConfig(path=str(path), dtype='bfloat16'), OptimConfig(), total_steps=1, use_gpu=True)
     w.init_dist('127.0.0.1', free_port(), use_gpu=True)
     return w, w.setup()
 
