@@ -1,5 +1,5 @@
 """Structure of the package: no import cycle, no lower stage importing a higher one, no private
-name imported across modules, no exported notebook cell over 80 lines. The rules are in `tools/structure.py`."""
+name imported across modules, no exported notebook cell over 80 lines, no rule written twice (AdamW, config defaults). The rules are in `tools/structure.py`."""
 import importlib.util, json, sys
 from pathlib import Path
 import pytest
@@ -33,7 +33,8 @@ def bad_tree(tmp_path):
     _mod(tmp_path, 'models.py', '06_models.ipynb', 'from .vlm import tiny\nfrom .config import X')
     _mod(tmp_path, 'vlm.py', '06b_vlm.ipynb', 'from .models import _atomic\nfrom . import config')
     _mod(tmp_path, 'backends/__init__.py', '07_backends.ipynb', "B = {'fsdp': 'sft_nb.backends.fsdp:W'}")
-    _mod(tmp_path, 'backends/fsdp.py', '07a_backends.fsdp.ipynb', 'from ..models import tiny\nfrom ..config import X')
+    _mod(tmp_path, 'backends/fsdp.py', '07a_backends.fsdp.ipynb', 'from ..models import tiny\nfrom ..config import X\n'
+         "c = self.mcfg.get('loss_chunk', 0)\nopt = torch.optim.AdamW(ps, lr=self.ocfg.lr)")
     _nb(tmp_path, '06_models.ipynb', ['#| export\n' + 'x = 1\n' * 81, '#| export\n' + 'x = 1\n' * 80, 'x = 1\n' * 200])
     return tmp_path
 
@@ -45,7 +46,9 @@ def test_rules_catch_each_violation(bad_tree):
     assert 'private: sft_nb/vlm.py:5: sft_nb.vlm imports _atomic from sft_nb.models' in vs
     assert 'private: sft_nb/templates.py:7: sft_nb.templates reads sft_nb.config._z' in vs
     assert 'cell: nbs/06_models.ipynb cell 0: exported cell of 81 lines (max 80)' in vs
-    assert len(vs) == 5, vs  # same-stage imports (02a → 02, 06b → 06), 07a → 06 and the 07 → 07a registry string are fine
+    assert 'once: sft_nb/backends/fsdp.py:7: a config read as a dict' in vs
+    assert 'once: sft_nb/backends/fsdp.py:8: AdamW built outside sft_nb.optim.adamw' in vs
+    assert len(vs) == 7, vs  # same-stage imports (02a → 02, 06b → 06), 07a → 06 and the 07 → 07a registry string are fine
 
 
 def test_stage_of():

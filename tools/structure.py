@@ -16,6 +16,10 @@ Rules (issue 15, item 4; docs/STYLE.md):
   nor read as an attribute of an imported `sft_nb` module (`models._atomic_build`).
 - **cell**: no exported notebook cell (`#| export`, `exports`, `exporti`) is over 80 lines, counting every line
   of the cell except its `#|` directives.
+- **once**: a rule the package states in one place is not written again elsewhere (`ONCE`): the optimizer is built by
+  `sft_nb.optim.adamw` alone, and the workers read their configs as typed dataclasses, never `cfg['key']` or
+  `cfg.get('key', default)` on a config dict (a default written twice drifts: the workers once fell back to
+  `loss_chunk` 0 where `ModelConfig` says 2048).
 
 Pure parsing (`ast`, `json`): nothing of `sft_nb` is imported, so a broken module is still checked.
 """
@@ -30,6 +34,10 @@ _HEADER = re.compile(r'File to edit: (?:\.\./)+nbs/(\S+?\.ipynb)')
 _STAGE = re.compile(r'^(\d+)')
 _DIRECTIVE = re.compile(r'^\s*#\s*\|\s*([\w-]+)')
 EXPORT_DIRECTIVES = {'export', 'exports', 'exporti'}
+ONCE = {  # rule → (pattern, the only files allowed to contain it, the files searched)
+    'AdamW built outside sft_nb.optim.adamw': (re.compile(r'\boptim\.AdamW\('), {'sft_nb/optim.py'}, 'sft_nb/**/*.py'),
+    'a config read as a dict': (re.compile(r'\b(?:mcfg|ocfg|placement)(?:\[|\.get\()'), set(), 'sft_nb/backends/*.py'),
+}
 
 
 def module_files(root: Path = ROOT) -> dict[str, Path]:
@@ -150,8 +158,19 @@ def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str
     return out
 
 
+def said_twice(root: Path = ROOT) -> list[str]:
+    "Every line that writes again what `ONCE` keeps in one place."
+    out = []
+    for rule, (pat, allowed, glob) in ONCE.items():
+        for f in sorted(root.glob(glob)):
+            rel = str(f.relative_to(root))
+            if rel in allowed or f.name == '_modidx.py': continue
+            out += [f'once: {rel}:{i}: {rule}' for i, l in enumerate(f.read_text(encoding='utf-8').splitlines(), 1) if pat.search(l)]
+    return out
+
+
 def violations(root: Path = ROOT) -> list[str]:
-    "Every violation of the four rules, one readable line each."
+    "Every violation of the five rules, one readable line each."
     mods = module_files(root)
     stage = {m: stage_of(notebook_of(p)) for m, p in mods.items()}
     out, graph = [], {}
@@ -171,6 +190,7 @@ def violations(root: Path = ROOT) -> list[str]:
                 out.append(f'private: {rel}:{node.lineno}: {m} reads {aliases[node.value.id]}.{node.attr}')
     for comp in find_cycles(graph): out.append(f'cycle: {" <-> ".join(comp)}')
     for nb, i, n in long_cells(root): out.append(f'cell: {nb} cell {i}: exported cell of {n} lines (max {MAX_CELL_LINES})')
+    out += said_twice(root)
     return sorted(set(out), key=lambda s: (s.split(':')[0], s))
 
 
