@@ -12,12 +12,26 @@ from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'RESTART_HINT', 'init_ray', 'child_pids', 'free_port', 'stop_ray', 'write_error', 'compact_malloc',
-           'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
-           'WorkerGroup', 'release_parked']
+__all__ = ['RAY_ENV', 'JEMALLOC_CONF', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'init_ray', 'child_pids', 'free_port',
+           'stop_ray', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
+           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked']
 
 # %% ../nbs/07_workers.ipynb #cf7072e7
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
+
+JEMALLOC_CONF = 'background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0'  # freed pages go back to the OS after ~1 s
+
+def jemalloc_env() -> dict:
+    "The environment that makes a process start on the jemalloc in Ray's wheel ({} without one, or where `LD_PRELOAD` is the user's)."
+    import ray
+    lib = Path(ray.__file__).parent / 'core' / 'libjemalloc.so'
+    if 'LD_PRELOAD' in os.environ or not lib.exists(): return {}
+    return {'LD_PRELOAD': str(lib), 'MALLOC_CONF': os.environ.get('MALLOC_CONF', JEMALLOC_CONF)}
+
+def on_jemalloc() -> bool:
+    "Whether this process allocates with jemalloc (mapped into it)."
+    try: return 'jemalloc' in Path('/proc/self/maps').read_text()
+    except OSError: return False
 
 def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'); None starts a local one
              num_cpus: int | None = None, # CPUs of a local cluster (default: all)
@@ -30,6 +44,7 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     # no progress bars in the workers: their stderr reaches the notebook as a red box over the cell ("Loading weights 0/272")
     env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0'), 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
     if address: ray.init(address=address, runtime_env={'env_vars': env}, log_to_driver=True); return True
+    env.update(jemalloc_env())  # a local node's processes allocate with jemalloc (`jemalloc_env`)
     # A local cluster's processes inherit the environment they start in: the workers get `env` without a runtime env,
     # so no worker start waits on the runtime-env agent. The driver's own environment is restored right after.
     before = {k: os.environ.get(k) for k in env}
@@ -89,9 +104,9 @@ def write_error(e: BaseException) -> dict | None:
 
 # %% ../nbs/07_workers.ipynb #5e1a0c78
 def compact_malloc(threshold: int = 2**20) -> bool:
-    "Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False (nothing done) without glibc or where `MALLOC_MMAP_THRESHOLD_` is set."
+    "Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False (nothing done) without glibc, under jemalloc, or where `MALLOC_MMAP_THRESHOLD_` is set."
     import ctypes
-    if 'MALLOC_MMAP_THRESHOLD_' in os.environ: return False
+    if 'MALLOC_MMAP_THRESHOLD_' in os.environ or on_jemalloc(): return False
     try: mallopt = ctypes.CDLL('libc.so.6').mallopt
     except (OSError, AttributeError): return False
     return mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
