@@ -346,6 +346,10 @@ class SFTConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)  # checkpoints
     logging: LoggingConfig = field(default_factory=LoggingConfig)  # logging
     eval: EvalConfig = field(default_factory=EvalConfig)  # generation samples at every evaluation
+    @property
+    def pack_capacity(self) -> int:
+        "Tokens a packed row holds: `packing.capacity`, by default `tokenize.max_length` (the one place this rule is written)."
+        return self.packing.capacity or self.tokenize.max_length
     def __post_init__(self):
         t, dp = self.train, self.placement.dp_size
         if t.global_batch_size % (t.micro_batch_size * dp):

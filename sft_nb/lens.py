@@ -92,7 +92,7 @@ def lens_batch(trainer, exs: list[dict], packed: bool = False) -> dict:
     if not exs: return collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
     if not packed: return collate_padded(exs, pad)
     c = trainer.cfg
-    cap = max(c.packing.capacity or c.tokenize.max_length, max(len(e['input_ids']) for e in exs))
+    cap = max(c.pack_capacity, max(len(e['input_ids']) for e in exs))
     b = collate_packed([[exs[j] for j in bin_] for bin_ in fill_bins([len(e['input_ids']) for e in exs], cap)], pad, cap)
     b.pop('seq_lens'); b.pop('cu_seqlens')
     return b

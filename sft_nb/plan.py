@@ -41,7 +41,7 @@ def plan_data(cfg: SFTConfig) -> DataPlan | None:
 def plan_batch(cfg: SFTConfig, vocab_size: int, data: DataPlan | None = None) -> dict:
     "The micro-batch a plan steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run` takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the first trained, collated as the run collates them."
     if data is not None: return largest_micro_batch(data, max(1, cfg.train.micro_batch_size))
-    n = (cfg.packing.capacity or cfg.tokenize.max_length) if cfg.packing.enabled else cfg.tokenize.max_length
+    n = cfg.pack_capacity if cfg.packing.enabled else cfg.tokenize.max_length
     rows = [{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in synthetic_dataset(max(1, cfg.train.micro_batch_size), n, vocab_size, cfg.data.seed)]
     mb = collate_packed([[r] for r in rows], 0, n) if cfg.packing.enabled else collate_padded(rows, 0)
     return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}

@@ -461,7 +461,7 @@ def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the back
         raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no memory dry run (the 'fsdp' backend has one)")
     t = setup(); d, micro = t.data, max(1, cfg.train.micro_batch_size)
     if full_length or d.streams:
-        n = (cfg.packing.capacity or cfg.tokenize.max_length) if cfg.packing.enabled else cfg.tokenize.max_length
+        n = cfg.pack_capacity if cfg.packing.enabled else cfg.tokenize.max_length
         ds = synthetic_dataset(micro, n, len(t.tokenizer), cfg.data.seed)
         mb = d.collate([{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in ds])
         return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
@@ -480,7 +480,7 @@ def _advice(cfg, ranks: list[dict]) -> list[str]:
     if c.train.micro_batch_size > 1: out.append(f"train.micro_batch_size={c.train.micro_batch_size} → smaller (activations scale with it)")
     if c.model.activation_checkpointing != 'full':
         out.append(f"model.activation_checkpointing={c.model.activation_checkpointing!r} → 'full' (recompute each block in backward)")
-    if c.packing.enabled: out.append(f"packing.capacity={c.packing.capacity or c.tokenize.max_length} → smaller")
+    if c.packing.enabled: out.append(f"packing.capacity={c.pack_capacity} → smaller")
     else: out.append(f"tokenize.max_length={c.tokenize.max_length} → smaller (or the longest rows dropped)")
     out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards weights, gradients and optimizer state over them")
     if c.placement.backend == 'fsdp':  # a row too long for one worker: its activations spread over the sp ranks that share it

@@ -19,7 +19,7 @@ Rules (issue 15, item 4; docs/STYLE.md):
 - **once**: a rule the package states in one place is not written again elsewhere (`ONCE`): the optimizer is built by
   `sft_nb.optim.adamw` alone, and the workers read their configs as typed dataclasses, never `cfg['key']` or
   `cfg.get('key', default)` on a config dict (a default written twice drifts: the workers once fell back to
-  `loss_chunk` 0 where `ModelConfig` says 2048).
+  `loss_chunk` 0 where `ModelConfig` says 2048), and the tokens of a packed row come from `SFTConfig.pack_capacity`.
 
 Pure parsing (`ast`, `json`): nothing of `sft_nb` is imported, so a broken module is still checked.
 """
@@ -37,6 +37,7 @@ EXPORT_DIRECTIVES = {'export', 'exports', 'exporti'}
 ONCE = {  # rule → (pattern, the only files allowed to contain it, the files searched)
     'AdamW built outside sft_nb.optim.adamw': (re.compile(r'\boptim\.AdamW\('), {'sft_nb/optim.py'}, 'sft_nb/**/*.py'),
     'a config read as a dict': (re.compile(r'\b(?:mcfg|ocfg|placement)(?:\[|\.get\()'), set(), 'sft_nb/backends/*.py'),
+    'the packing capacity rule outside SFTConfig.pack_capacity': (re.compile(r'capacity or \w+\.tokenize\.max_length'), {'sft_nb/config.py'}, 'sft_nb/**/*.py'),
 }
 
 
