@@ -286,7 +286,8 @@ class WorkerGroup:
                  cpus_per_worker: float = 1, init_kwargs: dict | None = None, timeout_s: float = 60):
         import ray
         self.world_size, self.dead = num_nodes * workers_per_node, None  # dead: why this group can no longer act
-        self.shape = (worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, ray.get_runtime_context().get_job_id())
+        ctx = ray.get_runtime_context()  # the cluster (a restarted one numbers its jobs from 1 again) and this driver's job in it
+        self.shape = (worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, ctx.get_node_id(), ctx.get_job_id())
         kwargs = [dict(rank=r, world_size=self.world_size, **(init_kwargs or {})) for r in range(self.world_size)]
         if not self.unpark(kwargs): self._place(kwargs, timeout_s)
         addr, port = self.call_rank(0, 'address')
@@ -297,7 +298,7 @@ class WorkerGroup:
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, _ = self.shape
+        worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker = self.shape[:6]
         bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
         self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
         try: ray.get(self.pg.ready(), timeout=timeout_s)
@@ -396,7 +397,7 @@ def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
     release_parked()
     if warm is None: return False
     try: warm.call_per_rank('reinit', [(k,) for k in kwargs])
-    except WorkerError: return False  # a parked worker died meanwhile (the group was killed): new ones are placed
+    except Exception: warm.kill(); return False  # a parked worker died meanwhile, or its cluster is gone: new ones are placed
     self.actors, self.pg = warm.actors, warm.pg
     return True
 
