@@ -14,9 +14,9 @@ from .errors import UserError
 from .workers import child_pids
 
 # %% auto #0
-__all__ = ['RUN_WORDS', 'ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
-           'check_parameter_names', 'in_thread', 'kernel_pids', 'SignalStop', 'in_run_words', 'NotebookError',
-           'run_notebook', 'check_overrides', 'build_parser', 'main']
+__all__ = ['ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
+           'parameter_keys', 'in_parameter_words', 'check_parameter_names', 'in_thread', 'kernel_pids', 'SignalStop',
+           'NotebookError', 'run_notebook', 'check_overrides', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -57,39 +57,88 @@ def check_parameters(declared: dict, given: dict) -> dict:
     return out
 
 # %% ../nbs/11_cli.ipynb #c2f40982
-def _names(src: str, assigned: bool) -> set[str]:
-    "The names cell source `src` assigns at top level (`assigned`), or every name it mentions; IPython magics read as IPython runs them."
+def _tree(src: str) -> ast.Module | None:
+    "The AST of cell source `src` as IPython runs it (magics transformed); None when it does not parse."
     from IPython.core.inputtransformer2 import TransformerManager
-    try: tree = ast.parse(TransformerManager().transform_cell(src))
-    except SyntaxError: return set()
+    try: return ast.parse(TransformerManager().transform_cell(src))
+    except SyntaxError: return None
+
+def _names(src: str, assigned: bool) -> set[str]:
+    "The names cell source `src` assigns at top level (`assigned`), or every name it mentions."
+    if (tree := _tree(src)) is None: return set()
     if not assigned: return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {k.arg for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg}
     targets = [t for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
     return {e.id for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)}
 
 def _reads_binds(src: str) -> tuple[set[str], set[str]]:
     "(the names cell source `src` reads, the names it binds: assignments, imports, definitions, arguments)."
-    from IPython.core.inputtransformer2 import TransformerManager
-    try: tree = ast.parse(TransformerManager().transform_cell(src))
-    except SyntaxError: return set(), set()
+    if (tree := _tree(src)) is None: return set(), set()
     nodes = list(ast.walk(tree))
     reads = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     binds = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {a.arg for a in nodes if isinstance(a, ast.arg)}
     binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     return reads, binds | {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
-def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
-                          notebook: str | Path | None = None, # the notebook file; None: the one JupyterLab runs (JPY_SESSION_NAME)
-                         ) -> None:
-    "A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other cell of `notebook` uses, with the closest parameter."
-    import builtins, difflib
-    notebook = notebook or os.environ.get('JPY_SESSION_NAME')
-    if not notebook or not Path(notebook).is_file(): return  # no notebook file to hold the names against (a plain IPython session)
+def _cells(notebook: str | Path) -> tuple[str | None, list[str]]:
+    "(the source of `notebook`'s parameters cell, None without one; the sources of its other code cells, papermill's injected one left out)."
     cells = [c for c in json.loads(Path(notebook).read_text())['cells'] if c['cell_type'] == 'code']
     tags = lambda c: c.get('metadata', {}).get('tags', [])
     params = next((c for c in cells if 'parameters' in tags(c)), None)
+    return (''.join(params['source']) if params else None,
+            [''.join(c['source']) for c in cells if c is not params and 'injected-parameters' not in tags(c)])
+
+
+# %% ../nbs/11_cli.ipynb #b5101d30
+def parameter_keys(notebook: str | Path) -> dict[str, str]:
+    "{config key: parameter} for each config field `notebook`'s code sets from a parameter alone (`p` or `p or <constant>`)."
+    from dataclasses import fields, is_dataclass
+    from typing import get_type_hints
+    from sft_nb.config import SFTConfig
+    params, other = _cells(notebook)
+    if params is None: return {}
+    declared, types = _names(params, True), {k: t for k, t in get_type_hints(SFTConfig).items() if is_dataclass(t)}
+    sections, by_class = {k: {f.name for f in fields(t)} for k, t in types.items()}, {t.__name__: k for k, t in types.items()}
+    def param(v):  # the parameter `v` is, alone or as `p or None`
+        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.Or) and all(isinstance(x, ast.Constant) for x in v.values[1:]): v = v.values[0]
+        return v.id if isinstance(v, ast.Name) and v.id in declared else None
+    out = {}
+    for n in (n for s in other if (t := _tree(s)) for n in ast.walk(t)):
+        if isinstance(n, ast.Dict) and n.keys and all(isinstance(k, ast.Constant) and k.value in sections for k in n.keys):
+            sets = [(k.value, k2.value, v2) for k, v in zip(n.keys, n.values) if isinstance(v, ast.Dict)
+                    for k2, v2 in zip(v.keys, v.values) if isinstance(k2, ast.Constant)]  # {'tokenize': {'max_length': max_length}}
+        elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in by_class:
+            sets = [(by_class[n.func.id], kw.arg, kw.value) for kw in n.keywords]  # TokenizeConfig(max_length=max_length)
+        else: continue
+        out |= {f'{s}.{k}': p for s, k, v in sets if k in sections[s] and (p := param(v))}
+    return out
+
+def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
+                       form: str = 'notebook', # 'notebook': `max_length=4175` (a Python value) | 'run': `-p max_length 4175`
+                      ) -> str:
+    "Advice `key=value` on a config key a notebook parameter sets, in that parameter's words: `tokenize.max_length=4175` → `max_length=4175`."
+    if not keys or not text: return text
+    import shlex
+    def say(m):
+        quoted = m[2][:1] in ('"', "'")
+        raw = m[2][1:-1] if quoted else m[2]
+        return f"-p {keys[m[1]]} {shlex.quote(raw)}" if form == 'run' else f"{keys[m[1]]}={raw if quoted else parse_value(raw)!r}"
+    key = '|'.join(map(re.escape, sorted(keys, key=len, reverse=True)))
+    return re.sub(rf"""(?<![\w.])({key})=('[^']*'|"[^"]*"|[^\s,;:)]*[^\s,;:).])""", say, text)
+
+# %% ../nbs/11_cli.ipynb #668f4cbc
+def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
+                          notebook: str | Path | None = None, # the notebook file; None: the one JupyterLab runs (JPY_SESSION_NAME)
+                         ) -> None:
+    """A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other cell of `notebook`
+    uses, with the closest parameter; then the kernel's error boxes name the parameters that set config keys (`errors.reword`)."""
+    import builtins, difflib
+    from functools import partial
+    from sft_nb import errors
+    notebook = notebook or os.environ.get('JPY_SESSION_NAME')
+    if not notebook or not Path(notebook).is_file(): return  # no notebook file to hold the names against (a plain IPython session)
+    params, other = _cells(notebook)
     if params is None: return
-    declared = _names(''.join(params['source']), True)
-    other = [''.join(c['source']) for c in cells if c is not params and 'injected-parameters' not in tags(c)]
+    declared = _names(params, True)
     used = set().union(*(_names(s, False) for s in other))
     reads, binds = (set().union(*x) for x in zip(*map(_reads_binds, other))) if other else (set(), set())
     names = sorted(declared & used | reads - binds - set(dir(builtins)))  # the parameters: what other cells read and none of them binds
@@ -99,6 +148,7 @@ def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the
         close = difflib.get_close_matches(name, names, n=1)
         raise ParameterError(f"{name}: not a parameter of this notebook" + (f"; did you mean {close[0]}?" if close else ''),
                              fix=f"rename it in the parameters cell (this notebook's parameters: {', '.join(names)})")
+    errors.reword = partial(in_parameter_words, keys=keys) if (keys := parameter_keys(notebook)) else None
 
 # %% ../nbs/11_cli.ipynb #98bcc790
 def in_thread(fn):
@@ -177,15 +227,6 @@ class SignalStop:
             raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0]) from None
         return False
 
-# %% ../nbs/11_cli.ipynb #8c379082
-RUN_WORDS = {'checkpoint.resume=latest': ('resume', '-p resume latest'), 'checkpoint.overwrite=true': ('overwrite', '-p overwrite true')}
-
-def in_run_words(message: str, declared: dict) -> str:
-    "A trainer's advice in the words of `sft-nb run`: `checkpoint.resume=latest` → `-p resume latest` where the notebook declares `resume` (see `RUN_WORDS`)."
-    for key, (param, words) in RUN_WORDS.items():
-        if param in declared: message = message.replace(key, words)
-    return message
-
 # %% ../nbs/11_cli.ipynb #517daef8
 ANSI = re.compile(r'\x1b\[[0-9;]*m')  # colour codes in a kernel's traceback lines
 
@@ -197,7 +238,7 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     "Validate `params`, then execute `notebook` with papermill; returns the executed notebook's path."
     import papermill as pm
     declared = notebook_parameters(notebook)
-    params = check_parameters(declared, params)
+    params, keys = check_parameters(declared, params), parameter_keys(notebook)  # keys: advice in -p words
     if run_dir is not None and 'run_dir' in declared: params['run_dir'] = run_dir  # else: only where the record goes
     rd = Path(run_dir or params.get('run_dir') or ast.literal_eval(declared.get('run_dir', {}).get('default', "'.'")))
     rd.mkdir(parents=True, exist_ok=True)
@@ -233,9 +274,10 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
         lines = [ANSI.sub('', l) for l in e.traceback or []]
         if lines and not any('Traceback' in l or l.startswith('---') for l in lines):  # a UserError's box: what, where, the fix
             fix = next((l.removeprefix('fix: ') for l in lines if l.startswith('fix: ')), None)
-            raise NotebookError(f"{e.ename}: {in_run_words(e.evalue, declared)} ({where})", fix=fix and in_run_words(fix, declared)) from None
+            raise NotebookError(f"{e.ename}: {in_parameter_words(e.evalue, keys, 'run')} ({where})",
+                                fix=fix and in_parameter_words(fix, keys, 'run')) from None
         print('\n'.join(lines), file=sys.stderr)  # a bug keeps its traceback, as the kernel wrote it
-        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {in_run_words(e.evalue, declared)} "
+        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {in_parameter_words(e.evalue, keys, 'run')} "
                            f"(executed notebook: {target}{kept})") from None
     finally:
         os.environ.clear(); os.environ.update(env_before)

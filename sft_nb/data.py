@@ -20,7 +20,7 @@ __all__ = ['ROLES', 'SHAREGPT_ROLES', 'PART_TYPES', 'IMAGE_PARTS', 'PART_FORMATS
            'normalize_tools', 'content_parts', 'split_tool_results', 'normalize_message', 'detect_format',
            'normalize_row', 'DataReport', 'bounded_lines', 'json_line', 'bad_row_marker', 'iter_json_rows',
            'source_path', 'source_name', 'load_source', 'row_dict', 'row_columns', 'source_columns',
-           'source_fingerprint', 'mix_counts', 'mix_indices']
+           'source_fingerprint', 'mix_counts', 'mix_line', 'mix_indices']
 
 # %% ../nbs/01_data.ipynb #18d0b4e3
 class BadRow(UserError, ValueError):
@@ -352,8 +352,9 @@ class DataReport:
         warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
         if fix := self.too_long_fix(): warn += f"; to keep the too-long rows: {fix}"
         ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
-        mix = ('; per epoch: ' + ', '.join(f"{s['source']}: {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
-                                          + (f" ({s['n_cut']} cut)" if s['n_cut'] else '') for s in self.sources)) if len(self.sources) > 1 else ''
+        mix = ('; mixed: ' + '; '.join(map(mix_line, self.sources))) if len(self.sources) > 1 else ''
+        warn += ''.join(f"; WARNING: {s['source']} repeats each example ×{s['repeat']:g} an epoch: a source's share of draws is its "
+                        "weight (data.train[k].weight, default 1), not its size" for s in self.sources if s.get('repeat', 0) >= 2)
         return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
                 f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
     def _lost_line(self, kind: str) -> str:
@@ -651,19 +652,34 @@ def source_fingerprint(src, ds) -> str:
     return ds._fingerprint
 
 # %% ../nbs/01_data.ipynb #a1d0e012
-def mix_counts(pairs: list[tuple[int, int]], # `(source, row)` pairs, e.g. from `mix_indices`
-               sizes: list[int], # rows per source
+def mix_counts(pairs: list[tuple[int, int]], # `(source, example)` pairs, e.g. from `mix_indices`
+               sizes: list[int], # examples per source
                names: list[str] | None = None,
+               weights: list[float] | None = None, # the mixing weights (None: 1 each)
+               reports: list | None = None, # each source's own `DataReport` (rows read and kept); None: one row per example
               ) -> list[dict]:
-    "Per source: `n_rows` it has, `n_used` distinct rows in `pairs`, `n_cut` rows never used, `n_examples` pairs per epoch."
+    "Per source: `weight`, `share` of draws, `n_rows` read, `n_kept`, `n_examples`, `n_used` drawn, `n_cut` never drawn, `n_drawn`, `repeat`."
     import numpy as np
-    a = np.asarray(pairs, np.int64).reshape(-1, 2)
+    a, weights = np.asarray(pairs, np.int64).reshape(-1, 2), weights or [1.0] * len(sizes)
+    total = sum(w for w, n in zip(weights, sizes) if n) or 1.0  # a source without examples has no share
     out = []
     for s, n in enumerate(sizes):
-        rows = a[a[:, 0] == s, 1]
-        used = len(np.unique(rows))
-        out.append({'source': names[s] if names else s, 'n_rows': n, 'n_used': used, 'n_cut': n - used, 'n_examples': len(rows)})
+        drawn, rep = a[a[:, 0] == s, 1], reports[s] if reports else None
+        used = len(np.unique(drawn))
+        out.append({'source': names[s] if names else s, 'weight': float(weights[s]), 'share': weights[s] / total if n else 0.0,
+                    'n_rows': rep.n_rows if rep else n, 'n_kept': rep.n_kept if rep else n, 'n_examples': n,
+                    'n_used': used, 'n_cut': n - used, 'n_drawn': len(drawn), 'repeat': round(len(drawn) / max(1, n), 2)})
     return out
+
+def mix_line(s: dict) -> str:
+    "One train source of a mix in words (`mix_counts`, or a stream's report): weight, share, rows read and kept, examples, draws."
+    ex = f", {s['n_examples']} examples" if s['n_examples'] != s['n_kept'] else ''
+    out = f"{s['source']}: weight {s['weight']:g} ({s['share']:.0%} of draws), {s['n_rows']} rows, {s['n_kept']} kept{ex}"
+    if 'n_drawn' in s:  # map-style: one epoch's draws are known
+        out += f", {s['n_drawn']} draws an epoch" + (f" (×{s['repeat']:g})" if s['repeat'] > 1 else '')
+        out += f" ({s['n_cut']} examples cut)" if s['n_cut'] else ''
+    return out + (f", {s['passes']} passes so far" if s.get('passes') else '')
+
 
 # %% ../nbs/01_data.ipynb #a1d0e010
 def _mix_draws(n, p, seed: int, stop: str):
@@ -679,7 +695,7 @@ def _mix_draws(n, p, seed: int, stop: str):
 # %% ../nbs/01_data.ipynb #61bd36df
 MIX_STOPS = ('all_exhausted', 'first_exhausted')
 
-def mix_indices(sizes: list[int], # rows (examples) per source
+def mix_indices(sizes: list[int], # examples per source
                 weights: list[float], # mixing weights (> 0)
                 seed: int = 0,
                 stop: str = 'all_exhausted', # 'all_exhausted' (small sources repeat) | 'first_exhausted' (large ones are cut, with a warning)
@@ -702,8 +718,8 @@ def mix_indices(sizes: list[int], # rows (examples) per source
     for k in range(len(live)):  # the k-th draw of a source gives its row k mod size (wrap-around = oversampling)
         pos = np.flatnonzero(draws == k); rows[pos] = np.arange(len(pos)) % n[k]
     out = [(live[k], r) for k, r in zip(draws.tolist(), rows.tolist())]
-    cut = [(names[s], c['n_cut'], c['n_rows']) for s, c in enumerate(mix_counts(out, sizes)) if c['n_cut']]
-    if cut: warnings.warn(f"mix_indices(stop={stop!r}): " + '; '.join(f"{nm} cut: {k} of {t} rows unused" for nm, k, t in cut)
-                          + " (another source ran out first); stop='all_exhausted' (data.mix_stop) uses every row", stacklevel=2)
+    cut = [(names[s], c['n_cut'], c['n_examples']) for s, c in enumerate(mix_counts(out, sizes)) if c['n_cut']]
+    if cut: warnings.warn(f"mix_indices(stop={stop!r}): " + '; '.join(f"{nm} cut: {k} of {t} examples unused" for nm, k, t in cut)
+                          + " (another source ran out first); stop='all_exhausted' (data.mix_stop) uses every example", stacklevel=2)
     return out
 

@@ -124,21 +124,22 @@ def prepare(self: DataPlan) -> DataPlan:
     c = self.cfg
     if c.data.synthetic_rows:
         self.train_sets = [synthetic_dataset(c.data.synthetic_rows, c.tokenize.max_length, len(self.tokenizer), c.data.seed)]
-        self.data_report, weights = DataReport(n_rows=c.data.synthetic_rows, n_kept=c.data.synthetic_rows), [1.0]
+        self.data_report, weights, reports = DataReport(n_rows=c.data.synthetic_rows, n_kept=c.data.synthetic_rows), [1.0], None
         names = ['synthetic']
     else:
         sources = [self.train_data] if self.train_data is not None else c.data.train
         if not sources: raise ConfigError("data.train: no train source given")
         tok = [self.tokenize(s) for s in sources]
         self.train_sets = [ds for ds, _ in tok]
-        self.data_report = sum((r for _, r in tok), DataReport())
+        reports = [r for _, r in tok]
+        self.data_report = sum(reports, DataReport())
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
         names = [source_name(s, k) for k, s in enumerate(sources)]
     sizes = [len(d) for d in self.train_sets]
     if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}", fix=self.data_report.too_long_fix())
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
-    self.source_names, self.mix_counts = names, mix_counts(rows, sizes, names)
-    self.data_report.sources = self.mix_counts  # per source: rows used and cut, examples per epoch
+    self.source_names, self.mix_counts = names, mix_counts(rows, sizes, names, weights, reports)
+    self.data_report.sources = self.mix_counts  # per source: weight, rows read and kept, examples, draws per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
     if c.data.eval_fraction > 0 and 'heldout' in evals:
         raise ConfigError("data.eval: an eval set is named 'heldout', the name of the data.eval_fraction split, which would "
@@ -165,7 +166,7 @@ def plan(self: DataPlan) -> DataPlan:
                           "(time/height/width) rotary positions per sequence from the whole row, so restarting position_ids "
                           "per packed sequence does not reproduce them. Set packing.enabled=false")
     if c.packing.enabled:
-        self.capacity = c.packing.capacity or c.tokenize.max_length
+        self.capacity = c.pack_capacity
         # planned independently of the worker count: step s packs the same rows on 1 or N workers,
         # which keeps losses identical across DP sizes and lets a run resume on another one
         self.pack_plan = pack(self.lengths.tolist(), self.capacity, strategy=c.packing.strategy, dp=1, seed=c.train.seed)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html, traceback
 
 # %% auto #0
-__all__ = ['UserError', 'MissingFile', 'error_lines', 'traceback_text', 'folded_traceback_html', 'format_user_error',
+__all__ = ['reword', 'UserError', 'MissingFile', 'error_lines', 'traceback_text', 'folded_traceback_html', 'format_user_error',
            'error_html']
 
 # %% ../nbs/00c_errors.ipynb #c22da413
@@ -23,9 +23,12 @@ class MissingFile(UserError, FileNotFoundError):
     "A file or folder the user named (a data source, a checkpoint) does not exist."
 
 # %% ../nbs/00c_errors.ipynb #46f08afd
+reword = None  # str -> str: advice in the words the user edits (a notebook's parameters; see `sft_nb.cli.check_parameter_names`)
+
 def error_lines(exc: BaseException) -> list[str]:
-    "The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one."
-    return [f'{type(exc).__name__}: {exc}'] + ([f'fix: {exc.fix}'] if getattr(exc, 'fix', None) else [])
+    "The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one; both through `reword` when set."
+    say = reword or str
+    return [f'{type(exc).__name__}: {say(str(exc))}'] + ([f'fix: {say(exc.fix)}'] if getattr(exc, 'fix', None) else [])
 
 def traceback_text(exc: BaseException) -> str:
     "The plain traceback of `exc`, as Python prints it."

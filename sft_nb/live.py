@@ -10,6 +10,7 @@ import plotly.graph_objects as go
 import ipywidgets as W
 from fastcore.basics import patch_to
 from .callbacks import Callback
+from .data import mix_line
 from .errors import error_html
 
 # %% auto #0
@@ -156,15 +157,13 @@ def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
 
 # %% ../nbs/08b_live.ipynb #8c1eec40
 def data_html(report) -> str:
-    "One line for the panel: kept/dropped rows and, with several sources, each one's examples per epoch."
+    "One line for the panel: rows read, kept and dropped, examples, and with several sources each one's `mix_line`."
     if report is None: return ''
+    ex = f" ({report.n_examples:,} examples)" if report.n_examples and report.n_examples != report.n_kept else ''
     drop = f" · dropped {report.n_dropped} ({html.escape(report.bad_rows_summary(3))})" if report.n_dropped else ''
-    mix = ' · per epoch: ' + ', '.join(
-        f"<b>{html.escape(str(s['source']).rsplit('/', 1)[-1])}</b> {s['n_examples']} examples of {s['n_used']}/{s['n_rows']} rows"
-        + (f" (<span style='color:#b00020'>{s['n_cut']} cut</span>)" if s['n_cut'] else '')
-        + (f" (×{s['n_examples'] / max(1, s['n_rows']):.1f})" if s['n_examples'] > s['n_rows'] else '')
-        for s in report.sources) if len(report.sources) > 1 else ''
-    return f"data: {report.n_kept:,} of {report.n_rows:,} rows kept{drop}{mix}"
+    mix = ''.join(' · ' + html.escape(mix_line({**s, 'source': str(s['source']).rsplit('/', 1)[-1]}))
+                  for s in report.sources) if len(report.sources) > 1 else ''
+    return f"data: {report.n_kept:,} of {report.n_rows:,} rows kept{ex}{drop}{mix}"
 
 # %% ../nbs/08b_live.ipynb #558e4198
 def eval_line(metrics: dict) -> str:

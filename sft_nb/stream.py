@@ -86,8 +86,8 @@ class StreamPlan(DataPlan):
         check_stream(cfg)
         super().__init__(cfg, tokenizer, processor, train_data, eval_data)
         self.sources = [train_data] if train_data is not None else list(cfg.data.train)
-        n, w = len(self.sources), np.array([s.weight if isinstance(s, SourceConfig) else 1.0 for s in self.sources], float)
-        self.names, self.probs = [source_name(s, k) for k, s in enumerate(self.sources)], w / max(w.sum(), 1e-300)
+        n, self.weights = len(self.sources), [s.weight if isinstance(s, SourceConfig) else 1.0 for s in self.sources]
+        self.names, self.probs = [source_name(s, k) for k, s in enumerate(self.sources)], np.array(self.weights) / max(sum(self.weights), 1e-300)
         self.source_names = self.names  # as `DataPlan.check_resume` names them
         self.passes, self.pos, self.cursor, self.fmts, self.reports = [0] * n, [0] * n, [None] * n, [None] * n, [DataReport() for _ in range(n)]
         self.buffer, self.carry, self.next_step, self.peak = [], [], 0, 0
@@ -113,7 +113,7 @@ class StreamPlan(DataPlan):
     def plan(self) -> StreamPlan:
         "A stream's steps are `train.num_steps` (the trainer's 'epoch' is the whole run); packing plans each step from the window."
         c = self.cfg
-        self.capacity = (c.packing.capacity or c.tokenize.max_length) if c.packing.enabled else None
+        self.capacity = c.pack_capacity if c.packing.enabled else None
         self.total_steps = self.steps_per_epoch = c.train.num_steps
         self.pack_plan, self.items, self.sampler = None, [], None
         return self
@@ -207,8 +207,8 @@ def report(self: StreamPlan) -> DataReport:
     "The data report: the sources' first passes summed, with per-source counts when there are several."
     rep = sum(self.reports, DataReport())
     if len(self.sources) > 1:
-        rep.sources = [{'source': self.names[s], 'n_rows': r.n_rows, 'n_used': r.n_kept, 'n_cut': 0, 'n_examples': r.n_examples,
-                        'passes': self.passes[s]} for s, r in enumerate(self.reports)]
+        rep.sources = [{'source': self.names[s], 'weight': self.weights[s], 'share': float(self.probs[s]), 'n_rows': r.n_rows,
+                        'n_kept': r.n_kept, 'n_examples': r.n_examples, 'passes': self.passes[s]} for s, r in enumerate(self.reports)]
     return rep
 
 # %% ../nbs/05b_stream.ipynb #77fa4e6a

@@ -135,10 +135,11 @@ def test_mix_large_and_small_source_all_exhausted(tiny_path, tmp_path, ray_sessi
         assert sorted(epoch) == sorted(t.data.rows)  # one epoch = every mixed pair once
         assert sorted(i for s, i in epoch if s == 0) == list(range(1000))  # each large-source row exactly once
         counts = mix_counts(t.data.rows, sizes, ['big', 'small'])
-        assert [c['n_examples'] for c in counts] == [sum(s == k for s, _ in epoch) for k in (0, 1)]
-        assert counts[0] == {'source': 'big', 'n_rows': 1000, 'n_used': 1000, 'n_cut': 0, 'n_examples': 1000}
-        assert counts[1]['n_used'] == 10 and counts[1]['n_cut'] == 0 and counts[1]['n_examples'] > 10  # oversampled
+        assert [c['n_drawn'] for c in counts] == [sum(s == k for s, _ in epoch) for k in (0, 1)]
+        assert counts[0] == {'source': 'big', 'weight': 1.0, 'share': 0.5, 'n_rows': 1000, 'n_kept': 1000, 'n_examples': 1000,
+                             'n_used': 1000, 'n_cut': 0, 'n_drawn': 1000, 'repeat': 1.0}
+        assert counts[1]['n_used'] == 10 and counts[1]['n_cut'] == 0 and counts[1]['n_drawn'] > 10  # oversampled
         trained = [sum(s == k for s, _ in epoch) for k in (0, 1)]  # what one epoch of steps trains, per source
-        assert [c['n_examples'] for c in t.data_report.sources] == trained  # the report the panel and summary.json show
+        assert [c['n_drawn'] for c in t.data_report.sources] == trained  # the report the panel and summary.json show
         assert [c['source'] for c in t.data_report.sources] == [str(tmp_path / 'big.jsonl'), str(tmp_path / 'small.jsonl')]
-        assert t.data_report.to_dict()['sources'] == t.data_report.sources and 'per epoch:' in str(t.data_report)
+        assert t.data_report.to_dict()['sources'] == t.data_report.sources and 'small.jsonl repeats each example' in str(t.data_report)

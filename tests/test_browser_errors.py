@@ -11,6 +11,7 @@ from sft_nb.lint import CHECKS
 
 pytestmark = pytest.mark.timeout(900)
 TB = 'Traceback (most recent call last)'
+BOX = '#ffdddd'  # an error output's background (JupyterLab's --jp-rendermime-error-background)
 
 
 def _code_cell(nb, text: str):
@@ -32,13 +33,13 @@ def _rerun(nb, cell):
 def _check_box(nb, cell, kind: str, what: str, fix: str, shot: str) -> str:
     "Wait for `cell`'s box of `kind`; it names `what` and `fix` in at most 3 lines, and no traceback line shows until the fold opens."
     box = nb.user_errors(cell)
-    box.filter(has_text=f'{kind}: ').wait_for(timeout=180_000)
+    nb.see(box.filter(has_text=f'{kind}: '))
     text = box.inner_text()
     assert box.count() == 1 and text.startswith(f'{kind}: ') and what in text and fix in text, text
     assert len(text.strip().splitlines()) <= 3 and TB not in text and 'File "' not in text, text
     outputs = cell.locator('.jp-OutputArea')
     assert TB not in outputs.inner_text() and nb.errors_shown(cell).count() == 1  # the fold is closed: nothing of it but its summary
-    cell.scroll_into_view_if_needed(); nb.shot(shot, cell)
+    cell.scroll_into_view_if_needed(); nb.shot(shot, cell, (BOX,))
     return text
 
 
@@ -58,7 +59,7 @@ def test_mistakes_in_interactive_show_one_box(lab, browser):
         _check_box(nb, setup, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_interactive_missing')
         setup.locator('.sft-nb-error-tb summary').click()  # one click opens the traceback
         assert TB in setup.locator('.jp-OutputArea').inner_text()
-        nb.shot('error_interactive_missing_open', setup)
+        nb.shot('error_interactive_missing_open', setup, (BOX,))
 
         nb.run_new_cell("train_data, template = '', 'qwen4'")
         _rerun(nb, setup)
@@ -66,8 +67,9 @@ def test_mistakes_in_interactive_show_one_box(lab, browser):
 
         nb.run_new_cell("template, max_length = '', 8")
         _rerun(nb, setup)
-        text = _check_box(nb, setup, 'ConfigError', 'data.train: no usable rows', 'tokenize.max_length=', 'error_interactive_max_length')
-        assert re.search(r"fix: tokenize\.max_length=\d+ keeps all \d+.*tokenize\.truncation='keep_start' keeps all \d+", text), text
+        text = _check_box(nb, setup, 'ConfigError', 'data.train: no usable rows', 'fix: max_length=', 'error_interactive_max_length')
+        # the fix names the notebook's parameters, not their config keys (tokenize.max_length, tokenize.truncation)
+        assert re.search(r"fix: max_length=\d+ keeps all \d+.*; truncation='keep_start' keeps all \d+", text), text
         assert not nb.errors, nb.errors
     finally: nb.close()
 

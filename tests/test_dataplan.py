@@ -40,3 +40,53 @@ def test_step_divisor_sums_every_replica(tiny_tok):
     targets = sum(int(np.sum(np.asarray(labels_for(r['input_ids'], r['loss_mask'])) != -100)) for r in rows)
     assert sb.weight_sum == sb.n_trained == targets > 0
     assert sb.n_real == sum(len(r['input_ids']) for r in rows)
+
+
+def test_mixed_sources_count_rows_apart_from_examples(tiny_tok, shared, tmp_path):
+    """Two files mixed at weight 1: each source's report counts the rows its file has and keeps apart from the examples they
+    give (Qwen3's template splits a conversation into one example per assistant turn), states its weight, its share of
+    draws and how often an epoch repeats each example, and warns about the source that repeats; the panel says the same."""
+    import json
+    from sft_nb.data import mix_line
+    from sft_nb.live import data_html
+    glaive = tmp_path / 'glaive.json'
+    glaive.write_text(json.dumps(json.loads((shared / 'datasets' / 'glaive_toolcall_en_demo.json').read_text())[:50]))
+    alpaca = shared / 'datasets' / 'alpaca_en_demo.json'
+    cfg = load_config({'model': {'path': 'tiny'}, 'data': {'train': [{'path': str(glaive)}, {'path': str(alpaca)}]},
+                       'tokenize': {'chat_template': 'tests/fixtures/templates/qwen3.jinja', 'max_length': 1024,
+                                    'cache_dir': str(tmp_path / 'cache')}})
+    dp = DataPlan(cfg, tiny_tok).prepare()
+    g, a = dp.data_report.sources
+    kept = len(set(dp.train_sets[0]['index']))  # distinct file rows behind the examples
+    assert (g['n_rows'], g['n_kept'], g['n_examples']) == (50, kept, len(dp.train_sets[0]))
+    assert 0 < kept < 50 < g['n_examples']  # long rows dropped; the kept ones give more examples than rows
+    assert (a['n_rows'], a['n_kept'], a['n_examples']) == (999, len(set(dp.train_sets[1]['index'])), len(dp.train_sets[1]))
+    assert g['n_drawn'] == sum(s == 0 for s, _ in dp.rows) and g['repeat'] == round(g['n_drawn'] / g['n_examples'], 2) > 2
+    assert [(s['weight'], s['share']) for s in (g, a)] == [(1.0, 0.5), (1.0, 0.5)] and a['repeat'] == 1.0
+    text = str(dp.data_report)
+    assert f"{glaive}: weight 1 (50% of draws), 50 rows, {kept} kept, {g['n_examples']} examples, {g['n_drawn']} draws an epoch (×{g['repeat']:g})" in text
+    assert f"WARNING: {glaive} repeats each example ×{g['repeat']:g} an epoch" in text and f"{alpaca} repeats" not in text
+    assert data_html(dp.data_report).endswith(f" · {mix_line({**g, 'source': 'glaive.json'})} · {mix_line({**a, 'source': alpaca.name})}")
+
+
+def test_fix_lines_name_the_notebook_parameter(tiny_tok):
+    """Rows all longer than max_length: the refusal's fix names `tokenize.max_length` and `tokenize.truncation` where config
+    keys are what the user edits (`sft-nb train`, a YAML config), and `max_length` and `truncation` in the kernel of
+    interactive.ipynb, whose parameters cell sets them (its parameter check puts the words in place)."""
+    import re
+    import pytest
+    from pathlib import Path
+    from sft_nb import errors
+    from sft_nb.cli import check_parameter_names
+    from sft_nb.config import ConfigError
+    cfg = load_config({'model': {'path': 'tiny'}, 'tokenize': {'max_length': 8}, 'train': {'global_batch_size': 4, 'micro_batch_size': 1}})
+    with pytest.raises(ConfigError) as e:
+        DataPlan(cfg, tiny_tok, train_data=ROWS).prepare()
+    yaml_fix = errors.error_lines(e.value)[-1]
+    assert re.match(r"fix: tokenize.max_length=\d+ keeps all 12, .*; tokenize.truncation='keep_start' keeps all 12", yaml_fix), yaml_fix
+    notebook = Path(__file__).parents[1] / 'examples' / 'interactive.ipynb'
+    try:
+        check_parameter_names({'In': ['', "model = 'tiny'\nmax_length = 8", 'check(...)']}, notebook)
+        assert errors.error_lines(e.value)[-1] == yaml_fix.replace('tokenize.max_length=', 'max_length=').replace('tokenize.truncation=', 'truncation=')
+    finally:
+        errors.reword = None

@@ -1,9 +1,8 @@
 """Sharded loading (`model.load: slices`): every rank builds on `meta` and reads only its own rows of each tensor from the
 safetensors files. Real 2-process gloo groups: the first 5 steps' losses and the weights after them equal those of every
-rank reading the whole checkpoint (`load: every_rank`, the same FSDP layout: bitwise) for tied, untied, LoRA and MoE
+rank reading the whole checkpoint (`load: every_rank`, the same FSDP layout: bitwise) for tied, untied, LoRA, MoE and bf16-saved
 models and the VLM; tied embeddings stay tied, nothing stays on `meta`."""
-import os
-from dataclasses import asdict
+import os, queue, time
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -27,7 +26,7 @@ def _rank(rank, world, port, cases, out):
     res = {}
     w0 = None
     for name, mcfg in cases:
-        w = FSDPWorker(rank, world, mcfg, asdict(OptimConfig(lr=1e-2, schedule='constant')), total_steps=STEPS)
+        w = FSDPWorker(rank, world, mcfg, OptimConfig(lr=1e-2, schedule='constant'), total_steps=STEPS)
         if w0 is None: w.init_dist('127.0.0.1', port); w0 = w
         w.setup()
         tok = AutoTokenizer.from_pretrained(w.path)
@@ -62,7 +61,13 @@ def run_ranks(cases, world=2):
     port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, world, port, cases, q)) for r in range(world)]
     for p in procs: p.start()
-    got = dict(q.get(timeout=600) for _ in procs)
+    got, deadline = {}, time.monotonic() + 600
+    while len(got) < len(procs):  # a rank that dies fails the test now, not when the other one's collective times out
+        try: got.update([q.get(timeout=1)])
+        except queue.Empty:
+            if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                for p in procs: p.kill()
+                raise AssertionError(f'a rank failed or hung: exit codes {[p.exitcode for p in procs]}') from None
     for p in procs: p.join(60)
     assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return got
@@ -93,15 +98,29 @@ def moe_path(tmp_path_factory, tiny_tok):
     return d
 
 
-def test_sharded_load_equals_every_rank_load(tiny_path, untied_path, moe_path):
-    "Tied, untied, LoRA and MoE tiny models on 2 gloo ranks: slice-load losses and weights == every-rank-load ones bitwise, tying and rotary buffers intact."
+@pytest.fixture(scope='module')
+def bf16_path(tmp_path_factory, untied_path):
+    "The untied tiny model saved in bfloat16, as most hub checkpoints are (2 bytes a value: each rank's rows start elsewhere than in F32)."
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sft_nb.backends.slices import checkpoint_files, safetensors_header
+    d = tmp_path_factory.mktemp('bf16')
+    AutoModelForCausalLM.from_pretrained(untied_path, dtype=torch.bfloat16).save_pretrained(d)
+    AutoTokenizer.from_pretrained(untied_path).save_pretrained(d)
+    heads = [safetensors_header(f)[0] for f in set(checkpoint_files(d).values())]
+    assert {e['dtype'] for h in heads for k, e in h.items() if k != '__metadata__'} == {'BF16'}
+    return d
+
+
+def test_sharded_load_equals_every_rank_load(tiny_path, untied_path, moe_path, bf16_path):
+    """Tied, untied, LoRA, MoE and bf16-checkpoint tiny models on 2 gloo ranks: slice-load losses and weights == every-rank-load
+    ones bitwise (a bf16 checkpoint: its values widened to float32 as `from_pretrained` widens them), tying and rotary buffers intact."""
     from sft_nb.config import ModelConfig
-    cases = []
+    cases, names = [], ('tied', 'untied', 'lora', 'moe', 'bf16')
     for name, kw in (('tied', dict(path=str(tiny_path))), ('untied', dict(path=str(untied_path))),
-                     ('lora', dict(path=str(tiny_path), lora_r=4)), ('moe', dict(path=str(moe_path)))):
-        for load in ('every_rank', 'slices'): cases.append((f'{name}-{load}', asdict(ModelConfig(load=load, **kw))))
+                     ('lora', dict(path=str(tiny_path), lora_r=4)), ('moe', dict(path=str(moe_path))), ('bf16', dict(path=str(bf16_path)))):
+        for load in ('every_rank', 'slices'): cases.append((f'{name}-{load}', ModelConfig(load=load, **kw)))
     got = run_ranks(cases)
-    for name in ('tied', 'untied', 'lora', 'moe'):
+    for name in names:
         old, new = got[0][f'{name}-every_rank'], got[0][f'{name}-slices']
         print(name, new['losses'])
         assert new['losses'] == old['losses'], (name, old['losses'], new['losses'])
@@ -109,7 +128,7 @@ def test_sharded_load_equals_every_rank_load(tiny_path, untied_path, moe_path):
         for k, v in old['state'].items(): assert (new['state'][k] == v).all(), (name, k)
         for r in (0, 1):
             info = got[r][f'{name}-slices']
-            assert info['tied'] == (name != 'untied') and info['meta'] == [] and info['inv_freq_ok'], (name, r, info)
+            assert info['tied'] == (name not in ('untied', 'bf16')) and info['meta'] == [] and info['inv_freq_ok'], (name, r, info)
             assert set(info['inv_freq'].values()) == {torch.float32}
             assert got[r][f'{name}-slices']['losses'] == new['losses']  # every rank saw the same global loss
     assert got[0]['lora-slices']['state'].keys() == got[0]['lora-every_rank']['state'].keys()
@@ -117,13 +136,16 @@ def test_sharded_load_equals_every_rank_load(tiny_path, untied_path, moe_path):
 
 
 def test_sharded_load_vlm(shared, tmp_path, ray_session):
-    "The tiny VLM on 2 Ray FSDP workers: slice-load losses of 5 mixed image/text steps == every-rank-load losses."
+    "The tiny VLM on 2 Ray FSDP workers: slice-load losses of 5 mixed image/text steps and the weights after them == every-rank-load ones."
     from test_vlm import vlm_cfg
     from sft_nb.trainer import SFTTrainer
-    runs = {}
+    runs, states = {}, {}
     for load in ('every_rank', 'slices'):
         with SFTTrainer(vlm_cfg(shared, tmp_path / load, train__num_steps=STEPS, train__micro_batch_size=2,
                                 placement__workers_per_node=2, model__load=load)) as t:
             runs[load] = t.fit()['loss'].tolist()
+            states[load] = t.backend.full_state()[0]  # the trained weights, gathered
     print(runs)
+    assert states['slices'].keys() == states['every_rank'].keys()
+    assert [k for k, v in states['every_rank'].items() if not torch.equal(states['slices'][k], v)] == []  # every tensor, bitwise
     assert runs['slices'] == runs['every_rank'], runs

@@ -97,6 +97,16 @@ def test_buffer_is_bounded(tiny_tok, tmp_path, jsonl):
     assert sp.peak <= 5 and sp.pos[0] < 300  # 240 examples trained: the source was read about that far, no further
 
 
+
+def test_default_draw_never_trains_an_example_twice_in_a_step(tiny_tok, jsonl):
+    """The default unpacked draw (sampler 'random'): each step takes global_batch_size distinct examples out of the window,
+    over 30 steps that pass through the 56-row source four times (a window of 12, a batch of 8: the draw picks 8 of 12)."""
+    sp = plan(tiny_tok, jsonl, data__stream_buffer=12)
+    assert sp.cfg.train.sampler == 'random' and not sp.cfg.packing.enabled and sp.cfg.train.global_batch_size == 8
+    steps = [[(e['source'], e['index']) for e in sp.global_batch(s)] for s in range(30)]
+    assert all(len(b) == len(set(b)) == 8 for b in steps), next(b for b in steps if len(set(b)) < len(b))
+    assert sp.passes[0] >= 4
+
 def test_streaming_config_errors(tiny_path, tmp_path, jsonl):
     with pytest.raises(ConfigError, match=r'train\.num_steps: required with data\.streaming=true: a stream has no known length'):
         SFTTrainer(stream_cfg(tiny_path, tmp_path, jsonl, train__num_steps=None))
@@ -201,8 +211,9 @@ def test_weighted_sources_interleave_and_resume(tiny_tok, tmp_path, jsonl, share
     assert 0.6 < drawn.count(0) / len(drawn) < 0.9  # ≈ 3/4 from the weight-3 source
     assert sp.passes[1] >= 1  # 20 alpaca rows, ~60 drawn: the small source repeated
     by = {d['source']: d for d in sp.data_report.sources}
-    assert by[str(alpaca)]['n_rows'] == 20 and by[str(jsonl)]['n_rows'] == 57 and by[str(jsonl)]['n_used'] == 56
-    assert sp.data_report.dropped['bad_json'] == 1 and '/20 rows' in str(sp.data_report)  # (one alpaca row is too long)
+    assert by[str(alpaca)]['n_rows'] == 20 and by[str(jsonl)]['n_rows'] == 57 and by[str(jsonl)]['n_kept'] == 56
+    assert [(d['weight'], d['share']) for d in sp.data_report.sources] == [(3.0, 0.75), (1.0, 0.25)]
+    assert sp.data_report.dropped['bad_json'] == 1 and f"{alpaca}: weight 1 (25% of draws), 20 rows, " in str(sp.data_report)
     r = StreamPlan(cfg, tiny_tok).prepare().plan(); r.load_state_dict(states[11])
     assert [[(e['source'], e['index']) for e in r.global_batch(k)] for k in range(11, 30)] == want[11:]
     one = StreamPlan(load_config(stream_cfg('tiny', tmp_path, jsonl, train__num_steps=30)), tiny_tok).prepare().plan()

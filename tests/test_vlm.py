@@ -77,6 +77,31 @@ def test_content_parts_data_uri_and_pil(proc, shared):
     assert len(ex.image_grid_thw) == 2 and len(ex.image_tokens) == 2
 
 
+
+def test_several_images_pair_with_their_markers_in_order(proc, shared):
+    """Two `<image>` markers (one in each user turn) and an images column of two images of different sizes: the k-th marker
+    takes the k-th image. Ids, pixel values and grids equal the processor's on the conversation written by hand with each
+    image in its place; the images swapped give other ids (the placeholders' lengths follow the images)."""
+    from PIL import Image
+    d = shared / 'datasets' / 'mllm_demo_data'
+    a, b = (Image.open(d / f).convert('RGB') for f in ('1.jpg', '2.jpg'))
+    row = {'messages': [{'role': 'user', 'content': '<image>What is this?'}, {'role': 'assistant', 'content': 'A goal.'},
+                        {'role': 'user', 'content': 'And <image> this one?'}, {'role': 'assistant', 'content': 'A team.'}],
+           'images': ['mllm_demo_data/1.jpg', 'mllm_demo_data/2.jpg']}
+    by_hand = [{'role': 'user', 'content': [{'type': 'image', 'image': a}, {'type': 'text', 'text': 'What is this?'}]},
+               {'role': 'assistant', 'content': 'A goal.'},
+               {'role': 'user', 'content': [{'type': 'text', 'text': 'And '}, {'type': 'image', 'image': b}, {'type': 'text', 'text': ' this one?'}]},
+               {'role': 'assistant', 'content': 'A team.'}]
+    want = proc.apply_chat_template(by_hand, tokenize=True, return_dict=True, return_tensors='np')
+    ex = tokenize_vision(vision_conversation(row, shared / 'datasets'), proc)
+    assert ex.input_ids == want['input_ids'][0].tolist()
+    assert ex.image_grid_thw == want['image_grid_thw'].tolist() and ex.image_grid_thw[0] != ex.image_grid_thw[1]  # sizes differ
+    assert np.array_equal(ex.pixel_values, np.asarray(want['pixel_values'], dtype=np.float32))
+    assert [e - s for s, e in ex.image_tokens] == [int(np.prod(g)) // 4 + 2 for g in want['image_grid_thw']]
+    assert trained(proc, ex) == ['A goal.<|im_end|>', 'A team.<|im_end|>']
+    swapped = tokenize_vision(vision_conversation({**row, 'images': row['images'][::-1]}, shared / 'datasets'), proc)
+    assert swapped.input_ids != ex.input_ids and swapped.image_grid_thw == ex.image_grid_thw[::-1]
+
 def test_bad_and_truncated_image_rows(proc, demo, shared, tmp_path):
     (tmp_path / 'broken.jpg').write_bytes(b'\xff\xd8 not really')
     rows = [demo[1], {**demo[1], 'images': [str(tmp_path / 'broken.jpg')]}, {**demo[1], 'images': ['mllm_demo_data/gone.jpg']}]
