@@ -92,6 +92,31 @@ def test_inspector_over_every_glaive_row(shared, qwen, glaive):
     assert n_asst > 50_000 and n_other > 50_000  # the checks above covered a lot of text
 
 
+def test_expanded_examples_draw_every_earlier_message_in_its_role(tiny_path):
+    """Qwen3 (it rewrites earlier turns: history='expand', one example per assistant turn) on the tool-calling sample that
+    ships with sft_nb: in every example of every row, the chips of each earlier user and tool message (its content, found
+    verbatim and in order in the example's text, not by sft_nb's locator) carry that message's role, never 'template'."""
+    from sft_nb.data import load_source, row_dict
+    from sft_nb.demo_data import sample_data
+    tok = load_tokenizer(str(tiny_path), 'qwen3')
+    ins = Inspector(sample_data('glaive_toolcall'), tok, TokenizeConfig(chat_template='qwen3', max_length=None))
+    rows, n_later = load_source(sample_data('glaive_toolcall')), 0
+    for i in range(len(rows)):
+        ins.row.value = i
+        msgs = normalize_row(row_dict(rows[i]), 'sharegpt')['messages']
+        for k, ex in enumerate(ins.examples):
+            chips, cursor = CHIP.findall(format_example(ex, tok, 'html')), 0
+            for j, m in enumerate(msgs):
+                c = m['content'].strip()
+                if not c or (at := ex.text.find(c, cursor)) < 0: continue  # the example ends before message j
+                cursor = at + len(c)
+                if m['role'] == 'assistant': continue
+                roles = {chip[1] for (a, b), chip in zip(ex.offsets, chips) if at <= a and b <= cursor and b > a}
+                assert roles == {m['role']}, f'row {i}, example {k + 1}/{len(ins.examples)}, message {j} ({m["role"]}): roles {roles}'
+                n_later += k > 0 and m['role'] == 'tool'
+    assert n_later > 20  # tool results before a later example's turn were checked
+
+
 def test_inspector_controls(shared, qwen, tiny_tok):
     tok, template = qwen
     chats = [{'messages': [{'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]}]
