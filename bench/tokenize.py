@@ -35,6 +35,8 @@ peak RSS is honest), in interleaved rounds, best of `--repeats` (default 2). Bot
   ours         `tokenize_dataset(path, tok, TokenizeConfig(max_length=4096), batch_size=1024)` into a fresh cache folder:
                reads and parses the file, renders, tokenizes, masks, writes the Arrow cache entry (ours_np2: num_proc 2)
   cache hit    the same call again (fingerprint the file, verify the entry, memory-map it)
+  limit_mt, ours_mt  limit and ours (num_proc 1) with the Rust tokenizer's threads on (TOKENIZERS_PARALLELISM=true); every
+               other method runs with them off
 SmolLM2-135M-Instruct's tokenizer and its own template, mode all_assistant. It prints rows/s (wall and per CPU-second,
 the latter less sensitive to other load on a shared machine), peak RSS, the ratio to the limit and the targets (>= 95%
 of the limit on 1-turn rows, >= 90% on 3-turn rows, wall).
@@ -320,7 +322,7 @@ def main():
     print(f"\n# load average at end {_load()} (the machine has {os.cpu_count()} cores; other work on it slows every method)")
 
 
-SCALE_METHODS = ('limit', 'ours', 'ours_np2', 'cache_hit')
+SCALE_METHODS = ('limit', 'ours', 'ours_np2', 'cache_hit', 'limit_mt', 'ours_mt')  # _mt: the Rust tokenizer's own threads on
 SCALE_TARGETS = {1: 0.95, 3: 0.90}  # ours / limit (wall) on single-turn and 3-turn rows
 
 def _scale_source(n: int, turns: int, folder: Path) -> Path:
@@ -351,7 +353,7 @@ def _scale_child(a):
     method, src, cache = a.child, _scale_source(a.rows, a.turns[0], Path(a.workdir)), Path(a.workdir) / 'cache'
     tok = AutoTokenizer.from_pretrained(smollm2_instruct())
     tok.apply_chat_template([{'role': 'user', 'content': 'warm'}], tokenize=False)  # both sides: the template compiled once, outside the clock
-    if method == 'limit':
+    if method in ('limit', 'limit_mt'):
         t0, c0, n_tok = time.perf_counter(), time.process_time(), 0
         with open(src) as f: lines = f.readlines()
         chunk = len(lines) if len(lines) <= 200_000 else 100_000  # above that, chunks: the limit's texts and ids fit in memory
@@ -361,7 +363,7 @@ def _scale_child(a):
             out = [e.ids for e in tok.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
             n_tok += sum(map(len, out)); del rows, texts, out
     else:
-        if method in ('ours', 'ours_np2'): shutil.rmtree(cache, ignore_errors=True)
+        if method != 'cache_hit': shutil.rmtree(cache, ignore_errors=True)
         t0, c0 = time.perf_counter(), time.process_time()
         ds, rep = tokenize_dataset(str(src), tok, TokenizeConfig(max_length=4096), batch_size=1024, cache_dir=str(cache),
                                    num_proc=2 if method == 'ours_np2' else 1)
@@ -386,7 +388,7 @@ def _scale(a):
         for rnd in range(repeats):
             for m in a.methods:
                 cmd = [sys.executable, str(Path(__file__).resolve()), '--child', m, '--rows', str(a.rows), '--turns', str(turns), '--workdir', str(work)]
-                r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'TOKENIZERS_PARALLELISM': 'false'})
+                r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, 'TOKENIZERS_PARALLELISM': 'true' if m.endswith('_mt') else 'false'})
                 if r.returncode: print(r.stderr[-3000:]); raise SystemExit(f"{m} failed")
                 res = json.loads(r.stdout.strip().splitlines()[-1])
                 print(f"  round {rnd + 1} {m:10s} {res['wall']:8.1f} s wall {a.rows / res['wall']:8,.0f} rows/s | {res['cpu']:8.1f} s cpu "
