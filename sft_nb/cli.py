@@ -16,7 +16,7 @@ from .workers import child_pids
 # %% auto #0
 __all__ = ['ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
            'parameter_keys', 'in_parameter_words', 'check_parameter_names', 'in_thread', 'kernel_pids', 'SignalStop',
-           'NotebookError', 'run_notebook', 'check_overrides', 'build_parser', 'main']
+           'NotebookError', 'run_notebook', 'check_overrides', 'export_parser', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -349,6 +349,28 @@ def _cmd_train(a):
                         "holds no new run; run the same command again", signal.Signals(e.exit_code - 128).name) from None
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))
 
+# %% ../nbs/11_cli.ipynb #e5400a02
+def export_parser(sub):
+    "`sft-nb export RUN_DIR`: its arguments."
+    from sft_nb.export import GGUF_QUANTS
+    e = sub.add_parser('export', help="a run's model for llama.cpp/Ollama (GGUF + Modelfile) and the Hub (card, push)",
+                       description="RUN_DIR's HF export (hf/; written from its latest checkpoint when missing), then as "
+                                   "asked: a GGUF for llama.cpp with an Ollama Modelfile (gguf/), a model card in hf/, "
+                                   "an upload to the Hub.")
+    e.add_argument('run_dir')
+    e.add_argument('--gguf', action='store_true', help='write gguf/model-QUANT.gguf and gguf/Modelfile')
+    e.add_argument('--quant', choices=GGUF_QUANTS, default='f16', help='GGUF weights: f16, or q8_0 (8-bit blocks)')
+    e.add_argument('--card', action='store_true', help='write the model card (hf/README.md, hf/loss.svg)')
+    e.add_argument('--push', metavar='REPO', help='upload hf/ with its card to the Hub repo REPO (user/name)')
+
+def _cmd_export(a):
+    from sft_nb.export import export_gguf, push, run_export, write_card
+    hf = run_export(a.run_dir)
+    print(f"HF export: {hf}")
+    if a.gguf: print(f"GGUF: {export_gguf(hf, Path(a.run_dir) / 'gguf', a.quant)} (Ollama Modelfile beside it)")
+    if a.card or a.push: print(f"model card: {write_card(hf, a.run_dir)}")
+    if a.push: print(f"pushed: {push(hf, a.push)}")
+
 # %% ../nbs/11_cli.ipynb #14490557
 def _cmd_plan(a):
     "Plan CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
@@ -397,6 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument('--gpu-memory', type=float, help='GiB of one GPU (needed for --device cuda)')
     pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda', help='cpu: plan CPU ranks on this host (host memory, as a CPU dry run counts it)')
     pl.add_argument('--no-data', action='store_true', help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model folder has a tokenizer)")
+    export_parser(sub)
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):
         sub.add_parser(name, help=h, add_help=False)
@@ -411,7 +434,8 @@ def main(argv=None):
         cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
     else:
         a = p.parse_args(argv)
-        cmd, run = a.command, lambda: {'run': _cmd_run, 'train': _cmd_train, 'plan': _cmd_plan}[a.command](a)
+        cmds = {'run': _cmd_run, 'train': _cmd_train, 'plan': _cmd_plan, 'export': _cmd_export}
+        cmd, run = a.command, lambda: cmds[a.command](a)
     try: return run()
     except Preempted as e:
         print(f"sft-nb {cmd}: {e}", file=sys.stderr)

@@ -363,17 +363,23 @@ def _continue(self: SFTTrainer, total: int):
 # %% ../nbs/08_trainer.ipynb #a79c85aa
 @patch
 @action('export')
-def export(self: SFTTrainer, path: str | Path | None = None) -> Path:
-    "save_pretrained the trained model with the tokenizer that trained it: the template's special tokens, the run's chat template (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`)."
-    import copy
-    path = Path(path or self.run_dir / 'hf')
-    self.backend.export_hf(str(path), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
-    if not any((path / f).exists() for f in ('config.json', 'adapter_config.json')):
-        raise RuntimeError(f"export: the workers wrote no model into {path}")
-    if self.processor is None and self.cfg.tokenize.chat_template is not None:  # apply_chat_template on the export renders as training did
-        tok = copy.deepcopy(self.tokenizer); tok.chat_template = load_template(self.cfg.tokenize.chat_template)
-        tok.save_pretrained(path)
-    return path
+def export(self: SFTTrainer, path: str | Path | None = None,
+           format: str = 'hf', # 'hf': a save_pretrained folder; 'gguf': that (run_dir/hf), a GGUF, an Ollama Modelfile
+           quant: str = 'f16', # format='gguf': 'f16' or 'q8_0' (`sft_nb.export.GGUF_QUANTS`)
+          ) -> Path:
+    """save_pretrained the trained model with the tokenizer that trained it: the template's special tokens, the run's
+    chat template (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`). format='gguf': then
+    `sft_nb.export.export_gguf` writes `path` (default run_dir/gguf)/model-<quant>.gguf for llama.cpp and the Ollama
+    Modelfile beside it, and returns the GGUF's path."""
+    from sft_nb.export import export_gguf, save_run_tokenizer
+    if format not in ('hf', 'gguf'): raise ConfigError(f"export: format {format!r} is neither 'hf' nor 'gguf'")
+    hf = Path(path or self.run_dir / 'hf') if format == 'hf' else self.run_dir / 'hf'
+    self.backend.export_hf(str(hf), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
+    if not any((hf / f).exists() for f in ('config.json', 'adapter_config.json')):
+        raise RuntimeError(f"export: the workers wrote no model into {hf}")
+    if self.processor is None:  # apply_chat_template on the export renders as training did
+        save_run_tokenizer(self.tokenizer, self.cfg.tokenize.chat_template, hf)
+    return export_gguf(hf, path or self.run_dir / 'gguf', quant) if format == 'gguf' else hf
 
 @patch
 def prompt_ids(self: SFTTrainer, messages: list[dict], tools: list | None = None) -> list[int]:
