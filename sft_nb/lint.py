@@ -5,6 +5,7 @@
 # %% ../nbs/03a_lint.ipynb #ad8d2bbe
 from __future__ import annotations
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import datetime
 import pandas as pd
 from .data import BAD_ROW_KEY, BadRow, detect_format, normalize_row
@@ -12,7 +13,7 @@ from .templates import TemplateError, load_template, probe_template, render, tem
 from .renderers import tokenize_turns
 
 # %% auto #0
-__all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'data_features', 'unrendered', 'lint_template', 'failed']
+__all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'LINT_CHECKS', 'data_features', 'unrendered', 'lint_template', 'failed']
 
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
@@ -105,67 +106,162 @@ def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
     return min(missing.values()), '; '.join(f"{FEATURE_NAMES[f]} (sample {i}): not rendered, never reaches the tokens; "
                                             f"templates that render it: tokenize.chat_template: {fix(f)}" for f, i in missing.items())
 
-# %% ../nbs/03a_lint.ipynb #3a355e82
-def lint_template(tokenizer, # fast HF tokenizer (with the template's special tokens)
-                  sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
-                  template: str | None = None, # template text or .jinja path; None = the tokenizer's
-                  chat_template_kwargs: dict | None = None, # extra template variables
-                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
-                 ) -> pd.DataFrame:
-    "One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."
+# %% ../nbs/03a_lint.ipynb #52d77969
+@dataclass
+class _Lint:
+    "What the checks read: the readable samples, the template, and what was found about both once."
+    tokenizer: object
+    template: str | None
+    kw: dict  # chat_template_kwargs without 'tools'
+    kw_tools: list | None  # tools given as a template variable: of samples without their own (as sft_nb.tokenize)
+    history: str
+    n_samples: int
+    convs: dict  # sample index → conversation, the readable samples
+    unread: list  # [(sample index, why)]
+    missing: tuple | None  # `unrendered`'s finding
+    info: object  # the probe's TemplateInfo; None when the probe conversation does not render
+    probe_error: str | None
+    injected: str | None  # `_injected_system`'s finding
+    full: dict = field(default_factory=dict)  # sample index → its full render, the samples that render
+    refused: list = field(default_factory=list)  # [(sample index, why)] of those that do not
+
+    def render(self, i: int, msgs: list, gen: bool = False) -> str:
+        "Sample `i`'s messages `msgs` rendered as the lint renders them."
+        return render(self.tokenizer, msgs, self.tools(i), template=self.template, add_generation_prompt=gen, **self.kw)
+
+    def tools(self, i: int): return self.convs[i]['tools'] or self.kw_tools
+
+def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, history: str) -> _Lint:
+    "Read the samples, probe the template and render every readable sample."
     template, kw = load_template(template), dict(chat_template_kwargs or {})
-    kw_tools = kw.pop('tools', None)  # tools given as a template variable: those of samples without their own (as sft_nb.tokenize renders)
-    convs, unread = _conversations(sample_conversations)
-    found, na, probe, notes, handled = {}, {}, {}, {}, {}  # probe findings only stand in when no sample shows the trap; handled: found, and the settings deal with it
-    def fail(check, i, example): found.setdefault(check, (i, example))
-    if unread: fail('reads', unread[0][0], f"{len(unread)} of {len(sample_conversations)} samples not read; first: {unread[0][1]}")
-    if (u := unrendered(tokenizer, convs, template, kw)): fail('unrendered', *u)
-    try: info = probe_template(tokenizer, template, kw)
-    except TemplateError as e: info = None; probe['renders'] = (None, f'probe conversation: {e}')
-    if info is None: na['mechanism'] = 'the probe conversation does not render: no mechanism'
-    injected = _injected_system(tokenizer, template, kw)
-    if injected is None: na['default_system_prompt'] = 'the template refuses a system message'
-    elif injected:
-        fail('default_system_prompt', next((i for i, c in convs.items() if c['messages'][0]['role'] != 'system'), None), injected)
-    if info is not None:
-        notes['mechanism'] = f'{info.mechanism}: {info.why}'
-        if info.rewrites_history: probe['rewrites_history'] = (None, 'probe: an earlier turn changes when a turn is added')
-        if not info.full_render_matches_gen_prompt: probe['gen_prompt_mismatch'] = (None, f'probe: generation prompt {info.gen_prompt!r} is not the header of a full render')
-        if info.empty_think_in_gen_prompt:
-            probe['empty_think_gen_prompt'] = (None, f'generation prompt {info.gen_prompt!r}; earlier turns start {min(info.headers, key=len)!r}: '
-                                                     'each turn is located by the header it really has')
-        if info.after_eot and info.eot: handled['text_after_eot'] = (None, f'{info.eot!r} is followed by {info.after_eot!r}: never trained, never generated (masks and generation end at {info.eot!r})')
-        elif info.after_eot: fail('text_after_eot', None, f'assistant turns end with {info.after_eot!r}, no end-of-turn token')
-    bos, specials, n_refused = tokenizer.bos_token_id, set(tokenizer.all_special_ids), 0
-    if bos is None: na['bos_doubled'] = 'the tokenizer has no BOS token'
+    kw_tools = kw.pop('tools', None)
+    convs, unread = _conversations(samples)
+    missing = unrendered(tokenizer, convs, template, kw)
+    try: info, probe_error = probe_template(tokenizer, template, kw), None
+    except TemplateError as e: info, probe_error = None, f'probe conversation: {e}'
+    lt = _Lint(tokenizer, template, kw, kw_tools, history, len(samples), convs, unread, missing, info, probe_error,
+               _injected_system(tokenizer, template, kw))
     for i, c in convs.items():
-        msgs, tools = c['messages'], c['tools'] or kw_tools
-        r = lambda m, gen=False: render(tokenizer, m, tools, template=template, add_generation_prompt=gen, **kw)
-        try: full = r(msgs)
-        except Exception as e:
-            n_refused += 1; fail('renders', i, f'{type(e).__name__}: {e}'); continue
+        try: lt.full[i] = lt.render(i, c['messages'])
+        except Exception as e: lt.refused.append((i, f'{type(e).__name__}: {e}'))
+    return lt
+
+# %% ../nbs/03a_lint.ipynb #414614fd
+def _check_mechanism(lt: _Lint) -> dict:
+    "How assistant spans are found, as a note ('n/a' when the probe conversation does not render)."
+    if lt.info is None: return {'mechanism': ('n/a', None, 'the probe conversation does not render: no mechanism')}
+    return {'mechanism': ('pass', None, f'{lt.info.mechanism}: {lt.info.why}')}
+
+def _check_reads(lt: _Lint) -> dict:
+    "The first sample `sft_nb.data` cannot read, and how many."
+    if not lt.unread: return {}
+    i, why = lt.unread[0]
+    return {'reads': ('fail', i, f"{len(lt.unread)} of {lt.n_samples} samples not read; first: {why}")}
+
+def _check_renders(lt: _Lint) -> dict:
+    "The first sample the template refuses, and how many; else the probe conversation's refusal."
+    if lt.refused:
+        i, why = lt.refused[0]
+        return {'renders': ('fail', i, f'{len(lt.refused)} of {len(lt.convs)} samples refused; first: {why}')}
+    return {'renders': ('fail', None, lt.probe_error)} if lt.probe_error else {}
+
+def _check_unrendered(lt: _Lint) -> dict:
+    "What the samples carry that the template drops (`unrendered`)."
+    return {'unrendered': ('fail', *lt.missing)} if lt.missing else {}
+
+# %% ../nbs/03a_lint.ipynb #1100fb18
+def _check_default_system(lt: _Lint) -> dict:
+    "The system prompt the template injects, shown on the first sample without a system turn of its own."
+    if lt.injected is None: return {'default_system_prompt': ('n/a', None, 'the template refuses a system message')}
+    if not lt.injected: return {}
+    i = next((i for i, c in lt.convs.items() if c['messages'][0]['role'] != 'system'), None)
+    return {'default_system_prompt': ('fail', i, lt.injected)}
+
+def _check_empty_think(lt: _Lint) -> dict:
+    "A generation prompt with an empty think block that earlier turns lack (the probe's finding)."
+    info = lt.info
+    if info is None or not info.empty_think_in_gen_prompt: return {}
+    return {'empty_think_gen_prompt': ('fail', None, f'generation prompt {info.gen_prompt!r}; earlier turns start '
+                                       f'{min(info.headers, key=len)!r}: '
+                                       'each turn is located by the header it really has')}
+
+def _check_after_eot(lt: _Lint) -> dict:
+    "Template text after the end-of-turn: 'info' when masks and generation end at an end-of-turn token, else 'fail'."
+    info = lt.info
+    if info is None or not info.after_eot: return {}
+    if info.eot: return {'text_after_eot': ('info', None, f'{info.eot!r} is followed by {info.after_eot!r}: never '
+                                            f'trained, never generated (masks and generation end at {info.eot!r})')}
+    return {'text_after_eot': ('fail', None, f'assistant turns end with {info.after_eot!r}, no end-of-turn token')}
+
+# %% ../nbs/03a_lint.ipynb #0fc54528
+def _check_prefixes(lt: _Lint) -> dict:
+    "Each prefix ending at an assistant turn must start the full render (`rewrites_history`), its generation prompt too."
+    f, r = {}, lt.render
+    for i, full in lt.full.items():
+        msgs = lt.convs[i]['messages']
         for k in (k for k, m in enumerate(msgs) if m['role'] == 'assistant'):
-            try: upto, before, gen = r(msgs[:k + 1]), r(msgs[:k]) if k else '', r(msgs[:k], True) if k else ''
+            try: upto, before, gen = r(i, msgs[:k + 1]), r(i, msgs[:k]) if k else '', r(i, msgs[:k], True) if k else ''
             except Exception: continue  # a prefix the template refuses (e.g. ends on a tool turn): nothing to compare
-            if not full.startswith(upto): fail('rewrites_history', i, f'message {k}: ' + _diff(upto, full))
+            if not full.startswith(upto): f.setdefault('rewrites_history', (i, f'message {k}: ' + _diff(upto, full)))
             elif k and full.startswith(before) and not full.startswith(gen):
-                fail('gen_prompt_mismatch', i, f'message {k}: generation prompt {gen[len(before):]!r}, full render {full[len(before):len(gen) + 8]!r}')
-        if 'date_dependent' not in found:
-            with _clock(datetime(1999, 1, 2, 3, 4, 5)): a = r(msgs)
-            with _clock(datetime(2031, 7, 8, 9, 10, 11)): b = r(msgs)
-            if a != b: fail('date_dependent', i, _diff(a, b))
-        if bos is not None and tokenizer.bos_token and full.startswith(tokenizer.bos_token):
-            naive = list(tokenizer(full)['input_ids'])
-            if naive[:2] == [bos, bos]: fail('bos_doubled', i, f'tokenizer(text) starts {tokenizer.convert_ids_to_tokens(naive[:3])}')
-        if info is None: continue
-        mode = 'last_assistant' if info.rewrites_history and history == 'error' and msgs[-1]['role'] == 'assistant' else 'all_assistant'
-        try: exs = tokenize_turns(msgs, tokenizer, mode=mode, tools=tools, chat_template_kwargs=kw, template=template, history=history)
+                f.setdefault('gen_prompt_mismatch', (i, f'message {k}: generation prompt {gen[len(before):]!r}, '
+                                                        f'full render {full[len(before):len(gen) + 8]!r}'))
+    info, h, out = lt.info, lt.history, {}
+    if info is not None and not info.full_render_matches_gen_prompt:
+        f.setdefault('gen_prompt_mismatch',
+                     (None, f'probe: generation prompt {info.gen_prompt!r} is not the header of a full render'))
+    if 'gen_prompt_mismatch' in f: out['gen_prompt_mismatch'] = ('fail', *f['gen_prompt_mismatch'])
+    if info is not None and info.rewrites_history:
+        f.setdefault('rewrites_history', (None, 'probe: an earlier turn changes when a turn is added'))
+    if info is not None and 'rewrites_history' in f:  # seen; 'expand' and 'final' handle it, 'error' refuses such rows
+        i, example = f['rewrites_history']
+        status = 'info' if info.rewrites_history and h != 'error' else 'fail'
+        out['rewrites_history'] = (status, i, f"{example}; all_assistant: history={h!r}: {STRATEGY[h]}")
+    elif info is not None:
+        out['rewrites_history'] = ('pass', None, 'prefix-stable: all_assistant trains every turn in one render')
+    elif 'rewrites_history' in f: out['rewrites_history'] = ('fail', *f['rewrites_history'])
+    return out
+
+# %% ../nbs/03a_lint.ipynb #38649ca7
+def _check_date(lt: _Lint) -> dict:
+    "The first sample whose render changes with the clock."
+    for i, full in lt.full.items():
+        msgs = lt.convs[i]['messages']
+        with _clock(datetime(1999, 1, 2, 3, 4, 5)): a = lt.render(i, msgs)
+        with _clock(datetime(2031, 7, 8, 9, 10, 11)): b = lt.render(i, msgs)
+        if a != b: return {'date_dependent': ('fail', i, _diff(a, b))}
+    return {}
+
+def _check_bos(lt: _Lint) -> dict:
+    "The first render starting with BOS that the tokenizer's defaults give a second BOS."
+    tok, bos, f = lt.tokenizer, lt.tokenizer.bos_token_id, {}
+    if bos is None: return {'bos_doubled': ('n/a', None, 'the tokenizer has no BOS token')}
+    for i, full in lt.full.items():
+        if tok.bos_token and full.startswith(tok.bos_token):
+            naive = list(tok(full)['input_ids'])
+            if naive[:2] == [bos, bos]:
+                f.setdefault('bos_doubled', ('fail', i, f'tokenizer(text) starts {tok.convert_ids_to_tokens(naive[:3])}'))
+    return f
+
+# %% ../nbs/03a_lint.ipynb #a0957f0b
+def _check_spans(lt: _Lint) -> dict:
+    "Tokenize each sample the sft_nb way: every trained span ends on a trained special token, trains more than its"
+    "end-of-turn, and starts and ends on token boundaries."
+    if lt.info is None: return {}
+    info, specials, f = lt.info, set(lt.tokenizer.all_special_ids), {}
+    fail = lambda check, i, example: f.setdefault(check, ('fail', i, example))
+    for i in lt.full:
+        msgs = lt.convs[i]['messages']
+        refused_turns = info.rewrites_history and lt.history == 'error' and msgs[-1]['role'] == 'assistant'
+        try: exs = tokenize_turns(msgs, lt.tokenizer, mode='last_assistant' if refused_turns else 'all_assistant', tools=lt.tools(i),
+                                  chat_template_kwargs=lt.kw, template=lt.template, history=lt.history)
         except (BadRow, TemplateError): continue
         for ex, (s, e, m) in ((ex, sp) for ex in exs for sp in ex.spans):
             toks = [j for j, (a, b) in enumerate(ex.offsets) if a < e and b > s]
             last = toks[-1] if toks else None
             if last is None or not ex.loss_mask[last] or ex.input_ids[last] not in specials:
-                fail('eot_not_trained', i, f'message {m}: training ends on {ex.text[ex.offsets[last][0]:ex.offsets[last][1]] if last is not None else ""!r}')
+                end = ex.text[slice(*ex.offsets[last])] if last is not None else ''
+                fail('eot_not_trained', i, f'message {m}: training ends on {end!r}')
             body = ex.text[s:e][:-len(info.eot)] if info.eot and ex.text[s:e].endswith(info.eot) else ex.text[s:e]
             if not body.strip():
                 why = 'its tool_calls are not rendered' if msgs[m].get('tool_calls') else 'its content is empty'
@@ -173,18 +269,28 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
             for a, b in (ex.offsets[j] for j in toks):
                 if a < s < b or a < e < b:
                     cut = s if a < s < b else e
-                    fail('whitespace_merged', i, f'message {m}: token {ex.text[a:b]!r} = {ex.text[a:cut]!r} + {ex.text[cut:b]!r} across the span edge')
-    for check, v in probe.items(): found.setdefault(check, v)
-    if info is not None and (info.rewrites_history or 'rewrites_history' in found):
-        i, example = found.pop('rewrites_history', (None, ''))  # seen by the probe, 'expand' and 'final' handle it; 'error' refuses such rows
-        (handled if info.rewrites_history and history != 'error' else found)['rewrites_history'] = (i, f"{example}; all_assistant: history={history!r}: {STRATEGY[history]}")
-    elif info is not None: notes['rewrites_history'] = 'prefix-stable: all_assistant trains every turn in one render'
-    if 'renders' in found and n_refused: found['renders'] = (found['renders'][0], f'{n_refused} of {len(convs)} samples refused; first: {found["renders"][1]}')
-    rows = []
-    for check, meaning in CHECKS.items():
-        i, example = found.get(check, handled.get(check, (None, na.get(check, notes.get(check, '')))))
-        rows.append({'check': check, 'status': 'fail' if check in found else 'info' if check in handled else 'n/a' if check in na else 'pass',
-                     'sample': i, 'example': example, 'meaning': meaning})
+                    fail('whitespace_merged', i, f'message {m}: token {ex.text[a:b]!r} = {ex.text[a:cut]!r} + '
+                                                 f'{ex.text[cut:b]!r} across the span edge')
+    return f
+
+# %% ../nbs/03a_lint.ipynb #df67a36b
+LINT_CHECKS = {'mechanism': _check_mechanism, 'reads': _check_reads, 'renders': _check_renders,
+               'unrendered': _check_unrendered, 'rewrites_history': _check_prefixes,
+               'default_system_prompt': _check_default_system, 'date_dependent': _check_date, 'bos_doubled': _check_bos, 'eot_not_trained': _check_spans, 'empty_trained_span': _check_spans,
+               'gen_prompt_mismatch': _check_prefixes, 'empty_think_gen_prompt': _check_empty_think,
+               'whitespace_merged': _check_spans, 'text_after_eot': _check_after_eot}
+
+def lint_template(tokenizer, # fast HF tokenizer (with the template's special tokens)
+                  sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
+                  template: str | None = None, # template text or .jinja path; None = the tokenizer's
+                  chat_template_kwargs: dict | None = None, # extra template variables
+                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
+                 ) -> pd.DataFrame:
+    "One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."
+    lt, found = _lint_context(tokenizer, sample_conversations, template, chat_template_kwargs, history), {}
+    for check in dict.fromkeys(LINT_CHECKS.values()): found.update(check(lt))
+    rows = [dict(zip(('check', 'status', 'sample', 'example', 'meaning'),
+                     (check, *found.get(check, ('pass', None, '')), meaning))) for check, meaning in CHECKS.items()]
     return pd.DataFrame(rows).astype({'sample': 'Int64'})
 
 # %% ../nbs/03a_lint.ipynb #5512c21f
