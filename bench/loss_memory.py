@@ -22,8 +22,7 @@ import argparse, json, subprocess, time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sft_nb.paths import shared_dir  # noqa: E402
-SHARED = shared_dir(ROOT)
+SHARED = ROOT.parent / 'shared'  # the development data beside the checkout
 DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json')
 
 

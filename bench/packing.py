@@ -19,8 +19,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sft_nb.paths import shared_dir  # noqa: E402
-SHARED = shared_dir(ROOT)
+SHARED = ROOT.parent / 'shared'  # the development data beside the checkout
 from sft_nb.packing import MIN_SLACK_MAX_ROWS, STRATEGIES, lower_bound, pack  # noqa: E402
 
 

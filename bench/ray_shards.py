@@ -17,8 +17,7 @@ import argparse, json, shutil, signal, socket, subprocess, tempfile, time
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sft_nb.paths import shared_dir  # noqa: E402
-SHARED = shared_dir(ROOT)
+SHARED = ROOT.parent / 'shared'  # the development data beside the checkout
 ENV = {**os.environ, 'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled', 'PYTHONPATH': str(ROOT)}
 RAY = str(Path(sys.executable).parent / 'ray')
 

@@ -67,8 +67,7 @@ import argparse, datetime, importlib.metadata as md, logging, platform, random, 
 
 ROOT = _HERE.parent
 sys.path.insert(0, str(ROOT))
-from sft_nb.paths import shared_dir  # noqa: E402
-SHARED = shared_dir(ROOT)
+SHARED = ROOT.parent / 'shared'  # the development data beside the checkout
 DATASETS = {'alpaca': SHARED / 'datasets' / 'alpaca_en_demo.json',
             'glaive_toolcall': SHARED / 'datasets' / 'glaive_toolcall_en_demo.json'}
 TEMPLATE_PATH = SHARED / 'templates' / 'qwen2.5-instruct.jinja'

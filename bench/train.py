@@ -48,9 +48,8 @@ import argparse, datetime, gc, json, platform, re, statistics, tempfile, time, w
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from sft_nb.paths import shared_dir  # noqa: E402
-SHARED = shared_dir(ROOT, missing_ok=True)  # the GPU machine has none: --data
-DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json') if SHARED else None
+SHARED = ROOT.parent / 'shared'  # the development data beside the checkout; the GPU machine has none: --data
+DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json') if SHARED.exists() else None
 METHODS = ('ours padded', 'ours packed', 'trl padded', 'trl packed')
 
 

