@@ -16,9 +16,10 @@ def _rank(rank, world, port, args, compact, q):
     import ray  # noqa: F401  (a worker is a Ray actor: its runtime has Ray loaded)
     import sft_nb.workers
     if not compact: sft_nb.workers.compact_malloc = lambda: False  # glibc's own behaviour: the arm compared against
-    from sft_nb.backends.fsdp import FSDPWorker, rank_memory, reset_peak_memory
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.memory import rank_memory, reset_peak_memory
     from sft_nb.config import load_config
-    from sft_nb.plan import plan_batch
+    from sft_nb.memory import plan_batch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     cfg = load_config(None, args)
     w = FSDPWorker(rank, world, cfg.model, cfg.optim, total_steps=4, placement={})

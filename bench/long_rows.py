@@ -35,7 +35,8 @@ def row(length: int, vocab: int, docs: int = 4, seed: int = 0) -> dict:
 
 
 def rank(r, world, sp, port, length, out):
-    from sft_nb.backends.fsdp import FSDPWorker, reset_peak_memory, rank_memory
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.memory import reset_peak_memory, rank_memory
     from sft_nb.config import ModelConfig, OptimConfig
     w = FSDPWorker(r, world, ModelConfig(path='smollm2', activation_checkpointing='full'), OptimConfig(),
                    total_steps=1, placement={'sequence_parallel': sp})

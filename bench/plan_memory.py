@@ -1,5 +1,5 @@
-"""The plan (`sft_nb.plan.plan`, fake tensors + fake process group + FSDPMemTracker) against the real CPU dry run
-(`FSDPWorker.dry_run`, what `SFTTrainer.dry_run(full_length=True)` runs on each worker: one step on rows of
+"""The plan (`sft_nb.memory.plan`, fake tensors + fake process group + FSDPMemTracker) against the real CPU dry run
+(`sft_nb.memory.measure_step`, what `SFTTrainer.dry_run(full_length=True)` runs on each worker: one step on rows of
 `tokenize.max_length` tokens, peak VmHWM less its snapshot), side by side for the configurations that run on this
 machine; prints rank 0's peaks and plan / dry run. Both step on the same rows (`plan_batch` without data: the plan is
 given `data=False`, else it would step on the data's own longest rows), as a later step does (`warm_optimizer`).
@@ -35,7 +35,7 @@ def args(model, ranks, over) -> list[str]:
 
 
 def plan_peak(model, ranks, over) -> int:
-    code = ("import json,sys; from sft_nb.config import load_config; from sft_nb.plan import plan; "
+    code = ("import json,sys; from sft_nb.config import load_config; from sft_nb.memory import plan; "
             f"p = plan(load_config(None, {args(model, ranks, over)!r}), gpus={ranks}, device='cpu', data=False); "
             "print(json.dumps({'peak': p['ranks'][0]['peak'], 'parts': p['ranks'][0]['parts'], 's': p['plan_s']}))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
@@ -47,12 +47,12 @@ def _dry_rank(rank, world, port, args, q):
     import ray  # noqa: F401  (a worker is a Ray actor: its runtime has Ray loaded)
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import load_config
-    from sft_nb.plan import plan_batch
+    from sft_nb.memory import measure_step, plan_batch
     cfg = load_config(None, args)
     w = FSDPWorker(rank, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
     w.init_dist('127.0.0.1', port); w.setup()
     mb = plan_batch(cfg, w.model.config.get_text_config().vocab_size)
-    q.put((rank, w.dry_run(mb)['peak'], tuple(mb['input_ids'].shape)))
+    q.put((rank, measure_step(w, mb)['peak'], tuple(mb['input_ids'].shape)))
     w.shutdown()
 
 

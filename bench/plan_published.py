@@ -1,4 +1,4 @@
-"""`sft_nb.plan` beside published per-GPU memory figures of other tools, for the same model shapes and run settings.
+"""`sft_nb.memory.plan` beside published per-GPU memory figures of other tools, for the same model shapes and run settings.
 
     python bench/plan_published.py [--cases titan-8b-fsdp8,...]
 
@@ -53,7 +53,7 @@ def config_dir(arch: dict) -> Path:
 
 def plan_case(name: str) -> dict:
     arch, gpus, nodes, mem, over, *_ = CASES[name]
-    code = ("import json; from sft_nb.config import load_config; from sft_nb.plan import plan; "
+    code = ("import json; from sft_nb.config import load_config; from sft_nb.memory import plan; "
             f"p = plan(load_config(None, {[f'model.path={config_dir(arch)}'] + over!r}), gpus={gpus}, nodes={nodes}, gpu_memory={mem}); "
             "r = p['ranks'][0]; print(json.dumps({'peak': r['peak'], 'parts': r['parts'], 'at_peak': r['at_peak'], 's': p['plan_s'], 'fits': p['fits']}))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})

@@ -376,7 +376,7 @@ def _cmd_plan(a):
     "Plan CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
     check_overrides(a.overrides)
     from sft_nb.config import load_config
-    from sft_nb.plan import plan, plan_report
+    from sft_nb.memory import plan, plan_report
     p = plan(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
     print(plan_report(p)); sys.exit(0 if p['fits'] else 3)
 

@@ -18,7 +18,7 @@ from .collate import collate_packed
 from .dataplan import DataPlan
 
 # %% auto #0
-__all__ = ['stream_rows', 'check_stream', 'StreamPlan', 'example_row']
+__all__ = ['stream_rows', 'check_stream', 'StreamPlan', 'example_row', 'plan_class']
 
 # %% ../nbs/05b_stream.ipynb #a57b69d3
 def _json_rows(path: Path, start: int):
@@ -293,3 +293,8 @@ def load_state_dict(self: StreamPlan, d: dict):
     self.rng = np.random.default_rng(); self.rng.bit_generator.state = d['rng']
     self.reports = [DataReport(**{**r, 'bad_rows': [tuple(b) for b in r['bad_rows']]}) for r in d['reports']]
     self.data_report = self.report()
+
+# %% ../nbs/05b_stream.ipynb #1d34969e
+def plan_class(cfg: SFTConfig) -> type:
+    "The data plan a config asks for: `StreamPlan` when `data.streaming`, else `DataPlan`."
+    return StreamPlan if cfg.data.streaming else DataPlan

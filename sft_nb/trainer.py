@@ -12,8 +12,8 @@ import pandas as pd
 from fastcore.basics import patch
 from .config import ConfigError, SFTConfig, load_config, save_config
 from .errors import UserError
-from .stream import StreamPlan
-from .dataplan import DataPlan, synthetic_dataset
+from .stream import StreamPlan, plan_class
+from .dataplan import DataPlan
 from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path, check_context
 from .loss import eval_metrics
@@ -23,8 +23,7 @@ from .workers import init_ray, stop_ray
 from .backends import start_workers
 
 # %% auto #0
-__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'plan_class', 'SFTTrainer', 'unsaved_run',
-           'retire', 'dry_run_batch', 'largest_micro_batch', 'dry_run_verdict']
+__all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', 'SFTTrainer', 'unsaved_run', 'retire']
 
 # %% ../nbs/08_trainer.ipynb #0dfbbcd2
 class TrainerBusy(UserError, RuntimeError):
@@ -75,11 +74,6 @@ def hold_interrupts(what: str): # what the block does, for the message ("step 3"
     try: yield
     finally: signal.signal(signal.SIGINT, prev if prev is not None else signal.default_int_handler)
     if held: raise KeyboardInterrupt(f"interrupted during {what}, which finished first")
-
-# %% ../nbs/08_trainer.ipynb #1cfd7c40
-def plan_class(cfg: SFTConfig) -> type:
-    "The data plan a config asks for: `StreamPlan` when `data.streaming`, else `DataPlan`."
-    return StreamPlan if cfg.data.streaming else DataPlan
 
 # %% ../nbs/08_trainer.ipynb #316e5442
 class SFTTrainer:
@@ -454,64 +448,12 @@ def restart_workers(self: SFTTrainer) -> int:
         self._emit('on_load', 0)
         return 0
 
-# %% ../nbs/08_trainer.ipynb #1d8bd1b5
-from .backends import get_backend
-from collections import Counter
-
-_GiB = 1024**3
-
-def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the backend is known to have a dry run
-                  full_length: bool = False) -> dict:
-    "The biggest micro-batch the set-up trainer's plan makes: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
-    if not hasattr(get_backend(cfg.placement.backend), 'dry_run'):
-        raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no memory dry run (the 'fsdp' backend has one)")
-    t = setup(); d, micro = t.data, max(1, cfg.train.micro_batch_size)
-    if full_length or d.streams:
-        n = cfg.pack_capacity if cfg.packing.enabled else cfg.tokenize.max_length
-        ds = synthetic_dataset(micro, n, len(t.tokenizer), cfg.data.seed)
-        mb = d.collate([{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in ds])
-        return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
-    return largest_micro_batch(d, micro)
-
-def largest_micro_batch(d: DataPlan, micro: int) -> dict:
-    "The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run collates them."
-    size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
-    mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
-    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
-
-def _advice(cfg, ranks: list[dict]) -> list[str]:
-    "What to change when a rank does not fit, in the config's own keys."
-    c, on_gpu = cfg, ranks[0]['device'] == 'cuda'
-    out = []
-    if c.train.micro_batch_size > 1: out.append(f"train.micro_batch_size={c.train.micro_batch_size} → smaller (activations scale with it)")
-    if c.model.activation_checkpointing != 'full':
-        out.append(f"model.activation_checkpointing={c.model.activation_checkpointing!r} → 'full' (recompute each block in backward)")
-    if c.packing.enabled: out.append(f"packing.capacity={c.pack_capacity} → smaller")
-    else: out.append(f"tokenize.max_length={c.tokenize.max_length} → smaller (or the longest rows dropped)")
-    out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards weights, gradients and optimizer state over them")
-    if c.placement.backend == 'fsdp':  # a row too long for one worker: its activations spread over the sp ranks that share it
-        out.append(f"placement.sequence_parallel={c.placement.sequence_parallel} → larger (a divisor of the attention heads and of the ranks): each rank holds 1/sp of every row's activations")
-    if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
-    return out
-
-def dry_run_verdict(cfg: SFTConfig, ranks: list[dict], shape: tuple) -> dict:
-    "{'fits', 'message', 'ranks', 'shape'} of the ranks' dry runs; CPU ranks on one host share its MemAvailable."
-    ranks = [dict(r) for r in ranks]
-    on_host = Counter(r['host'] for r in ranks if r['capacity_from'] == 'MemAvailable')
-    for r in ranks:  # each gets its part of the host's free memory on top of what it holds
-        if r['capacity_from'] == 'MemAvailable' and (n := on_host[r['host']]) > 1:
-            r['capacity'], r['capacity_from'] = r['rss'] + (r['capacity'] - r['rss']) // n, f"MemAvailable / {n} ranks on the host"
-    worst = max(ranks, key=lambda r: r['peak'] / r['capacity'])
-    fits = all(r['peak'] <= r['capacity'] for r in ranks)
-    head = (f"rank {worst['rank']} peaks at {worst['peak'] / _GiB:.2f} GiB of {worst['capacity'] / _GiB:.2f} GiB "
-            f"({worst['capacity_from']}, {worst['device']}) on a micro-batch of shape {shape}")
-    msg = f"fits: {head}" if fits else f"does not fit: {head}; change: " + '; '.join(_advice(cfg, ranks))
-    return {'fits': fits, 'message': msg, 'ranks': ranks, 'shape': shape}
+# %% ../nbs/08_trainer.ipynb #46e0984b
+from .memory import dry_run_batch, dry_run_verdict, measure_step
 
 @patch
 @action('dry_run', setup=False)
 def dry_run(self: SFTTrainer, memory_limit: int | None = None, full_length: bool = False) -> dict:
     "One step per rank on `dry_run_batch`, weights left as they were: {'fits', 'message' (what to change), 'ranks', 'shape'}; `memory_limit`: bytes a rank may use."
     mb = dry_run_batch(self.cfg, self.setup, full_length)
-    return dry_run_verdict(self.cfg, self.backend.dry_run(mb, memory_limit), tuple(mb['input_ids'].shape))
-
+    return dry_run_verdict(self.cfg, self.backend.run(measure_step, mb, memory_limit), tuple(mb['input_ids'].shape))

@@ -193,6 +193,12 @@ class DistWorker:
             if (err := write_error(e)) is None: raise
             return err
 
+# %% ../nbs/07_workers.ipynb #f6bfd651
+@patch
+def run(self: DistWorker, fn, *args, **kwargs):
+    "`fn(this worker, *args, **kwargs)` on this rank: a module-level function of a later stage that works on the rank's state (`sft_nb.memory.measure_step`)."
+    return fn(self, *args, **kwargs)
+
 # %% ../nbs/07_workers.ipynb #a7e28bfe
 def save_rng(path, rank: int, use_gpu: bool = False):
     "Write this process's torch/Python/NumPy (and CUDA) RNG states as `rng_rank{rank}.safetensors` + `.json`."

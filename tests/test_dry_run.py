@@ -5,6 +5,7 @@ step's loss is that of a run without the dry run, and a memory cap below the pea
 step is taken."""
 import torch
 from sft_nb.trainer import SFTTrainer
+from sft_nb.memory import rank_now
 from helpers import run_cfg
 
 GiB = 1024**3
@@ -18,9 +19,9 @@ def cfg(tiny_path, run_dir):
 
 def first_step_peaks(t) -> tuple[dict, list[dict]]:
     "The first real step's metrics and per-rank memory, measured as `dry_run` measures it."
-    start = t.group.call('memory', True)
+    start = t.backend.run(rank_now, True)
     m = t.step()
-    return m, [{**e, 'before': s['rss']} for s, e in zip(start, t.group.call('memory'))]
+    return m, [{**e, 'before': s['rss']} for s, e in zip(start, t.backend.run(rank_now))]
 
 
 def test_dry_run_peaks_weights_and_next_step(tiny_path, tmp_path, ray_session):

@@ -211,7 +211,7 @@ def test_megatron_chunked_equals_fsdp(tiny_path, tmp_path, one_shot_step, layout
 
 @needs_cpu_flex
 def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
-    """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `_to_dev`)
+    """The FSDP worker's flex_attention path on a packed batch (the dense mask swapped for a document BlockMask in `to_device`)
     evaluates to the same Σ NLL as sdpa + the dense mask (eval only: FlexAttention has no CPU backward). The model-level
     logits of flex vs sdpa on packed rows: nbs/06c_loss.ipynb."""
     mb = batches(tiny_tok, True)['packed']
@@ -219,7 +219,7 @@ def test_worker_flex_attention_eval_equals_sdpa(worker, tiny_tok):
     ref = worker.eval_loss([mb])
     try:
         worker.attn = 'flex_attention'; worker.model.set_attn_implementation('flex_attention')
-        assert type(worker._to_dev(mb)['attention_mask']).__name__ == 'BlockMask'
+        assert type(worker.to_device(mb)['attention_mask']).__name__ == 'BlockMask'
         out = worker.eval_loss([mb])
     finally:
         worker.attn = 'sdpa'; worker.model.set_attn_implementation('sdpa')

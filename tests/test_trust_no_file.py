@@ -183,7 +183,7 @@ def test_no_entry_point_runs_a_model_folders_code(quill, tmp_path):
     pack) and a notebook's parameters (`sft-nb run -p model ...`)."""
     from sft_nb.lens import RunScorer
     from sft_nb.models import load_model_inputs, load_tokenizer
-    from sft_nb.plan import plan
+    from sft_nb.memory import plan
     from sft_nb.config import load_config
     from sft_nb.trainer import SFTTrainer
     rows = tmp_path / 'rows.jsonl'

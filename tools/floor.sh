@@ -27,7 +27,7 @@ fi
 export PYTHONPATH="$PWD" PATH="$VENV/bin:$PATH" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 RAY_USAGE_STATS_ENABLED=0 \
        RAY_AUTH_MODE=disabled TOKENIZERS_PARALLELISM=false TORCHINDUCTOR_CACHE_DIR="$PWD/build/inductor-floor"
 t0=$SECONDS
-(cd nbs && nbdev_test --n_workers 2 --flags slow --file_re '^(02_tokenize|02d_spans|05_collate|06c_loss|07a2_backends\.slices|07b2_backends\.megatron_convert|08e_plan)\.ipynb$'); nb=$?
+(cd nbs && nbdev_test --n_workers 2 --flags slow --file_re '^(02_tokenize|02d_spans|05_collate|06c_loss|07a2_backends\.slices|07b2_backends\.megatron_convert|08e_memory)\.ipynb$'); nb=$?
 python -m pytest -p no:cacheprovider -q -n 2 --dist loadfile tests/test_masks.py tests/test_tokenize_data.py tests/test_packing.py \
   tests/test_loss.py tests/test_trainer.py tests/test_sharded_load.py tests/test_megatron.py tests/test_trust_no_file.py; py=$?
 echo "floor: notebooks exit $nb, pytest exit $py in $((SECONDS - t0)) s"

@@ -45,6 +45,7 @@ class Backend(Protocol):
         "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from the backend's `hf_model`)."
     def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
     def set_total_steps(self, total_steps: int) -> bool: "The run's new length (a finished run continued): the LR schedule's from the next step on."
+    def run(self, fn, *args, **kwargs): "`fn(worker, *args, **kwargs)` on this rank (`DistWorker.run`): what a later stage runs where the rank's state is."
     def shutdown(self): "Leave the process group."
 
 # %% ../../nbs/07_backends.ipynb #6a2168af
@@ -90,10 +91,9 @@ class BackendGroup:
 from fastcore.basics import patch
 
 @patch
-def dry_run(self: BackendGroup, micro_batch: dict, memory_limit: int | None = None) -> list[dict]:
-    "Every rank's memory dry run on the same `micro_batch` (backends that have one: `fsdp`)."
-    return self.group.call('dry_run', micro_batch, memory_limit)
-
+def run(self: BackendGroup, fn, *args, **kwargs) -> list:
+    "`fn(worker, *args, **kwargs)` on every rank (`DistWorker.run`), each rank's answer in rank order."
+    return self.group.call('run', fn, *args, **kwargs)
 
 # %% ../../nbs/07_backends.ipynb #ff035f36
 def start_workers(cfg, # the run's `SFTConfig`

@@ -18,8 +18,7 @@ from .ulysses import sp_shard, check_heads, register_ulysses
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats', 'warm_optimizer',
-           'rank_memory', 'reset_peak_memory', 'rank_capacity']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
 def _model_cls(path):
@@ -139,33 +138,44 @@ def checkpoint_blocks(model, mode: str = 'none'):
         cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
     return model
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #bbf627a1
+@patch
+def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mixed precision (fp32 master weights)
+          meta: bool = False, # shapes only, sharded as on `world_size` ranks: the memory plan's model (`sft_nb.memory`)
+          attn_device: str | None = None, # the device whose attention kernel to pick (default: this rank's)
+         ):
+    "The rank's model as a run trains it: built (loaded whole, read in slices, or on `meta`), checkpointed, sharded, behind Ulysses when sp > 1; sets `model`, `path`, `attn`, `sharded`, `loss_chunk`."
+    import torch
+    from sft_nb.models import resolve_model_path
+    self.path = resolve_model_path(self.mcfg.path)
+    # auto: sdpa on CPU, flex on CUDA, eager for a model class without them (Gemma 2 has no sdpa)
+    self.attn = resolve_attn_implementation(self.mcfg.attn_implementation, attn_device or self.device.type, _arch_cls(self.path))
+    # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
+    # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
+    self.sharded = meta or self.world_size > 1 or dtype != torch.float32
+    ac = self.mcfg.activation_checkpointing
+    if meta: model = self._shard(checkpoint_blocks(self._build_model('meta'), ac), dtype)
+    elif not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
+    elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
+    else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
+    if self.sp > 1: self._setup_sp(model)
+    self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
+    return model
+
 # %% ../../nbs/07a_backends.fsdp.ipynb #f942dd84
 @patch
 def setup(self: FSDPWorker):
     import torch
-    from sft_nb.models import resolve_model_path
     if self.mcfg.cpu_offload and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
         raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in host memory already")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-    self.path = resolve_model_path(self.mcfg.path)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
-    # auto: sdpa on CPU, flex on CUDA, eager for a model class without them (Gemma 2 has no sdpa)
-    self.attn = resolve_attn_implementation(self.mcfg.attn_implementation, self.device.type, _arch_cls(self.path))
-    # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
-    # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
-    self.sharded = self.world_size > 1 or dtype != torch.float32
-    ac = self.mcfg.activation_checkpointing
-    if not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
-    elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
-    else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
-    if self.sp > 1: self._setup_sp(model)
-    self.loss_chunk = loss_chunk_for(model, self.mcfg.loss_chunk)
+    model = self.build(dtype)
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
-    self.model = model
     self.aux_coef, self.top_k = router_aux_coef(model), getattr(model.config.get_text_config(), 'num_experts_per_tok', 0)
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        if getattr(c, 'output_router_logits', False): c.output_router_logits = False  # the worker computes it per sequence (`_nll`)
+        if getattr(c, 'output_router_logits', False): c.output_router_logits = False  # the worker computes it per sequence (`nll`)
     params = [p for p in model.parameters() if p.requires_grad]
     self.opt = adamw(params, self.ocfg)
     # sharded parameters are DTensors, whose numel() is already the whole tensor's
@@ -215,7 +225,7 @@ def _sp_gather(self: FSDPWorker, stats: dict, sel) -> dict | None:
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #dd411351
 @patch
-def _to_dev(self: FSDPWorker, mb):
+def to_device(self: FSDPWorker, mb):
     import torch
     if self.attn == 'flex_attention' and 'position_ids' in mb:  # a packed row's dense mask never goes to the GPU
         mb = {**mb, 'position_ids': mb['position_ids'].to(self.device)}
@@ -223,7 +233,7 @@ def _to_dev(self: FSDPWorker, mb):
     return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
 @patch
-def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
+def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     "(model inputs, [B, T] positions whose next token is trained, those tokens, their weights or None) of this rank's part of `mb`."
     if self.sp > 1:  # this rank's 1/sp of every row; targets shifted on the whole row first
         sh = sp_shard(mb, self.sp, self.sp_rank, self.attn)
@@ -234,11 +244,11 @@ def _loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     return model_inputs(mb), sel, tgt, None if w is None else target_weights(mb['labels'], w)
 
 @patch
-def _nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
+def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
-    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time. `loss_inputs`: `_loss_inputs(mb)` made
+    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time. `loss_inputs`: `loss_inputs(mb)` made
     beforehand (the memory plan makes them from real tensors, then runs the model on fake ones)."""
-    inputs, sel, tgt, wt = loss_inputs or self._loss_inputs(mb)
+    inputs, sel, tgt, wt = loss_inputs or self.loss_inputs(mb)
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
@@ -264,7 +274,7 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_glo
     aux_scale = self.aux_coef * ranks / max(1, self._sum_over_ranks(n_seqs)) if aux else 0.0
     nll, n, aux_sum = 0.0, 0, 0.0
     for mb in micro_batches:
-        s, k, a = self._nll(self._to_dev(mb), aux)
+        s, k, a = self.nll(self.to_device(mb), aux)
         (s * scale + (a * aux_scale if aux else 0)).backward()
         nll += float(s.detach()); n += k
         if aux: aux_sum += float(a.detach())
@@ -287,7 +297,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
     nll, n = 0.0, 0
     with torch.no_grad():
         for mb in micro_batches:
-            s, k, _ = self._nll(self._to_dev(mb))
+            s, k, _ = self.nll(self.to_device(mb))
             nll += float(s); n += k
     nll, n = self._sp_sum(nll, n)
     return {'nll_sum': nll, 'weight_sum': n}
@@ -367,8 +377,8 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
     out = []
     with torch.no_grad():
         for mb in micro_batches:
-            mb = self._to_dev(mb)
-            inputs, sel, tgt, _ = self._loss_inputs(mb)
+            mb = self.to_device(mb)
+            inputs, sel, tgt, _ = self.loss_inputs(mb)
             with TrainedHead(self.model.get_output_embeddings(), sel, tgt):  # the head sees only trained positions: [n_trained, V]
                 logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
@@ -397,89 +407,3 @@ def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temper
             out.append(int(tok)); st['done'] = out[-1] == eos_token_id
     if st['done']: st['past'] = None  # a finished reply holds no memory on the worker
     return out
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4f
-def warm_optimizer(opt) -> None:
-    "Give a fresh optimizer the state it holds from a run's second step on: one step on zero gradients (it moves the weights by weight decay; the caller puts them back)."
-    import torch
-    params = [p for g in opt.param_groups for p in g['params'] if p.requires_grad]
-    for p in params: p.grad = torch.zeros_like(p)
-    opt.step(); opt.zero_grad(set_to_none=True)
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #8904bf4e
-def rank_memory(use_gpu: bool = False) -> dict:
-    "This process's memory now: {'rss', 'peak'} bytes (host VmRSS/VmHWM on CPU; allocated / max allocated on the GPU)."
-    import torch
-    if use_gpu: return {'rss': torch.cuda.memory_allocated(), 'peak': torch.cuda.max_memory_allocated()}
-    kb = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(('VmRSS', 'VmHWM'))}
-    return {'rss': kb['VmRSS'], 'peak': kb['VmHWM']}
-
-def reset_peak_memory(use_gpu: bool = False):
-    "Start a new peak from the memory in use now (the kernel's VmHWM via /proc/self/clear_refs on CPU)."
-    import torch
-    if use_gpu: torch.cuda.reset_peak_memory_stats()
-    else: Path('/proc/self/clear_refs').write_text('5')
-
-def rank_capacity(use_gpu: bool = False, memory_limit: int | None = None) -> tuple[int, str]:
-    "(bytes, where from) this rank may use: `memory_limit` if given; on the GPU its total memory; on CPU the least of RLIMIT_AS, the cgroup limit and MemAvailable + this process's RSS."
-    import resource, torch
-    if memory_limit: return int(memory_limit), 'memory_limit'
-    if use_gpu: return torch.cuda.mem_get_info()[1], 'GPU total'
-    info = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/meminfo').read_text().splitlines()}
-    caps = [(info['MemAvailable'] + rank_memory()['rss'], 'MemAvailable')]
-    soft = resource.getrlimit(resource.RLIMIT_AS)[0]
-    if soft != resource.RLIM_INFINITY: caps.append((soft, 'RLIMIT_AS'))
-    cg = Path('/sys/fs/cgroup/memory.max')
-    if cg.exists() and cg.read_text().strip() != 'max': caps.append((int(cg.read_text()), 'cgroup memory.max'))
-    return min(caps)
-
-@patch
-def memory(self: FSDPWorker, reset: bool = False) -> dict:
-    "This rank's {'rss', 'peak'} bytes (`rank_memory`); `reset` starts a new peak first (to measure a real step as `dry_run` does)."
-    if reset: reset_peak_memory(self.use_gpu)
-    return rank_memory(self.use_gpu)
-
-def _local(t):
-    "A tensor's own storage: a DTensor's shard on this rank, else the tensor itself."
-    return t.to_local() if hasattr(t, 'to_local') else t
-
-@patch
-def dry_run(self: FSDPWorker, micro_batch: dict, memory_limit: int | None = None) -> dict:
-    """One forward/backward/optimizer step on `micro_batch`; this rank's peak memory and what it has. Weights, optimizer
-    state, step count and RNG streams are put back exactly (the snapshot lives in host memory; on CPU its bytes are
-    taken off the peak, as a real step does not hold it)."""
-    import torch
-    tensors = [_local(t.detach()) for t in (*self.model.parameters(), *self.model.buffers())]
-    with torch.no_grad():
-        snap = [t.to('cpu', copy=True) for t in tensors]
-        opt_snap = {p: {k: (_local(v).to('cpu', copy=True) if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in self.opt.state.items()}
-    held = 0 if self.use_gpu else sum(t.nbytes for t in snap) + sum(v.nbytes for s in opt_snap.values() for v in s.values() if torch.is_tensor(v))
-    step, rng, cuda_rng = self.step, torch.get_rng_state(), (torch.cuda.get_rng_state() if self.use_gpu else None)
-    if not self.opt.state: warm_optimizer(self.opt)  # the step measured is a later step's: it holds the optimizer's state throughout
-    if self.use_gpu: torch.cuda.synchronize()
-    before = rank_memory(self.use_gpu)['rss']
-    reset_peak_memory(self.use_gpu)
-    try:
-        self.forward_backward([micro_batch], 1)  # the loss scale does not change what is allocated
-        self.optim_step()
-        if self.use_gpu: torch.cuda.synchronize()
-        peak = rank_memory(self.use_gpu)['peak']
-    finally:
-        self.opt.zero_grad(set_to_none=True)
-        with torch.no_grad():
-            for t, s in zip(tensors, snap): t.copy_(s)
-            for p in list(self.opt.state):  # state the step made (a first step's) goes; state that was there gets its values back
-                if p not in opt_snap: del self.opt.state[p]; continue
-                st = self.opt.state[p]
-                for k in [k for k in st if k not in opt_snap[p]]: del st[k]
-                for k, v in opt_snap[p].items():
-                    if torch.is_tensor(v): _local(st[k]).copy_(v)
-                    else: st[k] = v
-        self.step = step
-        torch.set_rng_state(rng)
-        if cuda_rng is not None: torch.cuda.set_rng_state(cuda_rng)
-    cap, source = rank_capacity(self.use_gpu, memory_limit)
-    import socket  # host: ranks on one host share its MemAvailable (the driver splits it)
-    return {'rank': self.rank, 'peak': int(peak - held), 'before': int(before - held), 'capacity': int(cap), 'capacity_from': source,
-            'rss': rank_memory(self.use_gpu)['rss'], 'host': socket.gethostname(), 'device': 'cuda' if self.use_gpu else 'cpu'}
-

@@ -137,7 +137,7 @@ def test_dry_run_against_plan(tiny_path, tmp_path, ray_session):
     import json
     from pathlib import Path
     from sft_nb.config import load_config
-    from sft_nb.plan import plan
+    from sft_nb.memory import plan
     rows = tmp_path / 'rows.jsonl'
     rows.write_text(''.join(json.dumps(r) + '\n' for r in ROWS))
     cfg = gpu_cfg(tiny_path, tmp_path / 'dry', train__micro_batch_size=4, data__train=[{'path': str(rows)}])
