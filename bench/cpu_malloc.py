@@ -19,12 +19,12 @@ def _rank(rank, world, port, args, compact, q):
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.memory import rank_memory, reset_peak_memory
     from sft_nb.config import load_config
-    from sft_nb.memory import plan_batch
+    from sft_nb.memory import estimate_batch
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     cfg = load_config(None, args)
     w = FSDPWorker(rank, world, cfg.model, cfg.optim, total_steps=4, placement={})
     w.init_dist('127.0.0.1', port); w.setup()
-    mb = plan_batch(cfg, w.model.config.get_text_config().vocab_size)
+    mb = estimate_batch(cfg, w.model.config.get_text_config().vocab_size)
     t0 = time.perf_counter()
     for _ in range(2): w.forward_backward([mb], 1); w.optim_step()
     step_s = (time.perf_counter() - t0) / 2

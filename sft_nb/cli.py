@@ -372,13 +372,13 @@ def _cmd_export(a):
     if a.push: print(f"pushed: {push(hf, a.push)}")
 
 # %% ../nbs/11_cli.ipynb #14490557
-def _cmd_plan(a):
-    "Plan CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
+def _cmd_estimate(a):
+    "Estimate CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
     check_overrides(a.overrides)
     from sft_nb.config import load_config
-    from sft_nb.memory import plan, plan_report
-    p = plan(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
-    print(plan_report(p)); sys.exit(0 if p['fits'] else 3)
+    from sft_nb.memory import estimate, estimate_report
+    p = estimate(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
+    print(estimate_report(p)); sys.exit(0 if p['fits'] else 3)
 
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
@@ -412,12 +412,12 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
     t.add_argument('--dry-run', action='store_true', help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), trains nothing')
     t.add_argument('--grace', type=float, default=120, help='seconds from SIGTERM/SIGINT to a checkpoint at a step boundary; then it exits anyway')
-    pl = sub.add_parser('plan', help='per-rank memory of one training step on a cluster you do not have (fake tensors, no weights)',
-                        description='Plan CONFIG (key.sub=value overrides) on NODES x GPUS ranks: weights, gradients, optimizer state, activations, peak, verdict.')
+    pl = sub.add_parser('estimate', help='per-rank memory of one training step on a cluster you do not have (fake tensors, no weights)',
+                        description='Estimate CONFIG (key.sub=value overrides) on NODES x GPUS ranks: weights, gradients, optimizer state, activations, peak, verdict.')
     pl.add_argument('config'); pl.add_argument('overrides', nargs='*', help='key.sub=value')
     pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node'); pl.add_argument('--nodes', type=int, default=1, help='nodes')
     pl.add_argument('--gpu-memory', type=float, help='GiB of one GPU (needed for --device cuda)')
-    pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda', help='cpu: plan CPU ranks on this host (host memory, as a CPU dry run counts it)')
+    pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda', help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
     pl.add_argument('--no-data', action='store_true', help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model folder has a tokenizer)")
     export_parser(sub)
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
@@ -434,7 +434,7 @@ def main(argv=None):
         cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
     else:
         a = p.parse_args(argv)
-        cmds = {'run': _cmd_run, 'train': _cmd_train, 'plan': _cmd_plan, 'export': _cmd_export}
+        cmds = {'run': _cmd_run, 'train': _cmd_train, 'estimate': _cmd_estimate, 'export': _cmd_export}
         cmd, run = a.command, lambda: cmds[a.command](a)
     try: return run()
     except Preempted as e:

@@ -98,20 +98,20 @@ def test_panel_button_runs_the_dry_run(tiny_path, tmp_path, ray_session):
 
 
 def test_papermill_dry_run_parameter_stops_after_the_dry_run(tmp_path, ray_session):
-    "`sft-nb run examples/train.ipynb -p dry_run true -p plan_gpus 8`: the plan for 8 GPUs printed, the verdict printed and in dry_run.json, then nothing trained, evaluated or saved."
+    "`sft-nb run examples/train.ipynb -p dry_run true -p estimate_gpus 8`: the estimate for 8 GPUs printed, the verdict printed and in dry_run.json, then nothing trained, evaluated or saved."
     import json
     from pathlib import Path
     import nbformat
     from helpers import cli
     root, run = Path(__file__).resolve().parents[1], tmp_path / 'nb'
     code, _, err = cli('run', root / 'examples' / 'train.ipynb', '-p', 'dry_run', 'true', '-p', 'max_steps', '3', '-p', 'workers_per_node', '2',
-                       '-p', 'ray_address', ray_session, '-p', 'plan_gpus', '8', '-p', 'plan_gpu_memory', '40', '--run-dir', run)
+                       '-p', 'ray_address', ray_session, '-p', 'estimate_gpus', '8', '-p', 'estimate_gpu_memory', '40', '--run-dir', run)
     assert code == 0, err[-3000:]
     verdict = json.loads((run / 'dry_run.json').read_text())
     assert verdict['fits'] and len(verdict['ranks']) == 2, verdict
     out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))
     assert verdict['message'] in out
-    assert '8 ranks (cuda)' in out and '(--gpu-memory 40 GiB)' in out and 'fits: rank 0 peaks at' in out  # the plan cell, before setup
+    assert '8 ranks (cuda)' in out and '(--gpu-memory 40 GiB)' in out and 'fits: rank 0 peaks at' in out  # the estimate cell, before setup
     assert not (run / 'summary.json').exists() and not (run / 'checkpoints').exists() and not (run / 'hf').exists()
     metrics = run / 'metrics.jsonl'
     assert not metrics.exists() or not [l for l in metrics.read_text().splitlines() if '"train"' in l or '"eval"' in l]

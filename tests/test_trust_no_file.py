@@ -179,11 +179,11 @@ def quill(tiny_path, tmp_path):
 
 def test_no_entry_point_runs_a_model_folders_code(quill, tmp_path):
     """Every way a model folder is read refuses a folder that needs its own code, naming it, and its code never runs: the
-    library (config, tokenizer and model loaders, the trainer, the plan, the run scorer), the CLI (train, plan, inspect,
+    library (config, tokenizer and model loaders, the trainer, the estimate, the run scorer), the CLI (train, estimate, inspect,
     pack) and a notebook's parameters (`sft-nb run -p model ...`)."""
     from sft_nb.lens import RunScorer
     from sft_nb.models import load_model_inputs, load_tokenizer
-    from sft_nb.memory import plan
+    from sft_nb.memory import estimate
     from sft_nb.config import load_config
     from sft_nb.trainer import SFTTrainer
     rows = tmp_path / 'rows.jsonl'
@@ -195,11 +195,11 @@ def test_no_entry_point_runs_a_model_folders_code(quill, tmp_path):
     cfg_file = tmp_path / 'quill.yaml'; cfg_file.write_text(yaml.safe_dump(cfg))
     library = {'model_config': lambda: model_config(quill), 'load_model_inputs': lambda: load_model_inputs(str(quill)),
                'load_tokenizer': lambda: load_tokenizer(str(quill)), 'load_pretrained': lambda: every_rank(quill),
-               'SFTTrainer.setup': lambda: SFTTrainer(cfg).setup(), 'plan': lambda: plan(load_config(cfg), gpu_memory=80),
+               'SFTTrainer.setup': lambda: SFTTrainer(cfg).setup(), 'estimate': lambda: estimate(load_config(cfg), gpu_memory=80),
                'RunScorer': lambda: RunScorer(run)}
     for name, call in library.items():
         with pytest.raises(ConfigError, match='needs its own Python code to load'): call()
-    commands = {'train': ('train', cfg_file), 'plan': ('plan', cfg_file, '--gpus', '1', '--gpu-memory', '80'),
+    commands = {'train': ('train', cfg_file), 'estimate': ('estimate', cfg_file, '--gpus', '1', '--gpu-memory', '80'),
                 'inspect': ('inspect', rows, '--model', quill), 'pack': ('pack', rows, '--model', quill),
                 'run (notebook parameter)': ('run', Path(__file__).parents[1] / 'examples' / 'train.ipynb', '-p', 'model', str(quill),
                                              '-p', 'run_dir', str(tmp_path / 'nb_run'), '-p', 'max_steps', '1')}
@@ -218,23 +218,23 @@ def test_a_user_sampler_module_is_stated_as_code_where_the_parameter_is_document
     assert '**imports and runs that module**' in (root / 'README.md').read_text()
 
 
-# ---- the plan's inputs ------------------------------------------------------------------------------------------------
+# ---- the estimate's inputs ----------------------------------------------------------------------------------------------
 
-def test_plan_inputs_are_validated_by_name(tiny_path, tmp_path):
-    "sft-nb plan: --gpus 0, --nodes 0, --gpu-memory -1 are refused naming the flag; a config.json that leaves sizes to transformers' defaults names them."
+def test_estimate_inputs_are_validated_by_name(tiny_path, tmp_path):
+    "sft-nb estimate: --gpus 0, --nodes 0, --gpu-memory -1 are refused naming the flag; a config.json that leaves sizes to transformers' defaults names them."
     import yaml
     cfg_file = tmp_path / 'c.yaml'
     cfg_file.write_text(yaml.safe_dump(run_cfg(tiny_path, tmp_path / 'run')))
     for flag, value in (('--gpus', '0'), ('--nodes', '0'), ('--gpu-memory', '-1')):
-        code, out, err = cli('plan', cfg_file, '--gpus', '1', '--gpu-memory', '80', flag, value)
+        code, out, err = cli('estimate', cfg_file, '--gpus', '1', '--gpu-memory', '80', flag, value)
         assert code != 0 and f'({flag})' in err and 'Traceback' not in err, (flag, out, err)
     bare = tmp_path / 'bare'; bare.mkdir()
     (bare / 'config.json').write_text(json.dumps({'model_type': 'llama'}))
     cfg_file.write_text(yaml.safe_dump(run_cfg(bare, tmp_path / 'run')))
-    code, out, err = cli('plan', cfg_file, '--gpus', '1', '--gpu-memory', '80')
+    code, out, err = cli('estimate', cfg_file, '--gpus', '1', '--gpu-memory', '80')
     assert code != 0 and 'does not say vocab_size, hidden_size, intermediate_size, num_hidden_layers, num_attention_heads' in err, (out, err)
     (bare / 'config.json').write_text(json.dumps({'model_type': 't5', 'd_model': 64}))
-    code, out, err = cli('plan', cfg_file, '--gpus', '1', '--gpu-memory', '80')
+    code, out, err = cli('estimate', cfg_file, '--gpus', '1', '--gpu-memory', '80')
     assert code != 0 and "is a 't5' model (T5Config), which transformers builds no causal language model of" in err, (out, err)
 
 

@@ -10,7 +10,7 @@
 #   PATH=/py3.12-venv/bin:$PATH SFT_NB_GPU_TESTS_ON_CPU=1 bash tools/gpu_check.sh   # the rehearsal here: CPU parts of tests/gpu, the bench's dry run
 #
 # Parts: env (nvidia-smi, versions); tests/gpu (bf16 FSDP2 with fp32 master weights vs fp32, packed = padded, FlexAttention
-# document mask vs dense, chunked loss memory, exact resume, the Ray path on one GPU worker, the dry run vs `sft-nb plan`,
+# document mask vs dense, chunked loss memory, exact resume, the Ray path on one GPU worker, the dry run vs `sft-nb estimate`,
 # Megatron TP=1 vs FSDP); bench/train.py --gpu on random-weight models built from their configs (SmolLM2-135M's
 # architecture and a ~1B Llama), ours vs TRL, packed and padded, MFU against the GPU's dense bf16 peak. What one GPU cannot
 # run (2-GPU nccl, TransformerEngine's THD and context parallel) is named in its own line.
@@ -18,7 +18,7 @@ set -u
 cd "$(dirname "$0")/.."
 OUT_DIR="${OUT:-$PWD/gpu_check_out}"; mkdir -p "$OUT_DIR"; : > "$OUT_DIR/verdicts.txt"
 # every log in $W; $OUT gets at most 6 files (a device run brings 8 back): verdicts.txt, env.txt, tests_gpu.log, bench.md,
-# plan_vs_dry_run.json (the test writes it) and logs.tar.gz (all of $W)
+# estimate_vs_dry_run.json (the test writes it) and logs.tar.gz (all of $W)
 W="${SFT_NB_CHECK_WORK:-/tmp/sft_nb-gpu-check}"; rm -rf "$W"; mkdir -p "$W"
 pack() { cp "$W/env.txt" "$W/tests_gpu.log" "$OUT_DIR/" 2>/dev/null; cat "$W"/bench_*.md > "$OUT_DIR/bench.md" 2>/dev/null
          cp "$OUT_DIR/verdicts.txt" "$W/"; tar czf "$OUT_DIR/logs.tar.gz" -C "$W" . 2>/dev/null; }
@@ -64,7 +64,7 @@ PART = {'test_ray_worker_nccl_one_gpu': 'the Ray path (SFTTrainer, 1 worker, ncc
         'test_bf16_fsdp2_keeps_fp32_master_weights': 'bf16 FSDP2, fp32 master weights', 'test_bf16_packed_equals_padded': 'packed = padded, bf16',
         'test_bf16_split_invariance': '1x8 = 8x1 micro-batches, bf16', 'test_fp32_chunked_loss_equals_one_shot': 'chunked loss = one-shot, a whole step',
         'test_bf16_resume_exact': 'exact resume', 'test_nccl_two_workers_equal_one': '2 GPUs: nccl 2 workers = 1',
-        'test_megatron_tp1_matches_fsdp': 'Megatron TP=1 = FSDP', 'test_dry_run_against_plan': 'dry run vs sft-nb plan',
+        'test_megatron_tp1_matches_fsdp': 'Megatron TP=1 = FSDP', 'test_dry_run_against_estimate': 'dry run vs sft-nb estimate',
         'test_chunked_ce_exact_fp32_cuda': 'chunked CE kernel, fp32', 'test_chunked_ce_bf16_cuda_and_memory': 'chunked loss peak memory vs one-shot, bf16',
         'test_document_block_mask_compiled_matches_dense': 'FlexAttention document mask = dense', 'test_flex_attention_backward_matches_sdpa': 'FlexAttention forward+backward = sdpa dense',
         'test_thd_packed_equals_padded_and_dense': 'TransformerEngine THD packed = padded = dense', 'test_context_parallel_two_equals_one': '2 GPUs + TE: context parallel 2 = 1'}

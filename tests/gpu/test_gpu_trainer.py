@@ -129,24 +129,24 @@ def test_megatron_tp1_matches_fsdp(tiny_path, tmp_path, ray_session):
     assert dl <= 1e-4 and dg <= 1e-4 and dw <= 3e-2  # weights: of 3 updates of lr
 
 
-def test_dry_run_against_plan(tiny_path, tmp_path, ray_session):
-    """The GPU dry run (one bf16 step per rank on the largest micro-batch, torch.cuda's peak) and `plan` of the same config
-    on 1 GPU (fake tensors, no weights): both written to $OUT/plan_vs_dry_run.json; the plan within 30% of the dry run
-    (on CPU it is within 15%: bench/plan_memory.py; this is its first GPU comparison). With SFT_NB_GPU_TESTS_ON_CPU=1 both
-    run on CPU (`plan(device='cpu')`, host memory): the test's own code, not a GPU result."""
+def test_dry_run_against_estimate(tiny_path, tmp_path, ray_session):
+    """The GPU dry run (one bf16 step per rank on the largest micro-batch, torch.cuda's peak) and `estimate` of the same config
+    on 1 GPU (fake tensors, no weights): both written to $OUT/estimate_vs_dry_run.json; the estimate within 30% of the dry run
+    (on CPU it is within 15%: bench/estimate_memory.py; this is its first GPU comparison). With SFT_NB_GPU_TESTS_ON_CPU=1 both
+    run on CPU (`estimate(device='cpu')`, host memory): the test's own code, not a GPU result."""
     import json
     from pathlib import Path
     from sft_nb.config import load_config
-    from sft_nb.memory import plan
+    from sft_nb.memory import estimate
     rows = tmp_path / 'rows.jsonl'
     rows.write_text(''.join(json.dumps(r) + '\n' for r in ROWS))
     cfg = gpu_cfg(tiny_path, tmp_path / 'dry', train__micro_batch_size=4, data__train=[{'path': str(rows)}])
     with SFTTrainer(cfg) as t: dry = t.dry_run()  # both step on the data's largest micro-batch (`largest_micro_batch`)
-    p = plan(load_config(cfg), gpus=1, gpu_memory=None if ON_CPU else torch.cuda.get_device_properties(0).total_memory / 2**30,
+    p = estimate(load_config(cfg), gpus=1, gpu_memory=None if ON_CPU else torch.cuda.get_device_properties(0).total_memory / 2**30,
              device='cpu' if ON_CPU else 'cuda')
     d, q = dry['ranks'][0]['peak'], p['ranks'][0]['peak']
-    out = Path(os.environ.get('OUT') or tmp_path) / 'plan_vs_dry_run.json'
-    out.write_text(json.dumps({'dry_run_peak': d, 'plan_peak': q, 'ratio': q / d, 'plan_parts': p['ranks'][0]['parts'],
+    out = Path(os.environ.get('OUT') or tmp_path) / 'estimate_vs_dry_run.json'
+    out.write_text(json.dumps({'dry_run_peak': d, 'estimate_peak': q, 'ratio': q / d, 'estimate_parts': p['ranks'][0]['parts'],
                                'dry_run': dry['ranks'][0]}, indent=1, default=str))
-    print(f"plan {q / 2**20:.1f} MiB vs dry run {d / 2**20:.1f} MiB: {q / d:.2f}")
+    print(f"estimate {q / 2**20:.1f} MiB vs dry run {d / 2**20:.1f} MiB: {q / d:.2f}")
     assert 0.7 <= q / d <= 1.3, (q, d)

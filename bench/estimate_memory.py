@@ -1,12 +1,12 @@
-"""The plan (`sft_nb.memory.plan`, fake tensors + fake process group + FSDPMemTracker) against the real CPU dry run
+"""The estimate (`sft_nb.memory.estimate`, fake tensors + fake process group + FSDPMemTracker) against the real CPU dry run
 (`sft_nb.memory.measure_step`, what `SFTTrainer.dry_run(full_length=True)` runs on each worker: one step on rows of
 `tokenize.max_length` tokens, peak VmHWM less its snapshot), side by side for the configurations that run on this
-machine; prints rank 0's peaks and plan / dry run. Both step on the same rows (`plan_batch` without data: the plan is
+machine; prints rank 0's peaks and estimate / dry run. Both step on the same rows (`estimate_batch` without data: the estimate is
 given `data=False`, else it would step on the data's own longest rows), as a later step does (`warm_optimizer`).
 
-    python bench/plan_memory.py [--cases tiny-1,tiny-2-full,...]
+    python bench/estimate_memory.py [--cases tiny-1,tiny-2-full,...]
 
-Each plan runs in its own process (a fake process group per process). The dry runs are N spawned gloo processes (no
+Each estimate runs in its own process (a fake process group per process). The dry runs are N spawned gloo processes (no
 Ray cluster: on a loaded 2-core machine Ray's start times out), each importing Ray first as a Ray actor has it.
 """
 import sys
@@ -34,10 +34,10 @@ def args(model, ranks, over) -> list[str]:
     return BASE + [f'model.path={model}', f'placement.workers_per_node={ranks}', f'train.global_batch_size={2 * ranks}'] + over
 
 
-def plan_peak(model, ranks, over) -> int:
-    code = ("import json,sys; from sft_nb.config import load_config; from sft_nb.memory import plan; "
-            f"p = plan(load_config(None, {args(model, ranks, over)!r}), gpus={ranks}, device='cpu', data=False); "
-            "print(json.dumps({'peak': p['ranks'][0]['peak'], 'parts': p['ranks'][0]['parts'], 's': p['plan_s']}))")
+def estimate_peak(model, ranks, over) -> int:
+    code = ("import json,sys; from sft_nb.config import load_config; from sft_nb.memory import estimate; "
+            f"p = estimate(load_config(None, {args(model, ranks, over)!r}), gpus={ranks}, device='cpu', data=False); "
+            "print(json.dumps({'peak': p['ranks'][0]['peak'], 'parts': p['ranks'][0]['parts'], 's': p['estimate_s']}))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     if out.returncode: raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -47,11 +47,11 @@ def _dry_rank(rank, world, port, args, q):
     import ray  # noqa: F401  (a worker is a Ray actor: its runtime has Ray loaded)
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import load_config
-    from sft_nb.memory import measure_step, plan_batch
+    from sft_nb.memory import measure_step, estimate_batch
     cfg = load_config(None, args)
     w = FSDPWorker(rank, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
     w.init_dist('127.0.0.1', port); w.setup()
-    mb = plan_batch(cfg, w.model.config.get_text_config().vocab_size)
+    mb = estimate_batch(cfg, w.model.config.get_text_config().vocab_size)
     q.put((rank, measure_step(w, mb)['peak'], tuple(mb['input_ids'].shape)))
     w.shutdown()
 
@@ -84,12 +84,12 @@ def main():
     a = ap.parse_args()
     paths = {'310m': model_310m()} if any(CASES[c][0] == '310m' for c in a.cases.split(',')) else {}
     print(f"load avg {os.getloadavg()[0]:.1f}; rank 0 peak in GiB; rows of 1024 tokens, micro-batch 2")
-    print(f"{'case':<16}{'ranks':>6}{'dry run':>9}{'plan':>7}{'plan/dry':>9}{'plan s':>8}  plan parts (GiB)")
+    print(f"{'case':<16}{'ranks':>6}{'dry run':>9}{'est.':>7}{'est/dry':>9}{'est. s':>8}  estimate parts (GiB)")
     for name in a.cases.split(','):
         model, ranks, over = CASES[name]
         model = paths.get(model, model)
         d, shape = dry_peak(model, ranks, over)
-        p = plan_peak(model, ranks, over)
+        p = estimate_peak(model, ranks, over)
         parts = ' '.join(f"{k} {v / 2**30:.2f}" for k, v in p['parts'].items())
         print(f"{name:<16}{ranks:>6}{d / 2**30:>9.2f}{p['peak'] / 2**30:>7.2f}{p['peak'] / d:>9.2f}{p['s']:>8.1f}  {parts}", flush=True)
 

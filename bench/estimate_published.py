@@ -1,8 +1,8 @@
-"""`sft_nb.memory.plan` beside published per-GPU memory figures of other tools, for the same model shapes and run settings.
+"""`sft_nb.memory.estimate` beside published per-GPU memory figures of other tools, for the same model shapes and run settings.
 
-    python bench/plan_published.py [--cases titan-8b-fsdp8,...]
+    python bench/estimate_published.py [--cases titan-8b-fsdp8,...]
 
-Each model is its `config.json` alone (the architecture the source names), written under build/published/; each plan
+Each model is its `config.json` alone (the architecture the source names), written under build/published/; each estimate
 runs in its own process (one fake process group per process). The published figures and their settings, as the
 sources state them (read 2026-12-04):
 
@@ -51,11 +51,11 @@ def config_dir(arch: dict) -> Path:
     return d
 
 
-def plan_case(name: str) -> dict:
+def estimate_case(name: str) -> dict:
     arch, gpus, nodes, mem, over, *_ = CASES[name]
-    code = ("import json; from sft_nb.config import load_config; from sft_nb.memory import plan; "
-            f"p = plan(load_config(None, {[f'model.path={config_dir(arch)}'] + over!r}), gpus={gpus}, nodes={nodes}, gpu_memory={mem}); "
-            "r = p['ranks'][0]; print(json.dumps({'peak': r['peak'], 'parts': r['parts'], 'at_peak': r['at_peak'], 's': p['plan_s'], 'fits': p['fits']}))")
+    code = ("import json; from sft_nb.config import load_config; from sft_nb.memory import estimate; "
+            f"p = estimate(load_config(None, {[f'model.path={config_dir(arch)}'] + over!r}), gpus={gpus}, nodes={nodes}, gpu_memory={mem}); "
+            "r = p['ranks'][0]; print(json.dumps({'peak': r['peak'], 'parts': r['parts'], 'at_peak': r['at_peak'], 's': p['estimate_s'], 'fits': p['fits']}))")
     out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
     if out.returncode: raise RuntimeError(out.stderr[-3000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -68,11 +68,11 @@ def main():
     print(f"load avg {os.getloadavg()[0]:.1f}; rank 0, GiB")
     for name in a.cases.split(','):
         arch, gpus, nodes, mem, over, pub, what = CASES[name]
-        p = plan_case(name)
+        p = estimate_case(name)
         states = sum(p['parts'][k] for k in ('weights', 'gradients', 'optimizer'))
-        print(f"{name}: {gpus * nodes} ranks; plan peak {g(p['peak'])} (states {g(states)}: " + ', '.join(f"{k} {g(v)}" for k, v in p['parts'].items())
+        print(f"{name}: {gpus * nodes} ranks; estimate peak {g(p['peak'])} (states {g(states)}: " + ', '.join(f"{k} {g(v)}" for k, v in p['parts'].items())
               + f"; at the peak: " + ', '.join(f"{k} {g(v)}" for k, v in p['at_peak'].items()) + f"); published {pub:.2f} ({what}); "
-              f"plan / published {p['peak'] / 2**30 / pub:.2f}; plan {p['s']:.0f} s", flush=True)
+              f"estimate / published {p['peak'] / 2**30 / pub:.2f}; estimated in {p['s']:.0f} s", flush=True)
 
 
 if __name__ == '__main__': main()
