@@ -12,7 +12,7 @@ with transformers on the HF export of the same weights:
 
 `make demo` trains with `fit()` and keeps no model (no checkpoint, `export_hf` off), so this script trains the demo's
 run itself: `sft_nb.demo.demo_config` and `identity_rows`, as `run_demo` does (its held-out loss after training is
-printed to compare with `make demo`'s), then `trainer.export(format='gguf')` in both quants. llama-cpp-python is not a
+printed to compare with `make demo`'s), then `trainer.export(to='gguf')` in both quants. llama-cpp-python is not a
 dependency of sft_nb: it is installed here, CPU only (`CMAKE_ARGS`), into --llama-venv (minutes of compiling on 2
 cores, once). Exit 1 when a check fails."""
 import argparse, json, os, subprocess, sys, tempfile, time
@@ -81,7 +81,7 @@ def train(run_dir: Path) -> dict:
         t.fit()
         after = t.evaluate()['heldout_loss']
         answer = t.generate([rows['eval'][0]['messages'][:2]], max_new_tokens=40)[0]
-        gguf = {q: str(t.export(format='gguf', quant=q)) for q in ('f16', 'q8_0')}
+        gguf = {q: str(t.export(to='gguf', quant=q)) for q in ('f16', 'q8_0')}
         card = write_card(t.run_dir / 'hf', t.run_dir, t.data.identity(), t.data_report.to_dict())
     rec = {'before_loss': before, 'after_loss': after, 'trainer_answer': answer, 'gguf': gguf, 'card': str(card),
            'train_s': time.time() - t0}

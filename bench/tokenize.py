@@ -6,7 +6,7 @@
     HF_HUB_OFFLINE=1 python bench/tokenize.py
 
 For each dataset (Alpaca demo, Glaive tool-calling demo) and masking mode ('all_assistant', 'last_assistant') it times,
-in the same run, on the same canonical conversations (`sft_nb.data.normalize_row`) with SmolLM2-135M-Instruct's tokenizer
+in the same run, on the same canonical conversations (`sft_nb.formats.normalize_row`) with SmolLM2-135M-Instruct's tokenizer
 and the Qwen2.5 template (`../shared/templates/qwen2.5-instruct.jinja`, used as-is) plus the dataset's tools:
 
   baseline   per-message re-render (SkyRL's all-assistant approach): each message is rendered after a fixed base
@@ -198,7 +198,8 @@ def main():
 
     import datasets, transformers
     from transformers import AutoTokenizer
-    from sft_nb.data import load_source, row_dict, detect_format, source_columns, normalize_row
+    from sft_nb.formats import detect_format, normalize_row
+    from sft_nb.data import load_source, row_dict, source_columns
     from sft_nb.models import smollm2_instruct
     from sft_nb.config import TokenizeConfig
     from sft_nb.renderers import tokenize_rows
@@ -440,7 +441,8 @@ def _check_cost(repeats):
     "CPU seconds of `tokenize_rows` on both demo sets (all_assistant, batches of 256) with the self-check and with it replaced by a no-op, interleaved."
     import sft_nb.renderers as T
     from transformers import AutoTokenizer
-    from sft_nb.data import load_source, row_dict, detect_format, source_columns
+    from sft_nb.formats import detect_format
+    from sft_nb.data import load_source, row_dict, source_columns
     from sft_nb.models import smollm2_instruct
     tok, template = AutoTokenizer.from_pretrained(smollm2_instruct()), TEMPLATE_PATH.read_text()
     sets = []
@@ -468,7 +470,8 @@ def _check_cost(repeats):
 def _profile(tok, template, mode, name=TOOL_SET, top=25):
     "cProfile of `tokenize_rows` (batches of 256, warm) on one dataset: where our time goes."
     import cProfile, pstats
-    from sft_nb.data import load_source, row_dict, detect_format, source_columns
+    from sft_nb.formats import detect_format
+    from sft_nb.data import load_source, row_dict, source_columns
     from sft_nb.config import TokenizeConfig
     from sft_nb.renderers import tokenize_rows
     raw = load_source(str(DATASETS[name]))

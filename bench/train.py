@@ -9,7 +9,7 @@
 
 What is compared (CPU):
 - rows: `alpaca_en_demo.json` tokenized by sft_nb (all assistant turns trained, rows over max_length dropped); TRL
-  gets exactly those rows as `messages` (`sft_nb.data.normalize_row(row, 'alpaca')`), rendered by the model's own
+  gets exactly those rows as `messages` (`sft_nb.formats.normalize_row(row, 'alpaca')`), rendered by the model's own
   chat template with `{% generation %}` markers added around each assistant turn's content + `<|im_end|>` (the text
   is checked to equal the original template's render on every row, and TRL's ids/masks to equal ours), so
   `assistant_only_loss=True` trains exactly the tokens sft_nb trains.
@@ -62,7 +62,8 @@ def prepare(folder, max_length, path=DATA):
     from transformers import AutoTokenizer
     from sft_nb.config import TokenizeConfig
     from sft_nb.tokenize import tokenize_dataset
-    from sft_nb.data import load_source, row_dict, normalize_row
+    from sft_nb.formats import normalize_row
+    from sft_nb.data import load_source, row_dict
     import datasets; datasets.disable_progress_bars()
     tok = AutoTokenizer.from_pretrained(folder)
     ds, rep = tokenize_dataset(path, tok, TokenizeConfig(mode='all_assistant', max_length=max_length, truncation='drop'))

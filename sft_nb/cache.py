@@ -7,7 +7,8 @@ from __future__ import annotations
 import hashlib, json, os, shutil
 from pathlib import Path
 from .config import SourceConfig, TokenizeConfig
-from .data import DataReport, source_path
+from .data import source_path
+from .report import DataReport
 from .paths import sft_nb_home, file_digest
 from .templates import template_key
 

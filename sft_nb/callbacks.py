@@ -254,7 +254,8 @@ def _candidates(trainer):
 
 def data_prompts(trainer, n: int) -> tuple[str | None, list[dict], dict[str, int]]:
     "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'tools', 'reference', 'row'}], {why rows were skipped: count}); (None, [], skipped) when none has any."
-    from sft_nb.data import load_source, source_columns, detect_format, normalize_row, row_dict, BadRow
+    from sft_nb.formats import normalize_row, BadRow
+    from sft_nb.data import load_source, source_columns, source_format, row_dict
     if trainer.cfg.data.synthetic_rows: return None, [], {'synthetic (no text)': trainer.cfg.data.synthetic_rows}
     loaded, skipped = {}, {}
     skip = lambda why: skipped.__setitem__(why, skipped.get(why, 0) + 1)
@@ -266,8 +267,7 @@ def data_prompts(trainer, n: int) -> tuple[str | None, list[dict], dict[str, int
             seen.add((id(src), row))
             if id(src) not in loaded:
                 raw = load_source(src)
-                fmt = getattr(src, 'format', 'auto')
-                loaded[id(src)] = raw, detect_format(source_columns(raw)) if fmt == 'auto' else fmt
+                loaded[id(src)] = raw, source_format(src, columns=lambda: source_columns(raw))
             raw, fmt = loaded[id(src)]
             r = row_dict(raw[row])
             if r.get('images') or r.get('image'): skip('with images (generate takes text)'); continue

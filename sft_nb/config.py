@@ -11,6 +11,7 @@ from typing import Literal, Any, get_args, get_origin
 import yaml
 from fastcore.docments import docments
 from .errors import UserError
+from .formats import FormatName
 
 # %% auto #0
 __all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'nearest_key', 'SourceConfig',
@@ -109,7 +110,7 @@ class SourceConfig:
     "One dataset source."
     path: str  # HF dataset name, or a local .json/.jsonl/.parquet/.arrow file or save_to_disk folder
     split: str = 'train'  # split to read (HF datasets and folders with splits)
-    format: Literal['auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'pretokenized'] = 'auto'  # row format; auto-detected from the columns
+    format: FormatName = 'auto'  # row format (a key of sft_nb.formats.FORMATS); auto: detected from the columns
     weight: float = 1.0  # mixing weight among the train sources
     subset: str | None = None  # HF dataset configuration name
     max_rows: int | None = None  # read only the first rows (debugging)
@@ -156,7 +157,7 @@ class TokenizeConfig:
     truncation: Literal['drop', 'keep_start'] = 'drop'  # over-long rows: drop them, or keep the first max_length tokens
     chat_template: str | None = None  # a Jinja template (text or file path) replacing the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
-    format: Literal['auto', 'messages', 'sharegpt', 'alpaca', 'prompt_completion', 'pretokenized'] = 'auto'  # row format of sources whose own `format` is auto
+    format: FormatName = 'auto'  # row format (a key of sft_nb.formats.FORMATS) of sources whose own `format` is auto
     history: Literal['expand', 'final', 'error'] = 'expand'  # all_assistant on a template that rewrites earlier turns (Qwen3, QwQ): one example per assistant turn, the full render as it is, or refuse
     train_on_reasoning: bool = True  # train the <think>…</think> block of trained assistant turns (False: seen, not trained)
     train_on_tool_calls: bool = True  # train the tool-call part of trained assistant turns

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html, re
 import numpy as np
 import pandas as pd
-from .data import DataReport
+from .report import DataReport
 from .inspect import COLORS
 from fastcore.basics import patch
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import html, traceback
 
 # %% auto #0
-__all__ = ['reword', 'UserError', 'MissingFile', 'error_lines', 'traceback_text', 'folded_traceback_html', 'format_user_error',
+__all__ = ['reword', 'UserError', 'MissingFile', 'error_lines', 'traceback_text', 'folded_traceback_html', 'user_error_lines',
            'error_html']
 
 # %% ../nbs/00c_errors.ipynb #c22da413
@@ -17,7 +17,7 @@ class UserError(Exception):
     def __init__(self, *args, fix: str | None = None):
         super().__init__(*args)
         if fix is not None: self.fix = fix
-    def _render_traceback_(self) -> list[str]: return format_user_error(self)
+    def _render_traceback_(self) -> list[str]: return user_error_lines(self)
 
 class MissingFile(UserError, FileNotFoundError):
     "A file or folder the user named (a data source, a checkpoint) does not exist."
@@ -41,7 +41,7 @@ def folded_traceback_html(exc: BaseException, open: bool = False) -> str:
     return (f'<details class="sft-nb-error-tb"{" open" if open else ""}><summary>traceback ({tb.count(chr(10))} lines)</summary>'
             f'<pre style="font-size:11px">{html.escape(tb)}</pre></details>')
 
-def format_user_error(exc: UserError) -> list[str]:
+def user_error_lines(exc: UserError) -> list[str]:
     "`UserError._render_traceback_`: the box's lines (the class in bold red); in a kernel the folded traceback follows the cell's output."
     from IPython import get_ipython
     ip = get_ipython()

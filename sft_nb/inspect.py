@@ -8,7 +8,8 @@ import argparse, dataclasses, html, json, os, sys
 from pathlib import Path
 from typing import NamedTuple
 from .config import TokenizeConfig
-from .data import BadRow, detect_format, load_source, row_dict, source_columns
+from .formats import BadRow, detect_format
+from .data import load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .config import TokenizeConfig
 from .spans import HISTORY, MODES
@@ -18,15 +19,18 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['COLORS', 'ROLE_COLORS', 'CALL_TAIL_NOTE', 'LOSS_SCALE', 'DELTA_SCALE', 'hex_to_rgb', 'TokenRow', 'char_roles',
-           'token_rows', 'summary', 'ImageChip', 'format_example', 'scale_color', 'loss_title', 'loss_summary',
+           'token_rows', 'summary', 'ImageChip', 'example_markup', 'scale_color', 'loss_title', 'loss_summary',
            'loss_legend_html', 'inspect_examples', 'inspect_row', 'Inspector', 'inspect_main']
 
 # %% ../nbs/03_inspect.ipynb #c29ab0a0
 COLORS = {'trained': '#7bd389', 'masked': '#d9d9d9', 'pad': '#ffffff', 'boundary': '#d62728'}
+
 ROLE_COLORS = {'system': '#8e44ad', 'user': '#1f77b4', 'assistant': '#1b7f3b', 'tool': '#e67e22', 'template': '#7f7f7f'}
 
+# %% ../nbs/03_inspect.ipynb #7492e1ae
 def hex_to_rgb(hex_: str) -> tuple[int, int, int]: return tuple(int(hex_[i:i + 2], 16) for i in (1, 3, 5))
 
+# %% ../nbs/03_inspect.ipynb #ecf5b29f
 def _shade(hex_: str, f: float) -> str:
     "A darker (f < 1) variant of a colour: alternate chips in a terminal, where no border separates them."
     return '#' + ''.join(f'{int(c * f):02x}' for c in hex_to_rgb(hex_))
@@ -43,12 +47,14 @@ class TokenRow(NamedTuple):
     label: int  # what the collator puts in `labels` (-100 = not a target)
     role: str  # system | user | assistant | tool | template
 
+# %% ../nbs/03_inspect.ipynb #821fcd83
 def char_roles(ex: Example) -> list[str]:
     "The role of each character of `ex.text`; characters outside every message are 'template'."
     roles = ['template'] * len(ex.text or '')
     for s, e, _, role in ex.segments: roles[s:e] = [role] * (e - s)
     return roles
 
+# %% ../nbs/03_inspect.ipynb #9742882a
 def token_rows(ex: Example, tokenizer=None) -> list[TokenRow]:
     "One `TokenRow` per token of `ex`."
     labels = labels_for(ex.input_ids, ex.loss_mask)
@@ -69,19 +75,23 @@ _CSS = ('<style>.sftnb{font-family:ui-monospace,Menlo,Consolas,monospace;font-si
         '.sftnb .c{white-space:pre-wrap;border-bottom:3px solid}.sftnb .head{font-family:sans-serif;margin-bottom:4px}'
         '.sftnb .err{background:#fde2e1;padding:4px;font-family:sans-serif}</style>')
 
+# %% ../nbs/03_inspect.ipynb #3dd30d26
 def summary(ex: Example) -> dict:
     "Counts shown above every rendering."
     return {'tokens': len(ex), 'trained': ex.n_trained, 'truncated': ex.truncated}
 
+# %% ../nbs/03_inspect.ipynb #2ccbc716
 def _head(ex: Example, header: str) -> str:
     s = summary(ex)
     return (f"{header + ' · ' if header else ''}{s['tokens']} tokens · {s['trained']} trained "
             f"({s['trained'] / max(1, s['tokens']):.0%}) · truncated: {'yes' if s['truncated'] else 'no'}")
 
+# %% ../nbs/03_inspect.ipynb #1b5038df
 def _legend_html() -> str:
     fill = ''.join(f'<span class="k" style="background:{COLORS[k]};border-color:transparent">{k}</span> ' for k in ('trained', 'masked'))
     return fill + ' '.join(f'<span class="k" style="border-color:{c}">{r}</span>' for r, c in ROLE_COLORS.items())
 
+# %% ../nbs/03_inspect.ipynb #f8346878
 def _runs(ex: Example):
     "Maximal runs of characters with the same (trained, role), for the text view."
     trained = [False] * len(ex.text)
@@ -100,6 +110,7 @@ class ImageChip(NamedTuple):
     end: int
     thumb: str  # data URI of a small PNG thumbnail ('' without PIL images)
 
+# %% ../nbs/03_inspect.ipynb #b18def08
 def _thumb(img, size: int = 96) -> str:
     import base64, io
     if img is None: return ''
@@ -107,6 +118,7 @@ def _thumb(img, size: int = 96) -> str:
     buf = io.BytesIO(); im.convert('RGB').save(buf, format='PNG')
     return 'data:image/png;base64,' + base64.b64encode(buf.getvalue()).decode()
 
+# %% ../nbs/03_inspect.ipynb #2afa80eb
 def _with_images(cells: list, ex) -> list:
     "Replace each image's placeholder token run (vision rows: `ex.image_tokens`) by one `ImageChip` cell."
     ranges = list(getattr(ex, 'image_tokens', None) or [])
@@ -121,12 +133,14 @@ def _with_images(cells: list, ex) -> list:
         else: out.append(cells[p]); p += 1
     return out
 
+# %% ../nbs/03_inspect.ipynb #6af3490a
 def _is_processor(tok) -> bool: return tok is not None and hasattr(tok, 'image_processor')
 
 # %% ../nbs/03_inspect.ipynb #455eded4
 CALL_TAIL_NOTE = ("train tool calls is off: the call's tokens are not trained; the end-of-turn after the call still is, since it is "
                   "predicted with the call in view: the model learns to end its turn after calling, not to skip the call")
 
+# %% ../nbs/03_inspect.ipynb #7ed0044d
 def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view: str, note: str = '') -> str:
     "Chips (or coloured text runs) as HTML: hover titles, loss fills, the legend."
     NL, out = '\n', []
@@ -158,6 +172,7 @@ def _text_form(cells: list, head: str) -> str:
         body.append(t)
     return head + NL + ''.join(body) + ('⟧' if open_ else '')
 
+# %% ../nbs/03_inspect.ipynb #2ceb2bfd
 def _ansi_form(cells: list, head: str, losses: dict | None, loss_view: str) -> str:
     "24-bit ANSI: background = trained/masked (or the loss fill), foreground = role, alternate shades between tokens."
     NL, body = '\n', []
@@ -172,7 +187,7 @@ def _ansi_form(cells: list, head: str, losses: dict | None, loss_view: str) -> s
     return head + '\n' + ''.join(body)
 
 # %% ../nbs/03_inspect.ipynb #30c4aa96
-def format_example(ex: Example, # a tokenized row
+def example_markup(ex: Example, # a tokenized row
                    tokenizer=None, # for token strings in hover titles (and pieces of text-less rows)
                    form: str = 'html', # 'html' | 'ansi' | 'text'
                    view: str = 'tokens', # 'tokens' (one chip per token) | 'text' (the rendered text, by character)
@@ -195,8 +210,10 @@ def format_example(ex: Example, # a tokenized row
 
 # %% ../nbs/03_inspect.ipynb #a52baa74
 LOSS_SCALE = ((0, '#ffffcc'), (2, '#fed976'), (4, '#fd8d3c'), (6, '#e31a1c'), (8, '#800026'))  # nats → fill (YlOrRd)
+
 DELTA_SCALE = ((-4, '#2166ac'), (-1, '#92c5de'), (0, '#f7f7f7'), (1, '#f4a582'), (4, '#b2182b'))  # Δ nats: easier → harder
 
+# %% ../nbs/03_inspect.ipynb #098e0c9a
 def scale_color(x: float, scale=LOSS_SCALE) -> str:
     "The colour of `x` on a piecewise-linear scale of (value, colour) stops (clipped at both ends)."
     x = min(max(float(x), scale[0][0]), scale[-1][0])
@@ -206,11 +223,13 @@ def scale_color(x: float, scale=LOSS_SCALE) -> str:
             return '#' + ''.join(f'{round(u + (v - u) * f):02x}' for u, v in zip(hex_to_rgb(ca), hex_to_rgb(cb)))
     return scale[-1][1]
 
+# %% ../nbs/03_inspect.ipynb #ba1b1b42
 def _ink(bg: str) -> str:
     "Black or white text, whichever reads on `bg`."
     r, g, b = hex_to_rgb(bg)
     return '#000' if .299 * r + .587 * g + .114 * b > 140 else '#fff'
 
+# %% ../nbs/03_inspect.ipynb #981bdd9a
 def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
     now = float(losses['nll'][pos])
     if view == 'diff' and losses.get('before_nll') is not None: return scale_color(now - float(losses['before_nll'][pos]), DELTA_SCALE)
@@ -229,6 +248,7 @@ def loss_title(losses: dict, pos: int, tokenizer=None) -> str:
     names = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
     return out + ' | top: ' + ', '.join(f'{n!r} {float(p):.0%}' for n, p in zip(names, losses['top_p'][pos]))
 
+# %% ../nbs/03_inspect.ipynb #35a18d3c
 def loss_summary(losses: dict, view: str = 'now') -> str:
     "The loss part of a row's summary line: mean and max over its trained tokens (and the change in the diff view)."
     import numpy as np
@@ -241,6 +261,7 @@ def loss_summary(losses: dict, view: str = 'now') -> str:
         s += f" · first scored{' at step ' + str(losses['before_step']) if losses.get('before_step') is not None else ''}: mean {bb.mean():.3f}"
     return s
 
+# %% ../nbs/03_inspect.ipynb #470c894c
 def loss_legend_html(view: str = 'now') -> str:
     "The legend of the loss fill: swatches along the scale."
     if view == 'diff':
@@ -267,6 +288,7 @@ def inspect_examples(rows, # a loaded source (datasets.Dataset)
         except TemplateError as e: return [], f'template: {e}'
     return ([], f'{bad[0][1]}: {bad[0][2]}') if bad else ([ex for _, ex in good], '')
 
+# %% ../nbs/03_inspect.ipynb #ca150ed1
 def inspect_row(rows, index: int, tokenizer, spec: TokenizeConfig, fmt: str | None = None,
                 base_dir: str | Path | None = None) -> tuple[Example | None, str]:
     "The first example of `inspect_examples`: `(Example, '')`, or `(None, reason)` for a bad row."
@@ -279,6 +301,7 @@ def _named_sources(source) -> dict:
     if isinstance(source, (str, Path)): return {Path(source).name: source}
     return {'data': source}
 
+# %% ../nbs/03_inspect.ipynb #00ca4b0c
 class Inspector:
     "Token/mask inspector: every token of a row as a chip coloured by trained/masked and by role."
     def __init__(self, source, # path, list of dicts, DataFrame, Dataset, or {name: any of these}
@@ -352,10 +375,10 @@ def update(self: Inspector):
     lv = self.loss_view.value
     if self.example is None:
         self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-    elif len(self.examples) == 1: self.html.value = format_example(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
+    elif len(self.examples) == 1: self.html.value = example_markup(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
     else:  # history='expand': the examples of one row side by side, one column per trained turn
         n = len(self.examples)
-        cols = [f'<div style="flex:1;min-width:0">{format_example(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
+        cols = [f'<div style="flex:1;min-width:0">{example_markup(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
         self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
     if (mech := self.mechanism()):  # under the rendering: which mechanism found the spans, and why
@@ -443,13 +466,14 @@ def inspect_main(argv: list[str] | None = None,
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
     losses = scorer.token_losses(exs, k=a.top_k) if scorer is not None else [None] * len(exs)
     heads = [head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '') for k in range(len(exs))]
-    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(format_example(ex, tokenizer, form, a.view, h, lo) + '\n')
+    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(example_markup(ex, tokenizer, form, a.view, h, lo) + '\n')
     if a.html:
-        body = ''.join(format_example(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
+        body = ''.join(example_markup(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
         Path(a.html).write_text(f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(head)}</title></head><body>{body}</body></html>')
         print(f'wrote {a.html}', file=sys.stderr)
     return 0
 
+# %% ../nbs/03_inspect.ipynb #d901870d
 def _run_settings(a, run_loader) -> tuple:
     "`--run`: the run's scorer and settings, from `run_loader` (which lives above this module: it loads a trained model)."
     if run_loader is None: raise ValueError("--run: scoring a run needs `sft-nb inspect` (sft_nb.cli), which can load its model")

@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 from .collate import collate_padded, collate_packed
 from .config import ConfigError, SourceConfig
-from .data import detect_format, load_source, row_dict, source_columns, source_name
+from .formats import detect_format
+from .data import load_source, row_dict, source_columns, source_name
 from .config import TokenizeConfig
 from .renderers import tokenize_rows
 from .dataplan import split_for_ranks

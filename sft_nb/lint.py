@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 import pandas as pd
-from .data import BAD_ROW_KEY, BadRow, detect_format, normalize_row
+from .formats import BAD_ROW_KEY, BadRow, detect_format, normalize_row
 from .templates import TemplateError, load_template, probe_template, render, template_features, templates_with
 from .renderers import tokenize_turns
 
@@ -18,7 +18,7 @@ __all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'LINT_CHECKS', 'data_features'
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
     'mechanism': 'how assistant spans are found: the template\'s generation tags, prefix rendering, or prefix rendering of a history-rewriting template (see sft_nb.templates.MECHANISMS)',
-    'reads': 'every sample is a conversation sft_nb.data reads (a row it cannot read is reported, the others are linted)',
+    'reads': 'every sample is a conversation sft_nb.formats reads (a row it cannot read is reported, the others are linted)',
     'renders': 'every sample renders (templates may refuse tool turns, a system message or non-alternating roles)',
     'unrendered': 'what the samples carry reaches the render: a system turn, tool schemas, tool_calls, tool results, reasoning_content (a template with no place for one drops it silently)',
     'rewrites_history': 'adding later turns must not change the text of earlier ones (Qwen3 drops earlier reasoning)',
@@ -153,7 +153,7 @@ def _check_mechanism(lt: _Lint) -> dict:
     return {'mechanism': ('pass', None, f'{lt.info.mechanism}: {lt.info.why}')}
 
 def _check_reads(lt: _Lint) -> dict:
-    "The first sample `sft_nb.data` cannot read, and how many."
+    "The first sample `sft_nb.formats` cannot read, and how many."
     if not lt.unread: return {}
     i, why = lt.unread[0]
     return {'reads': ('fail', i, f"{len(lt.unread)} of {lt.n_samples} samples not read; first: {why}")}
@@ -281,7 +281,7 @@ LINT_CHECKS = {'mechanism': _check_mechanism, 'reads': _check_reads, 'renders': 
                'whitespace_merged': _check_spans, 'text_after_eot': _check_after_eot}
 
 def lint_template(tokenizer, # fast HF tokenizer (with the template's special tokens)
-                  sample_conversations: list, # message lists, or rows in any supported format (messages, ShareGPT, ...)
+                  sample_conversations: list, # message lists, or rows in any format of sft_nb.formats.FORMATS
                   template: str | None = None, # template text or .jinja path; None = the tokenizer's
                   chat_template_kwargs: dict | None = None, # extra template variables
                   history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)

@@ -10,7 +10,7 @@ import plotly.graph_objects as go
 import ipywidgets as W
 from fastcore.basics import patch_to
 from .callbacks import Callback
-from .data import mix_line
+from .mix import mix_line
 from .errors import error_html
 
 # %% auto #0

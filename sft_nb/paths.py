@@ -83,7 +83,7 @@ def file_digest(path, # a file
                 algo: str = 'sha256', # 'sha256' or 'xxh3'
                 chunk: int = 1 << 24, # bytes read at a time (memory stays at one chunk)
                ) -> str:
-    "Hex digest of a file's bytes; the same digest `sft_nb.data.iter_json_rows(path, digest=new_digest(algo))` leaves."
+    "Hex digest of a file's bytes; the same digest `sft_nb.jsonl.iter_json_rows(path, digest=new_digest(algo))` leaves."
     h = new_digest(algo)
     with open(path, 'rb') as f:
         while b := f.read(chunk): h.update(b)

@@ -8,7 +8,7 @@ import dataclasses, functools, json
 from dataclasses import dataclass, field
 import numpy as np
 from .config import TokenizeConfig
-from .data import BadRow, normalize_row
+from .formats import FORMATS, BadRow, normalize_row
 from .templates import CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features, template_info
 from .spans import HISTORY, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer, token_ranges, trained_parts
 
@@ -208,13 +208,17 @@ def template_error(e: Exception, # what the template raised
                                           f"a template that does: tokenize.chat_template: {' | '.join(fix)})" if missing and fix else '')
 
 # %% ../nbs/02e_renderers.ipynb #b1a70d78
+def _tokenized(fmt: str) -> bool:
+    "Rows of format `fmt` are token ids already: no chat template renders them (an unknown `fmt` is refused per row)."
+    return fmt in FORMATS and FORMATS[fmt].tokenized
+
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
                  ):
     "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`)."
     indices = list(range(len(rows))) if indices is None else indices
     if spec.chat_template is not None and '{' not in spec.chat_template: spec = dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
-    info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if fmt not in ('pretokenized',) else None
+    info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if not _tokenized(fmt) else None
     renderer = span_renderer(tokenizer, spec.chat_template, spec.chat_template_kwargs, info) if info is not None else None
     good, bad, chats = [], [], []
     features = functools.cache(lambda: template_features(tokenizer, spec.chat_template, spec.chat_template_kwargs))  # probed on a first error
@@ -295,6 +299,6 @@ class ChatRenderer(Renderer):
     @classmethod
     def accepts(cls, obj) -> bool: return not hasattr(obj, 'image_processor')
     def check(self, fmt: str):
-        if fmt != 'pretokenized': template_info(self.tokenizer, self.spec.chat_template, self.spec.chat_template_kwargs)
+        if not _tokenized(fmt): template_info(self.tokenizer, self.spec.chat_template, self.spec.chat_template_kwargs)
     def examples(self, rows, indices, fmt):
         return tokenize_rows(rows, self.tokenizer, self.spec, fmt, indices, keep_offsets=False)

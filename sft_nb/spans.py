@@ -5,7 +5,7 @@
 # %% ../nbs/02d_spans.ipynb #06dd2c52
 from __future__ import annotations
 import numpy as np
-from .data import BadRow
+from .formats import BadRow
 from .templates import TemplateError, TemplateInfo, TemplateRenderer, common_prefix, shipped_template
 
 # %% auto #0
@@ -23,6 +23,7 @@ def content_text(message: dict, image: str = '') -> str:
     c = message.get('content') or ''
     return c if isinstance(c, str) else ''.join(p.get('text', '') if p.get('type', 'text') == 'text' else image for p in c)
 
+# %% ../nbs/02d_spans.ipynb #988bd5e7
 def _snap(text: str, k: int, specials) -> int:
     "`k` moved back to the start of a special-token string of `text` that it falls inside."
     for s in specials:
@@ -30,6 +31,7 @@ def _snap(text: str, k: int, specials) -> int:
         if 0 <= j < k: return j
     return k
 
+# %% ../nbs/02d_spans.ipynb #24e07cc7
 def _anchor(prompt: str, text: str, k: int, min_len: int) -> int:
     "End in `text` of the longest tail of `prompt` (at least `min_len` chars: it holds the previous message) that ends after `k`; -1 if none."
     k = min(k, len(prompt))
@@ -41,10 +43,12 @@ def _anchor(prompt: str, text: str, k: int, min_len: int) -> int:
         else: hi = mid - 1
     return at(lo) + lo if lo >= min_len else -1
 
+# %% ../nbs/02d_spans.ipynb #bff27404
 def _last_special(text: str, specials) -> str:
     "The special-token string `text` ends with (trailing whitespace aside), or ''."
     return next((t for t in specials if text.rstrip().endswith(t)), '')
 
+# %% ../nbs/02d_spans.ipynb #84de338e
 def _only_specials(text: str, specials) -> bool:
     "Is `text` nothing but special-token strings and whitespace?"
     i = 0
@@ -55,6 +59,7 @@ def _only_specials(text: str, specials) -> bool:
         i += len(s)
     return True
 
+# %% ../nbs/02d_spans.ipynb #db85e137
 def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
     "End of the trained part of `text[s:e]`: the end of turn kept, template text after it dropped, a missing end token taken from what follows."
     if info.after_eot and info.eot and text.endswith(info.eot + info.after_eot, s, e): e -= len(info.after_eot)
@@ -65,10 +70,12 @@ def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
         if nxt is not None: e += len(nxt)
     return e
 
+# %% ../nbs/02d_spans.ipynb #13058ec8
 def span_renderer(tokenizer, template: str | None, chat_template_kwargs: dict | None, info: TemplateInfo) -> TemplateRenderer:
     "What rows render through: the template's tagged twin when it has one (the same bytes, and spans from its tags in one render), else the template."
     return TemplateRenderer(tokenizer, shipped_template(info.twin) if info.twin else template, chat_template_kwargs)
 
+# %% ../nbs/02d_spans.ipynb #26e4e1f3
 def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
     "The `{% generation %}` blocks of the one full render, grouped by assistant message; a turn's own rendering is what lies between its neighbours' blocks (the tags are the truth: no prefix renders)."
     text, idx = renderer(messages, tools, tags=True)
@@ -78,6 +85,7 @@ def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]
     own = {i: (groups[k - 1][-1][1] if k else 0, groups[k + 1][0][0] if k + 1 < len(groups) else len(text)) for k, i in enumerate(asst) if i in turns}
     return text, dict(zip(asst, groups)), own
 
+# %% ../nbs/02d_spans.ipynb #2ab49df3
 def _group_blocks(renderer, messages, tools, text, idx, blocks, asst) -> list[list[tuple[int, int]]]:
     """The blocks of each assistant message, for a template that marks several blocks in one message (its content trained,
     its tool call not): the tagged render through message i holds exactly the blocks of the messages up to i."""
@@ -100,6 +108,7 @@ def _role_header(info: TemplateInfo) -> str:
     gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
     return gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
 
+# %% ../nbs/02d_spans.ipynb #2cfe7e1f
 def _start_in_prefix(P: str, F: str, info: TemplateInfo, header: str) -> tuple[int, int]:
     """(s, lo) of a turn in F, the render through it, after P, the render before it with the generation prompt: s where
     its trained text starts (after the header), lo where its own rendering starts; s = -1 when F does not start with
@@ -113,6 +122,7 @@ def _start_in_prefix(P: str, F: str, info: TemplateInfo, header: str) -> tuple[i
     if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
     return s, lo
 
+# %% ../nbs/02d_spans.ipynb #08b7e8c3
 def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str, where: str) -> tuple[int, int]:
     """history='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T, right after
     the end of its prompt P found in T (anchored on the text of `before`, the message before the turn)."""
@@ -123,6 +133,7 @@ def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str
         raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
     return a + (len(gen) if T.startswith(gen, a) else len(header)), a
 
+# %% ../nbs/02d_spans.ipynb #1efedf90
 def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, history: str, where: str) -> tuple[int, int]:
     """(e, nxt): where the turn's text ends in the full render T, and where the next message starts in T (-1: T writes this
     turn's end itself). A turn T shows differently than F is refused, or, with history='final', ends at the first end-of-turn token after s."""
@@ -198,6 +209,7 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
         trained = set(asst)
     return {i for i in trained if messages[i].get('train', True) is not False}
 
+# %% ../nbs/02d_spans.ipynb #04e733da
 def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo,
                      image: str = '', # the text an image part renders as (image rows: the processor's placeholder)
                     ) -> list[tuple[int, int, int, str]]:
@@ -218,6 +230,7 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
         a = max(a, b)
     return segs
 
+# %% ../nbs/02d_spans.ipynb #4e6730e4
 def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, history: str = 'error', segments: bool = False):
     "(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of one normalized conversation."
     trained = trained_turns(messages, info, mode, history)
@@ -245,6 +258,7 @@ def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict
         t = a + len(ans) if a >= 0 else r
     return {'reasoning': (start, r), 'answer': (r, t), 'tool_calls': (t, body), 'eot': (body, end)}
 
+# %% ../nbs/02d_spans.ipynb #452e762a
 def trained_parts(text, spans, messages, eot, train_on_reasoning: bool = True, train_on_tool_calls: bool = True):
     "Spans with the reasoning and/or tool-call parts taken out → (trained spans, masked parts)."
     if train_on_reasoning and train_on_tool_calls: return spans, []
@@ -277,6 +291,7 @@ def token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
         out.append((int(k[0]), int(k[-1]) + 1) if len(k) else (0, 0))
     return out
 
+# %% ../nbs/02d_spans.ipynb #dac8f68a
 def mask_from_ranges(n: int, ranges) -> list[int]:
     "The loss mask of `n` tokens: 1 inside the [a, z) token ranges."
     mask = [0] * n  # plain lists: rows are short, numpy's set-up and tolist cost more than they save

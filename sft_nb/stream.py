@@ -10,7 +10,10 @@ from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError
-from .data import BAD_ROW_KEY, BadRow, DataReport, bad_row_marker, bounded_lines, source_name, detect_format, row_columns, iter_json_rows, json_line, load_source, row_dict
+from .formats import BAD_ROW_KEY, BadRow
+from .jsonl import bad_row_marker, bounded_lines, iter_json_rows, json_line
+from .data import source_name, source_format, row_columns, load_source, row_dict
+from .report import DataReport
 from .templates import load_template, templates_with
 from .tokenize import make_renderer
 from .cache import file_fingerprint
@@ -243,12 +246,11 @@ def fill(self: StreamPlan):
 @patch
 def detect(self: StreamPlan, s: int) -> str:
     "Source `s`'s row format: its own `format`, else `tokenize.format`, else detected from its first rows."
-    src, c = self.sources[s], self.cfg
-    fmt = src.format if isinstance(src, SourceConfig) and src.format != 'auto' else c.tokenize.format
-    if fmt != 'auto': return fmt
-    head = [r for _, r, _ in islice(stream_rows(src), 20)]
-    if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
-    return detect_format(row_columns(enumerate(head)))
+    def columns():
+        head = [r for _, r, _ in islice(stream_rows(self.sources[s]), 20)]
+        if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
+        return row_columns(enumerate(head))
+    return source_format(self.sources[s], self.cfg.tokenize.format, columns)
 
 # %% ../nbs/05b_stream.ipynb #5c64f955
 @patch

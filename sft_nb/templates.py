@@ -93,7 +93,7 @@ def template_name(tokenizer, template: str | None = None) -> str:
     return repr(shipped) if shipped else f"given in tokenize.chat_template ({template[:40]!r}{'…' if len(template) > 40 else ''})"
 
 class TemplateRenderer:
-    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.data.normalize_row` made (plain
+    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.formats.normalize_row` made (plain
     dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the tokenizer's
     special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning aliased as
     transformers does), so the text is byte-identical; every render of a chat template goes through it (the span finder,

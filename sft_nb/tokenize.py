@@ -7,8 +7,10 @@ from __future__ import annotations
 import dataclasses, errno, gc, hashlib, json
 from pathlib import Path
 import numpy as np
-from .config import ConfigError, SourceConfig, TokenizeConfig
-from .data import BadRow, DataReport, detect_format, load_source, source_columns, source_fingerprint, source_path
+from .config import ConfigError, TokenizeConfig
+from .formats import BadRow, detect_format
+from .data import load_source, source_columns, source_fingerprint, source_format, source_path
+from .report import DataReport
 from .paths import clean_stale_tmp, live_tmp
 from .cache import cache_key, cache_root, commit_entry, file_fingerprint, index_parts, load_entry, open_parts
 from .templates import load_template, templates_with
@@ -40,6 +42,7 @@ def example_features(renderer: Renderer):
     return datasets.Features({'input_ids': L(V('int32')), 'loss_mask': L(V('int8')), 'length': V('int32'), 'n_trained': V('int32'),
                               'index': V('int64'), 'loss_weights': L(V('float32')), **renderer.features()})
 
+# %% ../nbs/02_tokenize.ipynb #e5533de2
 def _flat_list(seqs: list, dtype, n: int):
     "A list<dtype> Arrow array from Python/numpy sequences (one flat buffer + offsets, no per-element Python objects) → (array, offsets, flat)."
     import pyarrow as pa
@@ -49,6 +52,7 @@ def _flat_list(seqs: list, dtype, n: int):
     flat = np.fromiter(chain.from_iterable(seqs), dtype, int(offs[-1]))
     return pa.ListArray.from_arrays(pa.array(offs.astype(np.int32)), pa.array(flat)), offs, flat
 
+# %% ../nbs/02_tokenize.ipynb #1eb80f6d
 def example_batch(good: list, renderer: Renderer, schema):
     "`[(index, Example)]` → one Arrow record batch of `schema`; lengths and trained counts come from the flat arrays."
     import pyarrow as pa
@@ -103,14 +107,17 @@ def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a 
 # %% ../nbs/02_tokenize.ipynb #592bbf4a
 def part_name(k: int, n: int) -> str: return f'data-{k:05d}-of-{n:05d}.arrow'  # as `save_to_disk` names its shards
 
+# %% ../nbs/02_tokenize.ipynb #50f9743d
 _FORKED = None  # (raw, renderer, fmt, batch_size, bounds, folder) handed to forked workers without pickling the source
 
 def _forked_part(k: int):
     raw, renderer, fmt, batch_size, bounds, folder = _FORKED
     return k, tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size, Path(folder) / part_name(k, len(bounds) - 1))[0]
 
+# %% ../nbs/02_tokenize.ipynb #de450902
 PROGRESS_ROWS = 5000  # a source this long shows a progress bar while it is tokenized (~2 s and more on one core)
 
+# %% ../nbs/02_tokenize.ipynb #e82102dc
 def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_size: int = 256) -> list[dict]:
     "Tokenize the whole source into `folder/data-*.arrow`: one contiguous shard per process (forked: the source is shared, not copied)."
     global _FORKED
@@ -140,6 +147,7 @@ def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
     if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
     return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
 
+# %% ../nbs/02_tokenize.ipynb #2ad95d44
 def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: int) -> list[dict]:
     "Fan tokenization out over the connected Ray cluster's CPUs as `n_shards` tasks; parts keep the shard order."
     import ray, pyarrow as pa
@@ -174,34 +182,40 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
     rep.keeps = {k: templates_with(k) for k in rep.lost}
     return rep
 
+# %% ../nbs/02_tokenize.ipynb #c2c212dd
 def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     spec = spec or TokenizeConfig()
-    if isinstance(source, SourceConfig) and source.format != 'auto' and spec.format == 'auto': spec = dataclasses.replace(spec, format=source.format)
+    if spec.format == 'auto': spec = dataclasses.replace(spec, format=source_format(source))  # an explicit tokenize.format wins here
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
+# %% ../nbs/02_tokenize.ipynb #07d463c2
 def image_base_dir(source) -> Path | None:
     "The folder relative image paths of a local source resolve against: a folder source itself, a file's folder; None for anything else."
     path = source_path(source)
     if not path or path.startswith('sft_nb:') or not (p := Path(path).expanduser()).exists(): return None
     return p if p.is_dir() else p.parent
 
+# %% ../nbs/02_tokenize.ipynb #487c38b3
 def _raise_first(ds, report, on_bad_row):
     if on_bad_row == 'raise' and report.bad_rows:
         idx, kind, msg = report.bad_rows[0]
         raise BadRow(msg, kind=kind, index=idx)
     return ds, report
 
+# %% ../nbs/02_tokenize.ipynb #57a9ec02
 def _rows_fingerprint(rows: list) -> str | None:
     "Content key of a list source; None when a row holds something JSON cannot write (PIL images): then no cache."
     try: return hashlib.sha256(json.dumps(rows, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
     except (TypeError, ValueError): return None
 
+# %% ../nbs/02_tokenize.ipynb #afc8744d
 def _in_memory(folder: Path):
     "The parts of `folder` as an in-memory Dataset (the folder is about to go: use_cache=False)."
     import datasets
     ds = open_parts(folder)
     return datasets.Dataset(datasets.table.InMemoryTable(ds.data.table.combine_chunks()), info=ds.info)
 
+# %% ../nbs/02_tokenize.ipynb #24157ab5
 def _columns(raw) -> list[str]:
     "Column names of a source: a list of rows, a streamed JSONL file, or a Dataset."
     if isinstance(raw, list): return sorted({k for r in raw[:20] if isinstance(r, dict) for k in r})

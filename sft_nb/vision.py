@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 from fastcore.basics import patch
-from .data import BadRow, normalize_message, normalize_tools, row_dict, SHAREGPT_ROLES
+from .formats import FORMATS, BadRow, normalize_message, normalize_tools, SHAREGPT_ROLES
+from .data import row_dict
 from .config import TokenizeConfig
 from .templates import TemplateError, TemplateRenderer, template_info, load_template
 from .spans import render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges, check_turns
@@ -202,7 +203,8 @@ class ProcessorRenderer(Renderer):
     @classmethod
     def accepts(cls, obj) -> bool: return hasattr(obj, 'image_processor') and hasattr(obj, 'tokenizer')
     def check(self, fmt: str):
-        if fmt not in ('messages', 'sharegpt'): raise BadRow(f"image rows need the messages or sharegpt format, not {fmt!r}")
+        if fmt not in FORMATS or not FORMATS[fmt].images:
+            raise BadRow(f"image rows need the {' or '.join(n for n, f in FORMATS.items() if f.images)} format, not {fmt!r}")
         template_info(self.tokenizer, self.template, self.spec.chat_template_kwargs)
     def examples(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir, indices)
     def features(self) -> dict:

@@ -7,7 +7,10 @@ files, empty JSON lists and empty folders are errors that name them. Two sources
 """
 import json, re
 import pytest
-from sft_nb.data import BadRow, DataReport, load_source, mix_counts
+from sft_nb.formats import BadRow
+from sft_nb.data import load_source
+from sft_nb.mix import mix_counts
+from sft_nb.report import DataReport
 from sft_nb.config import DataConfig, SourceConfig
 from sft_nb.demo_data import identity_rows
 from sft_nb.config import TokenizeConfig

@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 from sft_nb.models import tiny_chat_model, smollm2_chat_template
 from sft_nb.templates import CHAT_TEMPLATES, add_family_specials, collapse_template, load_template, probe_template, render
-from sft_nb.data import BadRow
+from sft_nb.formats import BadRow
 from sft_nb.renderers import tokenize_turns
 
 SHARED = Path(__file__).resolve().parents[2] / 'shared'

@@ -47,7 +47,7 @@ def test_mixed_sources_count_rows_apart_from_examples(tiny_tok, shared, tmp_path
     give (Qwen3's template splits a conversation into one example per assistant turn), states its weight, its share of
     draws and how often an epoch repeats each example, and warns about the source that repeats; the panel says the same."""
     import json
-    from sft_nb.data import mix_line
+    from sft_nb.mix import mix_line
     from sft_nb.live import data_html
     glaive = tmp_path / 'glaive.json'
     glaive.write_text(json.dumps(json.loads((shared / 'datasets' / 'glaive_toolcall_en_demo.json').read_text())[:50]))

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from helpers import run_cfg, trained_runs
 from sft_nb.config import ConfigError
-from sft_nb.data import BadRow, load_source, normalize_row, row_dict
+from sft_nb.formats import BadRow, normalize_row
+from sft_nb.data import load_source, row_dict
 from sft_nb.config import TokenizeConfig
 from sft_nb.tokenize import tokenize_dataset
 

@@ -11,9 +11,9 @@ from transformers import AutoTokenizer
 from jupyter_lab import screenshot_tool
 from sft_nb.batchviz import MASKED, PAD, TRAINED, batch_fig, batch_grid
 from sft_nb.collate import collate_packed, collate_padded
-from sft_nb.data import normalize_row
+from sft_nb.formats import normalize_row
 from sft_nb.datareport import dataset_report
-from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, format_example
+from sft_nb.inspect import COLORS, ROLE_COLORS, Inspector, inspect_main, example_markup
 from sft_nb.models import load_tokenizer
 from sft_nb.lint import CHECKS, failed, lint_template
 from sft_nb.models import smollm2_chat_template
@@ -105,7 +105,7 @@ def test_expanded_examples_draw_every_earlier_message_in_its_role(tiny_path):
         ins.row.value = i
         msgs = normalize_row(row_dict(rows[i]), 'sharegpt')['messages']
         for k, ex in enumerate(ins.examples):
-            chips, cursor = CHIP.findall(format_example(ex, tok, 'html')), 0
+            chips, cursor = CHIP.findall(example_markup(ex, tok, 'html')), 0
             for j, m in enumerate(msgs):
                 c = m['content'].strip()
                 if not c or (at := ex.text.find(c, cursor)) < 0: continue  # the example ends before message j
@@ -135,7 +135,7 @@ def test_inspector_controls(shared, qwen, tiny_tok):
 def test_one_colour_map_for_html_and_ansi(tiny_tok):
     msgs = [{'role': 'system', 'content': 'Be brief.'}, {'role': 'user', 'content': 'Hi'}, {'role': 'assistant', 'content': 'Hello!'}]
     ex = tokenize_conversation(msgs, tiny_tok)
-    h, a = format_example(ex, tiny_tok, 'html'), format_example(ex, tiny_tok, 'ansi')
+    h, a = example_markup(ex, tiny_tok, 'html'), example_markup(ex, tiny_tok, 'ansi')
     for name in ('trained', 'masked'):
         r, g, b = (int(COLORS[name][k:k + 2], 16) for k in (1, 3, 5))
         assert f'background:{COLORS[name]}' in h and f'\x1b[48;2;{r};{g};{b}m' in a

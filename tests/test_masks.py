@@ -8,7 +8,7 @@ import json
 import pytest
 from helpers import trained_runs
 from transformers import AutoTokenizer
-from sft_nb.data import BadRow, normalize_row
+from sft_nb.formats import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, add_family_specials, collapse_template, render, chat_ids
 from sft_nb.renderers import tokenize_conversation

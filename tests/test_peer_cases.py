@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 from sft_nb.config import TokenizeConfig
-from sft_nb.data import BadRow
+from sft_nb.formats import BadRow
 from sft_nb.renderers import tokenize_conversation, tokenize_rows
 from sft_nb.templates import chat_ids, shipped_template
 

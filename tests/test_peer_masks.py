@@ -16,7 +16,7 @@ import pytest
 from pathlib import Path
 from helpers import trained_runs
 from transformers import AutoTokenizer
-from sft_nb.data import BadRow
+from sft_nb.formats import BadRow
 from sft_nb.templates import chat_ids, template_info
 from sft_nb.config import TokenizeConfig
 from sft_nb.renderers import tokenize_conversation, tokenize_turns, tokenize_rows
@@ -275,7 +275,7 @@ def test_conversation_ending_with_user_or_tool(tiny_tok):
 
 
 def ex_messages(conv):
-    from sft_nb.data import normalize_row
+    from sft_nb.formats import normalize_row
     return normalize_row({'messages': conv}, 'messages')['messages']
 
 

@@ -24,7 +24,7 @@ import pytest
 from pathlib import Path
 from helpers import trained_runs
 from transformers import AutoTokenizer
-from sft_nb.data import BadRow, normalize_row
+from sft_nb.formats import BadRow, normalize_row
 from sft_nb.templates import add_family_specials, chat_ids, collapse_template
 from sft_nb.config import TokenizeConfig
 from sft_nb.renderers import tokenize_conversation, tokenize_turns, tokenize_rows

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from helpers import trained_runs
 from transformers import AutoTokenizer
-from sft_nb.data import BadRow, normalize_row
+from sft_nb.formats import BadRow, normalize_row
 from sft_nb.models import smollm2_chat_template
 from sft_nb.templates import FAMILY_SPECIALS, TemplateError, add_family_specials, collapse_template, render, chat_ids
 from sft_nb.config import TokenizeConfig

@@ -100,10 +100,10 @@ def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
 def test_a_line_past_max_row_bytes_is_a_bad_row_never_read_whole(tmp_path, tiny_tok, monkeypatch):
     """A JSONL line is never read whole past `MAX_ROW_BYTES` (read whole, a 300 MB line takes 948 MB resident): it is a bad
     row naming it, read past in chunks (the limit is lowered here to keep the file small); the file's digest is still whole."""
-    import sft_nb.data, sft_nb.rows
-    from sft_nb.data import iter_json_rows
+    import sft_nb.jsonl, sft_nb.rows
+    from sft_nb.jsonl import iter_json_rows
     from sft_nb.paths import file_digest, new_digest
-    monkeypatch.setattr(sft_nb.data, 'MAX_ROW_BYTES', 1000); monkeypatch.setattr(sft_nb.rows, 'MAX_ROW_BYTES', 1000)
+    monkeypatch.setattr(sft_nb.jsonl, 'MAX_ROW_BYTES', 1000); monkeypatch.setattr(sft_nb.rows, 'MAX_ROW_BYTES', 1000)
     long = json.dumps({'messages': [{'role': 'user', 'content': 'a' * 5000}, {'role': 'assistant', 'content': 'b'}]})
     f = tmp_path / 'rows.jsonl'
     f.write_text('\n'.join([json.dumps(ROW), long, json.dumps(ROW)]) + '\n')

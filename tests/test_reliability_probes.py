@@ -21,13 +21,13 @@ Where each reliability behaviour is shown (`::test_x` is in this file; other tes
 | `~` in checkpoint.run_dir / tokenize.cache_dir is the home folder | nbs/07e_checkpoint (`run_dir='~/runs/x'`), nbs/02_tokenize (`cache_root('~/tok')`) |
 | leftover `.KEY.tmp*` of a killed tokenization cleaned, live ones kept | ::test_killed_tokenization_leftovers_are_cleaned_a_live_ones_kept; nbs/00a_paths (live_tmp, clean_stale_tmp) |
 | leftover `.tmp_step_*` of a killed save cleaned, live ones kept | ::test_checkpoint_leftovers_cleaned_only_when_their_writer_is_gone; nbs/07e_checkpoint (claim cleans) |
-| duplicate JSON keys are a bad row naming the key | nbs/01_data (`key 'content' appears twice in one object`) |
+| duplicate JSON keys are a bad row naming the key | nbs/01b_jsonl (`key 'content' appears twice in one object`) |
 | SIGTERM saves at the next step boundary: `sft-nb train` | test_reliability_signals.py::test_sigterm_saves_at_the_next_step_and_resumes_exactly, ::test_signal_before_the_first_step_stops_named_and_leaves_no_run (imports, setup; SIGTERM and SIGINT) |
 | SIGTERM saves at the next step boundary: `sft-nb run` | test_reliability_signals.py::test_sigterm_in_sft_nb_run_saves_at_the_next_step; nbs/11_cli (SignalStop, one mechanism for train and run), nbs/08a_callbacks (SaveOnSignal, in the kernel) |
 | a `"\\ud800"` row is a bad row | test_peer_masks.py::test_lone_surrogate_is_a_bad_row |
 | a full disk during save names the space | ::test_disk_full_during_save_names_the_space[ENOSPC/torch's message] |
 | "no usable rows" lists rows and reasons, in the API and the CLI | test_reliability_signals.py::test_no_usable_rows_lists_rows_and_reasons (unknown role), ::test_no_usable_rows_in_the_cli_gives_each_rows_reason (alpaca on chat data, max_length 4) |
-| `{"data": [...]}` is recognised as a list of rows under 'data' | nbs/01_data (`its rows look like the list under 'data'`) |
+| `{"data": [...]}` is recognised as a list of rows under 'data' | nbs/01b_jsonl (`its rows look like the list under 'data'`) |
 | `chat_template=/missing.jinja` names the missing file | nbs/02a_templates (`names no file`) |
 | YAML errors in overrides and `run -f` name the override and the file | test_reliability_signals.py::test_yaml_errors_name_the_override_and_the_file |
 | a truncated `metrics.jsonl` is named and its cut line dropped | ::test_truncated_metrics_jsonl_is_named_and_its_cut_line_dropped; nbs/08a_callbacks (JSONLTracker.truncate) |

@@ -27,7 +27,8 @@ TEMPLATES = {'smollm2': None, 'qwen2.5-instruct': 'qwen2.5-instruct.jinja', 'cha
 @pytest.fixture(scope='module')
 def shared_rows(shared) -> dict:
     "{dataset: (format, rows)}: identity (91 rows), glaive without tool calls (147 multi-turn chats), alpaca's first 100."
-    from sft_nb.data import load_source, row_dict, detect_format, source_columns
+    from sft_nb.formats import detect_format
+    from sft_nb.data import load_source, row_dict, source_columns
     out = {}
     for name, keep in (('identity.json', None), ('glaive_toolcall_en_demo.json', None), ('alpaca_en_demo.json', 100)):
         raw = load_source(str(shared / 'datasets' / name))
@@ -54,7 +55,7 @@ def expected_mask(text: str, offsets: list, messages: list[dict], family: str, l
 def test_masks_equal_the_rendered_assistant_turns(family, shared, shared_rows, tiny_path):
     from transformers import AutoTokenizer
     from sft_nb.config import TokenizeConfig
-    from sft_nb.data import normalize_row
+    from sft_nb.formats import normalize_row
     from sft_nb.models import smollm2_chat_template
     from sft_nb.templates import add_family_specials, collapse_template
     from sft_nb.renderers import tokenize_rows

@@ -3,7 +3,7 @@ import json, shutil
 from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
-from sft_nb.data import BadRow
+from sft_nb.formats import BadRow
 from sft_nb.templates import add_family_specials
 from sft_nb.config import TokenizeConfig
 from sft_nb.tokenize import tokenize_dataset
@@ -143,7 +143,8 @@ def test_turns_reduced_to_end_of_turn_are_reported(shared, tiny_tok, qwen_tok, q
 @pytest.mark.parametrize('name', ['glaive_toolcall_en_demo.json', 'alpaca_en_demo.json'])
 def test_fast_mask_equals_offset_overlap(shared, qwen_tok, qwen_template, name):
     "The char_to_token mask (hot path) equals the per-token offset-overlap definition on every real row."
-    from sft_nb.data import load_source, row_dict, detect_format, source_columns
+    from sft_nb.formats import detect_format
+    from sft_nb.data import load_source, row_dict, source_columns
     from sft_nb.renderers import tokenize_rows
     ds = load_source(shared / 'datasets' / name)
     rows = [row_dict(r) for r in ds] + [{'messages': [{'role': 'user', 'content': 'héllo 🙂'}, {'role': 'assistant', 'content': 'ça va 🙂🙂'}]}]
@@ -156,7 +157,7 @@ def test_fast_mask_equals_offset_overlap(shared, qwen_tok, qwen_template, name):
 
 def test_duplicate_key_row_same_in_map_style_and_streamed(tiny_tok, tmp_path):
     "A JSONL row holding a key twice is one bad row with one reason whether the file is tokenized whole (the fast path) or streamed."
-    from sft_nb.data import BAD_ROW_KEY
+    from sft_nb.formats import BAD_ROW_KEY
     from sft_nb.stream import stream_rows
     row = lambda i: {'messages': [{'role': 'user', 'content': f'q{i}'}, {'role': 'assistant', 'content': f'a{i}'}]}
     dup = '{"messages": [{"role": "user", "content": "q1"}, {"role": "assistant", "content": "a1", "content": "other"}]}'

@@ -187,13 +187,13 @@ def test_train_notebook_runs_a_vlm_job(shared, tmp_path, ray_session):
 def test_inspector_draws_image_thumbnails(proc, demo, shared):
     "Image placeholder tokens are drawn as one thumbnail chip with the token count it expands to (HTML and ANSI)."
     import re
-    from sft_nb.inspect import format_example
+    from sft_nb.inspect import example_markup
     ex = tokenize_vision(vision_conversation(demo[1], shared / 'datasets'), proc)
     assert ex.image_tokens
-    html = format_example(ex, proc.tokenizer)
+    html = example_markup(ex, proc.tokenizer)
     thumbs = re.findall(r'<span class="k n r-user img"[^>]*><img src="data:image/png;base64,[^"]+"[^>]*> (\d+) tokens</span>', html)
     assert [int(n) for n in thumbs] == [e - s for s, e in ex.image_tokens]
     chips = len(re.findall(r'<span class="k ', html))
     assert chips == len(ex.input_ids) - sum(e - s - 1 for s, e in ex.image_tokens)  # each image's run became one chip
-    ansi = format_example(ex, proc.tokenizer, form='ansi')
+    ansi = example_markup(ex, proc.tokenizer, form='ansi')
     assert f'[image 0: {ex.image_tokens[0][1] - ex.image_tokens[0][0]} tokens]' in ansi
