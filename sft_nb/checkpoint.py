@@ -12,7 +12,7 @@ from .errors import MissingFile, UserError
 
 # %% auto #0
 __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata', 'write_digests',
-           'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_model', 'Checkpointer']
+           'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_fingerprint', 'Checkpointer']
 
 # %% ../nbs/07e_checkpoint.ipynb #413b51a0
 class RunDirBusy(UserError, RuntimeError):
@@ -175,7 +175,7 @@ def model_fingerprint(model_path, # the model folder (its config.json)
     arch = json.loads(f.read_text()) if f.exists() else {}
     return {**{k: arch[k] for k in _ARCH_KEYS if k in arch}, **{k: info[k] for k in ('n_params', 'n_trainable') if k in info}}
 
-def check_model(state: dict, fingerprint: dict, path):
+def check_fingerprint(state: dict, fingerprint: dict, path):
     "Refuse checkpoint `path` (its `state`) when it was trained from another model than `fingerprint` describes."
     saved = state.get('model')
     if not isinstance(saved, dict): raise CheckpointError(f"{Path(path) / 'trainer_state.json'}: has no 'model' fingerprint; it was not written by this version of sft_nb")

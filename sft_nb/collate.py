@@ -17,11 +17,13 @@ def _ids_mask(ex) -> tuple[list[int], list[int]]:
     if isinstance(ex, dict): return ex['input_ids'], ex['loss_mask']
     return ex.input_ids, ex.loss_mask
 
+# %% ../nbs/05_collate.ipynb #e7312e9b
 def _weights(ex) -> list[float] | None:
     "An example's per-token loss weights, or None when its loss_mask is the weight."
     w = ex.get('loss_weights') if isinstance(ex, dict) else getattr(ex, 'loss_weights', None)
     return w if w is not None and len(w) else None
 
+# %% ../nbs/05_collate.ipynb #93f5dc46
 def _with_weights(wt, labels) -> dict:
     "`loss_weights` [B, T] (0 wherever `labels` is -100) and their sum, when some example has fractional weights; else nothing."
     if wt is None: return {}
@@ -64,10 +66,12 @@ def block_causal_mask(seq_lens_rows: list[list[int]], T: int) -> torch.Tensor:
     m |= torch.eye(T, dtype=torch.bool)  # padding rows attend to themselves
     return m[:, None]
 
+# %% ../nbs/05_collate.ipynb #f3465eaa
 def additive_mask(mask: torch.Tensor, dtype=torch.float32) -> torch.Tensor:
     "The boolean mask as an additive float mask (0 / most negative), the form `eager` attention adds to scores."
     return torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
 
+# %% ../nbs/05_collate.ipynb #cbd96d98
 def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per packed row
                    pad_id: int, # padding id
                    capacity: int | None = None, # row length; None = the longest bin
@@ -101,14 +105,15 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
             'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_real': sum(flat)} | _with_weights(wt, labels)
 
+# %% ../nbs/05_collate.ipynb #0c8be797
+VISION_KEYS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
+
 # %% ../nbs/05_collate.ipynb #2520c07d
 def model_inputs(batch: dict) -> dict:
     "The tensors a HF causal LM takes from a padded or packed batch."
     return {k: batch[k] for k in ('input_ids', 'attention_mask', 'position_ids') + VISION_KEYS if k in batch}
 
-# %% ../nbs/05_collate.ipynb #0c8be797
-VISION_KEYS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
-
+# %% ../nbs/05_collate.ipynb #9496049e
 def collate_vision(examples: Sequence, # dicts with input_ids, loss_mask and optional pixel_values [patches, dim] / image_grid_thw
                    pad_id: int, # padding id
                    image_token_id: int, # the processor's image placeholder id

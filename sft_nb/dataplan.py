@@ -11,7 +11,9 @@ from dataclasses import asdict, replace
 import numpy as np
 from fastcore.basics import patch
 from .config import SFTConfig, SourceConfig, ConfigError, flatten
-from .data import DataReport, mix_indices, mix_counts, source_name
+from .data import source_format, source_name
+from .mix import mix_indices, mix_counts
+from .report import DataReport
 from .tokenize import tokenize_dataset, make_renderer
 from .vision import ProcessorRenderer
 from .collate import collate_padded, collate_packed
@@ -105,7 +107,7 @@ class DataPlan:
 def tokenize(self: DataPlan, src):
     "One source (path, rows or `SourceConfig`) tokenized as `cfg.tokenize` says: (dataset, report)."
     c = self.cfg
-    fmt = src.format if isinstance(src, SourceConfig) and src.format != 'auto' else c.tokenize.format
+    fmt = source_format(src, c.tokenize.format)  # 'auto': tokenize_dataset detects it
     model_input = self.processor if self.processor is not None else self.tokenizer
     return tokenize_dataset(src, model_input, replace(c.tokenize, format=fmt), on_bad_row=c.data.on_bad_row)
 
@@ -313,7 +315,7 @@ def restore(self: DataPlan, state: dict, path):
     self.pending = {}  # a batch collated before the load may not be this step's
 
 @patch
-def check_model(self: DataPlan, info: dict):
+def check_packable(self: DataPlan, info: dict):
     "Refuse to pack for a model whose layers attention masks cannot separate (`info`: what the workers' `setup` found)."
     if self.cfg.packing.enabled and not info['packable']:
         raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "

@@ -12,10 +12,23 @@ from fastcore.basics import patch
 from .collate import additive_mask
 
 # %% auto #0
-__all__ = ['token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits', 'LinearNLL', 'linear_nll', 'chunked_token_nll',
-           'chunked_nll', 'TrainedHead', 'loss_chunk_for', 'document_ids', 'document_block_mask',
-           'resolve_attn_implementation', 'attention_inputs', 'flex_attention_runs_on', 'router_aux_coef',
-           'sequence_index', 'router_aux_sum', 'RouterLogits', 'eval_metrics']
+__all__ = ['token_nll', 'weighted_sum', 'token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits', 'LinearNLL',
+           'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for', 'document_ids',
+           'document_block_mask', 'resolve_attn_implementation', 'attention_inputs', 'flex_attention_runs_on',
+           'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits', 'eval_metrics']
+
+# %% ../nbs/06c_loss.ipynb #835b68e4
+def token_nll(logits: torch.Tensor, # [N, V] logits of N targets (any float dtype)
+              targets: torch.Tensor, # [N] token ids
+             ) -> torch.Tensor:
+    "The token loss: NLL of each target under its logits, [N] in fp32."
+    return F.cross_entropy(logits.float(), targets, reduction='none')
+
+def weighted_sum(nll: torch.Tensor, # [N] token losses
+                 weights: torch.Tensor | None = None, # [N] their loss weights, or None (each weighs 1)
+                ) -> torch.Tensor:
+    "Σ weight·NLL (Σ NLL without weights): how the token losses of a micro-batch add up."
+    return nll.sum() if weights is None else (nll * weights).sum()
 
 # %% ../nbs/06c_loss.ipynb #2520c07e
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
@@ -23,16 +36,17 @@ def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
                  ) -> tuple[torch.Tensor, int | float]:
     "Σ NLL over targets (labels shifted by one) and the number of targets; with `weights`, Σ weight·NLL and Σ weight."
     tgt = labels[:, 1:].reshape(-1)
-    lg = logits[:, :-1].reshape(-1, logits.size(-1)).float()
-    if weights is None: return torch.nn.functional.cross_entropy(lg, tgt, ignore_index=-100, reduction='sum'), int((tgt != -100).sum())
     keep = tgt != -100
-    w = weights[:, 1:].reshape(-1)[keep]
-    return (torch.nn.functional.cross_entropy(lg[keep], tgt[keep], reduction='none') * w).sum(), float(w.sum())
+    w = None if weights is None else weights[:, 1:].reshape(-1)[keep]
+    nll = token_nll(logits[:, :-1].reshape(-1, logits.size(-1))[keep], tgt[keep])
+    return weighted_sum(nll, w), (int(keep.sum()) if w is None else float(w.sum()))
 
+# %% ../nbs/06c_loss.ipynb #b0464eb6
 def target_weights(labels: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     "The weights of the targets `trained_targets` selects, flat, in the same order."
     return weights[:, 1:][labels[:, 1:] != -100]
 
+# %% ../nbs/06c_loss.ipynb #d563f966
 def trained_targets(labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     "Boolean [B, T] selection of the positions whose *next* token is trained, and those next tokens (flat, same order)."
     nxt = labels[:, 1:] != -100
@@ -46,6 +60,7 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     lg = F.linear(h, weight, bias)
     return lg.to(torch.promote_types(lg.dtype, torch.float32))
 
+# %% ../nbs/06c_loss.ipynb #4635f663
 class LinearNLL(torch.autograd.Function):
     "Σ weight·NLL of `targets` under `h @ weight.T + bias`, `chunk` rows at a time; backward recomputes each chunk's logits."
     @staticmethod
@@ -57,7 +72,7 @@ class LinearNLL(torch.autograd.Function):
             lg = chunk_logits(h[s:s + chunk], weight, bias)
             lse[s:s + chunk] = l = torch.logsumexp(lg, -1)
             nll = l - lg.gather(1, targets[s:s + chunk, None]).squeeze(1)
-            total += nll.sum() if weights is None else (nll * weights[s:s + chunk]).sum()
+            total += weighted_sum(nll, None if weights is None else weights[s:s + chunk])
         ctx.save_for_backward(h, weight, bias, targets, weights, lse)
         ctx.chunk = chunk
         return total
@@ -94,15 +109,16 @@ def linear_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
 
 # %% ../nbs/06c_loss.ipynb #df523de9
 def chunked_token_nll(h: torch.Tensor, # hidden states [N, H]
-                      token_nll, # (h_chunk [C, H], targets [C]) -> NLL [C]
+                      head_nll, # (h_chunk [C, H], targets [C]) -> NLL [C]: the head, then `token_nll`
                       targets: torch.Tensor, # [N]
                       chunk: int = 2048, # tokens per chunk
                      ) -> torch.Tensor:
     "Per-token NLL [N], each chunk checkpointed so that only one chunk's logits exist at a time, in forward and in backward."
     chunk = chunk if chunk > 0 else max(1, h.shape[0])
-    parts = [checkpoint(token_nll, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) for s in range(0, h.shape[0], chunk)]
+    parts = [checkpoint(head_nll, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) for s in range(0, h.shape[0], chunk)]
     return torch.cat(parts).float() if parts else (h[:, 0] * 0).float()  # no token: still part of the graph
 
+# %% ../nbs/06c_loss.ipynb #ca021b6c
 def chunked_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
                 head: torch.nn.Module, # the LM head (nn.Linear, or a wrapped one)
                 targets: torch.Tensor, # next-token ids [N]
@@ -114,8 +130,7 @@ def chunked_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
     if isinstance(head, torch.nn.Linear) and type(head).forward is torch.nn.Linear.forward:
         return linear_nll(h, head.weight, targets, weights, head.bias, chunk)
     fwd = forward or head
-    nll = chunked_token_nll(h, lambda hc, tc: F.cross_entropy(fwd(hc).float(), tc, reduction='none'), targets, chunk)
-    return nll.sum() if weights is None else (nll * weights).sum()
+    return weighted_sum(chunked_token_nll(h, lambda hc, tc: token_nll(fwd(hc), tc), targets, chunk), weights)
 
 # %% ../nbs/06c_loss.ipynb #cc571d70
 class TrainedHead:
@@ -172,8 +187,7 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
             raise RuntimeError("model.loss_chunk: this model changes the LM head's output before returning it "
                                "(logit soft-capping or scaling?); set model.loss_chunk: 0 for it")
         return self.loss + out.sum(), n  # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
-    nll = F.cross_entropy(out.float(), self.targets, reduction='none' if self.weights is not None else 'sum')
-    return (nll if self.weights is None else (nll * self.weights).sum()), n
+    return weighted_sum(token_nll(out, self.targets), self.weights), n
 
 # %% ../nbs/06c_loss.ipynb #d4bba257
 def loss_chunk_for(model, # a Hugging Face model
@@ -189,6 +203,7 @@ def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     "[B, T] document index of every token of packed rows: a new document starts wherever position_ids restart at 0."
     return (position_ids == 0).long().cumsum(-1)
 
+# %% ../nbs/06c_loss.ipynb #c9341888
 def document_block_mask(position_ids: torch.Tensor, # [B, T] restarting positions of packed rows (on the target device)
                         compile: bool | None = None, # compile the block builder (default: on CUDA)
                        ):
@@ -214,6 +229,7 @@ def resolve_attn_implementation(impl: str, # `model.attn_implementation`
         except ImportError: pass
     return 'sdpa' if has('_supports_sdpa') else 'eager'
 
+# %% ../nbs/06c_loss.ipynb #3415a768
 def attention_inputs(batch: dict, # a micro-batch (position_ids on the device for flex_attention)
                      impl: str, # the resolved attention implementation
                     ) -> dict:
@@ -236,6 +252,7 @@ def router_aux_coef(model) -> float:
     c = model.config.get_text_config()
     return float(getattr(c, 'router_aux_loss_coef', 0) or 0) if getattr(c, 'output_router_logits', False) else 0.0
 
+# %% ../nbs/06c_loss.ipynb #49188be0
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
     "[B·T] sequence number of each token of a micro-batch (-1: padding, fill rows, empty micro-batches: no trained target) and the number of sequences."
     labels = batch['labels']
@@ -272,6 +289,7 @@ def router_aux_sum(router_logits: list[torch.Tensor], # per MoE layer [B·T, E] 
     n = torch.bincount(s, minlength=n_seqs).float()[:, None] * len(router_logits)  # tokens × layers of each sequence
     return (E * ((counts / n) * (probs / n)).sum(-1)).sum()
 
+# %% ../nbs/06c_loss.ipynb #739f626a
 class RouterLogits:
     "Context manager: the router logits of one forward, from hooks on the modules the model records as `router_logits`."
     def __init__(self, model, on: bool = True): self.model, self.on, self.logits, self._hooks = model, on, [], []

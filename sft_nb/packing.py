@@ -107,6 +107,7 @@ def _bfd_rows(lens: np.ndarray, capacity: int, dp: int = 1):
         if r > L: bisect.insort(rooms, (r - L, b))
     return order, np.asarray(where, np.int64), n_bins
 
+# %% ../nbs/04_packing.ipynb #f48af6ef
 def _bfd(lens: np.ndarray, capacity: int, dp: int = 1):
     # row by row is faster for a global batch; runs win once the sorted list of rooms gets long
     return (_bfd_rows if len(lens) <= 32768 else _bfd_runs)(lens, capacity)
@@ -150,6 +151,7 @@ def _ffd_rows(lens: np.ndarray, capacity: int, dp: int = 1):
     where = np.asarray(where, np.int64)
     return order, where, int(where.max(initial=-1)) + 1
 
+# %% ../nbs/04_packing.ipynb #4e617294
 def _ffd(lens: np.ndarray, capacity: int, dp: int = 1):
     return (_ffd_rows if len(lens) <= 4096 else _ffd_runs)(lens, capacity)
 
@@ -199,9 +201,12 @@ def _min_slack(lens: np.ndarray, capacity: int, dp: int = 1):
 
 # %% ../nbs/04_packing.ipynb #40f067c3
 STRATEGIES = ('bfd', 'ffd', 'balanced', 'greedy', 'min_slack')
+
 MIN_SLACK_MAX_ROWS = 20_000  # above this `simulate` skips min_slack (its cost grows ~ rows × bins)
+
 PLANNERS = {'bfd': _bfd, 'ffd': _ffd, 'balanced': _balanced, 'greedy': _greedy, 'min_slack': _min_slack}
 
+# %% ../nbs/04_packing.ipynb #8227f6e1
 def planner(strategy: str):
     "The planner registered as `strategy` (a ValueError names the choices)."
     if strategy not in PLANNERS: raise ValueError(f"strategy: unknown {strategy!r}; choose one of {list(PLANNERS)}")
@@ -216,6 +221,7 @@ def _to_bins(order, where, n_bins, lens, offset=0) -> tuple[list[list[int]], lis
     tokens = np.bincount(where, weights=lens[order], minlength=n_bins).astype(np.int64).tolist()
     return [flat[a:b] for a, b in zip(off[:-1], off[1:])], tokens
 
+# %% ../nbs/04_packing.ipynb #3e4ef510
 def plan_bins(lengths, capacity: int, strategy: str = 'bfd') -> list[list[int]]:
     "Bins of row indices from one planner, before data-parallel arrangement (rows must fit)."
     plan = planner(strategy)
@@ -237,6 +243,7 @@ def _fit_dp(bins: list, tokens: list, lens: np.ndarray, dp: int):
         tokens[i:i + 1] = [int(cum[cut - 1]), int(cum[-1] - cum[cut - 1])]
         splittable[i:i + 1] = [t if len(h) > 1 else -1 for h, t in zip(halves, tokens[i:i + 2])]
 
+# %% ../nbs/04_packing.ipynb #5040e4c6
 def _arrange(tokens: list, dp: int, rng, shuffle: bool = True) -> np.ndarray:
     "Bin order such that `bins[r::dp]` is rank r's share: balanced rounds of dp bins, rounds shuffled."
     if not shuffle or not tokens: return np.arange(len(tokens))
@@ -281,6 +288,7 @@ def deal(items: list, dp: int) -> list[list]:
     if int(dp) < 1: raise ValueError(f"dp must be >= 1, got {dp}")
     return [items[r::dp] for r in range(dp)]
 
+# %% ../nbs/04_packing.ipynb #d742cdbf
 @patch
 def rank_tokens(self: PackPlan, dp: int | None = None) -> list[int]:
     "Tokens per rank over the whole plan: `deal` per step is `deal` of all bins, since every step is a multiple of dp bins."
@@ -311,6 +319,7 @@ def _gc_paused():
     finally:
         if was: gc.enable()
 
+# %% ../nbs/04_packing.ipynb #03617896
 def pack(lengths: Sequence[int], # tokens per row (e.g. the `length` column of a tokenized dataset)
          capacity: int, # tokens per packed row
          strategy: str = 'bfd', # bfd | ffd | balanced | greedy | min_slack

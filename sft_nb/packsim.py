@@ -22,6 +22,7 @@ def padded_area(lengths: Sequence[int], batch_size: int, capacity: int | None = 
     area = int(lens[:n].reshape(-1, batch_size).max(1).sum()) * batch_size
     return area + (int(lens[n:].max()) * (len(lens) - n) if n < len(lens) else 0)
 
+# %% ../nbs/04a_packsim.ipynb #7180088d
 def simulate(lengths: Sequence[int], # tokens per row
              capacity: int, # tokens per packed row
              strategies: Sequence[str] | None = None, # planners to compare; None = all (min_slack only up to MIN_SLACK_MAX_ROWS rows)
@@ -46,8 +47,6 @@ def simulate(lengths: Sequence[int], # tokens per row
     return pd.DataFrame(rows)
 
 # %% ../nbs/04a_packsim.ipynb #914e96b8
-PALETTE = ('#4c78a8', '#f58518', '#54a24b', '#e45756', '#72b7b2', '#eeca3b', '#b279a2', '#ff9da6', '#9d755d', '#bab0ac')
-
 def plan_headline(plan: PackPlan, lengths: Sequence[int]) -> str:
     "'bfd: 12 bins, efficiency 71.3%, 35 of 39 rows cut': the efficiency counts the tokens truncation cut as lost, like padding."
     cut = int(np.asarray(lengths, dtype=np.int64).sum()) - plan.n_real
@@ -55,6 +54,10 @@ def plan_headline(plan: PackPlan, lengths: Sequence[int]) -> str:
     rows = f', {len(plan.truncated)} of {len(lengths)} rows cut ({cut:,} tokens lost)' if plan.truncated else ''
     return f'{plan.strategy}: {len(plan)} bins of {plan.capacity}, efficiency {eff:.1%}{rows}'
 
+# %% ../nbs/04a_packsim.ipynb #8e6555b2
+PALETTE = ('#4c78a8', '#f58518', '#54a24b', '#e45756', '#72b7b2', '#eeca3b', '#b279a2', '#ff9da6', '#9d755d', '#bab0ac')
+
+# %% ../nbs/04a_packsim.ipynb #091eff05
 def plan_fig(plan: PackPlan, # the plan to draw
              lengths: Sequence[int], # tokens per row (the plan's input)
              max_bins: int = 64, # draw only the first bins
@@ -76,6 +79,7 @@ def plan_fig(plan: PackPlan, # the plan to draw
                       xaxis_title='bin', yaxis_title='tokens', yaxis_range=[0, plan.capacity * 1.05])
     return fig
 
+# %% ../nbs/04a_packsim.ipynb #227b0322
 def plan_text(plan: PackPlan, lengths: Sequence[int], width: int = 64, max_bins: int = 20) -> str:
     "The plan as text: one line per bin, a letter run per row, '.' for padding."
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), plan.capacity)

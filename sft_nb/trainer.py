@@ -17,7 +17,7 @@ from .dataplan import DataPlan
 from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path, check_context
 from .loss import eval_metrics
-from .checkpoint import Checkpointer, model_fingerprint, check_model
+from .checkpoint import Checkpointer, model_fingerprint, check_fingerprint
 from .callbacks import Control, Callback, builtin_callbacks, make_trackers, prompt_messages
 from .workers import init_ray, stop_ray
 from .backends import start_workers
@@ -205,7 +205,7 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     self.backend = start_workers(c, self.total_steps)
     self.group, self.model_info = self.backend.group, self.backend.setup()[0]
     self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)  # what a checkpoint must fit
-    self.data.check_model(self.model_info)  # packing needs layers that attention masks separate
+    self.data.check_packable(self.model_info)  # packing needs layers that attention masks separate
     self.write_config()
     if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
     return self
@@ -307,7 +307,7 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
         return 0
     state = self.ckpt.state(path)
     changed = self.data.check_resume(state, path)  # another data stream is refused; the other changed keys are recorded
-    check_model(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
+    check_fingerprint(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.backend.load(str(path))
     self.global_step, self.step_metrics = state['global_step'], state['history']
@@ -358,22 +358,22 @@ def _continue(self: SFTTrainer, total: int):
 @patch
 @action('export')
 def export(self: SFTTrainer, path: str | Path | None = None,
-           format: str = 'hf', # 'hf': a save_pretrained folder; 'gguf': that (run_dir/hf), a GGUF, an Ollama Modelfile
-           quant: str = 'f16', # format='gguf': 'f16' or 'q8_0' (`sft_nb.export.GGUF_QUANTS`)
+           to: str = 'hf', # 'hf': a save_pretrained folder; 'gguf': that (run_dir/hf), a GGUF, an Ollama Modelfile
+           quant: str = 'f16', # to='gguf': 'f16' or 'q8_0' (`sft_nb.export.GGUF_QUANTS`)
           ) -> Path:
     """save_pretrained the trained model with the tokenizer that trained it: the template's special tokens, the run's
-    chat template (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`). format='gguf': then
+    chat template (LoRA runs: merged, or the adapter alone per `checkpoint.lora_export`). to='gguf': then
     `sft_nb.export.export_gguf` writes `path` (default run_dir/gguf)/model-<quant>.gguf for llama.cpp and the Ollama
     Modelfile beside it, and returns the GGUF's path."""
     from sft_nb.export import export_gguf, save_run_tokenizer
-    if format not in ('hf', 'gguf'): raise ConfigError(f"export: format {format!r} is neither 'hf' nor 'gguf'")
-    hf = Path(path or self.run_dir / 'hf') if format == 'hf' else self.run_dir / 'hf'
+    if to not in ('hf', 'gguf'): raise ConfigError(f"export: to {to!r} is neither 'hf' nor 'gguf'")
+    hf = Path(path or self.run_dir / 'hf') if to == 'hf' else self.run_dir / 'hf'
     self.backend.export_hf(str(hf), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
     if not any((hf / f).exists() for f in ('config.json', 'adapter_config.json')):
         raise RuntimeError(f"export: the workers wrote no model into {hf}")
     if self.processor is None:  # apply_chat_template on the export renders as training did
         save_run_tokenizer(self.tokenizer, self.cfg.tokenize.chat_template, hf)
-    return export_gguf(hf, path or self.run_dir / 'gguf', quant) if format == 'gguf' else hf
+    return export_gguf(hf, path or self.run_dir / 'gguf', quant) if to == 'gguf' else hf
 
 @patch
 def prompt_ids(self: SFTTrainer, messages: list[dict], tools: list | None = None) -> list[int]:

@@ -42,7 +42,7 @@ def local_run(cfg: dict, train_data, n_steps: int | None = None):
                                          seed=c.train.seed, use_gpu=False, placement=c.placement)
     w.init_dist('127.0.0.1', free_port())
     try:
-        t.data.check_model(w.setup())
+        t.data.check_packable(w.setup())
         steps = []
         for step in range(t.total_steps if n_steps is None else n_steps):
             (batch,), weight_sum, n_trained, _ = t.data.rank_batches(t.data.global_batch(step))

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 from ..workers import TrainWorker, save_rng, load_rng
 from ..optim import adamw, take_step
-from ..loss import trained_targets, target_weights
+from ..loss import token_nll, trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
@@ -362,11 +362,10 @@ def trained_token_stats(logits, # [n, V] logits at the positions whose next toke
                         targets, # [n] the trained next tokens
                         k: int = 3, # alternatives kept per position
                        ) -> dict:
-    "NLL of each target and the `k` most likely tokens (ids, probabilities), as NumPy arrays."
+    "The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays."
     import torch
-    lp = torch.log_softmax(logits.float(), -1)
-    top_p, top_ids = lp.topk(min(k, lp.shape[-1]), -1)
-    return {'nll': (-lp.gather(1, targets[:, None].long())[:, 0]).cpu().numpy(),
+    top_p, top_ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), -1)
+    return {'nll': token_nll(logits, targets.long()).cpu().numpy(),
             'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
 
 @patch

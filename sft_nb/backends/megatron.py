@@ -10,7 +10,7 @@ import numpy as np
 from ..config import ConfigError
 from ..workers import TrainWorker, save_rng, load_rng
 from ..optim import adamw, take_step
-from ..loss import chunked_token_nll
+from ..loss import chunked_token_nll, weighted_sum
 from .megatron_convert import check_parallel_sizes, hf_to_mcore, mcore_to_hf
 from .slices import Rows, checkpoint_files
 from fastcore.basics import patch
@@ -176,10 +176,10 @@ def vocab_parallel_token_nll(model, # the last stage's GPTModel
     import torch
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    def token_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1
+    def head_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1; `token_nll` over the TP shards of the logits
         logits, _ = model.output_layer(hc[:, None], weight=weight)
         return vocab_parallel_cross_entropy(logits.float(), tc[:, None])[:, 0]
-    nll = chunked_token_nll(hidden[keep], token_nll, labels[keep], chunk)
+    nll = chunked_token_nll(hidden[keep], head_nll, labels[keep], chunk)
     return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).index_put((keep,), nll)
 
 # %% ../../nbs/07b_backends.megatron.ipynb #6524bc71
@@ -350,7 +350,7 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
             out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
         else: out = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), labels=b['labels'], **b['kw'])
         def loss_func(per_token):
-            s = (per_token.float() * b['loss_mask']).sum()
+            s = weighted_sum(per_token.float(), b['loss_mask'])  # the loss mask holds the loss weights
             return s * (scale * M), {'nll_sum': s.detach(), 'n': b['loss_mask'].sum().detach()}
         return out, loss_func
 
