@@ -171,6 +171,8 @@ def copy_tree(tag: str, with_nbs: bool) -> Path:
     "A fresh copy of what the checks read, under build/mutants/."
     BUILD.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f'{tag}-', dir=BUILD))
+    try: (BUILD / 'shared').symlink_to(ROOT.parent / 'shared')  # the development data beside the copy, as beside the checkout
+    except FileExistsError: pass
     skip = shutil.ignore_patterns('__pycache__', '*.pyc', '.ipynb_checkpoints', '.hypothesis', '.pytest_cache')
     for d in ('sft_nb', 'tests') + (('nbs',) if with_nbs else ()): shutil.copytree(ROOT / d, tmp / d, ignore=skip)
     shutil.copy2(ROOT / 'settings.ini', tmp / 'settings.ini')
