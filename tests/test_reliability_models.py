@@ -95,7 +95,7 @@ def test_a_full_disk_during_save_keeps_the_workers_and_the_trained_steps(tiny_pa
             with pytest.raises(CheckpointError) as e: t.save()
             msg = str(e.value)
             assert msg.startswith(f"checkpoint {t.ckpt.dir / 'step_000002'} not saved: no space left on the disk of {t.ckpt.dir} (")
-            assert 'MiB free there). The trained state of step 2 is still in memory' in msg and 'trainer.save()' in msg and len(msg) < 400, msg
+            assert 'MiB free there). The trained state of step 2 is still in memory' in msg and 'trainer.save()' in msg and len(msg.replace(str(t.ckpt.dir), 'DIR')) < 250, msg  # short, whatever the tmp path
             assert t.group.dead is None and t.global_step == 2 and t.checkpoints() == [first]
             filler.unlink()
             again = t.save()
