@@ -170,7 +170,7 @@ class Ours:
 
     def result(self):
         import ray
-        h = self.t.history
+        h = self.t.metrics
         mem = ray.get(self.t.group.actors[0].__ray_call__.remote(
             lambda self_: __import__('torch').cuda.max_memory_allocated() / 2**30 if __import__('torch').cuda.is_available() else None))
         return summarize(self.name, h['loss'].tolist(), h['n_real'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),

@@ -71,7 +71,7 @@ for tr in sorted(D.glob('*_training.jinja')):
             info = template_info(tok, t_orig)
             row['mechanism'] = info.mechanism
             hist = 'final' if info.rewrites_history else 'error'
-            ex = tokenize_conversation(msgs, tok, tools=tools, template=t_orig, history=hist)
+            ex = tokenize_conversation(msgs, tok, tools=tools, template=t_orig, rewritten_turns=hist)
             ours = []; cur = []
             for i, m in zip(ex.input_ids, ex.loss_mask):
                 if m: cur.append(i)

@@ -25,7 +25,7 @@ def cache_root(cache_dir: str | None = None) -> Path:
 def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeConfig, fmt: str) -> str:
     from sft_nb import __version__
     parts = [data_fingerprint, template_key(tokenizer, spec.chat_template, spec.chat_template_kwargs), spec.mode,
-             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.history, spec.train_on_reasoning, spec.train_on_tool_calls]
+             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.rewritten_turns, spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 def file_fingerprint(source) -> str | None:

@@ -115,7 +115,7 @@ def write_digests(folder):
     files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'digests.json'}
     (folder / 'digests.json').write_text(json.dumps({'sha256': files}, indent=0))
 
-_STATE_TYPES = {'global_step': int, 'total_steps': int, 'history': list}
+_STATE_TYPES = {'global_step': int, 'total_steps': int, 'step_metrics': list}
 
 def check_state(state, path) -> dict:
     "`state` (checkpoint `path`'s trainer_state.json) when its fields have their types and its step is the folder's."
@@ -123,10 +123,10 @@ def check_state(state, path) -> dict:
     if not isinstance(state, dict): raise CheckpointError(f"{f}: holds a {type(state).__name__}, not an object")
     for k, t in _STATE_TYPES.items():
         if not isinstance(state.get(k), t) or isinstance(state.get(k), bool):
-            raise CheckpointError(f"{f}: field {k!r} is {state.get(k)!r}, expected {'a' if k != 'history' else 'a list of'} "
+            raise CheckpointError(f"{f}: field {k!r} is {state.get(k)!r}, expected {'a' if k != 'step_metrics' else 'a list of'} "
                                   f"{'non-negative integer' if t is int else 'step records'}")
-    if not 0 <= state['global_step'] <= state['total_steps'] or not all(isinstance(r, dict) for r in state['history']):
-        raise CheckpointError(f"{f}: global_step {state['global_step']} of total_steps {state['total_steps']} or its history is out of range")
+    if not 0 <= state['global_step'] <= state['total_steps'] or not all(isinstance(r, dict) for r in state['step_metrics']):
+        raise CheckpointError(f"{f}: global_step {state['global_step']} of total_steps {state['total_steps']} or its step_metrics are out of range")
     m = re.fullmatch(r'step_(\d{6})', Path(path).name)
     if m and int(m[1]) != state['global_step']:
         raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
@@ -134,11 +134,11 @@ def check_state(state, path) -> dict:
     for k in ('identity', 'config'):  # what a resume compares (DataPlan.check_resume)
         if not isinstance(state.get(k, {}), dict): raise CheckpointError(f"{f}: field {k!r} is {state[k]!r}, expected an object")
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
-    for i, r in enumerate(state['history']):  # the metrics a resumed run reports and plots
+    for i, r in enumerate(state['step_metrics']):  # the metrics a resumed run reports and plots
         k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
-        if k: raise CheckpointError(f"{f}: history[{i}] field {k!r} is {r.get(k)!r}, expected a number")
+        if k: raise CheckpointError(f"{f}: step_metrics[{i}] field {k!r} is {r.get(k)!r}, expected a number")
         if type(r['step']) is not int or not 0 <= r['step'] <= state['global_step']:
-            raise CheckpointError(f"{f}: history[{i}] field 'step' is {r['step']!r}, expected a step 0 … {state['global_step']} of this run")
+            raise CheckpointError(f"{f}: step_metrics[{i}] field 'step' is {r['step']!r}, expected a step 0 … {state['global_step']} of this run")
     return state
 
 def verify_checkpoint(path) -> dict:

@@ -158,7 +158,7 @@ class TokenizeConfig:
     chat_template: str | None = None  # a Jinja template (text or file path) replacing the tokenizer's
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)  # extra template variables, e.g. enable_thinking
     format: FormatName = 'auto'  # row format (a key of sft_nb.formats.FORMATS) of sources whose own `format` is auto
-    history: Literal['expand', 'final', 'error'] = 'expand'  # all_assistant on a template that rewrites earlier turns (Qwen3, QwQ): one example per assistant turn, the full render as it is, or refuse
+    rewritten_turns: Literal['expand', 'final', 'error'] = 'expand'  # all_assistant on a template that rewrites earlier turns (Qwen3, QwQ): one example per assistant turn, the full render as it is, or refuse
     train_on_reasoning: bool = True  # train the <think>…</think> block of trained assistant turns (False: seen, not trained)
     train_on_tool_calls: bool = True  # train the tool-call part of trained assistant turns
     num_proc: int = 1  # processes for tokenization

@@ -269,7 +269,7 @@ def close(self: DataPlan):
 
 # %% ../nbs/05a_dataplan.ipynb #b3413edb
 STREAM_KEYS = {'data': ('eval_fraction', 'seed', 'synthetic_rows', 'mix_stop', 'null_content', 'streaming', 'stream_buffer'),
-               'tokenize': ('mode', 'max_length', 'truncation', 'chat_template', 'chat_template_kwargs', 'format', 'history',
+               'tokenize': ('mode', 'max_length', 'truncation', 'chat_template', 'chat_template_kwargs', 'format', 'rewritten_turns',
                             'train_on_reasoning', 'train_on_tool_calls'),
                'packing': ('enabled', 'strategy', 'capacity'), 'train': ('global_batch_size', 'sampler', 'seed')}
 

@@ -29,7 +29,7 @@ def row_lengths(ds, # tokenized dataset (columns `length`, `n_trained`, `index`)
 
 # %% ../nbs/03c_datareport.ipynb #f6c1a9d1
 def _title(lengths: pd.DataFrame) -> str:
-    "Rows and examples are counted apart: history='expand' gives a row one example per trained turn."
+    "Rows and examples are counted apart: rewritten_turns='expand' gives a row one example per trained turn."
     kept = lengths[lengths.kept]
     n_rows, n_kept = lengths['index'].nunique(), kept['index'].nunique()
     return f'{n_kept} of {n_rows} rows kept' + (f' ({len(kept)} examples)' if len(kept) != n_kept else '')

@@ -12,7 +12,7 @@ from .formats import BadRow, detect_format
 from .data import load_source, row_dict, source_columns
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
 from .config import TokenizeConfig
-from .spans import HISTORY, MODES
+from .spans import REWRITTEN_TURNS, MODES
 from .renderers import Example, labels_for, tokenize_conversation, tokenize_rows
 from .tokenize import image_base_dir
 from fastcore.basics import patch
@@ -274,11 +274,11 @@ def loss_legend_html(view: str = 'now') -> str:
 def inspect_examples(rows, # a loaded source (datasets.Dataset)
                      index: int, # row to show
                      tokenizer, # a fast tokenizer, or a vision-language processor (image rows)
-                     spec: TokenizeConfig, # mode, max_length, template (text), kwargs, history, train_on_*
+                     spec: TokenizeConfig, # mode, max_length, template (text), kwargs, rewritten_turns, train_on_*
                      fmt: str | None = None, # format; None = detect from the columns
                      base_dir: str | Path | None = None, # folder of relative image paths (processor only)
                     ) -> tuple[list[Example], str]:
-    "Row `index` tokenized as training does, truncation included: `([Example, ...], '')` (several when `history='expand'` splits it), or `([], reason)`."
+    "Row `index` tokenized as training does, truncation included: `([Example, ...], '')` (several when `rewritten_turns='expand'` splits it), or `([], reason)`."
     if _is_processor(tokenizer):  # the trainer's vision path: processor-exact ids, image placeholders never trained
         from sft_nb.vision import tokenize_vision_rows
         good, bad = tokenize_vision_rows([row_dict(rows[int(index)])], tokenizer, spec, base_dir, [int(index)])
@@ -325,7 +325,7 @@ class Inspector:
         # a browser cuts a long description at the default 90px ('template …'): size the label to its text
         self.kwargs = W.Text(value=json.dumps(c.chat_template_kwargs or {}), description='template kwargs',
                              style={'description_width': 'initial'}, layout=W.Layout(width='420px'))
-        self.history = W.Dropdown(options=HISTORY, value=c.history, description='history')
+        self.rewritten_turns = W.Dropdown(options=REWRITTEN_TURNS, value=c.rewritten_turns, description='rewritten turns', style={'description_width': 'initial'})
         self.reasoning = W.Checkbox(value=c.train_on_reasoning, description='train reasoning', indent=False)
         self.tool_calls = W.Checkbox(value=c.train_on_tool_calls, description='train tool calls', indent=False)
         self.max_length = W.IntText(value=c.max_length or 0, description='max_length', layout=W.Layout(width='180px'))
@@ -335,10 +335,10 @@ class Inspector:
         self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now', style={'button_width': 'auto'},
                                          layout=W.Layout(display='' if trainer is not None else 'none'))
         self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]),
-                              W.HBox([self.history, self.reasoning, self.tool_calls]), self.kwargs, self.loss_view, self.html])
+                              W.HBox([self.rewritten_turns, self.reasoning, self.tool_calls]), self.kwargs, self.loss_view, self.html])
         self.widget.add_class('sft-nb-inspector')
         self._load(); self.row.value = min(row, self.row.max)
-        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.history, self.reasoning, self.tool_calls, self.loss_view): w.observe(lambda _: self.update(), names='value')
+        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.rewritten_turns, self.reasoning, self.tool_calls, self.loss_view): w.observe(lambda _: self.update(), names='value')
         self.source.observe(lambda _: (self._load(), self.update()), names='value')
         self.update()
 
@@ -359,7 +359,7 @@ def spec(self: Inspector) -> TokenizeConfig:
     kw = json.loads(self.kwargs.value or '{}')
     if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
     return dataclasses.replace(self.base, mode=self.mode.value, max_length=self.max_length.value or None, chat_template=self.template,
-                               chat_template_kwargs=kw, history=self.history.value, train_on_reasoning=self.reasoning.value,
+                               chat_template_kwargs=kw, rewritten_turns=self.rewritten_turns.value, train_on_reasoning=self.reasoning.value,
                                train_on_tool_calls=self.tool_calls.value)
 
 # %% ../nbs/03_inspect.ipynb #1acabf46
@@ -376,7 +376,7 @@ def update(self: Inspector):
     if self.example is None:
         self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
     elif len(self.examples) == 1: self.html.value = example_markup(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
-    else:  # history='expand': the examples of one row side by side, one column per trained turn
+    else:  # rewritten_turns='expand': the examples of one row side by side, one column per trained turn
         n = len(self.examples)
         cols = [f'<div style="flex:1;min-width:0">{example_markup(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
@@ -429,7 +429,7 @@ def inspect_main(argv: list[str] | None = None,
     p.add_argument('--row', type=int, default=0, help='row index')
     p.add_argument('--model', default=None, help="tokenizer: 'tiny' (default), 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
     p.add_argument('--mode', default=None, choices=MODES, help='masking mode (default all_assistant)')
-    p.add_argument('--history', default=None, choices=HISTORY, help='all_assistant on a template that rewrites earlier turns (default expand)')
+    p.add_argument('--rewritten-turns', default=None, choices=REWRITTEN_TURNS, help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
     p.add_argument('--template', default=None, help="chat template replacing the tokenizer's: a shipped name (chatml, llama3, mistral, gemma, phi3, qwen2.5, qwen3) or a .jinja path")
@@ -446,7 +446,7 @@ def inspect_main(argv: list[str] | None = None,
     p.add_argument('--html', default=None, help='also write the rendering to this HTML file')
     a = p.parse_args(argv)
     scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
-    a.model, a.mode, a.history = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.history or run.get('history') or 'expand'
+    a.model, a.mode, a.rewritten_turns = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.rewritten_turns or run.get('rewritten_turns') or 'expand'
     a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
     a.truncation = a.truncation or run.get('truncation') or 'drop'
     if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
@@ -457,7 +457,7 @@ def inspect_main(argv: list[str] | None = None,
     if not 0 <= a.row < len(rows):
         print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
     spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=a.template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
-                        history=a.history, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
+                        rewritten_turns=a.rewritten_turns, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
                         truncation=a.truncation)
     exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, image_base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'

@@ -48,7 +48,7 @@ def _tokenize_raw(trainer, rows) -> list[dict]:
     "Raw rows tokenized with the trainer's tokenize settings; a row that would not be trained is an error naming it."
     t = trainer.cfg.tokenize
     spec = TokenizeConfig(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs,
-                        history=t.history, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
+                        rewritten_turns=t.rewritten_turns, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
     ds = load_source(rows)
     good, bad = tokenize_rows([row_dict(r) for r in ds], trainer.tokenizer, spec, detect_format(source_columns(ds)), keep_offsets=False)
     if bad: raise ValueError(f"rows_or_split: row {bad[0][0]} would not be trained ({bad[0][1]}: {bad[0][2]})")
@@ -69,7 +69,7 @@ def lens_rows(trainer, rows_or_split, indices: list[int] | None = None) -> list[
                 where[id(ds)] = dict(zip(uniq.tolist(), zip(first.tolist(), count.tolist())))
             row = int(r.get('index', i)); first, n = where[id(ds)][row]
             out.append({'input_ids': r['input_ids'], 'loss_mask': r['loss_mask'], 'source': name, 'index': row,
-                        'example': int(i) - first + 1, 'n_examples': n})  # one row's examples (history='expand') lie together
+                        'example': int(i) - first + 1, 'n_examples': n})  # one row's examples (rewritten_turns='expand') lie together
         return out
     items = list(rows_or_split) if not hasattr(rows_or_split, 'to_dict') else rows_or_split.to_dict('records')
     exs = [_as_example(e) for e in items]
@@ -209,7 +209,7 @@ class RankedRows:
         self.trainer, self.split, self.by = trainer, split, by
         self.table = trainer.rank_rows(split, by=by, k=k)
         self.inspector = inspector or inspector_for(trainer, split)
-        which = lambda r: f" example {r.example} of {r.n_examples}" if r.n_examples > 1 else ''  # a row split per turn (history='expand')
+        which = lambda r: f" example {r.example} of {r.n_examples}" if r.n_examples > 1 else ''  # a row split per turn (rewritten_turns='expand')
         self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']}{which(r)} · {by} {r[f'{by}_loss']:.3f}",
                                  tooltip=r.snippet, layout=W.Layout(width='auto', height='auto')) for n, r in self.table.iterrows()]
         for n, b in enumerate(self.buttons): b.on_click(lambda _, n=n: self.open(n))
@@ -309,5 +309,5 @@ def run_scorer(run_dir) -> tuple[RunScorer, dict]:
     "`sft-nb inspect --run`: the run's scorer and the settings its rows were tokenized with (its tokenizer first)."
     s = RunScorer(run_dir)
     t = s.cfg.tokenize
-    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'truncation': t.truncation, 'history': t.history,
+    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'truncation': t.truncation, 'rewritten_turns': t.rewritten_turns,
                'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning, 'train_on_tool_calls': t.train_on_tool_calls}

@@ -114,7 +114,7 @@ class _Lint:
     template: str | None
     kw: dict  # chat_template_kwargs without 'tools'
     kw_tools: list | None  # tools given as a template variable: of samples without their own (as sft_nb.tokenize)
-    history: str
+    rewritten_turns: str
     n_samples: int
     convs: dict  # sample index → conversation, the readable samples
     unread: list  # [(sample index, why)]
@@ -131,7 +131,7 @@ class _Lint:
 
     def tools(self, i: int): return self.convs[i]['tools'] or self.kw_tools
 
-def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, history: str) -> _Lint:
+def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, rewritten_turns: str) -> _Lint:
     "Read the samples, probe the template and render every readable sample."
     template, kw = load_template(template), dict(chat_template_kwargs or {})
     kw_tools = kw.pop('tools', None)
@@ -139,7 +139,7 @@ def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, hist
     missing = unrendered(tokenizer, convs, template, kw)
     try: info, probe_error = probe_template(tokenizer, template, kw), None
     except TemplateError as e: info, probe_error = None, f'probe conversation: {e}'
-    lt = _Lint(tokenizer, template, kw, kw_tools, history, len(samples), convs, unread, missing, info, probe_error,
+    lt = _Lint(tokenizer, template, kw, kw_tools, rewritten_turns, len(samples), convs, unread, missing, info, probe_error,
                _injected_system(tokenizer, template, kw))
     for i, c in convs.items():
         try: lt.full[i] = lt.render(i, c['messages'])
@@ -206,7 +206,7 @@ def _check_prefixes(lt: _Lint) -> dict:
             elif k and full.startswith(before) and not full.startswith(gen):
                 f.setdefault('gen_prompt_mismatch', (i, f'message {k}: generation prompt {gen[len(before):]!r}, '
                                                         f'full render {full[len(before):len(gen) + 8]!r}'))
-    info, h, out = lt.info, lt.history, {}
+    info, h, out = lt.info, lt.rewritten_turns, {}
     if info is not None and not info.full_render_matches_gen_prompt:
         f.setdefault('gen_prompt_mismatch',
                      (None, f'probe: generation prompt {info.gen_prompt!r} is not the header of a full render'))
@@ -216,7 +216,7 @@ def _check_prefixes(lt: _Lint) -> dict:
     if info is not None and 'rewrites_history' in f:  # seen; 'expand' and 'final' handle it, 'error' refuses such rows
         i, example = f['rewrites_history']
         status = 'info' if info.rewrites_history and h != 'error' else 'fail'
-        out['rewrites_history'] = (status, i, f"{example}; all_assistant: history={h!r}: {STRATEGY[h]}")
+        out['rewrites_history'] = (status, i, f"{example}; all_assistant: rewritten_turns={h!r}: {STRATEGY[h]}")
     elif info is not None:
         out['rewrites_history'] = ('pass', None, 'prefix-stable: all_assistant trains every turn in one render')
     elif 'rewrites_history' in f: out['rewrites_history'] = ('fail', *f['rewrites_history'])
@@ -252,9 +252,9 @@ def _check_spans(lt: _Lint) -> dict:
     fail = lambda check, i, example: f.setdefault(check, ('fail', i, example))
     for i in lt.full:
         msgs = lt.convs[i]['messages']
-        refused_turns = info.rewrites_history and lt.history == 'error' and msgs[-1]['role'] == 'assistant'
+        refused_turns = info.rewrites_history and lt.rewritten_turns == 'error' and msgs[-1]['role'] == 'assistant'
         try: exs = tokenize_turns(msgs, lt.tokenizer, mode='last_assistant' if refused_turns else 'all_assistant', tools=lt.tools(i),
-                                  chat_template_kwargs=lt.kw, template=lt.template, history=lt.history)
+                                  chat_template_kwargs=lt.kw, template=lt.template, rewritten_turns=lt.rewritten_turns)
         except (BadRow, TemplateError): continue
         for ex, (s, e, m) in ((ex, sp) for ex in exs for sp in ex.spans):
             toks = [j for j, (a, b) in enumerate(ex.offsets) if a < e and b > s]
@@ -284,10 +284,10 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   sample_conversations: list, # message lists, or rows in any format of sft_nb.formats.FORMATS
                   template: str | None = None, # template text or .jinja path; None = the tokenizer's
                   chat_template_kwargs: dict | None = None, # extra template variables
-                  history: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.history)
+                  rewritten_turns: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.rewritten_turns)
                  ) -> pd.DataFrame:
     "One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."
-    lt, found = _lint_context(tokenizer, sample_conversations, template, chat_template_kwargs, history), {}
+    lt, found = _lint_context(tokenizer, sample_conversations, template, chat_template_kwargs, rewritten_turns), {}
     for check in dict.fromkeys(LINT_CHECKS.values()): found.update(check(lt))
     rows = [dict(zip(('check', 'status', 'sample', 'example', 'meaning'),
                      (check, *found.get(check, ('pass', None, '')), meaning))) for check, meaning in CHECKS.items()]

@@ -18,18 +18,18 @@ __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'dif
            'samples_text', 'data_html', 'eval_line', 'TrainerPanel', 'ChatBox', 'dry_run_state']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
-def loss_fig(history, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
+def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
     "Train loss per step (and eval loss points) as a plotly figure."
     fig = go.Figure(layout=dict(title=title, xaxis_title='step', yaxis_title='loss', height=320, margin=dict(l=50, r=20, t=40, b=40)))
-    fig.add_scatter(x=list(history['step']) if len(history) else [], y=list(history['loss']) if len(history) else [], mode='lines+markers', name='train')
+    fig.add_scatter(x=list(metrics['step']) if len(metrics) else [], y=list(metrics['loss']) if len(metrics) else [], mode='lines+markers', name='train')
     ev = [e for e in (evals or []) if 'eval_loss' in e]
     fig.add_scatter(x=[e['step'] for e in ev], y=[e['eval_loss'] for e in ev], mode='markers', name='eval', marker=dict(size=10, symbol='diamond'))
     return fig
 
 class LivePlot(Callback):
-    "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s history when given one."
+    "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s metrics when given one."
     def __init__(self, trainer=None):
-        rows, evals = (getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_history', [])) if trainer is not None else ([], [])
+        rows, evals = (getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', [])) if trainer is not None else ([], [])
         self.fig = go.FigureWidget(loss_fig({'step': [r['step'] for r in rows], 'loss': [r['loss'] for r in rows]}, evals))
     def _append(self, trace: int, x, y):
         tr = self.fig.data[trace]

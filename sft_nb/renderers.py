@@ -10,7 +10,7 @@ import numpy as np
 from .config import TokenizeConfig
 from .formats import FORMATS, BadRow, normalize_row
 from .templates import CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features, template_info
-from .spans import HISTORY, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer, token_ranges, trained_parts
+from .spans import REWRITTEN_TURNS, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer, token_ranges, trained_parts
 
 # %% auto #0
 __all__ = ['Example', 'labels_for', 'encode_texts', 'finish_tokens', 'lost_fields', 'tokenize_conversation', 'tokenize_turns',
@@ -162,7 +162,7 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
                           chat_template_kwargs: dict | None = None, # extra template variables (enable_thinking, ...)
                           truncation: str = 'keep_start', # 'drop' raises BadRow(kind='too_long') instead
                           template: str | None = None, # template text replacing the tokenizer's
-                          history: str = 'error', # all_assistant on a history-rewriting template: 'final' or 'error' ('expand': `tokenize_turns`)
+                          rewritten_turns: str = 'error', # all_assistant on a history-rewriting template: 'final' or 'error' ('expand': `tokenize_turns`)
                           train_on_reasoning: bool = True, # train the `<think>…</think>` block of a trained turn
                           train_on_tool_calls: bool = True, # train the tool-call part of a trained turn
                          ) -> Example:
@@ -170,7 +170,7 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'], info, mode, history, segments=True)
+    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'], info, mode, rewritten_turns, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
@@ -179,16 +179,16 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
 # %% ../nbs/02e_renderers.ipynb #2b8d3625
 def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistant', tools: list[dict] | None = None,
                    max_length: int | None = None, chat_template_kwargs: dict | None = None, template: str | None = None,
-                   history: str = 'expand', # expand | final | error
+                   rewritten_turns: str = 'expand', # expand | final | error
                    train_on_reasoning: bool = True, train_on_tool_calls: bool = True, truncation: str = 'keep_start',
                   ) -> list[Example]:
-    "The examples one conversation gives (one, except `history='expand'` on a template that rewrites history)."
-    if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
+    "The examples one conversation gives (one, except `rewritten_turns='expand'` on a template that rewrites history)."
+    if rewritten_turns not in REWRITTEN_TURNS: raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: {', '.join(REWRITTEN_TURNS)}")
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, chat_template_kwargs or {})
     kw = dict(tools=conv['tools'], max_length=max_length, chat_template_kwargs=chat_template_kwargs, truncation=truncation,
-              template=template, history=history, train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
-    return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, history)]
+              template=template, rewritten_turns=rewritten_turns, train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
+    return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, rewritten_turns)]
 
 # %% ../nbs/02e_renderers.ipynb #d4e1f0a2
 def row_features(conv: dict) -> set:
@@ -239,8 +239,8 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
                                 and len(m['content']) > MAX_TEMPLATE_VALUE), None):  # the template's size guard would blame the template
                     raise BadRow(f"message {big[0]} is {big[1]:,} characters, over the {MAX_TEMPLATE_VALUE:,} a chat template renders "
                                  "(far past any model's context): split or drop this row", kind='bad_format')
-                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.history, segments=keep_offsets))
-                         for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.history)]
+                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.rewritten_turns, segments=keep_offsets))
+                         for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.rewritten_turns)]
                 chats += [(idx, conv['tools'], *t) for t in turns]
         except BadRow as e: bad.append((idx, e.kind, template_error(e.__cause__, conv, features) if e.kind == 'template_error' and e.__cause__ else e.reason))
         except TemplateError: raise

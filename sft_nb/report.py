@@ -28,7 +28,7 @@ class DataReport:
     n_trained: int = 0
     max_length: int = 0
     eot_only_turns: int = 0  # trained assistant turns whose template rendered nothing but the end-of-turn (e.g. tool calls dropped)
-    n_examples: int = 0  # tokenized examples kept (> n_kept when history='expand' splits a row into one example per turn)
+    n_examples: int = 0  # tokenized examples kept (> n_kept when rewritten_turns='expand' splits a row into one example per turn)
     eot_only_rows: list[int] = field(default_factory=list)  # row indices behind eot_only_turns (first 1000), when the tokenizer gives them
     sources: list[dict] = field(default_factory=list)  # per train source after mixing (`mix_counts`): rows, rows used and cut, examples per epoch
     lost: dict[str, int] = field(default_factory=dict)  # 'reasoning' | 'tool_calls' → trained turns whose field the template does not render

@@ -9,13 +9,14 @@ from .formats import BadRow
 from .templates import TemplateError, TemplateInfo, TemplateRenderer, common_prefix, shipped_template
 
 # %% auto #0
-__all__ = ['MODES', 'HISTORY', 'content_text', 'span_renderer', 'turn_spans', 'trained_turns', 'message_segments', 'render_turns',
-           'turn_parts', 'trained_parts', 'token_ranges', 'mask_from_ranges', 'check_turns', 'expand_turns']
+__all__ = ['MODES', 'REWRITTEN_TURNS', 'content_text', 'span_renderer', 'turn_spans', 'trained_turns', 'message_segments',
+           'render_turns', 'turn_parts', 'trained_parts', 'token_ranges', 'mask_from_ranges', 'check_turns',
+           'expand_turns']
 
 # %% ../nbs/02d_spans.ipynb #4e886fc8
 MODES = ('all_assistant', 'last_assistant', 'all', 'completion_only')
 
-HISTORY = ('expand', 'final', 'error')  # all_assistant on a template that rewrites earlier turns
+REWRITTEN_TURNS = ('expand', 'final', 'error')  # all_assistant on a template that rewrites earlier turns
 
 # %% ../nbs/02d_spans.ipynb #5e7a0001
 def content_text(message: dict, image: str = '') -> str:
@@ -124,7 +125,7 @@ def _start_in_prefix(P: str, F: str, info: TemplateInfo, header: str) -> tuple[i
 
 # %% ../nbs/02d_spans.ipynb #08b7e8c3
 def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str, where: str) -> tuple[int, int]:
-    """history='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T, right after
+    """rewritten_turns='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T, right after
     the end of its prompt P found in T (anchored on the text of `before`, the message before the turn)."""
     gen = info.gen_prompt
     a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
@@ -134,17 +135,17 @@ def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str
     return a + (len(gen) if T.startswith(gen, a) else len(header)), a
 
 # %% ../nbs/02d_spans.ipynb #1efedf90
-def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, history: str, where: str) -> tuple[int, int]:
+def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, rewritten_turns: str, where: str) -> tuple[int, int]:
     """(e, nxt): where the turn's text ends in the full render T, and where the next message starts in T (-1: T writes this
-    turn's end itself). A turn T shows differently than F is refused, or, with history='final', ends at the first end-of-turn token after s."""
+    turn's end itself). A turn T shows differently than F is refused, or, with rewritten_turns='final', ends at the first end-of-turn token after s."""
     if last: return len(T), len(T)
     if not moved and T.startswith(F): return len(F), len(F)
     e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
     if not moved and _only_specials(F[e:], info.specials): return e, -1
-    if history != 'final':  # the turn's own text changes once later messages follow
+    if rewritten_turns != 'final':  # the turn's own text changes once later messages follow
         raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
-                     f"{T[e:e + 30]!r}); the template rewrites history: use history='expand' (one example per turn), "
-                     "history='final' or mode='last_assistant'", kind='template_error')
+                     f"{T[e:e + 30]!r}); the template rewrites history: use rewritten_turns='expand' (one example per turn), "
+                     "rewritten_turns='final' or mode='last_assistant'", kind='template_error')
     # the first token after s that ends an assistant turn of this template (the probe's earlier and final end tokens,
     # and the one this turn ends with on its own: GPT-OSS <|call|>)
     ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
@@ -156,12 +157,12 @@ def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: Template
 # %% ../nbs/02d_spans.ipynb #c7f1ee81
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
-               history: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
+               rewritten_turns: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
                text: str | None = None, # the full render, when the caller has it
               ) -> tuple[str, dict[int, list[tuple[int, int]]], dict[int, tuple[int, int]]]:
     "(full render, {message index: [(start, end)] trained spans of the turn (one, or a template's several generation blocks)}, {message index: its own rendering}): from tags or prefix renders, never a text search."
-    # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `history` asks for
-    if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and history == 'error'):
+    # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `rewritten_turns` asks for
+    if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and rewritten_turns == 'error'):
         return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
     n, header, out, own, prev = len(messages), _role_header(info), {}, {}, 0
@@ -175,12 +176,12 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
         s, lo = _start_in_prefix(P, F, info, header)  # 3. where the turn starts in F
         moved = s < 0 or (F is not T and not T.startswith(F[:s]))  # 4. does the full render show the text before it differently?
         if moved:  # (Qwen3 drops reasoning once a new user turn comes): refused, or 'final': as the full render shows it
-            if history != 'final' or i == 0:
+            if rewritten_turns != 'final' or i == 0:
                 raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
-                             "(the template rewrites history); use history='expand', history='final' or mode='last_assistant'", kind='template_error')
+                             "(the template rewrites history); use rewritten_turns='expand', rewritten_turns='final' or mode='last_assistant'", kind='template_error')
             s, lo = _start_in_full(T, P, messages[i - 1], info, header, where)
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
-        e, nxt = _end_in_full(T, F, s, last, moved, info, history, where)  # 5. where its text ends in the full render
+        e, nxt = _end_in_full(T, F, s, last, moved, info, rewritten_turns, where)  # 5. where its text ends in the full render
         e = _turn_end(T, s, e, info, last)  # 6. through its end of turn, not the template text after it
         hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # 7. its own rendering: to the next message (a stop token the next message opens with, GLM-4, is this turn's)
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
@@ -189,8 +190,8 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
     return T, out, own
 
 # %% ../nbs/02d_spans.ipynb #5e7a0002
-def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str = 'error') -> set[int]:
-    "Indices of the assistant messages `mode` trains (a history-rewriting template refuses all_assistant with history='error')."
+def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten_turns: str = 'error') -> set[int]:
+    "Indices of the assistant messages `mode` trains (a history-rewriting template refuses all_assistant with rewritten_turns='error')."
     if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if not asst: raise BadRow("no assistant message to train")
@@ -200,12 +201,12 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, history: 
             raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
         trained = {asst[-1]}
     else:
-        if history not in HISTORY: raise ValueError(f"history: {history!r} is not allowed; allowed values: {', '.join(HISTORY)}")
-        if info.rewrites_history and len(asst) > 1 and history == 'error':
+        if rewritten_turns not in REWRITTEN_TURNS: raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: {', '.join(REWRITTEN_TURNS)}")
+        if info.rewrites_history and len(asst) > 1 and rewritten_turns == 'error':
             raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
                                 "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
-                                "as the model would produce it; use history='expand' (tokenize_turns: one example per turn), "
-                                "history='final' (the full render as it is) or mode='last_assistant'")
+                                "as the model would produce it; use rewritten_turns='expand' (tokenize_turns: one example per turn), "
+                                "rewritten_turns='final' (the full render as it is) or mode='last_assistant'")
         trained = set(asst)
     return {i for i in trained if messages[i].get('train', True) is not False}
 
@@ -231,12 +232,12 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
     return segs
 
 # %% ../nbs/02d_spans.ipynb #4e6730e4
-def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, history: str = 'error', segments: bool = False):
+def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, rewritten_turns: str = 'error', segments: bool = False):
     "(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of one normalized conversation."
-    trained = trained_turns(messages, info, mode, history)
+    trained = trained_turns(messages, info, mode, rewritten_turns)
     try:
         if mode == 'all': text, spans, own = renderer(messages, tools), {}, {}
-        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, history)
+        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, rewritten_turns)
         segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
     except (BadRow, TemplateError): raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
@@ -319,8 +320,8 @@ def check_turns(text: str, spans, ranges, own: dict, messages: list[dict],
         prev, z0 = i, z
 
 # %% ../nbs/02d_spans.ipynb #44b1d088
-def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, history: str) -> list[tuple[list[dict], str]]:
+def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten_turns: str) -> list[tuple[list[dict], str]]:
     "(messages, mode) of each example a row gives: one per trained assistant turn for `expand` on a history-rewriting template."
-    if mode != 'all_assistant' or history != 'expand' or not info.rewrites_history: return [(messages, mode)]
+    if mode != 'all_assistant' or rewritten_turns != 'expand' or not info.rewrites_history: return [(messages, mode)]
     turns = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and m.get('train', True) is not False]
     return [(messages[:i + 1], 'last_assistant') for i in turns] or [(messages, mode)]

@@ -267,7 +267,7 @@ MECHANISMS = {'tags': 'the template marks assistant output with {% generation %}
               'prefix': 'no generation tags; each assistant turn is what rendering it adds after '
                         'render(messages[:i], add_generation_prompt=True), checked to extend that prompt',
               'history-rewriting': 'adding later turns changes the text of earlier ones: each turn is found by prefix '
-                                   'rendering, and all_assistant on multi-turn rows goes through `history` (expand / final / error)'}
+                                   'rendering, and all_assistant on multi-turn rows goes through `rewritten_turns` (expand / final / error)'}
 
 @dataclass(frozen=True)
 class TemplateInfo:
@@ -286,7 +286,7 @@ class TemplateInfo:
     ends: tuple = ()  # the end-of-turn texts of a final and of an earlier assistant turn (GPT-OSS: <|return|>, <|end|>)
     twin: str = ''  # the shipped tagged template (a key of CHAT_TEMPLATES) that renders this one byte for byte: rows render through it
     @property
-    def history(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
+    def stability(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
     @property
     def empty_think_in_gen_prompt(self) -> bool: return '<think>' in self.gen_prompt and '</think>' in self.gen_prompt
 

@@ -88,7 +88,7 @@ class SFTTrainer:
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
         self.control, self.global_step, self.step_metrics, self.callbacks = Control(), 0, [], []
-        self.eval_history, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
+        self.eval_metrics, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
         self.group, self.backend = None, None  # the WorkerGroup and its typed view (BackendGroup)
         self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
@@ -134,7 +134,7 @@ class SFTTrainer:
         return self._exclusive.action is not None
 
     @property
-    def history(self) -> pd.DataFrame:
+    def metrics(self) -> pd.DataFrame:
         "Metrics of every step so far (loss, grad_norm, lr, tokens/s, trained tokens, epoch, step time)."
         return pd.DataFrame(self.step_metrics)
     def __enter__(self): return self.setup()
@@ -257,7 +257,7 @@ def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
         if self.control.should_save: self.control.should_save = False; self.save()
         if self.control.should_stop: self.control.should_stop = False; break
     self._emit('on_train_end')
-    return self.history
+    return self.metrics
 
 @patch
 @action('train')
@@ -274,12 +274,12 @@ def train(self: SFTTrainer) -> pd.DataFrame:
 @action('evaluate')
 def evaluate(self: SFTTrainer) -> dict:
     "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
-    if self.eval_history and self.last_eval.get('step') == self.global_step:  # no step since: the same weights
+    if self.eval_metrics and self.last_eval.get('step') == self.global_step:  # no step since: the same weights
         loss = f" (eval_loss {self.last_eval['eval_loss']:.4f})" if 'eval_loss' in self.last_eval else ''
         print(f"no step since the evaluation at step {self.global_step}: the same weights, its result stands{loss}; nothing counted again")
         return self.last_eval
     self.last_eval = eval_metrics(self.global_step, {name: self.backend.eval_loss(b) for name, b in self.data.eval_batches()})
-    self.eval_history.append(self.last_eval)
+    self.eval_metrics.append(self.last_eval)
     self._emit('on_evaluate', self.last_eval)
     return self.last_eval
 
@@ -289,7 +289,7 @@ def evaluate(self: SFTTrainer) -> dict:
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-    state = {'global_step': self.global_step, 'history': self.step_metrics, 'evals': self.eval_history, 'model': self.model_fingerprint,
+    state = {'global_step': self.global_step, 'step_metrics': self.step_metrics, 'eval_metrics': self.eval_metrics, 'model': self.model_fingerprint,
              **self.data.ckpt_state(self.global_step)}
     final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
@@ -310,8 +310,8 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     check_fingerprint(state, self.model_fingerprint, path)  # a checkpoint of another model (layers, sizes) is refused
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.backend.load(str(path))
-    self.global_step, self.step_metrics = state['global_step'], state['history']
-    self.eval_history = [e for e in state.get('evals', []) if e['step'] <= self.global_step]  # the chart's eval points up to here
+    self.global_step, self.step_metrics = state['global_step'], state['step_metrics']
+    self.eval_metrics = [e for e in state.get('eval_metrics', []) if e['step'] <= self.global_step]  # the chart's eval points up to here
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
     self.record_resume(path, changed)
@@ -443,7 +443,7 @@ def restart_workers(self: SFTTrainer) -> int:
         self.backend = start_workers(self.cfg, self.total_steps)
         self.group, self.model_info = self.backend.group, self.backend.setup()[0]
         if self.ckpt.resolve('latest') is not None: return self.load('latest')
-        self.global_step, self.step_metrics, self.eval_history = 0, [], []
+        self.global_step, self.step_metrics, self.eval_metrics = 0, [], []
         self.data.restore(self.data.ckpt_state(0), self.run_dir)
         self._emit('on_load', 0)
         return 0

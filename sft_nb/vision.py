@@ -132,7 +132,7 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
                     chat_template_kwargs: dict | None = None,
                     template: str | None = None, # a chat template replacing the processor's (text, not a path)
                     train_on_reasoning: bool = True, train_on_tool_calls: bool = True, # as for text rows (see `trained_parts`)
-                    history: str = 'error', # 'final': train every turn as the full render shows it, on a history-rewriting template
+                    rewritten_turns: str = 'error', # 'final': train every turn as the full render shows it, on a history-rewriting template
                    ) -> VisionExample:
     "Render once, expand image placeholders, tokenize once: ids equal `processor.apply_chat_template(..., tokenize=True)`."
     kw, tok, msgs, images, tools = chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images'], conv.get('tools')
@@ -140,7 +140,7 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     ph, info = image_placeholder(processor, template), template_info(tok, template, kw)
     # the span finder of text rows (generation tags, else prefix renders), on the messages with their image parts
     renderer = span_renderer(tok, template, kw, info)
-    text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, history)
+    text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, rewritten_turns)
     segs = message_segments(renderer, msgs, tools, text, {i: [(s, e) for s, e, j in spans if j == i] for *_, i in spans}, info, image=ph)  # the views' labels, images in their message
     spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls)
     pv, grid = None, []
@@ -177,7 +177,7 @@ def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeConfig, base
     good, bad = [], []
     kw = dict(mode=spec.mode, max_length=spec.max_length, truncation=spec.truncation, chat_template_kwargs=spec.chat_template_kwargs,
               template=load_template(spec.chat_template), train_on_reasoning=spec.train_on_reasoning,
-              train_on_tool_calls=spec.train_on_tool_calls, history='final' if spec.history == 'final' else 'error')
+              train_on_tool_calls=spec.train_on_tool_calls, rewritten_turns='final' if spec.rewritten_turns == 'final' else 'error')
     for idx, row in zip(range(len(rows)) if indices is None else indices, rows):
         try: good.append((idx, tokenize_vision(vision_conversation(row, base_dir), processor, **kw)))
         except BadRow as e: bad.append((idx, e.kind, e.reason))

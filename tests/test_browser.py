@@ -104,10 +104,10 @@ def test_run_all_three_times_leaves_one_trainer(lab, browser):
         from jupyter_lab import button, status
         button(nb, 'Fit').click()
         nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('step 20/20')")
-        losses = nb.kernel_json("import json; print('LOSSES', json.dumps(trainer.history.loss.tolist()))", 'LOSSES')
+        losses = nb.kernel_json("import json; print('LOSSES', json.dumps(trainer.metrics.loss.tolist()))", 'LOSSES')
         nb.run_new_cell('trainer.fit(10)')
         nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('step 30/30')")
-        after = nb.kernel_json("print('LOSSES', json.dumps(trainer.history.loss.tolist()))", 'LOSSES')
+        after = nb.kernel_json("print('LOSSES', json.dumps(trainer.metrics.loss.tolist()))", 'LOSSES')
         assert len(after) == 30 and after[:20] == losses, (losses, after)
         traces = nb.page.locator('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')
         nb.until("() => document.querySelectorAll('.sft-nb-panel .js-plotly-plot .scatterlayer .trace')[1]?.querySelectorAll('path.point').length === 3")

@@ -175,7 +175,7 @@ def test_evaluate_again_counts_nothing(run):
     nb.see(page.locator('.sft-nb-log', has_text=f'no step since the evaluation at step {run.stopped}: the same weights'))
     _wait_idle(nb)
     assert page.evaluate(f'() => {EVAL_LINES}') == n and page.locator(SAMPLES).count() == samples
-    assert nb.kernel_json("print('EVALS', len(trainer.eval_history))", 'EVALS') == n
+    assert nb.kernel_json("print('EVALS', len(trainer.eval_metrics))", 'EVALS') == n
 
 
 def test_chat_streams_what_the_kernel_holds(run):

@@ -83,7 +83,7 @@ def test_tool_call_samples_and_panel_lines(tiny_path, tmp_path, ray_session):
 def test_early_stopping_keeps_the_best_model(tiny_path, tmp_path, ray_session):
     """interactive.ipynb's pair of callbacks on its defaults (the tiny model at lr 3e-3 overfits the identity rows):
     EarlyStopping ends the fit before num_steps, and run_dir/best holds the model of the lowest eval loss; evaluating again
-    with no step in between counts nowhere (early stopping, eval_history)."""
+    with no step in between counts nowhere (early stopping, eval_metrics)."""
     from transformers import AutoModelForCausalLM
     from sft_nb.callbacks import EarlyStopping, KeepBest
     cfg = run_cfg(tiny_path, tmp_path, optim__lr=3e-3, optim__schedule='cosine', optim__warmup_steps=10, train__micro_batch_size=4,
@@ -91,10 +91,10 @@ def test_early_stopping_keeps_the_best_model(tiny_path, tmp_path, ray_session):
     es = EarlyStopping(patience=3)
     with SFTTrainer(cfg, [es, KeepBest()], train_data=ROWS['train']) as t:
         t.fit()
-        n_evals, bad, last = len(t.eval_history), es.bad, t.last_eval
+        n_evals, bad, last = len(t.eval_metrics), es.bad, t.last_eval
         for _ in range(3): assert t.evaluate() is last  # no step since: re-reported, counted nowhere
-        assert (len(t.eval_history), es.bad) == (n_evals, bad)
-        losses = [(e['step'], e['eval_loss']) for e in t.eval_history]
+        assert (len(t.eval_metrics), es.bad) == (n_evals, bad)
+        losses = [(e['step'], e['eval_loss']) for e in t.eval_metrics]
         best = min(losses, key=lambda e: e[1])
         assert t.global_step < 300 and t.global_step == losses[-1][0] == best[0] + 30, losses  # 3 evaluations without a new best
         assert t.best['step'] == best[0] and t.best['eval_loss'] == best[1]

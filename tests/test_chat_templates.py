@@ -71,7 +71,7 @@ def without_twin(template: str) -> str:
 @pytest.mark.parametrize('name', list(CHAT_TEMPLATES))
 def test_tag_masks_equal_prefix_masks(name, toks):
     """Same ids and the same trained tokens from the shipped template's tags as from prefix-rendering the original, in every
-    mode; on Qwen3 (it rewrites history) with history='expand' (the default: one example per turn) and 'final' (the full
+    mode; on Qwen3 (it rewrites history) with rewritten_turns='expand' (the default: one example per turn) and 'final' (the full
     render; where the original's prefix renders can place every turn: 'final' refuses some rows the tags handle)."""
     tok, shipped, orig = toks[name], load_template(name), without_twin(original(name))
     assert probe_template(tok, orig).twin == ''
@@ -81,12 +81,12 @@ def test_tag_masks_equal_prefix_masks(name, toks):
     for k in range(60):
         msgs, tools = conversation(rng, features)
         for mode in ('all_assistant', 'last_assistant'):
-            for history in (('expand', 'final') if rewrites else ('error',)):
-                a = tokenize_turns(msgs, tok, mode=mode, tools=tools, template=shipped, history=history)
-                try: b = tokenize_turns(msgs, tok, mode=mode, tools=tools, template=orig, history=history)
+            for rewritten_turns in (('expand', 'final') if rewrites else ('error',)):
+                a = tokenize_turns(msgs, tok, mode=mode, tools=tools, template=shipped, rewritten_turns=rewritten_turns)
+                try: b = tokenize_turns(msgs, tok, mode=mode, tools=tools, template=orig, rewritten_turns=rewritten_turns)
                 except BadRow:
-                    assert history == 'final'; continue
+                    assert rewritten_turns == 'final'; continue
                 assert [x.input_ids for x in a] == [x.input_ids for x in b] and [x.text for x in a] == [x.text for x in b]
-                assert [x.loss_mask for x in a] == [x.loss_mask for x in b], (name, k, mode, history, msgs)
+                assert [x.loss_mask for x in a] == [x.loss_mask for x in b], (name, k, mode, rewritten_turns, msgs)
                 n += all(sum(x.loss_mask) > 0 for x in a); compared += 1
     assert n == compared >= (120 if not rewrites else 200)  # every example trains something; Qwen3: most 'final' rows compared too

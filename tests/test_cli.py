@@ -37,15 +37,15 @@ def test_bad_parameter_type_fails_before_running(tmp_path):
 def test_notebook_parameters_reach_the_config(tmp_path):
     "The tokenize options, checkpoint.overwrite and sequence_parallel are notebook parameters, listed by papermill and put in the config."
     import papermill
-    names = ('history', 'train_on_reasoning', 'train_on_tool_calls', 'overwrite', 'sequence_parallel')
+    names = ('rewritten_turns', 'train_on_reasoning', 'train_on_tool_calls', 'overwrite', 'sequence_parallel')
     assert set(names) <= set(papermill.inspect_notebook(str(TRAIN_NB)))
     cells = nbformat.read(TRAIN_NB, as_version=4).cells
     ns = {}
     exec(next(c.source for c in cells if 'parameters' in c.metadata.get('tags', [])), ns)
-    ns.update(history='final', train_on_reasoning=False, train_on_tool_calls=False, overwrite=True, run_dir=str(tmp_path / 'run'))
+    ns.update(rewritten_turns='final', train_on_reasoning=False, train_on_tool_calls=False, overwrite=True, run_dir=str(tmp_path / 'run'))
     exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)  # builds the config and an SFTTrainer (no Ray yet)
     t, ck = ns['cfg'].tokenize, ns['cfg'].checkpoint
-    assert (t.history, t.train_on_reasoning, t.train_on_tool_calls, ck.overwrite) == ('final', False, False, True)
+    assert (t.rewritten_turns, t.train_on_reasoning, t.train_on_tool_calls, ck.overwrite) == ('final', False, False, True)
     ns.update(workers_per_node=2, sequence_parallel=2)
     exec(next(c.source for c in cells if 'cfg = load_config(' in c.source), ns)
     assert (ns['cfg'].placement.sequence_parallel, ns['cfg'].placement.dp_size) == (2, 1)

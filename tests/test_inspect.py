@@ -93,7 +93,7 @@ def test_inspector_over_every_glaive_row(shared, qwen, glaive):
 
 
 def test_expanded_examples_draw_every_earlier_message_in_its_role(tiny_path):
-    """Qwen3 (it rewrites earlier turns: history='expand', one example per assistant turn) on the tool-calling sample that
+    """Qwen3 (it rewrites earlier turns: rewritten_turns='expand', one example per assistant turn) on the tool-calling sample that
     ships with sft_nb: in every example of every row, the chips of each earlier user and tool message (its content, found
     verbatim and in order in the example's text, not by sft_nb's locator) carry that message's role, never 'template'."""
     from sft_nb.data import load_source, row_dict
@@ -155,7 +155,7 @@ def test_inspect_main_prints_ansi(shared, capsys):
 
 
 def test_inspect_main_expanded_examples(shared, capsys):
-    "Qwen3 drops earlier reasoning: the CLI prints one example per trained turn (history='expand'), one with 'final'."
+    "Qwen3 drops earlier reasoning: the CLI prints one example per trained turn (rewritten_turns='expand'), one with 'final'."
     tpl = str(Path(__file__).parent / 'fixtures' / 'templates' / 'qwen3.jinja')
     row = shared / 'datasets' / 'glaive_toolcall_en_demo.json'
     args = [str(row), '--row', '3', '--model', 'tiny', '--template', tpl, '--color', 'never']
@@ -163,7 +163,7 @@ def test_inspect_main_expanded_examples(shared, capsys):
     out = capsys.readouterr().out
     n = out.count(' · example ')
     assert n > 1 and f'example {n}/{n}' in out
-    assert inspect_main(tokenizer_loader=load_tokenizer, argv=args + ['--history', 'final']) == 0
+    assert inspect_main(tokenizer_loader=load_tokenizer, argv=args + ['--rewritten-turns', 'final']) == 0
     assert ' · example ' not in capsys.readouterr().out
     assert inspect_main(tokenizer_loader=load_tokenizer, argv=args + ['--no-train-tool-calls']) == 0
     assert '⟦<tool_call>' not in capsys.readouterr().out
@@ -235,8 +235,8 @@ def test_inspector_history_controls(tiny_tok):
     ins = Inspector({'chat': [{'messages': conv}]}, tiny_tok, TokenizeConfig(chat_template=tpl))
     assert ins.kwargs.style.description_width == 'initial'  # the label is not cut to 'template …' in a browser
     assert len(ins.examples) == 2 and 'example 2/2' in ins.html.value
-    ins.history.value = 'error'
-    assert ins.examples == [] and "history='expand'" in ins.error
+    ins.rewritten_turns.value = 'error'
+    assert ins.examples == [] and "rewritten_turns='expand'" in ins.error
     ins.mode.value = 'last_assistant'
     assert len(ins.examples) == 1 and 'A farewell.' in ins.example.text
 
@@ -296,7 +296,7 @@ def test_lint_smollm2_real_tokenizer(lint_samples):
 
 def test_lint_verdicts_match_training(glaive):
     "The recommended templates on the shipped examples' data (the identity demo; qwen3 also on the glaive tool calls and the "
-    "tool-call and reasoning fixtures): no `fail`; what the masks or `history='expand'` handle is `info`, saying how. ChatML "
+    "tool-call and reasoning fixtures): no `fail`; what the masks or `rewritten_turns='expand'` handle is `info`, saying how. ChatML "
     "on tool calls it does not render: still `fail`."
     from sft_nb.demo_data import identity_rows
     from sft_nb.data import load_source, row_dict
@@ -308,7 +308,7 @@ def test_lint_verdicts_match_training(glaive):
         assert failed(lint) == set(), (name, lint[lint.status == 'fail'])
         r = lint.set_index('check')
         assert r.loc['text_after_eot', 'status'] == 'info' and 'never trained' in r.loc['text_after_eot', 'example']
-    assert r.loc['rewrites_history', 'status'] == 'info' and "history='expand'" in r.loc['rewrites_history', 'example']  # qwen3
+    assert r.loc['rewrites_history', 'status'] == 'info' and "rewritten_turns='expand'" in r.loc['rewrites_history', 'example']  # qwen3
     assert 'unrendered' in failed(lint_template(load_tokenizer('tiny', 'chatml'), glaive[:20], 'chatml'))  # tool calls never reach the tokens
 
 

@@ -14,7 +14,7 @@ Each test names its source and ports the peer's inputs and expectation (facts, n
 - SkyRL's `encode_messages_subset` case, a conversation that opens with an assistant message: trained as the template
   renders it (its prompt is the template's render of no message), or refused by name where the template cannot;
 - SkyRL `tests/train/test_sft_tokenization.py` (`test_chat_multi_turn_thinking`, `test_chat_multi_turn_no_thinking`):
-  Qwen3 with inline `<think>` in every assistant turn under the default `tokenize.history` (expand), and with
+  Qwen3 with inline `<think>` in every assistant turn under the default `tokenize.rewritten_turns` (expand), and with
   `enable_thinking=False`. SkyRL counts the `\\n` after `<|im_end|>` as trained; that newline is template text here and
   never trained (DESIGN: the span ends on the turn's end of turn), so the expectation is SkyRL's minus that newline.
 """
@@ -140,7 +140,7 @@ def q3_tok(tiny_path):
 
 
 def qwen3_examples(tok, msgs, **kw):
-    spec = TokenizeConfig(chat_template=(FIX / 'qwen3.jinja').read_text(), max_length=None, **kw)  # history: the default, expand
+    spec = TokenizeConfig(chat_template=(FIX / 'qwen3.jinja').read_text(), max_length=None, **kw)  # rewritten_turns: the default, expand
     good, bad = tokenize_rows([{'messages': msgs}], tok, spec, 'messages')
     assert bad == []
     return [runs(tok, ex.input_ids, ex.loss_mask) for _, ex in good]

@@ -49,19 +49,19 @@ def test_case1_quoted_answer_never_trained(tiny_path):
     conv = [U('q1'), A(X), U('Earlier you wrote: ' + X)]
     with pytest.raises(BadRow, match='rewrites history'):  # one render cannot show the turn as the model wrote it: refused, not guessed
         tokenize_conversation(conv, tok, template=q3)
-    final = tokenize_conversation(conv, tok, template=q3, history='final')
+    final = tokenize_conversation(conv, tok, template=q3, rewritten_turns='final')
     assert trained_runs(final, tok) == ['bar<|im_end|>']
     (ex,) = tokenize_turns(conv, tok, template=q3)
     assert trained_runs(ex, tok) == [X + '<|im_end|>'] and 'Earlier' not in ''.join(trained_runs(ex, tok))
 
 
 def test_case1_skyrl_repeated_answer(tiny_path):
-    "SkyRL's Qwen3 mask test inputs: [user, assistant X, user, assistant X]; every history strategy trains each turn once."
+    "SkyRL's Qwen3 mask test inputs: [user, assistant X, user, assistant X]; every rewritten_turns strategy trains each turn once."
     tok, q3 = tok_with(tiny_path, '<|im_start|>', '<|im_end|>'), (FIX / 'qwen3.jinja').read_text()
     conv = [U('q1'), A(X), U('q2'), A(X)]
     exs = tokenize_turns(conv, tok, template=q3)
     assert [trained_runs(e, tok) for e in exs] == [[X + '<|im_end|>'], [X + '<|im_end|>']]
-    final = tokenize_turns(conv, tok, template=q3, history='final')[0]
+    final = tokenize_turns(conv, tok, template=q3, rewritten_turns='final')[0]
     assert trained_runs(final, tok) == ['bar<|im_end|>', X + '<|im_end|>']
 
 

@@ -1,4 +1,4 @@
-"""Reasoning and agent templates: exact masks on every template × conversation × mode × history strategy.
+"""Reasoning and agent templates: exact masks on every template × conversation × mode × rewritten_turns strategy.
 
 Oracle (independent of sft_nb's header probing): for assistant turn i of a render F, message i is replaced by a
 marker assistant message and re-rendered: the text after the marker is the suffix S (end-of-turn onward); F must end
@@ -141,9 +141,9 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
     c = normalize_row(row, fmt)
     msgs, tools = c['messages'], c['tools']
     mode = strategy if strategy in ('last_assistant', 'completion_only') else 'all_assistant'
-    history = 'expand' if mode != 'all_assistant' else strategy
+    rewritten_turns = 'expand' if mode != 'all_assistant' else strategy
     reasoning, tool_calls = flags
-    spec = TokenizeConfig(mode=mode, history=history, chat_template=tpl, chat_template_kwargs=kw, max_length=None,
+    spec = TokenizeConfig(mode=mode, rewritten_turns=rewritten_turns, chat_template=tpl, chat_template_kwargs=kw, max_length=None,
                         train_on_reasoning=reasoning, train_on_tool_calls=tool_calls)
     try: render(tok, msgs, tools, template=tpl, **kw)
     except Exception:  # templates that refuse tool turns or roles: a reported bad row, never a wrong mask
@@ -151,10 +151,10 @@ def test_mask_matrix(templates, convs, name, conv, strategy, flags):
         assert good == [] and bad[0][1] == 'template_error'
         return
     asst = [i for i, m in enumerate(msgs) if m['role'] == 'assistant']
-    kwargs = dict(mode=mode, tools=tools, template=tpl, chat_template_kwargs=kw, history=history,
+    kwargs = dict(mode=mode, tools=tools, template=tpl, chat_template_kwargs=kw, rewritten_turns=rewritten_turns,
                   train_on_reasoning=reasoning, train_on_tool_calls=tool_calls)
     if strategy == 'error' and name in REWRITES and len(asst) > 1:
-        with pytest.raises(TemplateError, match="history='expand'"): tokenize_turns(msgs, tok, **kwargs)
+        with pytest.raises(TemplateError, match="rewritten_turns='expand'"): tokenize_turns(msgs, tok, **kwargs)
         return
     exs = tokenize_turns(msgs, tok, **kwargs)
     good, bad = tokenize_rows([{'messages': msgs, 'tools': tools}], tok, spec, 'messages')
@@ -186,7 +186,7 @@ def test_expanded_rows_keep_their_index(templates, tmp_path):
     assert ds['index'] == [0, 1, 1, 3, 3]
     assert (rep.n_rows, rep.n_kept, rep.n_examples, rep.n_dropped) == (4, 3, 5, 1)
     assert '3 kept (5 examples)' in str(rep)
-    ds, rep = tokenize_dataset(rows, tok, TokenizeConfig(chat_template=tpl, max_length=None, history='final'), cache_dir=tmp_path)
+    ds, rep = tokenize_dataset(rows, tok, TokenizeConfig(chat_template=tpl, max_length=None, rewritten_turns='final'), cache_dir=tmp_path)
     assert ds['index'] == [0, 1, 3] and rep.n_examples == 3
 
 
@@ -201,7 +201,7 @@ def test_expanded_row_dropped_whole(templates):
 
 def test_bad_history_value(templates):
     tok, tpl, kw = templates['qwen3']
-    with pytest.raises(ValueError, match="history: 'sometimes' is not allowed"): tokenize_turns(MULTI, tok, template=tpl, history='sometimes')
+    with pytest.raises(ValueError, match="rewritten_turns: 'sometimes' is not allowed"): tokenize_turns(MULTI, tok, template=tpl, rewritten_turns='sometimes')
 
 
 def _trainer_data(tiny_path, tmp_path, rows, **tokenize):
@@ -216,23 +216,23 @@ def _trainer_data(tiny_path, tmp_path, rows, **tokenize):
     return t
 
 
-@pytest.mark.parametrize('opts', [{}, {'history': 'final'}, {'train_on_reasoning': False}, {'train_on_tool_calls': False},
-                                  {'history': 'final', 'train_on_reasoning': False}], ids=str)
+@pytest.mark.parametrize('opts', [{}, {'rewritten_turns': 'final'}, {'train_on_reasoning': False}, {'train_on_tool_calls': False},
+                                  {'rewritten_turns': 'final', 'train_on_reasoning': False}], ids=str)
 def test_trainer_config_reaches_tokenization(tiny_path, tmp_path, opts):
-    "tokenize.history / train_on_reasoning / train_on_tool_calls in a trainer config give the examples tokenize_turns gives."
+    "tokenize.rewritten_turns / train_on_reasoning / train_on_tool_calls in a trainer config give the examples tokenize_turns gives."
     tok, tpl = AutoTokenizer.from_pretrained(tiny_path), (FIX / 'qwen3.jinja').read_text()
     ds = _trainer_data(tiny_path, tmp_path, [{'messages': REASONING}, {'messages': AGENT}], **opts).data.train_sets[0]
     want = [(i, e) for i, m in enumerate([REASONING, AGENT]) for e in tokenize_turns(m, tok, template=tpl, **opts)]
     assert ds['index'] == [i for i, _ in want]
     assert ds['input_ids'] == [e.input_ids for _, e in want] and ds['loss_mask'] == [e.loss_mask for _, e in want]
     default = [e for m in [REASONING, AGENT] for e in tokenize_turns(m, tok, template=tpl)]
-    assert len(ds) == (2 if opts.get('history') == 'final' else 6)  # expand: one example per assistant turn (2 + 4)
+    assert len(ds) == (2 if opts.get('rewritten_turns') == 'final' else 6)  # expand: one example per assistant turn (2 + 4)
     if opts.get('train_on_reasoning') is False or opts.get('train_on_tool_calls') is False:
         assert sum(ds['n_trained']) < sum(e.n_trained for e in default)  # the masked parts are seen, not trained
 
 
 def test_heldout_split_keeps_expanded_row_on_one_side(tiny_path, tmp_path):
-    "data.eval_fraction with history: expand draws source rows: a row's examples are all train or all held out."
+    "data.eval_fraction with rewritten_turns: expand draws source rows: a row's examples are all train or all held out."
     rows = [{'messages': [{'role': 'user', 'content': f'Is {n} prime?'}, {'role': 'assistant', 'content': 'Let me see.'},
                           {'role': 'user', 'content': 'Well?'}, {'role': 'assistant', 'content': f'{n} is odd.'}]} for n in range(1, 40, 2)]
     t = _trainer_data(tiny_path, tmp_path, rows)

@@ -137,7 +137,7 @@ def test_resumed_run_replaces_checkpoint_of_same_step(tiny_path, tmp_path, ray_s
     run = tmp_path / 'run'
     base = dict(train__num_steps=3, checkpoint__save_every=1, checkpoint__keep_last=3)
     with SFTTrainer(run_cfg(tiny_path, run, **base), train_data=ROWS) as t: t.fit()
-    step2 = lambda: json.loads((run / 'checkpoints' / 'step_000002' / 'trainer_state.json').read_text())['history'][-1]['lr']
+    step2 = lambda: json.loads((run / 'checkpoints' / 'step_000002' / 'trainer_state.json').read_text())['step_metrics'][-1]['lr']
     assert step2() == 1e-2
     with SFTTrainer(run_cfg(tiny_path, run, checkpoint__resume=str(run / 'checkpoints' / 'step_000001'), optim__lr=0.5, **base),
                     train_data=ROWS) as t:

@@ -29,7 +29,7 @@ class _Payload:
 
 @pytest.fixture(scope='module')
 def straight(tiny_path, tmp_path_factory, ray_session):
-    "A 4-step run with checkpoints at steps 2 and 4, and its history (the uninterrupted reference)."
+    "A 4-step run with checkpoints at steps 2 and 4, and its step metrics (the uninterrupted reference)."
     run = tmp_path_factory.mktemp('straight') / 'run'
     with SFTTrainer(run_cfg(tiny_path, run, **BASE), train_data=ROWS) as t:
         h = t.fit()
@@ -81,7 +81,7 @@ def test_latest_marker_cannot_leave_the_run(tmp_path):
     other = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'other'), keep_last=9)); other.claim()
     mine = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'mine'), keep_last=9)); mine.claim()
     try:
-        state = lambda s: {'global_step': s, 'total_steps': 6, 'history': []}
+        state = lambda s: {'global_step': s, 'total_steps': 6, 'step_metrics': []}
         other.save(6, lambda tmp: None, state(6))
         mine.save(2, lambda tmp: None, state(2))
         (mine.dir / 'latest').write_text('../../other/checkpoints/step_000006')
@@ -186,7 +186,7 @@ def test_interrupt_inside_a_step_finishes_it(tiny_path, tmp_path, straight, afte
             setattr(t.group, name, hooked)
         with pytest.raises(KeyboardInterrupt, match='interrupted during step 2, which finished first'):
             t.fit()
-        assert t.global_step == 2 and len(t.history) == 2
+        assert t.global_step == 2 and len(t.metrics) == 2
         h = t.fit()
     finally: t.shutdown()
     for k in ('loss', 'grad_norm', 'lr'):
@@ -203,7 +203,7 @@ def test_interrupt_timer_around_fit(tiny_path, tmp_path, straight):
         try: t.fit()
         except KeyboardInterrupt: pass
         finally: timer.cancel()
-        assert len(t.history) == t.global_step
+        assert len(t.metrics) == t.global_step
         h = t.fit()
     finally: t.shutdown()
     for k in ('loss', 'grad_norm'):

@@ -64,7 +64,7 @@ def _run(root, steps):
     from sft_nb.checkpoint import Checkpointer
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(root), keep_last=5)); ck.dir.mkdir(parents=True)
-    for s in steps: ck.save(s, lambda d: (d / 'model.bin').write_bytes(b'w' * 10), {'global_step': s, 'total_steps': 4, 'history': []})
+    for s in steps: ck.save(s, lambda d: (d / 'model.bin').write_bytes(b'w' * 10), {'global_step': s, 'total_steps': 4, 'step_metrics': []})
     return ck
 
 
@@ -81,18 +81,18 @@ def test_links_in_a_run_resume_nothing_from_outside_it(tmp_path):
         assert a.resolve('latest') == a.dir / 'step_000002'
 
 
-@pytest.mark.parametrize('fault', ['dir_link', 'history_step', 'deep_json'])
+@pytest.mark.parametrize('fault', ['dir_link', 'metrics_step', 'deep_json'])
 def test_crafted_checkpoint_contents_are_refused(tmp_path, fault):
-    """A symbolic link to a folder inside a checkpoint, a history step of -5, a trainer_state.json nested 100k deep (digests
+    """A symbolic link to a folder inside a checkpoint, a step_metrics step of -5, a trainer_state.json nested 100k deep (digests
     rewritten to match, as a forger would): each a CheckpointError naming what is wrong, never a RecursionError."""
     from sft_nb.checkpoint import CheckpointError, verify_checkpoint, write_digests
     d = _run(tmp_path / 'a', (2,)).dir / 'step_000002'
     if fault == 'dir_link': (d / 'etc').symlink_to('/etc'); msg = r'step_000002: holds symbolic links \(etc\)'
     else:
-        (d / 'trainer_state.json').write_text(json.dumps({'global_step': 2, 'total_steps': 4, 'history': [{'step': -5, 'loss': 1.0}]})
-                                              if fault == 'history_step' else '[' * 100000 + ']' * 100000)
+        (d / 'trainer_state.json').write_text(json.dumps({'global_step': 2, 'total_steps': 4, 'step_metrics': [{'step': -5, 'loss': 1.0}]})
+                                              if fault == 'metrics_step' else '[' * 100000 + ']' * 100000)
         (d / 'digests.json').unlink(); write_digests(d)
-        msg = r"history\[0\] field 'step' is -5, expected a step 0 … 2" if fault == 'history_step' else "JSON nested deeper than Python's reader goes"
+        msg = r"step_metrics\[0\] field 'step' is -5, expected a step 0 … 2" if fault == 'metrics_step' else "JSON nested deeper than Python's reader goes"
     with pytest.raises(CheckpointError, match=msg):
         verify_checkpoint(d)
 

@@ -35,7 +35,7 @@ Where each reliability behaviour is shown (`::test_x` is in this file; other tes
 | a cache commit survives a slow rename (OSError 39) | nbs/02_tokenize (hidden cell: commit_entry after the first entry landed) |
 | a config-only model folder is named as having no tokenizer | nbs/06_models (`has config.json but no tokenizer`) |
 | a Ray OOM kill while workers start is named | nbs/07_workers (death_message on Ray's memory-monitor text); not run on a real OOM |
-| odd types in `trainer_state.json` / `report.json` are named (cache entry rebuilt) | ::test_odd_types_in_trainer_state_history_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
+| odd types in `trainer_state.json` / `report.json` are named (cache entry rebuilt) | ::test_odd_types_in_trainer_state_step_metrics_are_named, ::test_odd_types_in_report_json_are_named_and_rebuilt; test_reliability_ckpt.py (total_steps '4') |
 | a template's allocations are bounded (`'a' * 10**8` refused) | ::test_template_allocation_is_bounded; test_reliability_templates.py (every render path × payload: values, loops, recursion, sandbox escapes); nbs/02a_templates (bounded_template payloads) |
 | other payloads (YAML billion laughs, JSON nested past the reader, links in and to checkpoints) are refused | test_reliability_payloads.py |
 """
@@ -90,16 +90,16 @@ def test_odd_types_in_report_json_are_named_and_rebuilt(tmp_path, tiny_tok):
     assert again == rep
 
 
-@pytest.mark.parametrize('record, message', [({'step': 1, 'loss': [1]}, "history[0] field 'loss' is [1], expected a number"),
-                                             ({'step': '1', 'loss': 1.0}, "history[0] field 'step' is '1'"),
-                                             ('x', 'history is out of range')])
-def test_odd_types_in_trainer_state_history_are_named(tmp_path, record, message):
-    "Odd types in trainer_state.json's history are refused at resume, naming the file and the field."
+@pytest.mark.parametrize('record, message', [({'step': 1, 'loss': [1]}, "step_metrics[0] field 'loss' is [1], expected a number"),
+                                             ({'step': '1', 'loss': 1.0}, "step_metrics[0] field 'step' is '1'"),
+                                             ('x', 'step_metrics are out of range')])
+def test_odd_types_in_trainer_state_step_metrics_are_named(tmp_path, record, message):
+    "Odd types in trainer_state.json's step_metrics are refused at resume, naming the file and the field."
     from sft_nb.checkpoint import CheckpointError, Checkpointer
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'))); ck.claim()
     try:
-        path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'history': [record]})
+        path = ck.save(1, lambda tmp: None, {'global_step': 1, 'total_steps': 4, 'step_metrics': [record]})
         with pytest.raises(CheckpointError, match=rf"{path / 'trainer_state.json'}: .*{message}".replace('[', r'\[').replace(']', r'\]')):
             ck.resolve(str(path))
     finally: ck.release()
@@ -114,14 +114,14 @@ def test_disk_full_during_save_names_the_space(tmp_path, fault):
     from sft_nb.config import CheckpointConfig
     ck = Checkpointer(CheckpointConfig(run_dir=str(tmp_path / 'run'), keep_last=1)); ck.claim()
     try:
-        good = ck.save(1, lambda tmp: (tmp / 'shard').write_bytes(b'x'), {'global_step': 1, 'total_steps': 4, 'history': [{'step': 1}]})
+        good = ck.save(1, lambda tmp: (tmp / 'shard').write_bytes(b'x'), {'global_step': 1, 'total_steps': 4, 'step_metrics': [{'step': 1}]})
         def full(tmp):
             (tmp / 'shard').write_bytes(b'half')
             raise fault
         with pytest.raises(CheckpointError, match=rf"checkpoint {ck.dir / 'step_000002'} not saved: no space left on the disk of {ck.dir} "
                                                   r"\(\d+ MiB free there\)\. The trained state of step 2 is still in memory and the earlier "
                                                   r"checkpoints are kept: free space, then save again \(trainer\.save\(\)\)$"):
-            ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'history': [{'step': 1}, {'step': 2}]})
+            ck.save(2, full, {'global_step': 2, 'total_steps': 4, 'step_metrics': [{'step': 1}, {'step': 2}]})
         assert ck.checkpoints() == [good] and (ck.dir / 'latest').read_text() == good.name and not list(ck.dir.glob('.tmp_step_*'))
     finally: ck.release()
 
@@ -169,7 +169,7 @@ def test_damaged_newest_checkpoint_named_and_latest_falls_back(tmp_path, damage,
     def write(tmp):
         (tmp / '__0_0.distcp').write_bytes(os.urandom(64)); (tmp / 'worker_state.json').write_text('{"rank": 0}')
     try:
-        for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'history': [{'step': i + 1} for i in range(s)]})
+        for s in (2, 4): ck.save(s, write, {'global_step': s, 'total_steps': 4, 'step_metrics': [{'step': i + 1} for i in range(s)]})
         damage(ck.dir / 'step_000004')
         with pytest.raises(CheckpointError, match=message): ck.resolve(str(ck.dir / 'step_000004'))
         with pytest.warns(UserWarning, match=rf'checkpoint.resume=latest: skipping step_000004: .*{message}'):

@@ -26,7 +26,7 @@ def _cfg(tiny_path, run, data, **kw):
 
 @pytest.fixture(scope='module')
 def straight(tiny_path, tmp_path_factory, ray_session):
-    "A 4-step run from a JSONL file with checkpoints at steps 2 and 4: (run folder, data file, its history)."
+    "A 4-step run from a JSONL file with checkpoints at steps 2 and 4: (run folder, data file, its step metrics)."
     d = tmp_path_factory.mktemp('identity')
     data = _write(d / 'rows.jsonl', ROWS)
     with SFTTrainer(_cfg(tiny_path, d / 'run', data)) as t:

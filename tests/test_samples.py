@@ -35,7 +35,7 @@ def test_samples_at_every_eval(tiny_path, tmp_path, ray_session):
         assert [r['previous'] for r in recs] == [None] * 4 + [r['answer'] for r in recs[:4]]
         # greedy with the trainer's own generate: the same prompts now (no step since the last eval) give the same answers
         assert t.generate([r['messages'] for r in recs[4:]], 12) == [r['answer'] for r in recs[4:]]
-        assert [e['step'] for e in t.eval_history] == [2, 4]
+        assert [e['step'] for e in t.eval_metrics] == [2, 4]
 
 
 def test_samples_off(tiny_path, tmp_path, ray_session):
@@ -43,7 +43,7 @@ def test_samples_off(tiny_path, tmp_path, ray_session):
     with SFTTrainer(cfg(tiny_path, tmp_path, train__num_steps=2, train__eval_every=1, eval__samples=0, data__eval_fraction=0.2),
                     train_data=ROWS['train']) as t:
         t.train()
-        assert [e['step'] for e in t.eval_history] == [1, 2] and not getattr(t, 'samples', [])
+        assert [e['step'] for e in t.eval_metrics] == [1, 2] and not getattr(t, 'samples', [])
     assert not (tmp_path / 'samples.jsonl').exists()
 
 

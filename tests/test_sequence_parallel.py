@@ -119,7 +119,7 @@ def test_trainer_sp_exact_resume(tiny_path, tmp_path, ray_session):
     with SFTTrainer(_cfg(tiny_path, tmp_path / 'resumed', checkpoint__resume=str(ckpt), **sp), train_data=WROWS) as r:
         assert r.global_step == 2
         h = r.fit(); resumed, n_res, w = h['loss'].tolist(), h['n_trained'].tolist(), r.group.call('full_state')[0]
-    assert n_res == n_full and resumed[:2] == full[:2]  # the history before the checkpoint, as logged
+    assert n_res == n_full and resumed[:2] == full[:2]  # the losses before the checkpoint, as logged
     assert resumed[2:] == full[2:], (resumed, full)
     assert_rel_close(w, w_full, 0, 'weights after resume')
 

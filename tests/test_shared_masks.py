@@ -65,7 +65,7 @@ def test_masks_equal_the_rendered_assistant_turns(family, shared, shared_rows, t
     if family not in ('smollm2', 'qwen2.5-instruct'): template = collapse_template(template)
     checked = 0
     for mode in ('all_assistant', 'last_assistant'):
-        spec = TokenizeConfig(mode=mode, chat_template=template, max_length=None, history='final')
+        spec = TokenizeConfig(mode=mode, chat_template=template, max_length=None, rewritten_turns='final')
         for dataset, (fmt, rows) in shared_rows.items():
             good, bad = tokenize_rows(rows, tok, spec, fmt, list(range(len(rows))), keep_offsets=False)
             assert not bad and len(good) == len(rows), (dataset, bad[:3])

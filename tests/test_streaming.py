@@ -174,7 +174,7 @@ def test_streamed_train_evaluates_and_saves(tiny_path, tmp_path, ray_session, js
 
 
 def test_expanded_rows_wait_in_carry_and_resume(tiny_path, tmp_path):
-    "history='expand' (Qwen3 rewrites earlier turns): a row gives one example per assistant turn; those without room in the window wait in `carry`, which the state keeps."
+    "rewritten_turns='expand' (Qwen3 rewrites earlier turns): a row gives one example per assistant turn; those without room in the window wait in `carry`, which the state keeps."
     from transformers import AutoTokenizer
     from test_reasoning import FIX, MULTI, REASONING, SINGLE
     tok = AutoTokenizer.from_pretrained(tiny_path)

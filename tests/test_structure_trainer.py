@@ -32,7 +32,7 @@ import sys
 from sft_nb.trainer import SFTTrainer
 t = SFTTrainer({'model': {'path': 'tiny'}})
 assert 'sft_nb.lens' not in sys.modules
-for a in ('global_step', 'history', 'eval_history', 'step_metrics', 'last_eval', 'total_steps', 'run_dir', 'group', 'backend',
+for a in ('global_step', 'metrics', 'eval_metrics', 'step_metrics', 'last_eval', 'total_steps', 'run_dir', 'group', 'backend',
           'tokenizer', 'processor', 'data_report', 'model_info', 'callbacks', 'control', 'running', 'action', 'profile_dir', 'data', 'ckpt'):
     getattr(t, a)
 for m in ('setup', 'step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'shutdown', 'dry_run', 'restart_workers',

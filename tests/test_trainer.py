@@ -139,7 +139,7 @@ def test_step_and_callback_stop(tiny_path, tmp_path, ray_session):
         assert t.global_step == 2 and cb.seen == [1, 2]
         t.fit(1)  # the flag was consumed: training continues on request
         assert t.global_step == 3
-        assert list(t.history.step) == [1, 2, 3]
+        assert list(t.metrics.step) == [1, 2, 3]
 
 
 def test_prefetch_and_sampler_in_checkpoint(tiny_path, tmp_path, ray_session):
@@ -206,12 +206,12 @@ def test_a_finished_run_continues_in_place_as_a_resume_extends_it(tiny_path, tmp
         h = t.fit(2)
         assert t.total_steps == 6 and len(h) == 6 and h.loss.tolist()[:4] == first
         assert h.lr.tolist()[4:] == pytest.approx([lr_at(s, 1e-3, 6, 'cosine') for s in (4, 5)])
-        assert [e['step'] for e in t.eval_history] == [2, 4, 6]
+        assert [e['step'] for e in t.eval_metrics] == [2, 4, 6]
     events = [json.loads(l) for l in (tmp_path / 'run' / 'events.jsonl').read_text().splitlines()]
     assert events[-1]['event'] == 'continue' and events[-1]['changed'] == {'train.num_steps': [4, 6]} and 'lr_schedule' in events[-1]
     assert '# continued at step 4: train.num_steps 4 -> 6' in (tmp_path / 'run' / 'config.yaml').read_text()
     with SFTTrainer(make_cfg(tiny_path, tmp_path / 'resumed', checkpoint__resume=str(ckpt), **{**base, 'train__num_steps': 6}), train_data=ROWS) as r:
-        assert [e['step'] for e in r.eval_history] == [2, 4]  # restored from the checkpoint: the chart keeps its eval points
+        assert [e['step'] for e in r.eval_metrics] == [2, 4]  # restored from the checkpoint: the chart keeps its eval points
         resumed = r.fit()['loss'].tolist()
     assert_rel_close(resumed[4:], h.loss.tolist()[4:], 4e-6, 'continued in place vs resumed')
 

@@ -94,7 +94,7 @@ MUTANTS = [
     Mutant('sampler_same_order_every_epoch', "the random sampler ignores the epoch: every epoch repeats the first order",
            both('sft_nb/dataplan.py', 'nbs/05a_dataplan.ipynb', 'np.random.default_rng(self.seed + epoch)', 'np.random.default_rng(self.seed)'),
            notebooks=['nbs/05a_dataplan.ipynb']),
-    Mutant('epoch_order_depends_on_history', "an epoch's order depends on the orders the plan drew before, not on the step: a resumed run trains other rows",
+    Mutant('epoch_order_depends_on_earlier_draws', "an epoch's order depends on the orders the plan drew before, not on the step: a resumed run trains other rows",
            [('sft_nb/dataplan.py', 'self.sampler.order(epoch)', 'self.sampler.order(epoch + len(self._orders))')],
            tests=['tests/test_dataplan.py::test_global_batch_is_a_function_of_the_step']),
     # ---- the LR schedule
