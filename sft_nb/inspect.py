@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import NamedTuple
 from .config import TokenizeConfig
 from .formats import BadRow, detect_format
-from .data import load_source, row_dict, source_columns
+from .data import load_source, row_dict, source_columns, source_format
 from .templates import FAMILY_SPECIALS, TemplateError, add_family_specials, load_template
-from .config import TokenizeConfig
 from .spans import REWRITTEN_TURNS, MODES
 from .renderers import Example, labels_for, tokenize_conversation, tokenize_rows
 from .tokenize import image_base_dir
@@ -348,11 +347,14 @@ def _load(self: Inspector):
     name = self.source.value
     if name not in self._loaded:
         ds = load_source(self.sources[name])
-        fmt = None if _is_processor(self.tokenizer) else self.format if self.format != 'auto' else detect_format(source_columns(ds))
+        # the rule training follows (`source_format`): the source's own format, else tokenize.format, else detected
+        fmt = None if _is_processor(self.tokenizer) else source_format(self.sources[name], self.format, lambda: source_columns(ds))
         self._loaded[name] = ds, fmt
     self.rows, self.fmt = self._loaded[name]
     self.row.max = max(0, len(self.rows) - 1)
 
+
+# %% ../nbs/03_inspect.ipynb #f667d33a
 @patch(as_prop=True)
 def spec(self: Inspector) -> TokenizeConfig:
     "The inspector's `TokenizeConfig` with the controls' values (raises on template kwargs that are not a JSON object)."

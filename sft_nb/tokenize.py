@@ -185,7 +185,7 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
 # %% ../nbs/02_tokenize.ipynb #c2c212dd
 def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     spec = spec or TokenizeConfig()
-    if spec.format == 'auto': spec = dataclasses.replace(spec, format=source_format(source))  # an explicit tokenize.format wins here
+    spec = dataclasses.replace(spec, format=source_format(source, spec.format))  # a source's own format wins, as in training
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
 # %% ../nbs/02_tokenize.ipynb #07d463c2
