@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse, ast, json, os, re, signal, sys, threading, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
+from fastcore.basics import patch
 import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
 from .config import load_yaml
@@ -22,14 +23,14 @@ __all__ = ['ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters',
 class ParameterError(UserError, ValueError):
     "A notebook parameter that does not exist or has the wrong type."
 
-_TYPES = {'int': (int,), 'float': (float, int), 'str': (str,), 'bool': (bool,)}
-
+# %% ../nbs/11_cli.ipynb #3f00fcbd
 def notebook_parameters(path: str | Path) -> dict:
     "Parameters declared in a notebook's `parameters` cell: {name: {'type', 'default', 'help'}}."
     import papermill as pm
     params = pm.inspect_notebook(str(path))
     return {k: {'type': v['inferred_type_name'], 'default': v['default'], 'help': v['help']} for k, v in params.items()}
 
+# %% ../nbs/11_cli.ipynb #cb8f1c2a
 def parse_value(text: str):
     "A command-line value as a YAML scalar (`3` → int, `3e-4` → float, `true` → bool, else str)."
     try: v = load_yaml(text, f'value {text[:60]!r}')
@@ -38,6 +39,9 @@ def parse_value(text: str):
         try: return float(v)  # YAML 1.1 reads `3e-4` as a string
         except ValueError: return v
     return text if v is None else v
+
+# %% ../nbs/11_cli.ipynb #d1e8fc8a
+_TYPES = {'int': (int,), 'float': (float, int), 'str': (str,), 'bool': (bool,)}
 
 def check_parameters(declared: dict, given: dict) -> dict:
     "Validate names and types of `given` against `declared`; returns the values to pass (ints widened to floats)."
@@ -63,6 +67,7 @@ def _tree(src: str) -> ast.Module | None:
     try: return ast.parse(TransformerManager().transform_cell(src))
     except SyntaxError: return None
 
+# %% ../nbs/11_cli.ipynb #e0f2dee8
 def _names(src: str, assigned: bool) -> set[str]:
     "The names cell source `src` assigns at top level (`assigned`), or every name it mentions."
     if (tree := _tree(src)) is None: return set()
@@ -70,6 +75,7 @@ def _names(src: str, assigned: bool) -> set[str]:
     targets = [t for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
     return {e.id for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)}
 
+# %% ../nbs/11_cli.ipynb #aebae18e
 def _reads_binds(src: str) -> tuple[set[str], set[str]]:
     "(the names cell source `src` reads, the names it binds: assignments, imports, definitions, arguments)."
     if (tree := _tree(src)) is None: return set(), set()
@@ -79,6 +85,7 @@ def _reads_binds(src: str) -> tuple[set[str], set[str]]:
     binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
     return reads, binds | {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
+# %% ../nbs/11_cli.ipynb #f21c59ae
 def _cells(notebook: str | Path) -> tuple[str | None, list[str]]:
     "(the source of `notebook`'s parameters cell, None without one; the sources of its other code cells, papermill's injected one left out)."
     cells = [c for c in json.loads(Path(notebook).read_text())['cells'] if c['cell_type'] == 'code']
@@ -86,7 +93,6 @@ def _cells(notebook: str | Path) -> tuple[str | None, list[str]]:
     params = next((c for c in cells if 'parameters' in tags(c)), None)
     return (''.join(params['source']) if params else None,
             [''.join(c['source']) for c in cells if c is not params and 'injected-parameters' not in tags(c)])
-
 
 # %% ../nbs/11_cli.ipynb #b5101d30
 def parameter_keys(notebook: str | Path) -> dict[str, str]:
@@ -112,6 +118,7 @@ def parameter_keys(notebook: str | Path) -> dict[str, str]:
         out |= {f'{s}.{k}': p for s, k, v in sets if k in sections[s] and (p := param(v))}
     return out
 
+# %% ../nbs/11_cli.ipynb #3179a02e
 def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
                        form: str = 'notebook', # 'notebook': `max_length=4175` (a Python value) | 'run': `-p max_length 4175`
                       ) -> str:
@@ -162,6 +169,7 @@ def in_thread(fn):
     if 'err' in box: raise box['err']
     return box.get('out')
 
+# %% ../nbs/11_cli.ipynb #26614bb8
 def kernel_pids() -> list[int]:
     "PIDs of this process's children that are Jupyter kernels (jupyter_client starts them in a session of their own: no Ctrl-C reaches them)."
     found = []
@@ -171,6 +179,7 @@ def kernel_pids() -> list[int]:
         except OSError: pass
     return found
 
+# %% ../nbs/11_cli.ipynb #40c9b182
 class SignalStop:
     """SIGTERM (cloud preemption) and SIGINT (Ctrl-C) in `sft-nb train` and `sft-nb run`. The first signal calls `stop(name)`,
     which asks the work to end at its next step boundary (`SFTTrainer.request_stop`; the notebook's kernel, whose
@@ -186,36 +195,6 @@ class SignalStop:
         self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing  # hint: where to resume
         self.got, self.prev, self.timer, self.raised, self.again, self.prev_hook = [], {}, None, False, False, None
         self.wake = threading.Event()
-    def arm(self):
-        if threading.current_thread() is threading.main_thread():
-            for s in (signal.SIGTERM, signal.SIGINT):
-                h = signal.signal(s, self.on_signal)
-                self.prev.setdefault(s, h)
-            if self.prev_hook is None:
-                self.prev_hook, sys.unraisablehook = sys.unraisablehook, self.on_unraisable
-                threading.Thread(target=self.resend, daemon=True).start()
-        return self
-    def on_unraisable(self, u):
-        if not (self.raised and isinstance(u.exc_value, Preempted)): return self.prev_hook(u)
-        self.again = True; self.wake.set()  # raised here, it would be lost again: `resend` sends the signal once more
-    def resend(self):
-        while self.wake.wait() and self.prev_hook is not None:
-            self.wake.clear(); signal.pthread_kill(threading.main_thread().ident, signal.Signals[self.got[0]])
-    def on_signal(self, signum, frame):
-        name = signal.Signals(signum).name
-        if self.again: self.again = False; raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0])
-        self.got.append(name)
-        if not self.stop(name):
-            if len(self.got) == 1: self.raised = True; raise Preempted(f"stopped by {name} outside a training step", name)
-            return
-        if len(self.got) > 1: return
-        print(f"{self.who}: {name}: {self.doing} (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
-        def give_up():
-            self.give_up()
-            print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint ({self.hint})",
-                  file=sys.stderr, flush=True)
-            os._exit(128 + signum)
-        self.timer = threading.Timer(self.grace_s, give_up); self.timer.daemon = True; self.timer.start()
     def __enter__(self): return self.arm()
     def __exit__(self, typ, e, tb):
         for s, h in self.prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
@@ -227,12 +206,56 @@ class SignalStop:
             raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0]) from None
         return False
 
+# %% ../nbs/11_cli.ipynb #2747a779
+@patch
+def on_unraisable(self: SignalStop, u):
+    if not (self.raised and isinstance(u.exc_value, Preempted)): return self.prev_hook(u)
+    self.again = True; self.wake.set()  # raised here, it would be lost again: `resend` sends the signal once more
+
+# %% ../nbs/11_cli.ipynb #1b189d84
+@patch
+def resend(self: SignalStop):
+    while self.wake.wait() and self.prev_hook is not None:
+        self.wake.clear(); signal.pthread_kill(threading.main_thread().ident, signal.Signals[self.got[0]])
+
+# %% ../nbs/11_cli.ipynb #930e8229
+@patch
+def on_signal(self: SignalStop, signum, frame):
+    name = signal.Signals(signum).name
+    if self.again: self.again = False; raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0])
+    self.got.append(name)
+    if not self.stop(name):
+        if len(self.got) == 1: self.raised = True; raise Preempted(f"stopped by {name} outside a training step", name)
+        return
+    if len(self.got) > 1: return
+    print(f"{self.who}: {name}: {self.doing} (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
+    def give_up():
+        self.give_up()
+        print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint ({self.hint})",
+              file=sys.stderr, flush=True)
+        os._exit(128 + signum)
+    self.timer = threading.Timer(self.grace_s, give_up); self.timer.daemon = True; self.timer.start()
+
+# %% ../nbs/11_cli.ipynb #3f0261d4
+@patch
+def arm(self: SignalStop):
+    if threading.current_thread() is threading.main_thread():
+        for s in (signal.SIGTERM, signal.SIGINT):
+            h = signal.signal(s, self.on_signal)
+            self.prev.setdefault(s, h)
+        if self.prev_hook is None:
+            self.prev_hook, sys.unraisablehook = sys.unraisablehook, self.on_unraisable
+            threading.Thread(target=self.resend, daemon=True).start()
+    return self
+
 # %% ../nbs/11_cli.ipynb #517daef8
 ANSI = re.compile(r'\x1b\[[0-9;]*m')  # colour codes in a kernel's traceback lines
 
+# %% ../nbs/11_cli.ipynb #28994dcf
 class NotebookError(UserError, RuntimeError):
     "A notebook cell stopped on the user's mistake (a `UserError` in the kernel): its message, the cell, the executed notebook, its fix."
 
+# %% ../nbs/11_cli.ipynb #e2423a1c
 def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
                  grace_s: float = 120) -> Path: # seconds from SIGTERM/SIGINT to a checkpoint in the kernel; then it is killed
     "Validate `params`, then execute `notebook` with papermill; returns the executed notebook's path."
@@ -287,6 +310,7 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
 # %% ../nbs/11_cli.ipynb #bbe33bbe
 PAPERMILL_BANNERS = re.compile(r'(Executing|Ending) Cell \d+-+$|(Input|Output) Notebook: |Executing notebook with kernel')
 
+# %% ../nbs/11_cli.ipynb #ab196557
 def _cmd_run(a):
     import logging
     log = logging.getLogger('papermill')  # papermill streams cell output through this logger
@@ -302,6 +326,7 @@ def _cmd_run(a):
     out = run_notebook(a.notebook, params, a.run_dir, a.timeout, grace_s=a.grace)
     print(f"executed notebook: {out}")
 
+# %% ../nbs/11_cli.ipynb #37ef8daa
 def check_overrides(overrides: list[str]):
     "Name the override whose value is not valid YAML (the config parser would raise a bare YAML traceback)."
     for o in overrides:
@@ -363,6 +388,7 @@ def export_parser(sub):
     e.add_argument('--card', action='store_true', help='write the model card (hf/README.md, hf/loss.svg)')
     e.add_argument('--push', metavar='REPO', help='upload hf/ with its card to the Hub repo REPO (user/name)')
 
+# %% ../nbs/11_cli.ipynb #6b9ead97
 def _cmd_export(a):
     from sft_nb.export import export_gguf, push, run_export, write_card
     hf = run_export(a.run_dir)
@@ -380,6 +406,7 @@ def _cmd_estimate(a):
     p = estimate(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
     print(estimate_report(p)); sys.exit(0 if p['fits'] else 3)
 
+# %% ../nbs/11_cli.ipynb #32b075d6
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
     from sft_nb.models import load_tokenizer
@@ -388,15 +415,18 @@ def _cmd_inspect(a, rest):
         return inspect_main(rest, run_loader=run_scorer, tokenizer_loader=load_tokenizer)
     return inspect_main(rest, tokenizer_loader=load_tokenizer)
 
+# %% ../nbs/11_cli.ipynb #d0d9fab4
 def _cmd_pack(a, rest):
     from sft_nb.packsim import pack_main
     from sft_nb.models import load_tokenizer
     return pack_main(rest, tokenizer_loader=load_tokenizer)
 
+# %% ../nbs/11_cli.ipynb #0d73b0b3
 def _cmd_demo(a, rest):
     from sft_nb.demo import main as demo_main
     return demo_main(rest)
 
+# %% ../nbs/11_cli.ipynb #7284c251
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='sft-nb', description='sft_nb: supervised fine-tuning, notebook-first')
     sub = p.add_subparsers(dest='command', required=True)
@@ -425,6 +455,7 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_parser(name, help=h, add_help=False)
     return p
 
+# %% ../nbs/11_cli.ipynb #3aa87261
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     debug = '--debug' in argv  # the traceback of a refused or failed command, below its message

@@ -14,7 +14,7 @@ from .jsonl import bad_row_marker, json_records
 from .paths import new_digest
 
 # %% auto #0
-__all__ = ['source_path', 'source_name', 'load_source', 'row_dict', 'row_columns', 'source_columns', 'source_fingerprint',
+__all__ = ['source_path', 'source_name', 'row_dict', 'row_columns', 'source_columns', 'load_source', 'source_fingerprint',
            'source_format']
 
 # %% ../nbs/01_data.ipynb #a1d0e00d
@@ -24,8 +24,10 @@ def _null_choice(src, null_content) -> str:
     if choice not in NULL_CONTENT: raise ValueError(f"null_content: {choice!r} is not allowed; use one of {', '.join(NULL_CONTENT)}")
     return choice
 
+# %% ../nbs/01_data.ipynb #42317e97
 def _null_turn(m) -> bool: return isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls')
 
+# %% ../nbs/01_data.ipynb #f5f42986
 def _fill_null_content(row: dict) -> dict:
     "A copy of `row` whose assistant turns with `content: null` and no tool calls have content '' (trained as empty turns)."
     out = row
@@ -36,12 +38,14 @@ def _fill_null_content(row: dict) -> dict:
             out[key] = [{**m, 'content': ''} if _null_turn(m) else m for m in msgs]
     return out
 
+# %% ../nbs/01_data.ipynb #783be8b4
 def _fill_dataset(ds):
     "`_fill_null_content` over a Dataset, JSON-stored (`_json`) or typed."
     if ds.column_names == ['_json']:
         return ds.map(lambda r: {'_json': json.dumps(_fill_null_content(json.loads(r['_json'])), ensure_ascii=False)})
     return ds.map(_fill_null_content)
 
+# %% ../nbs/01_data.ipynb #7cc42c4a
 def _load_json(p: Path, fill: bool = False):
     "JSON/JSONL rows kept as one JSON string per row (Arrow cannot type heterogeneous tool schemas), read in one pass."
     import datasets, pyarrow as pa
@@ -62,9 +66,34 @@ def source_path(src) -> str | None:
     if isinstance(src, SourceConfig): return src.path
     return str(src) if isinstance(src, (str, Path)) else None
 
+# %% ../nbs/01_data.ipynb #5b3c4eae
 def source_name(src, k: int) -> str:
     "How reports name source `k`: its path or name, else `source k`."
     return source_path(src) or f'source {k}'
+
+# %% ../nbs/01_data.ipynb #43d81182
+def row_dict(ds_row: dict) -> dict:
+    "A dataset row as the original dict (undoing the one-JSON-column storage of list/JSON sources)."
+    return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row  # a reader's bad row: {BAD_ROW_KEY: ...}
+
+# %% ../nbs/01_data.ipynb #2280311e
+def row_columns(rows) -> list[str]:
+    """The columns of the first 20 readable rows of `rows` (an iterable of `(index, row)`; bad lines carry no columns);
+    a source whose every row is bad is a `BadRow` naming the first. Every reader (map-style, streamed, JSONL) asks this."""
+    cols, bad, n = set(), [], 0
+    for j, r in rows:
+        if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
+        elif isinstance(r, dict): cols |= set(r); n += 1
+        if n == 20: break
+    if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
+    return sorted(cols)
+
+# %% ../nbs/01_data.ipynb #b610e6c1
+def source_columns(ds) -> list[str]:
+    "Column names of a source, looking inside JSON-stored rows."
+    if ds.column_names != ['_json']: return ds.column_names
+    return row_columns((j, json.loads(r)) for k in range(0, len(ds), 1000)
+                       for j, r in enumerate(ds.select(range(k, min(k + 1000, len(ds))))['_json'], k))
 
 # %% ../nbs/01_data.ipynb #10daeb69
 def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a list of dicts, or a Dataset
@@ -107,6 +136,7 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
     if cfg.max_rows is not None: ds = ds.select(range(min(cfg.max_rows, len(ds))))
     return ds
 
+# %% ../nbs/01_data.ipynb #afe18626
 def _builtin(cfg: SourceConfig):
     "Data the package generates itself: `sft_nb:identity` (split train or eval)."
     from sft_nb.demo_data import identity_rows
@@ -115,28 +145,7 @@ def _builtin(cfg: SourceConfig):
     if cfg.split not in rows: raise BadRow(f"sft_nb:identity has splits {list(rows)}, not {cfg.split!r}")
     return load_source(rows[cfg.split][:cfg.max_rows], null_content=_null_choice(cfg, None))
 
-# %% ../nbs/01_data.ipynb #43d81182
-def row_dict(ds_row: dict) -> dict:
-    "A dataset row as the original dict (undoing the one-JSON-column storage of list/JSON sources)."
-    return json.loads(ds_row['_json']) if set(ds_row) == {'_json'} else ds_row  # a reader's bad row: {BAD_ROW_KEY: ...}
-
-def row_columns(rows) -> list[str]:
-    """The columns of the first 20 readable rows of `rows` (an iterable of `(index, row)`; bad lines carry no columns);
-    a source whose every row is bad is a `BadRow` naming the first. Every reader (map-style, streamed, JSONL) asks this."""
-    cols, bad, n = set(), [], 0
-    for j, r in rows:
-        if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
-        elif isinstance(r, dict): cols |= set(r); n += 1
-        if n == 20: break
-    if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
-    return sorted(cols)
-
-def source_columns(ds) -> list[str]:
-    "Column names of a source, looking inside JSON-stored rows."
-    if ds.column_names != ['_json']: return ds.column_names
-    return row_columns((j, json.loads(r)) for k in range(0, len(ds), 1000)
-                       for j, r in enumerate(ds.select(range(k, min(k + 1000, len(ds))))['_json'], k))
-
+# %% ../nbs/01_data.ipynb #450e8155
 def source_fingerprint(src, ds) -> str:
     "Content fingerprint of a source for cache keys: file bytes for local files, the Arrow fingerprint otherwise."
     p = Path(path) if (path := source_path(src)) is not None else None

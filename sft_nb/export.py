@@ -11,7 +11,7 @@ from .errors import UserError
 # %% auto #0
 __all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'GO_FUNCS', 'HUB_IDS', 'ExportError', 'gguf_arch', 'permute_qk',
            'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf', 'go_words',
-           'go_pieces', 'go_value', 'render_go_template', 'go_data', 'probe', 'turn_pieces', 'go_template',
+           'go_pieces', 'go_value', 'go_data', 'render_go_template', 'probe', 'turn_pieces', 'go_template',
            'ollama_template', 'modelfile', 'export_gguf', 'loss_svg', 'run_record', 'model_card', 'write_card', 'push',
            'save_run_tokenizer', 'run_export']
 
@@ -20,10 +20,14 @@ class ExportError(UserError, ValueError):
     """What was asked cannot be exported as asked: a model or tokenizer the GGUF writer does not cover, a chat
     template an Ollama TEMPLATE cannot say, a push while offline."""
 
+# %% ../nbs/08f_export.ipynb #d1ee4564
 GGUF_ARCHS = {'llama': 'LLAMA', 'qwen2': 'QWEN2'}  # transformers model_type → gguf.MODEL_ARCH (llama.cpp's names)
+
 GGUF_QUANTS = ('f16', 'q8_0')  # 2-D weights in f16, or 8-bit blocks of 32 (rows not a multiple of 32 stay f16); 1-D f32
+
 CONVERT_HINT = "convert the HF export with llama.cpp's convert_hf_to_gguf.py"
 
+# %% ../nbs/08f_export.ipynb #6e6f3359
 def gguf_arch(cfg) -> str:
     "The gguf architecture of a transformers config, or an `ExportError` naming what the writer does not cover."
     kind = cfg.model_type
@@ -88,6 +92,7 @@ def gguf_pre(tok) -> str:
     raise ExportError(f"GGUF export: the tokenizer splits text with {json.dumps(pre)[:200]}, which sft_nb cannot name "
                       f"for llama.cpp (it names the GPT-2, SmolLM, Qwen2 and Llama 3 splits); {CONVERT_HINT}")
 
+# %% ../nbs/08f_export.ipynb #f89b2eb7
 def gguf_vocab(tok, n_vocab: int) -> tuple[list[str], list[int], list[str]]:
     """(tokens, token types, merges) of a byte-level BPE tokenizer as llama.cpp's 'gpt2' model reads them; special added
     tokens are CONTROL, other added ones USER_DEFINED, ids the embedding has beyond the tokenizer UNUSED pads."""
@@ -118,6 +123,7 @@ def gguf_config(w, cfg, quant: str):
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == 'q8_0' else gguf.LlamaFileType.MOSTLY_F16)
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
+# %% ../nbs/08f_export.ipynb #210336ea
 def gguf_tokenizer(w, tok, n_vocab: int):
     """The tokenizer as llama.cpp's BPE ('gpt2') reads it, its special ids and the chat template it trained with. The
     runtime adds no BOS or EOS: the template writes every token of a conversation, as training tokenized it
@@ -159,8 +165,10 @@ def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the
 # %% ../nbs/08f_export.ipynb #e5400016
 _GO_WORD = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+)\b|(\$\w*(?:\.\w+)*)|(\.\w+(?:\.\w+)*|\.)'
                       r'|(\()|(\)(?:\.\w+)*)|(:=|,)|(\w+))')
+
 _GO_KINDS = ('str', 'num', 'var', 'field', '(', ')', 'op', 'name')
 
+# %% ../nbs/08f_export.ipynb #d8a13ad6
 def go_words(body: str) -> list[tuple]:
     "One action's words as (kind, value): strings (unquoted), numbers, variables, fields, parentheses, `:=` `,`, names."
     words, pos, body = [], 0, body.strip()
@@ -172,6 +180,7 @@ def go_words(body: str) -> list[tuple]:
         pos = m.end()
     return words
 
+# %% ../nbs/08f_export.ipynb #6e155528
 def go_pieces(template: str) -> list[tuple]:
     "A Go template as ('text', s) and ('action', words) pieces; `{{- ` and ` -}}` trim the text beside them."
     out, i = [], 0
@@ -196,15 +205,18 @@ def go_pieces(template: str) -> list[tuple]:
 # %% ../nbs/08f_export.ipynb #e5400017
 def _go_true(x) -> bool: return x is not None and x is not False and x != 0 and x != '' and x != [] and x != {}
 
+# %% ../nbs/08f_export.ipynb #2a87239e
 def _go_index(x, *keys):
     for k in keys: x = x[k]
     return x
 
+# %% ../nbs/08f_export.ipynb #1b621c44
 GO_FUNCS = {'eq': lambda a, *bs: any(a == b for b in bs), 'ne': lambda a, b: a != b, 'not': lambda a: not _go_true(a),
             'and': lambda *xs: next((x for x in xs if not _go_true(x)), xs[-1]),
             'or': lambda *xs: next((x for x in xs if _go_true(x)), xs[-1]),
             'len': len, 'index': _go_index, 'slice': lambda x, a=0, b=None: x[a:b]}  # text/template's builtins we read
 
+# %% ../nbs/08f_export.ipynb #5d0ae579
 def go_value(words: list, dot, vars: dict):
     "The value of one command: a function (`GO_FUNCS`) and its arguments, or one operand (consumes `words`)."
     def operand():
@@ -227,6 +239,11 @@ def go_value(words: list, dot, vars: dict):
     return operand()
 
 # %% ../nbs/08f_export.ipynb #e5400018
+def go_data(messages: list[dict]) -> dict:
+    "The data an Ollama TEMPLATE reads for a conversation: `.Messages`, each with `.Role` and `.Content`."
+    return {'Messages': [{'Role': m['role'], 'Content': m['content']} for m in messages]}
+
+# %% ../nbs/08f_export.ipynb #d47cd9ee
 def render_go_template(template: str, # a Go text/template, as an Ollama Modelfile's TEMPLATE holds it
                        data: dict, # what it reads: {'Messages': [{'Role': ..., 'Content': ...}], ...} (`go_data`)
                       ) -> str:
@@ -269,15 +286,12 @@ def render_go_template(template: str, # a Go text/template, as an Ollama Modelfi
     run(0, data, {'$': data}, True)
     return ''.join(out)
 
-def go_data(messages: list[dict]) -> dict:
-    "The data an Ollama TEMPLATE reads for a conversation: `.Messages`, each with `.Role` and `.Content`."
-    return {'Messages': [{'Role': m['role'], 'Content': m['content']} for m in messages]}
-
 # %% ../nbs/08f_export.ipynb #e540001c
 def probe(role: str, k: int) -> dict:
     "A message whose text marks where a template writes it: `[[user 1]]`."
     return {'role': role, 'content': f'[[{role} {k}]]'}
 
+# %% ../nbs/08f_export.ipynb #48198868
 def turn_pieces(render) -> list[dict]:
     """What a chat template writes around each message, read off renders of probe conversations (`render(messages,
     gen)`): `begin` (once), `default_system` (when the first message is not a system one), `pre_<role>` and
@@ -303,8 +317,10 @@ def turn_pieces(render) -> list[dict]:
                  pre_user=pre_u, post_user=post_u, pre_assistant=pre_a, post_assistant=post_a, gen=gen)
             for k in range(n, -1, -1)]
 
+# %% ../nbs/08f_export.ipynb #6853e1aa
 def _go_str(s: str) -> str: return '' if not s else '{{ ' + json.dumps(s, ensure_ascii=False) + ' }}'
 
+# %% ../nbs/08f_export.ipynb #6489f666
 def go_template(p: dict) -> str:
     "The Ollama TEMPLATE of `turn_pieces`' pieces: Go text/template over `.Messages`, each literal a quoted Go string."
     roles = '\n'.join(f'{{{{- {"if" if k == 0 else "else if"} eq $m.Role "{r}" }}}}'
@@ -360,6 +376,7 @@ def modelfile(gguf_name: str, # the GGUF file beside the Modelfile
             f'FROM ./{gguf_name}\nTEMPLATE """{go}"""\n'
             + ''.join(f'PARAMETER stop {json.dumps(s, ensure_ascii=False)}\n' for s in stops))
 
+# %% ../nbs/08f_export.ipynb #9b7f6604
 def export_gguf(folder: str | Path, # an HF export (`trainer.export()`, `run_export`)
                 out_dir: str | Path, # where model-<quant>.gguf and the Modelfile go
                 quant: str = 'f16', # one of `GGUF_QUANTS`
@@ -398,6 +415,7 @@ def loss_svg(train: list[tuple[int, float]], # (step, train loss) per logged ste
 # %% ../nbs/08f_export.ipynb #e5400026
 HUB_IDS = {n: 'HuggingFaceTB/SmolLM2-135M-Instruct' for n in ('smollm2', 'SmolLM2-135M-Instruct')}  # name → Hub id
 
+# %% ../nbs/08f_export.ipynb #63c48ccb
 def run_record(run_dir: str | Path) -> dict:
     """What a run folder records of its run: config.yaml's text, the train and eval losses (metrics.jsonl), the data
     identity of its latest checkpoint (sources' examples, content digests, weights), the data report of summary.json
@@ -429,6 +447,7 @@ def _data_lines(cfg, ident: dict, rep: dict | None) -> list[str]:
     dropped = (f"; dropped {json.dumps(rep['dropped'])}" if rep.get('dropped') else '; none dropped') if rep else ''
     return table + ['', f'Data report: {counts}{dropped}.' if rep else 'Data report: not recorded.']
 
+# %% ../nbs/08f_export.ipynb #9587a93d
 def model_card(rec: dict) -> str:
     """A Hub model card (README.md) from `run_record`'s facts: base model, data sources and digests, the data report's
     counts, the final and best eval loss, the loss chart (loss.svg beside it), the config."""
@@ -452,6 +471,7 @@ def model_card(rec: dict) -> str:
         else 'No evaluation logged.',
         '', '![loss chart](loss.svg)', '', '## Config', '', '```yaml', (rec['config'] or '').strip(), '```', ''])
 
+# %% ../nbs/08f_export.ipynb #e8047915
 def write_card(folder: str | Path, # the HF export the card describes (the card is its README.md)
                run_dir: str | Path, # the run folder: config, metrics, checkpoints
                identity: dict | None = None, # the data identity (`trainer.data.identity()`) when no checkpoint holds it
@@ -500,6 +520,7 @@ def save_run_tokenizer(tokenizer, # the run's tokenizer (with its template's spe
     tok = copy.deepcopy(tokenizer); tok.chat_template = load_template(template)
     tok.save_pretrained(path)
 
+# %% ../nbs/08f_export.ipynb #fd8c9342
 def run_export(run_dir: str | Path) -> Path:
     """The HF export of a run folder: `run_dir/hf` when it holds one, else written there from the latest checkpoint
     (a full fine-tune; a LoRA run exports from its trainer, `trainer.export()`)."""

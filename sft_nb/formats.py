@@ -21,10 +21,13 @@ class BadRow(UserError, ValueError):
         super().__init__(msg if index is None else f"row {index}: {msg}")
         self.kind, self.index, self.reason = kind, index, msg
 
+# %% ../nbs/00d_formats.ipynb #2a4dd943
 ROLES = ('system', 'user', 'assistant', 'tool')
+
 SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistant': 'assistant', 'system': 'system',
                   'function_call': 'assistant', 'observation': 'tool', 'tool': 'tool', 'function': 'tool'}
 
+# %% ../nbs/00d_formats.ipynb #a13703b7
 def _json(value, where: str):
     if isinstance(value, str):
         try: return json.loads(value)
@@ -32,6 +35,7 @@ def _json(value, where: str):
         except RecursionError: raise BadRow(f"{where}: JSON nested deeper than Python's JSON reader goes: {value[:60]!r}") from None
     return value
 
+# %% ../nbs/00d_formats.ipynb #f0d511bb
 def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
     "Tool calls given as JSON string, dict or list → `[{'type': 'function', 'function': {'name', 'arguments': dict}}]`."
     value = _json(value, where)
@@ -52,6 +56,7 @@ def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
         out.append(call)
     return out
 
+# %% ../nbs/00d_formats.ipynb #e70f7abc
 def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
     "A tools column given as list or JSON string → OpenAI tool schemas (`{'type': 'function', 'function': {...}}`)."
     value = _json(value, where)
@@ -75,11 +80,25 @@ PART_TYPES = {'text': 'text', 'input_text': 'text', 'output_text': 'text',  # pa
               'tool_call': 'tool_call', 'tool_calls': 'tool_call', 'function_call': 'tool_call',
               'tool_use': 'tool_call',  # Anthropic: {'type': 'tool_use', 'id', 'name', 'input'}
               'tool_result': 'text', 'function_call_output': 'text'}
+
 IMAGE_PARTS = ('image', 'image_url', 'input_image', 'video', 'audio')
+
 PART_FORMATS = ("LLaMA-Factory v1 {'type': 'text'|'reasoning'|'tool_call', 'value': ...}; OpenAI {'type': 'text', 'text': ...}; "
                 "OpenAI responses 'input_text'|'output_text'|'reasoning' (text or summary)|'function_call'|'function_call_output'; "
                 "Anthropic 'text'|'thinking'|'tool_use'|'tool_result' blocks")
 
+# %% ../nbs/00d_formats.ipynb #793332dd
+def _text(content, where: str) -> str:
+    "Content that must be text as a string: None → '', a list of text parts → their concatenation."
+    if content is None: return ''
+    if isinstance(content, str): return content
+    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
+        parts = content_parts(content, where)
+        if parts['reasoning'] or parts['tool_calls']: raise BadRow(f"{where}: reasoning or tool-call parts where only text is read")
+        return parts['text']
+    raise BadRow(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
+
+# %% ../nbs/00d_formats.ipynb #fa714436
 def _part_text(p: dict, where: str) -> str:
     "The text of one part: under 'text', 'value', 'thinking', 'output' or 'content', or a responses-style 'summary' list."
     for k in ('text', 'value', 'thinking', 'output', 'content'):
@@ -87,6 +106,7 @@ def _part_text(p: dict, where: str) -> str:
     if isinstance(p.get('summary'), list): return '\n'.join(s.get('text', '') if isinstance(s, dict) else str(s) for s in p['summary'])
     raise BadRow(f"{where}: a {p.get('type', 'text')!r} part without text (keys {sorted(p)}; expected 'text' or 'value')")
 
+# %% ../nbs/00d_formats.ipynb #674fac49
 def content_parts(content, where: str) -> dict:
     "Message content → `{'text', 'reasoning', 'tool_calls'}`: a string, or a list of parts in any of `PART_FORMATS`."
     if not isinstance(content, list) or not all(isinstance(p, dict) for p in content): return {'text': _text(content, where)}
@@ -104,20 +124,10 @@ def content_parts(content, where: str) -> dict:
         else: out[PART_TYPES[k]].append(_part_text(p, f"{where}.content[{j}]"))
     return {'text': ''.join(out['text']), 'reasoning': '\n'.join(out['reasoning']), 'tool_calls': out['tool_calls']}
 
-def _text(content, where: str) -> str:
-    "Content that must be text as a string: None → '', a list of text parts → their concatenation."
-    if content is None: return ''
-    if isinstance(content, str): return content
-    if isinstance(content, list) and all(isinstance(p, dict) for p in content):
-        parts = content_parts(content, where)
-        if parts['reasoning'] or parts['tool_calls']: raise BadRow(f"{where}: reasoning or tool-call parts where only text is read")
-        return parts['text']
-    raise BadRow(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
-
-
 # %% ../nbs/00d_formats.ipynb #a1d0e017
 NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: null` and no tool calls becomes
 
+# %% ../nbs/00d_formats.ipynb #52367186
 def _part_weights(content, where: str) -> tuple:
     """(the weight of a message's trained content parts, [(start, end)] of its weight-0 text parts in the joined content) under
     Axolotl's per-part `weight` (or `train: false`); (None, []) when no part carries one. Trained parts that differ are refused."""
@@ -136,6 +146,7 @@ def _part_weights(content, where: str) -> tuple:
                      "not weighted apart (split the message into one message per weight)")
     return (ws[0] if ws else 0), [h for h in holes if h[1] > h[0]] if ws else []
 
+# %% ../nbs/00d_formats.ipynb #d0a49d76
 def split_tool_results(m, i: int) -> list:
     "A user message of Anthropic `tool_result` parts → one tool message per part (with its `tool_use_id`); any other message as it is."
     c = m.get('content') if isinstance(m, dict) and m.get('role') == 'user' else None
@@ -145,6 +156,7 @@ def split_tool_results(m, i: int) -> list:
                      "parts; put the tool results in a message of their own (they become tool turns)")
     return [{'role': 'tool', 'content': p.get('content'), **({'tool_call_id': p['tool_use_id']} if p.get('tool_use_id') else {})} for p in c]
 
+# %% ../nbs/00d_formats.ipynb #46f0e707
 def normalize_message(m, i: int,
                       null_content: str = 'empty', # assistant `content: null` without tool calls: 'bad_row' or 'empty' ('' text)
                      ) -> dict:
@@ -205,6 +217,7 @@ def _sharegpt(turns) -> list[dict]:
                                            'role': SHAREGPT_ROLES[frm], 'content': value}, i))
     return msgs
 
+# %% ../nbs/00d_formats.ipynb #12dc3d87
 def _conversation(row: dict, msgs: list[dict]) -> dict:
     "A row's messages → the canonical conversation: the row's `system` column first, its `tools` normalized."
     if row.get('system'):
@@ -213,6 +226,7 @@ def _conversation(row: dict, msgs: list[dict]) -> dict:
     if not msgs: raise BadRow("empty conversation")
     return {'messages': msgs, 'tools': normalize_tools(row.get('tools'))}
 
+# %% ../nbs/00d_formats.ipynb #8ab0b3c2
 def _pretokenized(row: dict, null_content: str) -> dict:
     ids = row.get('input_ids')
     if not isinstance(ids, list) or not ids: raise BadRow("input_ids: expected a non-empty list of ints")
@@ -223,13 +237,16 @@ def _pretokenized(row: dict, null_content: str) -> dict:
     if len(mask) != len(ids): raise BadRow(f"loss_mask/labels length {len(mask)} != input_ids length {len(ids)}")
     return {'input_ids': list(ids), 'loss_mask': mask}
 
+# %% ../nbs/00d_formats.ipynb #9bd6351c
 def _messages(row: dict, null_content: str) -> dict:
     ms = row.get('messages')
     if not isinstance(ms, list): raise BadRow(f"messages: expected a list, got {type(ms).__name__}")
     return _conversation(row, [normalize_message(x, i, null_content) for i, m in enumerate(ms) for x in split_tool_results(m, i)])
 
+# %% ../nbs/00d_formats.ipynb #1de185b1
 def _sharegpt_row(row: dict, null_content: str) -> dict: return _conversation(row, _sharegpt(row.get('conversations')))
 
+# %% ../nbs/00d_formats.ipynb #51d1eef5
 def _alpaca(row: dict, null_content: str) -> dict:
     ins, inp, out = row.get('instruction'), row.get('input') or '', row.get('output')
     if not isinstance(ins, str) or not isinstance(out, str) or not isinstance(inp, str):
@@ -242,6 +259,7 @@ def _alpaca(row: dict, null_content: str) -> dict:
         msgs += [{'role': 'user', 'content': _text(pair[0], f'history[{j}]')}, {'role': 'assistant', 'content': _text(pair[1], f'history[{j}]')}]
     return _conversation(row, msgs + [{'role': 'user', 'content': ins + ('\n\n' + inp if inp else '')}, {'role': 'assistant', 'content': out}])
 
+# %% ../nbs/00d_formats.ipynb #c880cc34
 def _prompt_completion(row: dict, null_content: str) -> dict:
     p, c = row.get('prompt'), row.get('completion')
     if isinstance(p, list) and isinstance(c, list):  # conversational prompt/completion
@@ -261,6 +279,7 @@ class RowFormat:
     tokenized: bool = False  # rows are token ids already: no chat template renders them
     images: bool = False  # messages may carry image parts (a vision-language processor reads them)
 
+# %% ../nbs/00d_formats.ipynb #bfe8ddb1
 FORMATS = {  # name → RowFormat, in detection order
     'pretokenized': RowFormat('pretokenized', ('input_ids',), 'input_ids+loss_mask/labels',
                               lambda c: 'input_ids' in c and bool({'loss_mask', 'labels'} & c), _pretokenized, tokenized=True),
@@ -270,8 +289,10 @@ FORMATS = {  # name → RowFormat, in detection order
     'prompt_completion': RowFormat('prompt/completion', ('prompt', 'completion'), 'prompt+completion',
                                    lambda c: {'prompt', 'completion'} <= c, _prompt_completion),
 }
+
 FormatName = Literal[('auto', *FORMATS)]  # a config's row format: 'auto' (detected from the columns) or a key of FORMATS
 
+# %% ../nbs/00d_formats.ipynb #699f9580
 def detect_format(columns) -> str:
     "Guess a source's format from its column names: the first of `FORMATS` whose columns they have."
     cols = set(columns)

@@ -15,12 +15,14 @@ __all__ = ['MAX_ROW_BYTES', 'bounded_lines', 'json_line', 'bad_row_marker', 'jso
 class _DuplicateKey(ValueError):
     "A JSON object holding one key twice (json keeps the last silently)."
 
+# %% ../nbs/01b_jsonl.ipynb #df3c5776
 def _unique_keys(pairs: list) -> dict:
     "`object_pairs_hook` refusing an object with a repeated key."
     d = dict(pairs)
     if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
 
+# %% ../nbs/01b_jsonl.ipynb #8635e918
 MAX_ROW_BYTES = 1 << 27  # 128 MiB: one JSONL line past it is a bad row, never read whole (far past any model's context)
 
 def bounded_lines(f, digest=None):
@@ -37,6 +39,7 @@ def bounded_lines(f, digest=None):
                 if more.endswith(b'\n'): break
         yield raw, n
 
+# %% ../nbs/01b_jsonl.ipynb #de976430
 def json_line(raw: bytes, # one line of a JSONL file, as read
               p, n: int, # the file and the line number (1-based), for the reason
              ) -> tuple[str | None, dict | BadRow] | None:
@@ -58,10 +61,12 @@ def json_line(raw: bytes, # one line of a JSONL file, as read
     if isinstance(row, dict): return text, row
     return None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
 
+# %% ../nbs/01b_jsonl.ipynb #580a2510
 def bad_row_marker(row: BadRow, line: int | None = None) -> dict:
     "How a reader stores a row it could not read, so the tokenizer reports it as that row's BadRow."
     return {BAD_ROW_KEY: {'kind': row.kind, 'reason': row.reason} | ({} if line is None else {'line': line})}
 
+# %% ../nbs/01b_jsonl.ipynb #df48368e
 def _line_records(f, p: Path, digest=None):
     "JSONL: `(line, text, row | BadRow)` per non-blank line."
     for n, (raw, _) in enumerate(bounded_lines(f, digest), 1):
@@ -112,6 +117,7 @@ def _refuse_one_object(f, p: Path):
             "a .json source is a JSON list of rows or one row per line (JSONL)"
     raise BadRow(f"{p}: one JSON object spread over several lines (keys {', '.join(map(repr, list(obj)[:5]))}), not rows; {where}", kind='bad_json')
 
+# %% ../nbs/01b_jsonl.ipynb #12c6a66e
 def json_records(p: Path, digest=None):
     "`(line, text, row | BadRow)` for every row of a .json/.jsonl file; raises `BadRow` naming the file when it has no rows."
     with open(p, 'rb') as f:
@@ -128,6 +134,7 @@ def json_records(p: Path, digest=None):
         raise BadRow(f"{p}: " + ("an empty JSON list (no rows)" if array else "an empty file (no rows)" if not head else
                                  "holds only blank lines (no rows)"), kind='empty_source')
 
+# %% ../nbs/01b_jsonl.ipynb #27b0dc09
 def iter_json_rows(path, # a .json (list or lines) or .jsonl file
                    batch_rows: int = 1024, # rows per yielded batch
                    digest=None, # a hasher from `new_digest`: fed every byte of the file as it is read

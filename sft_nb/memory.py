@@ -18,8 +18,8 @@ from .datareport import long_rows, long_rows_line
 
 # %% auto #0
 __all__ = ['PARTS', 'ESTIMATE_FIELDS', 'rank_memory', 'reset_peak_memory', 'rank_now', 'rank_capacity', 'warm_optimizer',
-           'measure_step', 'fsdp_only', 'dry_run_batch', 'largest_micro_batch', 'dry_run_verdict', 'parts_of',
-           'estimate_data', 'estimate_batch', 'step_memory', 'estimable', 'estimate', 'data_fit', 'estimate_report']
+           'measure_step', 'fsdp_only', 'largest_micro_batch', 'dry_run_batch', 'dry_run_verdict', 'parts_of',
+           'estimate_data', 'estimate_batch', 'step_memory', 'estimable', 'estimate', 'estimate_report', 'data_fit']
 
 # %% ../nbs/08e_memory.ipynb #7c118ded
 def rank_memory(use_gpu: bool = False) -> dict:
@@ -28,11 +28,13 @@ def rank_memory(use_gpu: bool = False) -> dict:
     kb = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(('VmRSS', 'VmHWM'))}
     return {'rss': kb['VmRSS'], 'peak': kb['VmHWM']}
 
+# %% ../nbs/08e_memory.ipynb #9e9d71df
 def reset_peak_memory(use_gpu: bool = False):
     "Start a new peak from the memory in use now (the kernel's VmHWM via /proc/self/clear_refs on CPU)."
     if use_gpu: torch.cuda.reset_peak_memory_stats()
     else: Path('/proc/self/clear_refs').write_text('5')
 
+# %% ../nbs/08e_memory.ipynb #d539656d
 def rank_now(worker, reset: bool = False) -> dict:
     "A worker's `rank_memory` on its own device, a new peak started first with `reset`: on every rank, `backend.run(rank_now, True)`."
     if reset: reset_peak_memory(worker.use_gpu)
@@ -64,6 +66,7 @@ def _local(t):
     "A tensor's own storage: a DTensor's shard on this rank, else the tensor itself."
     return t.to_local() if hasattr(t, 'to_local') else t
 
+# %% ../nbs/08e_memory.ipynb #2b88257a
 def measure_step(worker, # a set-up FSDP worker (`model`, `opt`, `step`, `forward_backward`, `optim_step`), on its rank
                  micro_batch: dict, memory_limit: int | None = None) -> dict:
     """One forward/backward/optimizer step of `worker` on `micro_batch`: this rank's peak memory and what it has. Weights,
@@ -104,12 +107,18 @@ def measure_step(worker, # a set-up FSDP worker (`model`, `opt`, `step`, `forwar
             'rss': rank_memory(gpu)['rss'], 'host': socket.gethostname(), 'device': 'cuda' if gpu else 'cpu'}
 
 # %% ../nbs/08e_memory.ipynb #f500e762
-_GiB = 1024**3
-
 def fsdp_only(cfg: SFTConfig, what: str):
     "NotImplementedError unless `cfg` trains on the fsdp backend, the worker `measure_step` and `step_memory` know."
     if cfg.placement.backend != 'fsdp': raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no {what} (the 'fsdp' backend has one)")
 
+# %% ../nbs/08e_memory.ipynb #c2bc21dd
+def largest_micro_batch(d: DataPlan, micro: int) -> dict:
+    "The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run collates them."
+    size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
+    mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
+    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
+
+# %% ../nbs/08e_memory.ipynb #1184b38d
 def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the backend is known to have a dry run
                   full_length: bool = False) -> dict:
     "The biggest micro-batch the set-up trainer's plan makes: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
@@ -122,12 +131,7 @@ def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the back
         return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
     return largest_micro_batch(d, micro)
 
-def largest_micro_batch(d: DataPlan, micro: int) -> dict:
-    "The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run collates them."
-    size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
-    mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
-    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
-
+# %% ../nbs/08e_memory.ipynb #34cbe147
 def _advice(cfg, ranks: list[dict]) -> list[str]:
     "What to change when a rank does not fit, in the config's own keys."
     c, on_gpu = cfg, ranks[0]['device'] == 'cuda'
@@ -142,6 +146,9 @@ def _advice(cfg, ranks: list[dict]) -> list[str]:
         out.append(f"placement.sequence_parallel={c.placement.sequence_parallel} → larger (a divisor of the attention heads and of the ranks): each rank holds 1/sp of every row's activations")
     if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
     return out
+
+# %% ../nbs/08e_memory.ipynb #2038ed0b
+_GiB = 1024**3
 
 def dry_run_verdict(cfg: SFTConfig, ranks: list[dict], shape: tuple) -> dict:
     "{'fits', 'message', 'ranks', 'shape'} of the ranks' dry runs; CPU ranks on one host share its MemAvailable."
@@ -166,6 +173,7 @@ def parts_of(kinds: dict) -> dict:
     "{part: bytes} of an `FSDPMemTracker` snapshot ({kind: bytes})."
     return {k: sum(kinds.get(n, 0) for n in names) for k, names in PARTS.items()}
 
+# %% ../nbs/08e_memory.ipynb #668544fb
 def estimate_data(cfg: SFTConfig) -> DataPlan | None:
     "`data.train` tokenized and planned as a run plans it (no workers), where it can be: data is named, not streamed, and the model folder has its tokenizer; else None."
     from sft_nb.models import load_model_inputs, resolve_model_path
@@ -176,6 +184,7 @@ def estimate_data(cfg: SFTConfig) -> DataPlan | None:
     d = plan_class(cfg)(cfg, tok, proc); d.prepare(); d.plan()
     return d
 
+# %% ../nbs/08e_memory.ipynb #b5350c64
 def estimate_batch(cfg: SFTConfig, vocab_size: int, data: DataPlan | None = None) -> dict:
     "The micro-batch an estimate steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run` takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the first trained, collated as the run collates them."
     if data is not None: return largest_micro_batch(data, max(1, cfg.train.micro_batch_size))
@@ -273,6 +282,26 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     if d is not None: out['data'] = data_fit(cfg, world, dtype, d, out['ranks'][0]['capacity'] - base)
     return out | {'estimate_s': time.perf_counter() - t0}
 
+# %% ../nbs/08e_memory.ipynb #77a98cda
+def estimate_report(p: dict) -> str:
+    "A `estimate(...)` result as text: one rank's memory by part in GiB, its peak against its capacity, the verdict."
+    r, g = p['ranks'][0], lambda b: f"{b / 2**30:8.2f} GiB"
+    lines = [f"{len(p['ranks'])} ranks ({r['device']}), micro-batch {p['shape']}; each rank (rank 0 holds the largest shards):"]
+    lines += [f"  {k:<12}{g(v)}" for k, v in r['parts'].items()]
+    lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: " + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
+              f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message']]
+    if (d := p.get('data')) is not None:
+        sp = f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits'] else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it"
+        lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; " + long_rows_line(d) + f" ({sp})")
+    lines.append(f"estimated in {p['estimate_s']:.1f} s")
+    return '\n'.join(lines)
+
+# %% ../nbs/08e_memory.ipynb #bbb6f277
+def _heads(cfg: SFTConfig) -> int:
+    from sft_nb.models import model_config
+    return model_config(cfg.model.path).get_text_config().num_attention_heads
+
+# %% ../nbs/08e_memory.ipynb #ebfdac2a
 def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> dict:
     """Which of `d`'s rows one rank holds within `capacity` bytes (its peak without the runtime), `long_rows`' counts, and
     `sp_fits`: the least `sequence_parallel` that holds the longest row and divides the attention heads and the ranks (None:
@@ -291,21 +320,3 @@ def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> d
     heads = _heads(cfg)
     fits = next((s for s in range(rows['sp_needed'], world + 1) if world % s == 0 and heads % s == 0), None)
     return rows | {'rows': len(d.lengths), 'sp_fits': fits, 'bytes_per_token': per, 'fixed': fixed, 'heads': heads}
-
-def _heads(cfg: SFTConfig) -> int:
-    from sft_nb.models import model_config
-    return model_config(cfg.model.path).get_text_config().num_attention_heads
-
-# %% ../nbs/08e_memory.ipynb #77a98cda
-def estimate_report(p: dict) -> str:
-    "A `estimate(...)` result as text: one rank's memory by part in GiB, its peak against its capacity, the verdict."
-    r, g = p['ranks'][0], lambda b: f"{b / 2**30:8.2f} GiB"
-    lines = [f"{len(p['ranks'])} ranks ({r['device']}), micro-batch {p['shape']}; each rank (rank 0 holds the largest shards):"]
-    lines += [f"  {k:<12}{g(v)}" for k, v in r['parts'].items()]
-    lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: " + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
-              f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message']]
-    if (d := p.get('data')) is not None:
-        sp = f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits'] else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it"
-        lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; " + long_rows_line(d) + f" ({sp})")
-    lines.append(f"estimated in {p['estimate_s']:.1f} s")
-    return '\n'.join(lines)

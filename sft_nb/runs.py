@@ -6,6 +6,7 @@
 from __future__ import annotations
 import json, warnings
 from pathlib import Path
+from fastcore.basics import patch
 import pandas as pd
 import plotly.graph_objects as go
 import yaml
@@ -83,18 +84,23 @@ class Comparison:
         self.table = pd.concat([diff, metrics]) if len(diff) else metrics
         self.table.index.name = 'config key / metric'
 
-    def to_html(self, path: str | Path) -> Path:
-        "The figure (plotly.js inlined: the file opens offline) and the table in one HTML file."
-        html = (f"<html><head><meta charset='utf-8'><title>sft_nb runs</title></head><body>"
-                f"{self.fig.to_html(full_html=False, include_plotlyjs=True, div_id='sft-nb-compare')}"
-                f"{self.table.to_html(na_rep='', float_format=lambda v: f'{v:.6g}')}</body></html>")
-        Path(path).write_text(html, encoding='utf-8')
-        return Path(path)
+# %% ../nbs/08d_runs.ipynb #c441680c
+@patch
+def to_html(self: Comparison, path: str | Path) -> Path:
+    "The figure (plotly.js inlined: the file opens offline) and the table in one HTML file."
+    html = (f"<html><head><meta charset='utf-8'><title>sft_nb runs</title></head><body>"
+            f"{self.fig.to_html(full_html=False, include_plotlyjs=True, div_id='sft-nb-compare')}"
+            f"{self.table.to_html(na_rep='', float_format=lambda v: f'{v:.6g}')}</body></html>")
+    Path(path).write_text(html, encoding='utf-8')
+    return Path(path)
 
-    def _ipython_display_(self):
-        from IPython.display import display
-        display(self.fig); display(self.table)
+# %% ../nbs/08d_runs.ipynb #5caa01b0
+@patch
+def _ipython_display_(self: Comparison):
+    from IPython.display import display
+    display(self.fig); display(self.table)
 
+# %% ../nbs/08d_runs.ipynb #613566ec
 def compare(run_dirs: list[str | Path] | str | Path) -> Comparison:
     "Read run folders (see `read_run`) into overlaid loss curves and a table of differing config keys and final metrics."
     dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]

@@ -21,9 +21,12 @@ QWEN2_VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat template (images only), defaul
     "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
 VISION_SPECIAL = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>']
+
 TINY_VLM_VERSION = 1  # bump when the recipe changes: the cache key includes it
 
+# %% ../nbs/06b_vlm_models.ipynb #221f9fd4
 def processor_class():
     "The torchvision-free Qwen2-VL processor class (built on first use: transformers is imported lazily)."
     from transformers import Qwen2VLProcessor
@@ -37,11 +40,13 @@ def processor_class():
             ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template)
     return ImageProcessorQwen2VL
 
+# %% ../nbs/06b_vlm_models.ipynb #59efd699
 def is_vlm(path) -> bool:
     "Does the model folder hold a vision-language model (a config with a `vision_config`)?"
     p = Path(path) / 'config.json'
     return p.exists() and 'vision_config' in json.loads(p.read_text())
 
+# %% ../nbs/06b_vlm_models.ipynb #f8a873a5
 def load_processor(path: str | Path, # model folder with tokenizer files and preprocessor_config.json
                   ):
     "The Qwen2-VL processor of a model folder (tokenizer + PIL image processor + chat template)."
