@@ -9,7 +9,7 @@ import math
 # %% auto #0
 __all__ = ['lr_at', 'take_step', 'adamw']
 
-# %% ../nbs/07c_optim.ipynb #47350bbb
+# %% ../nbs/07c_optim.ipynb #1d6a26a5
 def lr_at(step: int, # optimizer steps already taken (0 for the first step)
           lr: float, # peak learning rate
           total_steps: int, # steps of the whole run
@@ -27,7 +27,7 @@ def lr_at(step: int, # optimizer steps already taken (0 for the first step)
     shape = 1 - frac if schedule == 'linear' else 0.5 * (1 + math.cos(math.pi * frac))
     return lr * (min_lr_ratio + (1 - min_lr_ratio) * shape)
 
-# %% ../nbs/07c_optim.ipynb #38dd120f
+# %% ../nbs/07c_optim.ipynb #de2727c7
 def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimConfig`), `step`, `total_steps`
               grad_norm: float, # the global gradient norm, the same on every rank
               skip: bool = False, # drop the gradients, no update (the driver's non-finite loss)
@@ -45,11 +45,10 @@ def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimC
     worker.step += 1  # also when skipped: the LR schedule follows the trainer's step count
     return {'grad_norm': grad_norm, 'lr': lr, 'skipped': skip}
 
-# %% ../nbs/07c_optim.ipynb #7dab346d
+# %% ../nbs/07c_optim.ipynb #1f825ae5
 def adamw(params, # the parameters it updates (those that require gradients)
           cfg, # the run's `OptimConfig`
          ):
     "The run's AdamW over `params`: the one place its settings are read, for every backend and the memory plan."
     import torch
     return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
-

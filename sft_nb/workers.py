@@ -12,13 +12,11 @@ from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig
 
 # %% auto #0
-__all__ = ['RAY_ENV', 'JEMALLOC_CONF', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'init_ray', 'child_pids', 'free_port',
+__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray', 'free_port',
            'stop_ray', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
            'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked']
 
-# %% ../nbs/07_workers.ipynb #cf7072e7
-RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
-
+# %% ../nbs/07_workers.ipynb #c9ca71c6
 JEMALLOC_CONF = 'background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0'  # freed pages go back to the OS after ~1 s
 
 def jemalloc_env() -> dict:
@@ -28,10 +26,24 @@ def jemalloc_env() -> dict:
     if 'LD_PRELOAD' in os.environ or not lib.exists(): return {}
     return {'LD_PRELOAD': str(lib), 'MALLOC_CONF': os.environ.get('MALLOC_CONF', JEMALLOC_CONF)}
 
+# %% ../nbs/07_workers.ipynb #dc309b33
 def on_jemalloc() -> bool:
     "Whether this process allocates with jemalloc (mapped into it)."
     try: return 'jemalloc' in Path('/proc/self/maps').read_text()
     except OSError: return False
+
+# %% ../nbs/07_workers.ipynb #463b0430
+def child_pids() -> list[int]:
+    "PIDs of this process's children (from /proc)."
+    me, found = os.getpid(), []
+    for p in Path('/proc').glob('[0-9]*'):
+        try:
+            if int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == me: found.append(int(p.name))
+        except (OSError, ValueError, IndexError): pass
+    return found
+
+# %% ../nbs/07_workers.ipynb #ffd62f6d
+RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
 
 def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'); None starts a local one
              num_cpus: int | None = None, # CPUs of a local cluster (default: all)
@@ -66,19 +78,12 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
             else: os.environ[k] = v
     return True
 
-def child_pids() -> list[int]:
-    "PIDs of this process's children (from /proc)."
-    me, found = os.getpid(), []
-    for p in Path('/proc').glob('[0-9]*'):
-        try:
-            if int((p / 'stat').read_text().rsplit(')', 1)[1].split()[1]) == me: found.append(int(p.name))
-        except (OSError, ValueError, IndexError): pass
-    return found
-
+# %% ../nbs/07_workers.ipynb #bc78c0e8
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(('', 0)); return s.getsockname()[1]
 
+# %% ../nbs/07_workers.ipynb #50a92df6
 def stop_ray(started: bool) -> bool:
     "Shut down Ray when `started` (what `init_ray` returned: this process started or connected it); False, the new `started`."
     if started:
@@ -87,7 +92,7 @@ def stop_ray(started: bool) -> bool:
         ray.shutdown()
     return False
 
-# %% ../nbs/07_workers.ipynb #b1f182a5
+# %% ../nbs/07_workers.ipynb #5bd6d928
 def write_error(e: BaseException) -> dict | None:
     "The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'}; None for any other failure."
     seen, todo = set(), [e]
@@ -102,7 +107,7 @@ def write_error(e: BaseException) -> dict | None:
         todo += [x.__cause__, x.__context__] + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()]
     return None
 
-# %% ../nbs/07_workers.ipynb #5e1a0c78
+# %% ../nbs/07_workers.ipynb #a0f06c76
 def compact_malloc(threshold: int = 2**20) -> bool:
     "Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False (nothing done) without glibc, under jemalloc, or where `MALLOC_MMAP_THRESHOLD_` is set."
     import ctypes
@@ -111,87 +116,107 @@ def compact_malloc(threshold: int = 2**20) -> bool:
     except (OSError, AttributeError): return False
     return mallopt(-3, threshold) == 1  # M_MMAP_THRESHOLD
 
-# %% ../nbs/07_workers.ipynb #295f862d
+# %% ../nbs/07_workers.ipynb #ac206395
 class DistWorker:
     "Base of backend workers: rank bookkeeping and `torch.distributed` setup."
     def __init__(self, rank: int, world_size: int):
         self.rank, self.world_size = rank, world_size
 
-    def address(self) -> tuple[str, int]:
-        "IP of this actor's node and a free port (rank 0 hosts the rendezvous)."
-        import ray
-        return ray.util.get_node_ip_address(), free_port()
+# %% ../nbs/07_workers.ipynb #a55604cf
+@patch
+def address(self: DistWorker) -> tuple[str, int]:
+    "IP of this actor's node and a free port (rank 0 hosts the rendezvous)."
+    import ray
+    return ray.util.get_node_ip_address(), free_port()
 
-    def node_id(self) -> str:
-        import ray
-        return ray.get_runtime_context().get_node_id()
+# %% ../nbs/07_workers.ipynb #024568eb
+@patch
+def node_id(self: DistWorker) -> str:
+    import ray
+    return ray.get_runtime_context().get_node_id()
 
-    def init_dist(self, master_addr: str, master_port: int, use_gpu: bool = False, threads: int = 1, timeout_s: int = 120):
-        import torch, torch.distributed as dist
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world_size), LOCAL_RANK='0')
-        if use_gpu: torch.cuda.set_device(0)  # Ray gives each actor one GPU, visible as device 0
-        else: torch.set_num_threads(max(1, threads)); compact_malloc()
-        dist.init_process_group('nccl' if use_gpu else 'gloo', rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=timeout_s))
+# %% ../nbs/07_workers.ipynb #e472ce29
+@patch
+def init_dist(self: DistWorker, master_addr: str, master_port: int, use_gpu: bool = False, threads: int = 1, timeout_s: int = 120):
+    import torch, torch.distributed as dist
+    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
+                      WORLD_SIZE=str(self.world_size), LOCAL_RANK='0')
+    if use_gpu: torch.cuda.set_device(0)  # Ray gives each actor one GPU, visible as device 0
+    else: torch.set_num_threads(max(1, threads)); compact_malloc()
+    dist.init_process_group('nccl' if use_gpu else 'gloo', rank=self.rank, world_size=self.world_size,
+                            timeout=timedelta(seconds=timeout_s))
+    return True
+
+# %% ../nbs/07_workers.ipynb #f814209b
+@patch
+def all_reduce_sum(self: DistWorker, x: float) -> float:
+    import torch, torch.distributed as dist
+    t = torch.tensor([x], dtype=torch.float64)
+    dist.all_reduce(t)
+    return float(t.item())
+
+# %% ../nbs/07_workers.ipynb #63791636
+@patch
+def ping(self: DistWorker): return self.rank
+
+# %% ../nbs/07_workers.ipynb #35f66775
+@patch
+def shutdown(self: DistWorker):
+    import torch.distributed as dist
+    if dist.is_initialized(): dist.destroy_process_group()
+    return True
+
+# %% ../nbs/07_workers.ipynb #5a2bafe4
+@patch
+def profile(self: DistWorker, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool:
+    "torch.profiler window on the listed ranks: 'start' it, or 'stop' it and write `rank{r}.json` (Chrome trace) and `rank{r}.txt` (top ops) under `path`."
+    import torch
+    from torch.profiler import profile, ProfilerActivity
+    if self.rank not in ranks: return False
+    if action == 'start':
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+        self._prof = profile(activities=acts, record_shapes=True)
+        self._prof.__enter__()
         return True
+    prof, self._prof = getattr(self, '_prof', None), None
+    if prof is None: return False
+    prof.__exit__(None, None, None)
+    out = Path(path); out.mkdir(parents=True, exist_ok=True)
+    prof.export_chrome_trace(str(out / f'rank{self.rank}.json'))
+    (out / f'rank{self.rank}.txt').write_text(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=30))
+    return True
 
-    def all_reduce_sum(self, x: float) -> float:
-        import torch, torch.distributed as dist
-        t = torch.tensor([x], dtype=torch.float64)
-        dist.all_reduce(t)
-        return float(t.item())
+# %% ../nbs/07_workers.ipynb #4038100c
+@patch
+def release(self: DistWorker) -> bool:
+    "Let go of all a run built (process group, model, optimizer, data), keep the imported libraries: the process waits warm (`park`)."
+    import gc, ctypes, torch
+    self.shutdown()
+    for k in [k for k in vars(self) if k not in ('rank', 'world_size')]: delattr(self, k)
+    gc.collect()
+    if torch.cuda.is_available(): torch.cuda.empty_cache()
+    else:
+        try: ctypes.CDLL('libc.so.6').malloc_trim(0)  # the freed heap back to the OS (glibc)
+        except (OSError, AttributeError): pass
+    return True
 
-    def ping(self): return self.rank
+# %% ../nbs/07_workers.ipynb #685e9059
+@patch
+def reinit(self: DistWorker, kwargs: dict) -> bool:
+    "Become the worker `type(self)(**kwargs)` would be, in this (warm) process."
+    self.__init__(**kwargs)
+    return True
 
-    def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool:
-        "torch.profiler window on the listed ranks: 'start' it, or 'stop' it and write `rank{r}.json` (Chrome trace) and `rank{r}.txt` (top ops) under `path`."
-        import torch
-        from torch.profiler import profile, ProfilerActivity
-        if self.rank not in ranks: return False
-        if action == 'start':
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-            self._prof = profile(activities=acts, record_shapes=True)
-            self._prof.__enter__()
-            return True
-        prof, self._prof = getattr(self, '_prof', None), None
-        if prof is None: return False
-        prof.__exit__(None, None, None)
-        out = Path(path); out.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(out / f'rank{self.rank}.json'))
-        (out / f'rank{self.rank}.txt').write_text(prof.key_averages().table(sort_by='self_cpu_time_total', row_limit=30))
-        return True
-
-    def shutdown(self):
-        import torch.distributed as dist
-        if dist.is_initialized(): dist.destroy_process_group()
-        return True
-
-    def release(self) -> bool:
-        "Let go of all a run built (process group, model, optimizer, data), keep the imported libraries: the process waits warm (`park`)."
-        import gc, ctypes, torch
-        self.shutdown()
-        for k in [k for k in vars(self) if k not in ('rank', 'world_size')]: delattr(self, k)
-        gc.collect()
-        if torch.cuda.is_available(): torch.cuda.empty_cache()
-        else:
-            try: ctypes.CDLL('libc.so.6').malloc_trim(0)  # the freed heap back to the OS (glibc)
-            except (OSError, AttributeError): pass
-        return True
-
-    def reinit(self, kwargs: dict) -> bool:
-        "Become the worker `type(self)(**kwargs)` would be, in this (warm) process."
-        self.__init__(**kwargs)
-        return True
-
-    def write_checkpoint(self, path: str) -> dict | None:
-        """`save(path)`; a write that fails (disk full, I/O or permission error) comes back as `write_error`'s dict instead of
-        raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result and
-        fails on all of them together, so no rank is left waiting in a collective."""
-        try: self.save(path); return None
-        except BaseException as e:  # torch DCP's CheckpointException is a BaseException
-            if (err := write_error(e)) is None: raise
-            return err
+# %% ../nbs/07_workers.ipynb #928b6502
+@patch
+def write_checkpoint(self: DistWorker, path: str) -> dict | None:
+    """`save(path)`; a write that fails (disk full, I/O or permission error) comes back as `write_error`'s dict instead of
+    raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result and
+    fails on all of them together, so no rank is left waiting in a collective."""
+    try: self.save(path); return None
+    except BaseException as e:  # torch DCP's CheckpointException is a BaseException
+        if (err := write_error(e)) is None: raise
+        return err
 
 # %% ../nbs/07_workers.ipynb #f6bfd651
 @patch
@@ -199,7 +224,7 @@ def run(self: DistWorker, fn, *args, **kwargs):
     "`fn(this worker, *args, **kwargs)` on this rank: a module-level function of a later stage that works on the rank's state (`sft_nb.memory.measure_step`)."
     return fn(self, *args, **kwargs)
 
-# %% ../nbs/07_workers.ipynb #a7e28bfe
+# %% ../nbs/07_workers.ipynb #792316bd
 def save_rng(path, rank: int, use_gpu: bool = False):
     "Write this process's torch/Python/NumPy (and CUDA) RNG states as `rng_rank{rank}.safetensors` + `.json`."
     import numpy as np, torch
@@ -211,6 +236,7 @@ def save_rng(path, rank: int, use_gpu: bool = False):
     save_file(t, str(Path(path, f'rng_rank{rank}.safetensors')))
     Path(path, f'rng_rank{rank}.json').write_text(json.dumps({'python': [ver, gauss], 'numpy': [name, int(pos), int(has_gauss), float(cached)]}))
 
+# %% ../nbs/07_workers.ipynb #9dd0c8b4
 def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
     "Restore what `save_rng` wrote; False (streams left as they are) when the checkpoint has none for this rank."
     import numpy as np, torch
@@ -225,7 +251,7 @@ def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
     if use_gpu and 'cuda' in t: torch.cuda.set_rng_state(t['cuda'])
     return True
 
-# %% ../nbs/07_workers.ipynb #b7d3e511
+# %% ../nbs/07_workers.ipynb #70ef47a2
 def save_hf_folder(model, # a Hugging Face model holding the full weights
                    path, # the folder to write
                    source: str, # the model folder the run started from (processor config, default tokenizer)
@@ -242,6 +268,7 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
     partial.unlink()  # last: the folder is whole
 
+# %% ../nbs/07_workers.ipynb #4a628511
 class TrainWorker(DistWorker):
     "What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig` and `PlacementConfig`, its steps and seed) and how it exports."
     def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int, seed: int = 0,
@@ -250,25 +277,32 @@ class TrainWorker(DistWorker):
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
         self.placement, self.step = placement or PlacementConfig(), 0  # step: optimizer steps taken
 
-    def set_total_steps(self, total_steps: int) -> bool:
-        "The run's new length: `take_step`'s LR schedule reads it from the next step on."
-        self.total_steps = total_steps
-        return True
+# %% ../nbs/07_workers.ipynb #8af20b22
+@patch
+def set_total_steps(self: TrainWorker, total_steps: int) -> bool:
+    "The run's new length: `take_step`'s LR schedule reads it from the next step on."
+    self.total_steps = total_steps
+    return True
 
-    def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-        "`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank takes part in gathering."
-        state = self.full_state()
-        if self.rank == 0: save_hf_folder(self.hf_model(state, lora_export), path, self.path, tokenizer_path)
-        return True
+# %% ../nbs/07_workers.ipynb #a8ce711e
+@patch
+def export_hf(self: TrainWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
+    "`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank takes part in gathering."
+    state = self.full_state()
+    if self.rank == 0: save_hf_folder(self.hf_model(state, lora_export), path, self.path, tokenizer_path)
+    return True
 
-# %% ../nbs/07_workers.ipynb #de47446a
+# %% ../nbs/07_workers.ipynb #9a054653
 class WorkerError(RuntimeError):
     "A worker failed or died; the message names the rank."
 
 RESTART_HINT = "call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() and set up again)"
 
+# %% ../nbs/07_workers.ipynb #f760d1e1
 _MEMORY = re.compile(r'out of memory|low on memory|memory pressure|OUT_OF_MEMORY|OutOfMemory', re.I)  # Ray's memory monitor killed it
+
 _MAYBE_MEMORY = re.compile(r'\bOOM\b')  # a worker that exited without a word: Ray lists the kernel's OOM killer among the causes
+
 _MEMORY_FIX = "give its node more memory, set fewer placement.workers_per_node, or a smaller model, train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)"
 
 def death_message(rank: int, what: str, e: BaseException) -> str:
@@ -284,7 +318,7 @@ def death_message(rank: int, what: str, e: BaseException) -> str:
                 f"away. If memory is short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
-# %% ../nbs/07_workers.ipynb #4b774298
+# %% ../nbs/07_workers.ipynb #345c5ba5
 class WorkerGroup:
     "One Ray actor per rank, placed by a placement group; `call` fans a method out to all ranks."
     def __init__(self, worker_cls, # a DistWorker subclass
@@ -299,73 +333,7 @@ class WorkerGroup:
         addr, port = self.call_rank(0, 'address')
         self.call('init_dist', addr, port, use_gpu, int(cpus_per_worker))
 
-    def _place(self, kwargs: list[dict], timeout_s: float):
-        "New actors, one per rank, in a new placement group."
-        import ray
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-        worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker = self.shape[:6]
-        bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
-        try: ray.get(self.pg.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.pg)
-            raise WorkerError(f"could not place {self.world_size} workers ({num_nodes} nodes × {workers_per_node}, "
-                              f"strategy {strategy}, {bundle} each) within {timeout_s:.0f}s; cluster has "
-                              f"{ray.cluster_resources()} in total, {ray.available_resources()} free") from None
-        cls = ray.remote(worker_cls)
-        self.actors = [cls.options(num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
-                                   scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
-                                   ).remote(**kwargs[r]) for r in range(self.world_size)]
-
-    def _wait(self, refs: list, what: str, ranks: list[int] | None = None) -> list:
-        import ray
-        pending = {ref: i for i, ref in enumerate(refs)}
-        out = [None] * len(refs)
-        while pending:
-            done, _ = ray.wait(list(pending), num_returns=1)
-            for ref in done:
-                i = pending.pop(ref); r = ranks[i] if ranks else i
-                try: out[i] = ray.get(ref)
-                except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e: self._fail(death_message(r, what, e), e)
-                except ray.exceptions.RayTaskError as e:
-                    self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause)) else f"worker rank {r} failed in {what}: {e.cause!r}", e)
-        return out
-
-    def _fail(self, message: str, cause: BaseException):
-        "Kill the group after one rank failed (the others would wait forever in a collective) and mark it dead."
-        self.mark_dead(message)
-        raise WorkerError(f"{message}. The worker group is now dead; {RESTART_HINT}") from cause
-
-    def mark_dead(self, reason: str):
-        "Kill the actors; every later call raises, naming `reason`."
-        self.dead = self.dead or reason
-        self.kill()
-
-    def check_alive(self):
-        "Raise a `WorkerError` (why, and how to recover) when the group is dead."
-        if self.dead or not self.actors:
-            raise WorkerError(f"the worker group is dead ({self.dead or 'its workers were killed'}); {RESTART_HINT}")
-
-# %% ../nbs/07_workers.ipynb #cfa41c9e
-@patch
-def call(self: WorkerGroup, method: str, *args, **kwargs) -> list:
-    "Call `method(*args, **kwargs)` on every rank; results in rank order."
-    self.check_alive()
-    return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
-
-@patch
-def call_per_rank(self: WorkerGroup, method: str, per_rank_args: list[tuple]) -> list:
-    "Call `method(*per_rank_args[r])` on rank r."
-    self.check_alive()
-    return self._wait([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)], method)
-
-@patch
-def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
-    "Call `method(*args, **kwargs)` on rank `rank` alone."
-    self.check_alive()
-    return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
-
+# %% ../nbs/07_workers.ipynb #845c3c1b
 @patch
 def kill(self: WorkerGroup):
     "Kill all actors and free the placement group (idempotent)."
@@ -380,7 +348,49 @@ def kill(self: WorkerGroup):
         except Exception: pass
         self.pg = None
 
-# %% ../nbs/07_workers.ipynb #834c756b
+# %% ../nbs/07_workers.ipynb #85d9a225
+@patch
+def mark_dead(self: WorkerGroup, reason: str):
+    "Kill the actors; every later call raises, naming `reason`."
+    self.dead = self.dead or reason
+    self.kill()
+
+# %% ../nbs/07_workers.ipynb #b6883b8e
+@patch
+def check_alive(self: WorkerGroup):
+    "Raise a `WorkerError` (why, and how to recover) when the group is dead."
+    if self.dead or not self.actors:
+        raise WorkerError(f"the worker group is dead ({self.dead or 'its workers were killed'}); {RESTART_HINT}")
+
+# %% ../nbs/07_workers.ipynb #95bfb8cd
+@patch
+def _fail(self: WorkerGroup, message: str, cause: BaseException):
+    "Kill the group after one rank failed (the others would wait forever in a collective) and mark it dead."
+    self.mark_dead(message)
+    raise WorkerError(f"{message}. The worker group is now dead; {RESTART_HINT}") from cause
+
+# %% ../nbs/07_workers.ipynb #a063677c
+@patch
+def call(self: WorkerGroup, method: str, *args, **kwargs) -> list:
+    "Call `method(*args, **kwargs)` on every rank; results in rank order."
+    self.check_alive()
+    return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors], method)
+
+# %% ../nbs/07_workers.ipynb #282cfef7
+@patch
+def call_per_rank(self: WorkerGroup, method: str, per_rank_args: list[tuple]) -> list:
+    "Call `method(*per_rank_args[r])` on rank r."
+    self.check_alive()
+    return self._wait([getattr(a, method).remote(*args) for a, args in zip(self.actors, per_rank_args)], method)
+
+# %% ../nbs/07_workers.ipynb #51377623
+@patch
+def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
+    "Call `method(*args, **kwargs)` on rank `rank` alone."
+    self.check_alive()
+    return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
+
+# %% ../nbs/07_workers.ipynb #3ecc1d8d
 _PARKED: list = []  # at most one WorkerGroup a trainer let go of: its workers released, waiting warm for the next group of its shape
 
 @patch
@@ -395,6 +405,12 @@ def park(self: WorkerGroup) -> bool:
     self.actors, self.pg, self.dead = [], None, 'its workers were released'
     return True
 
+# %% ../nbs/07_workers.ipynb #e76fe9e2
+def release_parked():
+    "Kill the parked worker group, if any: its processes end and the CPUs/GPUs it held are free again."
+    while _PARKED: _PARKED.pop().kill()
+
+# %% ../nbs/07_workers.ipynb #f2a3ee16
 @patch
 def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
     "Take over the parked group when its shape is this group's: rank r becomes `worker_cls(**kwargs[r])` in its warm process. A parked group of another shape is killed (its resources may be needed)."
@@ -407,10 +423,7 @@ def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
     self.actors, self.pg = warm.actors, warm.pg
     return True
 
-def release_parked():
-    "Kill the parked worker group, if any: its processes end and the CPUs/GPUs it held are free again."
-    while _PARKED: _PARKED.pop().kill()
-
+# %% ../nbs/07_workers.ipynb #c0f64743
 @patch
 def shutdown(self: WorkerGroup, keep_warm: bool = False): # `park` the workers instead of killing them
     "Leave the process group cleanly, then kill the actors (or keep them warm)."
@@ -420,3 +433,39 @@ def shutdown(self: WorkerGroup, keep_warm: bool = False): # `park` the workers i
         except WorkerError: pass
     self.kill()
 
+# %% ../nbs/07_workers.ipynb #aab7c0d1
+@patch
+def _wait(self: WorkerGroup, refs: list, what: str, ranks: list[int] | None = None) -> list:
+    import ray
+    pending = {ref: i for i, ref in enumerate(refs)}
+    out = [None] * len(refs)
+    while pending:
+        done, _ = ray.wait(list(pending), num_returns=1)
+        for ref in done:
+            i = pending.pop(ref); r = ranks[i] if ranks else i
+            try: out[i] = ray.get(ref)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e: self._fail(death_message(r, what, e), e)
+            except ray.exceptions.RayTaskError as e:
+                self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause)) else f"worker rank {r} failed in {what}: {e.cause!r}", e)
+    return out
+
+# %% ../nbs/07_workers.ipynb #cbfb3e08
+@patch
+def _place(self: WorkerGroup, kwargs: list[dict], timeout_s: float):
+    "New actors, one per rank, in a new placement group."
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker = self.shape[:6]
+    bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
+    self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
+    try: ray.get(self.pg.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(self.pg)
+        raise WorkerError(f"could not place {self.world_size} workers ({num_nodes} nodes × {workers_per_node}, "
+                          f"strategy {strategy}, {bundle} each) within {timeout_s:.0f}s; cluster has "
+                          f"{ray.cluster_resources()} in total, {ray.available_resources()} free") from None
+    cls = ray.remote(worker_cls)
+    self.actors = [cls.options(num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                               ).remote(**kwargs[r]) for r in range(self.world_size)]

@@ -20,20 +20,21 @@ from fastcore.basics import patch
 # %% auto #0
 __all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats']
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #9d37ee4a
+# %% ../../nbs/07a_backends.fsdp.ipynb #eaa19284
 def _model_cls(path):
     "AutoModelForImageTextToText for vision-language folders, AutoModelForCausalLM otherwise."
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from sft_nb.vlm_models import is_vlm
     return AutoModelForImageTextToText if is_vlm(path) else AutoModelForCausalLM
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #7c6b00bb
 def _arch_cls(path):
     "The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers does not map its config."
     from sft_nb.models import model_config
     try: return _model_cls(path)._model_mapping[type(model_config(path))]
     except (KeyError, ValueError): return None
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #37de5637
+# %% ../../nbs/07a_backends.fsdp.ipynb #aa8c32ca
 class FSDPWorker(TrainWorker):
     "FSDP2 training worker (one per rank)."
     @property
@@ -44,7 +45,7 @@ class FSDPWorker(TrainWorker):
         import torch
         return torch.device('cuda', 0) if self.use_gpu else torch.device('cpu')
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #ca8a1fb5
+# %% ../../nbs/07a_backends.fsdp.ipynb #6c166df5
 def fsdp_units(model) -> list[list]:
     "The module groups FSDP2 shards as units: each `_no_split_modules` block, then the embeddings and the LM head (together when tied)."
     names = set(getattr(model, '_no_split_modules', None) or ())
@@ -55,7 +56,7 @@ def fsdp_units(model) -> list[list]:
     if head is None: return blocks + [[emb]]
     return blocks + ([[emb, head]] if head.weight is emb.weight else [[emb], [head]])
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #60e8debb
+# %% ../../nbs/07a_backends.fsdp.ipynb #83c7ec48
 def rebuild_buffers(model, device) -> list[str]:
     "Recompute the non-persistent buffers (rotary `inv_freq`: not in a checkpoint, garbage after `to_empty`) in fp32 from each module's config; their names."
     import torch
@@ -68,7 +69,35 @@ def rebuild_buffers(model, device) -> list[str]:
         for k in keys: m._buffers[k] = fresh._buffers[k].to(device=device, dtype=torch.float32); done.append(f'{name}.{k}')
     return done
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #5c21f806
+# %% ../../nbs/07a_backends.fsdp.ipynb #841ccf98
+_SAVE_OPS = None
+
+def _selective_policy(ctx, op, *args, **kwargs):
+    "Keep matmul and attention outputs, recompute everything else (torch selective activation checkpointing)."
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy
+    global _SAVE_OPS
+    if _SAVE_OPS is None:
+        a = torch.ops.aten
+        _SAVE_OPS = {a.mm.default, a.addmm.default, a.bmm.default, a._scaled_dot_product_flash_attention.default,
+                     a._scaled_dot_product_efficient_attention.default, a._scaled_dot_product_flash_attention_for_cpu.default}
+    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #8abe59b9
+def checkpoint_blocks(model, mode: str = 'none'):
+    "Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation; `none` leaves the model as it is."
+    if mode == 'none': return model
+    from functools import partial
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+    names = set(getattr(model, '_no_split_modules', None) or ())
+    kw = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)} if mode == 'selective' else {}
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw), check_fn=lambda m: type(m).__name__ in names)
+    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
+        cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
+    return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #b972d13b
 @patch
 def _build_model(self: FSDPWorker, device: str = 'cpu'):
     import torch
@@ -83,6 +112,7 @@ def _build_model(self: FSDPWorker, device: str = 'cpu'):
                                                      lora_dropout=self.mcfg.lora_dropout, target_modules=self.mcfg.lora_target_modules))
     return model
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #986bf121
 @patch
 def _shard(self: FSDPWorker, model, dtype):
     import torch
@@ -97,6 +127,7 @@ def _shard(self: FSDPWorker, model, dtype):
     fully_shard(model, **kw)
     return model
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #31931ea8
 @patch
 def _load_sharded(self: FSDPWorker, dtype):
     "Every rank builds on `meta`, shards, allocates its shards and reads their rows from the checkpoint's safetensors files."
@@ -111,34 +142,7 @@ def _load_sharded(self: FSDPWorker, dtype):
     if self.mcfg.lora_r > 0: init_lora(model, rng)
     return model
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #e322f6e6
-_SAVE_OPS = None
-
-def _selective_policy(ctx, op, *args, **kwargs):
-    "Keep matmul and attention outputs, recompute everything else (torch selective activation checkpointing)."
-    import torch
-    from torch.utils.checkpoint import CheckpointPolicy
-    global _SAVE_OPS
-    if _SAVE_OPS is None:
-        a = torch.ops.aten
-        _SAVE_OPS = {a.mm.default, a.addmm.default, a.bmm.default, a._scaled_dot_product_flash_attention.default,
-                     a._scaled_dot_product_efficient_attention.default, a._scaled_dot_product_flash_attention_for_cpu.default}
-    return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-def checkpoint_blocks(model, mode: str = 'none'):
-    "Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation; `none` leaves the model as it is."
-    if mode == 'none': return model
-    from functools import partial
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
-    from torch.utils.checkpoint import create_selective_checkpoint_contexts
-    names = set(getattr(model, '_no_split_modules', None) or ())
-    kw = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)} if mode == 'selective' else {}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw), check_fn=lambda m: type(m).__name__ in names)
-    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
-    return model
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #bbf627a1
+# %% ../../nbs/07a_backends.fsdp.ipynb #397e385d
 @patch
 def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mixed precision (fp32 master weights)
           meta: bool = False, # shapes only, sharded as on `world_size` ranks: the memory plan's model (`sft_nb.memory`)
@@ -162,7 +166,7 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
     return model
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #f942dd84
+# %% ../../nbs/07a_backends.fsdp.ipynb #d4c5546d
 @patch
 def setup(self: FSDPWorker):
     import torch
@@ -182,7 +186,7 @@ def setup(self: FSDPWorker):
     return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
             'packable': self.packable, 'attn_implementation': self.attn, 'router_aux_coef': self.aux_coef}
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #a28f0002
+# %% ../../nbs/07a_backends.fsdp.ipynb #7df57442
 @patch
 def _setup_sp(self: FSDPWorker, model):
     "The (dp, sp) device mesh, this rank's sp group and place in it, and the model's attention behind the head all-to-all."
@@ -200,6 +204,7 @@ def _setup_sp(self: FSDPWorker, model):
     self.sp_group, self.sp_rank = mesh.get_group('sp'), mesh.get_local_rank('sp')
     model.set_attn_implementation(register_ulysses(self.attn))
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #da86f996
 @patch
 def _sp_sum(self: FSDPWorker, nll: float, n: int | float) -> tuple:
     "(Σ NLL, Σ targets) over the sp group: the replica's totals (each rank holds the targets of its own tokens)."
@@ -209,6 +214,7 @@ def _sp_sum(self: FSDPWorker, nll: float, n: int | float) -> tuple:
     dist.all_reduce(t, group=self.sp_group)
     return float(t[0]), (int(t[1]) if isinstance(n, int) else float(t[1]))
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #c441d919
 @patch
 def _sp_gather(self: FSDPWorker, stats: dict, sel) -> dict | None:
     "Per-target arrays of the sp group in the whole row's order (row by row, rank by rank) on sp rank 0; others get None."
@@ -222,8 +228,7 @@ def _sp_gather(self: FSDPWorker, stats: dict, sel) -> dict | None:
         for r, (_, counts) in enumerate(got): parts.append((r, offs[r], offs[r] + counts[b])); offs[r] += counts[b]
     return {k: np.concatenate([got[r][0][k][a:e] for r, a, e in parts]) for k in stats}
 
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #dd411351
+# %% ../../nbs/07a_backends.fsdp.ipynb #76047e90
 @patch
 def to_device(self: FSDPWorker, mb):
     import torch
@@ -232,6 +237,7 @@ def to_device(self: FSDPWorker, mb):
     mb = attention_inputs(mb, self.attn)
     return {k: (v.to(self.device) if isinstance(v, torch.Tensor) else v) for k, v in mb.items()}
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #8a530891
 @patch
 def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     "(model inputs, [B, T] positions whose next token is trained, those tokens, their weights or None) of this rank's part of `mb`."
@@ -243,6 +249,7 @@ def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
     w = mb.get('loss_weights')  # fractional loss weights: Σ weight·NLL and Σ weight
     return model_inputs(mb), sel, tgt, None if w is None else target_weights(mb['labels'], w)
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #594f8d08
 @patch
 def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
     """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
@@ -254,7 +261,35 @@ def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
     return s, k, (router_aux_sum(router.logits, *sequence_index(mb), self.top_k) if aux else None)
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #96468808
+# %% ../../nbs/07a_backends.fsdp.ipynb #c2374f45
+@patch
+def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
+    import torch
+    self.model.eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for mb in micro_batches:
+            s, k, _ = self.nll(self.to_device(mb))
+            nll += float(s); n += k
+    nll, n = self._sp_sum(nll, n)
+    return {'nll_sum': nll, 'weight_sum': n}
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #c22e32f7
+@patch
+def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+    "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."
+    import torch
+    self.model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p], device=self.device)
+            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                      do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
+            outs.append(out[0, len(p):].tolist())
+    return outs
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #3d87692c
 @patch
 def _sum_over_ranks(self: FSDPWorker, n: int) -> int:
     "Σ of `n` over the ranks (a collective: every rank calls it)."
@@ -264,6 +299,7 @@ def _sum_over_ranks(self: FSDPWorker, n: int) -> int:
     dist.all_reduce(t)
     return int(t.item())
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #db2a1f0c
 @patch
 def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
     "Accumulate gradients of Σ weight·NLL / weight_sum_global (each target weighs 1 without loss weights), plus coef · mean router aux loss over the global batch's sequences (MoE)."
@@ -281,6 +317,7 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_glo
     nll, n = self._sp_sum(nll, n)
     return {'nll_sum': nll, 'weight_sum': n} | ({'aux_sum': aux_sum, 'n_seqs': n_seqs} if aux else {})
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #6826645a
 @patch
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
     "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
@@ -289,34 +326,7 @@ def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
     gn = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float('inf'))  # clips in place
     return take_step(self, float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn), skip)  # the global norm: every rank decides alike
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #5b05e072
-@patch
-def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
-    import torch
-    self.model.eval()
-    nll, n = 0.0, 0
-    with torch.no_grad():
-        for mb in micro_batches:
-            s, k, _ = self.nll(self.to_device(mb))
-            nll += float(s); n += k
-    nll, n = self._sp_sum(nll, n)
-    return {'nll_sum': nll, 'weight_sum': n}
-
-@patch
-def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
-    "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."
-    import torch
-    self.model.eval()
-    outs = []
-    with torch.no_grad():
-        for p in prompts:
-            ids = torch.tensor([p], device=self.device)
-            out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                                      do_sample=False, eos_token_id=eos_token_id, pad_token_id=eos_token_id)
-            outs.append(out[0, len(p):].tolist())
-    return outs
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #a00b5374
+# %% ../../nbs/07a_backends.fsdp.ipynb #ae800246
 @patch
 def full_state(self: FSDPWorker) -> dict:
     "The full (unsharded) model state on every rank, as CPU tensors (for export and tests)."
@@ -324,6 +334,15 @@ def full_state(self: FSDPWorker) -> dict:
     return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True,
                                                                      broadcast_from_rank0=False))
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #d1b229dc
+@patch
+def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
+    "A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."
+    model = self._build_model('cpu')
+    model.load_state_dict(state, strict=False)
+    return model.merge_and_unload() if self.mcfg.lora_r > 0 and lora_export != 'adapter' else model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #4c7162f7
 @patch
 def save(self: FSDPWorker, path: str) -> bool:
     "Sharded checkpoint of model + optimizer (torch.distributed.checkpoint: reloadable at another world size)."
@@ -335,6 +354,7 @@ def save(self: FSDPWorker, path: str) -> bool:
     save_rng(path, self.rank, self.use_gpu)  # this rank's dropout streams, restored on resume (no pickle)
     return True
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #c8b3f606
 @patch
 def load(self: FSDPWorker, path: str) -> int:
     import torch.distributed.checkpoint as dcp
@@ -347,17 +367,7 @@ def load(self: FSDPWorker, path: str) -> int:
     load_rng(path, self.rank, self.use_gpu)  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
     return self.step
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #76404bc8
-@patch
-def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
-    "A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."
-    model = self._build_model('cpu')
-    model.load_state_dict(state, strict=False)
-    return model.merge_and_unload() if self.mcfg.lora_r > 0 and lora_export != 'adapter' else model
-
-# %% ../../nbs/07a_backends.fsdp.ipynb #8fe1a6ed
-from fastcore.basics import patch
-
+# %% ../../nbs/07a_backends.fsdp.ipynb #89db8a12
 def trained_token_stats(logits, # [n, V] logits at the positions whose next token is trained
                         targets, # [n] the trained next tokens
                         k: int = 3, # alternatives kept per position
@@ -367,6 +377,9 @@ def trained_token_stats(logits, # [n, V] logits at the positions whose next toke
     top_p, top_ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), -1)
     return {'nll': token_nll(logits, targets.long()).cpu().numpy(),
             'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #e5e41889
+from fastcore.basics import patch
 
 @patch
 def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
@@ -384,7 +397,7 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
             out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
-# %% ../../nbs/07a_backends.fsdp.ipynb #1218611b
+# %% ../../nbs/07a_backends.fsdp.ipynb #044be94a
 @patch
 def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   eos_token_id: int | None = None) -> list[int]:

@@ -17,9 +17,9 @@ from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['transformer_config', 'build_gpt_model', 'te_name', 'te_names', 'thd_available', 'mcore_batch', 'thd_batch',
-           'megatron_dp_index', 'load_shard', 'DeferredHead', 'vocab_parallel_token_nll', 'MegatronWorker']
+           'megatron_dp_index', 'load_shard', 'DeferredHead', 'MegatronWorker', 'vocab_parallel_token_nll']
 
-# %% ../../nbs/07b_backends.megatron.ipynb #9c1c7494
+# %% ../../nbs/07b_backends.megatron.ipynb #7881f905
 def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1):
     "A megatron `TransformerConfig` equivalent to a Llama-family HF config (dense models only)."
     if any(getattr(hf_cfg, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
@@ -46,6 +46,7 @@ def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = F
         batch_p2p_comm=False,  # batched p2p calls torch.cuda.synchronize; plain isend/irecv works on gloo and nccl
         enable_autocast=bf16_autocast, autocast_dtype=torch.bfloat16 if bf16_autocast else None)
 
+# %% ../../nbs/07b_backends.megatron.ipynb #057c6452
 def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1,
                     te: bool = False, # TransformerEngine's layers (what PackedSeqParams and context parallelism need) instead of the local ones
                    ):
@@ -63,6 +64,7 @@ def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = Fals
                     share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), position_embedding_type='rope',
                     rotary_base=int(rope.get('rope_theta', getattr(hf_cfg, 'rope_theta', 10000))))
 
+# %% ../../nbs/07b_backends.megatron.ipynb #193949a5
 _TE_NORMS = {'input_layernorm.weight': 'self_attention.linear_qkv.layer_norm_weight',  # TE fuses the norm into the next linear
              'pre_mlp_layernorm.weight': 'mlp.linear_fc1.layer_norm_weight'}
 
@@ -71,17 +73,18 @@ def te_name(key: str, back: bool = False) -> str:
     pairs = [(b, a) for a, b in _TE_NORMS.items()] if back else list(_TE_NORMS.items())
     return next((key[:-len(a)] + b for a, b in pairs if key.endswith('.' + a)), key)
 
+# %% ../../nbs/07b_backends.megatron.ipynb #85dced9a
 def te_names(state: dict, back: bool = False) -> dict:
     "State dict `state` under `te_name`s."
     return {te_name(k, back): v for k, v in state.items()}
 
+# %% ../../nbs/07b_backends.megatron.ipynb #219ecb9a
 def thd_available(use_gpu: bool, dtype: str) -> bool:
     "True where TransformerEngine's THD attention runs: CUDA, `transformer_engine` installed, bf16 compute (its THD kernels are 16-bit)."
     import importlib.util
     return bool(use_gpu) and dtype == 'bfloat16' and importlib.util.find_spec('transformer_engine') is not None
 
-
-# %% ../../nbs/07b_backends.megatron.ipynb #4c7b5362
+# %% ../../nbs/07b_backends.megatron.ipynb #5135eb86
 def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
                 shape: tuple[int, int] | None = None, # pad to (B, T) (pipeline stages exchange fixed shapes)
                ) -> dict:
@@ -108,7 +111,7 @@ def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
     return {'input_ids': ids, 'position_ids': torch.arange(T).expand(B, T), 'attention_mask': ~allowed,
             'labels': target.clamp(min=0), 'loss_mask': weight}
 
-# %% ../../nbs/07b_backends.megatron.ipynb #a28b0002
+# %% ../../nbs/07b_backends.megatron.ipynb #8782170d
 def thd_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
               multiple: int = 1, # pad every segment to a multiple of this (2 · context_parallel)
               total: int | None = None, # pad the whole to this many tokens (one more untrained segment)
@@ -138,8 +141,7 @@ def thd_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
         cu, cu_p = torch.cat([cu, cu.new_tensor([cu[-1] + total - N])]), torch.cat([cu_p, cu_p.new_tensor([total])])
     return out | {'cu_seqlens': cu.int(), 'cu_seqlens_padded': cu_p.int(), 'max_seqlen': int(padded.max())}
 
-
-# %% ../../nbs/07b_backends.megatron.ipynb #9be5af10
+# %% ../../nbs/07b_backends.megatron.ipynb #494c886a
 def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
     "Data-parallel replica of `rank` in megatron's default order (tp-cp-dp-pp): the cp ranks of a replica share its rows."
     if world_size % (tp * pp * cp):
@@ -147,7 +149,7 @@ def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: 
                           f"must divide world size {world_size}")
     return (rank // (tp * cp)) % (world_size // (tp * pp * cp))
 
-# %% ../../nbs/07b_backends.megatron.ipynb #ad5e043b
+# %% ../../nbs/07b_backends.megatron.ipynb #0a45a185
 def load_shard(f, device='cpu') -> dict:
     "A checkpoint shard written by `MegatronWorker.save`, loaded without running pickled code."
     import pickle, torch
@@ -156,7 +158,7 @@ def load_shard(f, device='cpu') -> dict:
         raise ValueError(f"checkpoint.resume: {f} holds more than tensors and plain data; refused (loading it could run code): "
                          f"{str(e).splitlines()[0]}") from None
 
-# %% ../../nbs/07b_backends.megatron.ipynb #63ba1a46
+# %% ../../nbs/07b_backends.megatron.ipynb #08e65c24
 class DeferredHead:
     "Context manager: megatron's output layer returns its input hidden states, so the last stage's `GPTModel` returns [B, S, H]."
     def __init__(self, model): self.layer = getattr(model, 'output_layer', None) if getattr(model, 'post_process', False) else None
@@ -166,23 +168,7 @@ class DeferredHead:
     def __exit__(self, *exc):
         if self.layer is not None: del self.layer.forward
 
-def vocab_parallel_token_nll(model, # the last stage's GPTModel
-                             hidden, # [B, S, H] from a forward under `DeferredHead`
-                             labels, # [B, S] shifted targets (megatron layout, as `mcore_batch` makes them)
-                             keep, # [B, S] bool: positions with a non-zero loss weight
-                             chunk: int, # tokens per chunk
-                            ):
-    "Per-token NLL [B, S] (0 where not kept): the output layer + vocab-parallel cross-entropy, `chunk` kept tokens at a time."
-    import torch
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    def head_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1; `token_nll` over the TP shards of the logits
-        logits, _ = model.output_layer(hc[:, None], weight=weight)
-        return vocab_parallel_cross_entropy(logits.float(), tc[:, None])[:, 0]
-    nll = chunked_token_nll(hidden[keep], head_nll, labels[keep], chunk)
-    return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).index_put((keep,), nll)
-
-# %% ../../nbs/07b_backends.megatron.ipynb #6524bc71
+# %% ../../nbs/07b_backends.megatron.ipynb #0f6bc699
 class MegatronWorker(TrainWorker):
     "megatron-core training worker (one per rank): TP × PP model-parallel shards, DP = world / (TP × PP)."
     def __init__(self, *args, **kwargs):  # `TrainWorker`'s arguments
@@ -204,7 +190,56 @@ class MegatronWorker(TrainWorker):
         if ps.model_parallel_is_initialized(): ps.destroy_model_parallel()
         return super().shutdown()
 
-# %% ../../nbs/07b_backends.megatron.ipynb #fbe899f4
+# %% ../../nbs/07b_backends.megatron.ipynb #2cef4115
+@patch
+def _counted(self: MegatronWorker, p) -> bool:
+    "Count a parameter once per replica: TP-replicated ones on TP rank 0, the tied output copy not at all."
+    if getattr(p, 'shared', False): return False
+    return id(p) not in self._replicated or self.tp_rank == 0
+
+# %% ../../nbs/07b_backends.megatron.ipynb #dc33ff26
+@patch
+def _mp_sum(self: MegatronWorker, x: float) -> float:
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=ps.get_model_parallel_group())
+    return float(t)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #f87345fc
+@patch
+def _replica_sum(self: MegatronWorker, x: float) -> float:
+    "Sum over the pipeline stages of this replica (only the last stage computes losses)."
+    import torch, torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
+    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
+    return float(t)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #ce099e14
+@patch
+def _all_reduce_grads(self: MegatronWorker, params, group):
+    import torch, torch.distributed as dist
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+    if not params: return
+    grads = [p.grad for p in params]
+    flat = _flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)): g.copy_(r)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #0c905afe
+@patch
+def _reduce_grads(self: MegatronWorker):
+    import torch
+    from megatron.core import parallel_state as ps
+    for p in self.params:
+        if p.grad is None: p.grad = torch.zeros_like(p)
+    if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
+        self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # the cp ranks of a replica hold gradients of parts of the same loss
+        self._all_reduce_grads(self.params, ps.get_data_parallel_group(with_context_parallel=True))
+
+# %% ../../nbs/07b_backends.megatron.ipynb #68e379c6
 @patch
 def setup(self: MegatronWorker) -> dict:
     import torch
@@ -251,53 +286,24 @@ def setup(self: MegatronWorker) -> dict:
     n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
     return {'n_params': int(n), 'n_trainable': int(n), 'packable': True, 'thd': self.thd}
 
-# %% ../../nbs/07b_backends.megatron.ipynb #d2607c59
-@patch
-def _counted(self: MegatronWorker, p) -> bool:
-    "Count a parameter once per replica: TP-replicated ones on TP rank 0, the tied output copy not at all."
-    if getattr(p, 'shared', False): return False
-    return id(p) not in self._replicated or self.tp_rank == 0
-
-@patch
-def _mp_sum(self: MegatronWorker, x: float) -> float:
-    import torch, torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-    dist.all_reduce(t, group=ps.get_model_parallel_group())
-    return float(t)
-
-@patch
-def _replica_sum(self: MegatronWorker, x: float) -> float:
-    "Sum over the pipeline stages of this replica (only the last stage computes losses)."
-    import torch, torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    t = torch.tensor([float(x)], dtype=torch.float64, device=self.device)
-    dist.all_reduce(t, group=ps.get_pipeline_model_parallel_group())
-    return float(t)
-
-# %% ../../nbs/07b_backends.megatron.ipynb #08ad41b3
-@patch
-def _all_reduce_grads(self: MegatronWorker, params, group):
-    import torch, torch.distributed as dist
-    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
-    if not params: return
-    grads = [p.grad for p in params]
-    flat = _flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, r in zip(grads, _unflatten_dense_tensors(flat, grads)): g.copy_(r)
-
-@patch
-def _reduce_grads(self: MegatronWorker):
+# %% ../../nbs/07b_backends.megatron.ipynb #b8e82188
+def vocab_parallel_token_nll(model, # the last stage's GPTModel
+                             hidden, # [B, S, H] from a forward under `DeferredHead`
+                             labels, # [B, S] shifted targets (megatron layout, as `mcore_batch` makes them)
+                             keep, # [B, S] bool: positions with a non-zero loss weight
+                             chunk: int, # tokens per chunk
+                            ):
+    "Per-token NLL [B, S] (0 where not kept): the output layer + vocab-parallel cross-entropy, `chunk` kept tokens at a time."
     import torch
-    from megatron.core import parallel_state as ps
-    for p in self.params:
-        if p.grad is None: p.grad = torch.zeros_like(p)
-    if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
-        self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
-    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # the cp ranks of a replica hold gradients of parts of the same loss
-        self._all_reduce_grads(self.params, ps.get_data_parallel_group(with_context_parallel=True))
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
+    def head_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1; `token_nll` over the TP shards of the logits
+        logits, _ = model.output_layer(hc[:, None], weight=weight)
+        return vocab_parallel_cross_entropy(logits.float(), tc[:, None])[:, 0]
+    nll = chunked_token_nll(hidden[keep], head_nll, labels[keep], chunk)
+    return torch.zeros(keep.shape, dtype=nll.dtype, device=nll.device).index_put((keep,), nll)
 
-# %% ../../nbs/07b_backends.megatron.ipynb #55690eb3
+# %% ../../nbs/07b_backends.megatron.ipynb #beb72c38
 @patch
 def _batches(self: MegatronWorker, micro_batches: list[dict]) -> tuple[list[dict], int, int]:
     "(megatron inputs on the device, B, T of the schedule): dense [B, T] with a mask, or THD [1, N] with `PackedSeqParams` (`self.thd`)."
@@ -325,6 +331,7 @@ def _batches(self: MegatronWorker, micro_batches: list[dict]) -> tuple[list[dict
                     'kw': {'packed_seq_params': psp}})
     return out, 1, out[0]['input_ids'].shape[1]
 
+# %% ../../nbs/07b_backends.megatron.ipynb #2cdbfe60
 @patch
 def _cp_sum(self: MegatronWorker, x: float) -> float:
     "Sum over the context-parallel ranks of this replica (each holds 1/cp of every row's tokens); x itself when cp = 1."
@@ -335,6 +342,7 @@ def _cp_sum(self: MegatronWorker, x: float) -> float:
     dist.all_reduce(t, group=ps.get_context_parallel_group())
     return float(t)
 
+# %% ../../nbs/07b_backends.megatron.ipynb #572d8f12
 @patch
 def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, scale: float = 0.0) -> tuple[float, int, list]:
     "megatron's schedule (1F1B with PP > 1) over the micro-batches; returns this replica's (Σ NLL, n targets, outputs)."
@@ -362,25 +370,7 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
     weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
     return self._replica_sum(nll), (n if weighted else int(round(n))), out
 
-# %% ../../nbs/07b_backends.megatron.ipynb #8ae1419f
-@patch
-def forward_backward(self: MegatronWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
-    "Accumulate gradients of Σ weight·NLL / weight_sum_global over this replica's micro-batches (every rank reports the replica's sums)."
-    self.model.train()
-    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (weight_sum_global if weight_sum_global > 0 else 1))
-    return {'nll_sum': nll, 'weight_sum': n}
-
-@patch
-def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
-    "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
-    self._reduce_grads()
-    sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
-    gn = self._mp_sum(sq) ** 0.5
-    max_norm = self.ocfg.max_grad_norm if self.ocfg.max_grad_norm > 0 else float('inf')
-    coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
-    return take_step(self, gn, skip, clip=lambda: [p.grad.mul_(coef) for p in self.params])
-
-# %% ../../nbs/07b_backends.megatron.ipynb #9e1a0656
+# %% ../../nbs/07b_backends.megatron.ipynb #e2ee5246
 @patch
 def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
     import torch
@@ -388,6 +378,7 @@ def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
     with torch.no_grad(): nll, n, _ = self._run(micro_batches, forward_only=True)
     return {'nll_sum': nll, 'weight_sum': n}
 
+# %% ../../nbs/07b_backends.megatron.ipynb #dadc52e8
 @patch
 def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
     "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
@@ -410,6 +401,43 @@ def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
                                           num_microbatches=1, seq_length=T, micro_batch_size=B, forward_only=True)
     return out[0]['logits'].cpu() if out else None
 
+# %% ../../nbs/07b_backends.megatron.ipynb #b24228f2
+@patch
+def _local_state(self: MegatronWorker) -> dict:
+    s = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
+    return te_names(s, back=True) if self.thd else s  # checkpoints and exports under the local spec's names
+
+# %% ../../nbs/07b_backends.megatron.ipynb #e4c5977a
+@patch
+def full_state(self: MegatronWorker) -> dict:
+    "The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the converter)."
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+    g = ps.get_model_parallel_group()
+    got = [None] * dist.get_world_size(g)
+    dist.all_gather_object(got, (self.tp_rank, self.pp_rank, self._local_state()), group=g)
+    return mcore_to_hf({(t, p): s for t, p, s in got}, self.hf_cfg)
+
+# %% ../../nbs/07b_backends.megatron.ipynb #3e29c203
+@patch
+def forward_backward(self: MegatronWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
+    "Accumulate gradients of Σ weight·NLL / weight_sum_global over this replica's micro-batches (every rank reports the replica's sums)."
+    self.model.train()
+    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (weight_sum_global if weight_sum_global > 0 else 1))
+    return {'nll_sum': nll, 'weight_sum': n}
+
+# %% ../../nbs/07b_backends.megatron.ipynb #57599889
+@patch
+def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
+    "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
+    self._reduce_grads()
+    sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
+    gn = self._mp_sum(sq) ** 0.5
+    max_norm = self.ocfg.max_grad_norm if self.ocfg.max_grad_norm > 0 else float('inf')
+    coef = min(1.0, max_norm / (gn + 1e-6))  # torch.nn.utils.clip_grad_norm_'s rule
+    return take_step(self, gn, skip, clip=lambda: [p.grad.mul_(coef) for p in self.params])
+
+# %% ../../nbs/07b_backends.megatron.ipynb #aeb1db73
 @patch
 def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
     "Greedy continuations, recomputing the whole prefix each token (no KV cache); all ranks take part."
@@ -427,7 +455,7 @@ def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int
         outs.append(new)
     return outs
 
-# %% ../../nbs/07b_backends.megatron.ipynb #3ad4a3df
+# %% ../../nbs/07b_backends.megatron.ipynb #4b197f3b
 @patch
 def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
                   eos_token_id: int | None = None) -> list[int]:
@@ -445,26 +473,21 @@ def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, te
         st['ids'].append(int(nxt)); out.append(int(nxt)); st['done'] = out[-1] == eos_token_id
     return out
 
-# %% ../../nbs/07b_backends.megatron.ipynb #1cb55927
+# %% ../../nbs/07b_backends.megatron.ipynb #60903213
 @patch
-def _local_state(self: MegatronWorker) -> dict:
-    s = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items() if not k.endswith('_extra_state')}
-    return te_names(s, back=True) if self.thd else s  # checkpoints and exports under the local spec's names
+def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
+    "A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here: `lora_export` is unused)."
+    import torch
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, trust_remote_code=False)
+    model.load_state_dict(state, strict=True)
+    return model
 
-@patch
-def full_state(self: MegatronWorker) -> dict:
-    "The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the converter)."
-    import torch.distributed as dist
-    from megatron.core import parallel_state as ps
-    g = ps.get_model_parallel_group()
-    got = [None] * dist.get_world_size(g)
-    dist.all_gather_object(got, (self.tp_rank, self.pp_rank, self._local_state()), group=g)
-    return mcore_to_hf({(t, p): s for t, p, s in got}, self.hf_cfg)
-
-# %% ../../nbs/07b_backends.megatron.ipynb #06d6fdd6
+# %% ../../nbs/07b_backends.megatron.ipynb #fbd7b38d
 @patch
 def _ckpt_file(self: MegatronWorker, path) -> Path: return Path(path) / f'megatron_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt'
 
+# %% ../../nbs/07b_backends.megatron.ipynb #69254450
 @patch
 def save(self: MegatronWorker, path: str) -> bool:
     "One file per model-parallel shard (model + AdamW state), written by DP rank 0: resumable at any DP size with the same TP/PP."
@@ -478,6 +501,7 @@ def save(self: MegatronWorker, path: str) -> bool:
     dist.barrier()
     return True
 
+# %% ../../nbs/07b_backends.megatron.ipynb #e9e84b00
 @patch
 def load(self: MegatronWorker, path: str) -> int:
     import torch
@@ -492,20 +516,13 @@ def load(self: MegatronWorker, path: str) -> int:
     load_rng(path, self.rank)
     return self.step
 
-# %% ../../nbs/07b_backends.megatron.ipynb #49be7f81
-@patch
-def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
-    "A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here: `lora_export` is unused)."
-    import torch
-    from transformers import AutoModelForCausalLM
-    model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, trust_remote_code=False)
-    model.load_state_dict(state, strict=True)
-    return model
-
-# %% ../../nbs/07b_backends.megatron.ipynb #1ff14976
+# %% ../../nbs/07b_backends.megatron.ipynb #f9307939
 from fastcore.basics import patch
+
 from ..loss import trained_targets
+
 from .fsdp import trained_token_stats
+
 from ..config import ConfigError
 
 @patch

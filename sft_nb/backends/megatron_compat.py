@@ -10,12 +10,11 @@ import torch
 # %% auto #0
 __all__ = ['apply_cpu_compat', 'seed_model_parallel_rng']
 
-# %% ../../nbs/07b1_backends.megatron_compat.ipynb #a5b367dc
-_APPLIED = False
-
+# %% ../../nbs/07b1_backends.megatron_compat.ipynb #300b6e75
 def _cpu_device(d):
     return 'cpu' if (d == 'cuda' or (isinstance(d, torch.device) and d.type == 'cuda')) else d
 
+# %% ../../nbs/07b1_backends.megatron_compat.ipynb #d888182f
 class _CpuTorch(types.ModuleType):
     "`torch` as one megatron module sees it: tensor factories put 'cuda' tensors on the CPU."
     _FACTORIES = ('zeros', 'ones', 'empty', 'full', 'tensor', 'arange')
@@ -25,6 +24,9 @@ class _CpuTorch(types.ModuleType):
         if name not in self._FACTORIES: return f
         def on_cpu(*a, device=None, **k): return f(*a, device=_cpu_device(device), **k)
         return on_cpu
+
+# %% ../../nbs/07b1_backends.megatron_compat.ipynb #cfd7e6a3
+_APPLIED = False
 
 def apply_cpu_compat() -> bool:
     "Redirect megatron-core's CUDA-only calls to the CPU (idempotent). Call only in a process that never uses a GPU."
@@ -43,6 +45,7 @@ def apply_cpu_compat() -> bool:
     _APPLIED = True
     return True
 
+# %% ../../nbs/07b1_backends.megatron_compat.ipynb #261c7206
 def seed_model_parallel_rng(seed: int, tp_rank: int):
     "CPU stand-in for megatron's `model_parallel_cuda_manual_seed`: the tracker states come from CPU generators."
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker, _MODEL_PARALLEL_RNG_TRACKER_NAME

@@ -12,7 +12,7 @@ from .slices import Rows, StateRows
 # %% auto #0
 __all__ = ['hf_dims', 'check_parallel_sizes', 'stage_layers', 'fuse_qkv', 'split_qkv', 'hf_to_mcore', 'mcore_to_hf']
 
-# %% ../../nbs/07b2_backends.megatron_convert.ipynb #1a2ed73f
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #e7835cef
 def hf_dims(cfg) -> dict:
     "The sizes the mapping needs, from a HF config object or its dict."
     g = (lambda k, d=None: cfg.get(k, d)) if isinstance(cfg, dict) else (lambda k, d=None: getattr(cfg, k, d))
@@ -21,6 +21,7 @@ def hf_dims(cfg) -> dict:
             'groups': g('num_key_value_heads') or heads, 'head_dim': g('head_dim') or g('hidden_size') // heads,
             'ffn': g('intermediate_size'), 'vocab': g('vocab_size'), 'tied': bool(g('tie_word_embeddings', False))}
 
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #da6d6483
 def check_parallel_sizes(cfg, # HF config (object or dict)
                          tp: int = 1, # tensor-parallel size
                          pp: int = 1, # pipeline-parallel size
@@ -35,18 +36,20 @@ def check_parallel_sizes(cfg, # HF config (object or dict)
     if d['layers'] % pp: raise ConfigError(f"placement.pipeline_parallel: {pp} must divide the model's num_hidden_layers ({d['layers']})")
     return d
 
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #817098f1
 def stage_layers(n_layers: int, pp: int, pp_rank: int) -> range:
     "Global layer numbers held by pipeline stage `pp_rank` (even split, as megatron's default)."
     per = n_layers // pp
     return range(pp_rank * per, (pp_rank + 1) * per)
 
-# %% ../../nbs/07b2_backends.megatron_convert.ipynb #f3abc8ae
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #d97273c5
 def fuse_qkv(q, k, v, d: dict) -> torch.Tensor:
     "[q; k; v] (weights [out, in] or biases [out]) → megatron's per-group [q_g; k_g; v_g] layout."
     g, hd, per = d['groups'], d['head_dim'], d['heads'] // d['groups']
     rest = q.shape[1:]
     return torch.cat([q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], 1).reshape(-1, *rest)
 
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #cdb0b5fb
 def split_qkv(w, d: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     "Inverse of `fuse_qkv`."
     g, hd, per = d['groups'], d['head_dim'], d['heads'] // d['groups']
@@ -54,20 +57,19 @@ def split_qkv(w, d: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     q, k, v = w.reshape(g, (per + 2) * hd, *rest).split([per * hd, hd, hd], 1)
     return q.reshape(-1, *rest), k.reshape(-1, *rest), v.reshape(-1, *rest)
 
-# %% ../../nbs/07b2_backends.megatron_convert.ipynb #f6d21c31
-_LAYER_NORMS = {'input_layernorm.weight': 'input_layernorm.weight',
-                'post_attention_layernorm.weight': 'pre_mlp_layernorm.weight',
-                'self_attn.q_norm.weight': 'self_attention.q_layernorm.weight',  # Qwen3
-                'self_attn.k_norm.weight': 'self_attention.k_layernorm.weight'}
-
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #a0c3c270
 def _chunk(n: int, tp: int, r: int) -> tuple[int, int]:
     "Rows `a..b` of `torch.chunk(n rows, tp)[r]`."
     size = -(-n // tp); a = min(n, r * size)
     return a, min(n, a + size)
 
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #5ce37cee
 def _tp_rows(src, key, tp, r): return src.rows(key, *_chunk(src.shape(key)[0], tp, r))
+
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #b0cd152f
 def _tp_cols(src, key, tp, r): return src.cols(key, *_chunk(src.shape(key)[1], tp, r))
 
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #62e8d905
 def _qkv(src, a: str, kind: str, d: dict, tp: int, r: int) -> torch.Tensor:
     "This TP rank's rows of the fused QKV: the q, k and v rows of its own query groups only (contiguous in each), fused."
     g, hd = d['groups'] // tp, d['head_dim']
@@ -75,6 +77,12 @@ def _qkv(src, a: str, kind: str, d: dict, tp: int, r: int) -> torch.Tensor:
     q = src.rows(a + f'q_proj.{kind}', r * q_rows, (r + 1) * q_rows)
     k, v = (src.rows(a + f'{p}_proj.{kind}', r * g * hd, (r + 1) * g * hd) for p in 'kv')
     return fuse_qkv(q, k, v, {**d, 'groups': g, 'heads': d['heads'] // tp})
+
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #351c0286
+_LAYER_NORMS = {'input_layernorm.weight': 'input_layernorm.weight',
+                'post_attention_layernorm.weight': 'pre_mlp_layernorm.weight',
+                'self_attn.q_norm.weight': 'self_attention.q_layernorm.weight',  # Qwen3
+                'self_attn.k_norm.weight': 'self_attention.k_layernorm.weight'}
 
 def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors files, or a state dict in memory
                 cfg, # HF config
@@ -99,7 +107,7 @@ def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors file
         if not d['tied']: yield 'output_layer.weight', _tp_rows(src, 'lm_head.weight', tp, tp_rank)
         elif pp > 1: yield 'output_layer.weight', _tp_rows(src, 'model.embed_tokens.weight', tp, tp_rank)
 
-# %% ../../nbs/07b2_backends.megatron_convert.ipynb #520858f8
+# %% ../../nbs/07b2_backends.megatron_convert.ipynb #1d4ac574
 def mcore_to_hf(shards: dict, # {(tp_rank, pp_rank): megatron state dict} for every shard of one replica
                 cfg, # HF config
                ) -> dict:

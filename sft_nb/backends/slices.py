@@ -9,12 +9,13 @@ from pathlib import Path
 import torch
 from ..config import ConfigError
 from ..models import SAFETENSORS_DTYPES, safetensors_header
+from fastcore.basics import patch
 
 # %% auto #0
 __all__ = ['checkpoint_files', 'state_key', 'Rows', 'StateRows', 'checkpoint_sources', 'read_rows', 'local_rows', 'model_tensors',
            'check_checkpoint', 'fill_from_checkpoint', 'load_pretrained', 'init_lora']
 
-# %% ../../nbs/07a2_backends.slices.ipynb #98e60381
+# %% ../../nbs/07a2_backends.slices.ipynb #bfa25bc0
 def checkpoint_files(path: str | Path) -> dict[str, str]:
     "Checkpoint key → the safetensors file of model folder `path` that holds it, from the index or the files' headers (no tensor data read), each header checked (`safetensors_header`); a missing shard, a key the index puts in a file that does not hold it, or a key in two files: a `ConfigError` naming them."
     path = Path(path)
@@ -40,13 +41,14 @@ def checkpoint_files(path: str | Path) -> dict[str, str]:
             out[k] = str(f)
     return out
 
+# %% ../../nbs/07a2_backends.slices.ipynb #608a8720
 def state_key(name: str) -> str:
     "The checkpoint-side name of a parameter of the built model: without activation-checkpoint wrappers and PEFT's `base_model.model.` / `.base_layer`."
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     name = name.replace(_CHECKPOINT_PREFIX, '').replace('.base_layer.', '.')
     return name.removeprefix('base_model.model.')
 
-# %% ../../nbs/07a2_backends.slices.ipynb #3c3cb86c
+# %% ../../nbs/07a2_backends.slices.ipynb #f9429a89
 class Rows:
     "Reads rows of checkpoint tensors: `rows(key, a, b)` is rows `a..b` of tensor `key` (its dtype), read from its file with one read."
     def __init__(self, files: dict[str, str]): self.files, self.heads, self.handles, self.read = files, {}, {}, 0
@@ -57,42 +59,55 @@ class Rows:
     def __enter__(self): return self
     def __exit__(self, *exc): self.close()
 
-    def shape(self, key: str) -> list[int]: return self._entry(key)[0]['shape']
-    def _entry(self, key):
-        f = self.files[key]
-        if f not in self.heads: self.heads[f], self.handles[f] = safetensors_header(f), open(f, 'rb', buffering=0)
-        (head, start), h = self.heads[f], self.handles[f]
-        return head[key], start, h
+# %% ../../nbs/07a2_backends.slices.ipynb #f6fb009a
+@patch
+def _entry(self: Rows, key):
+    f = self.files[key]
+    if f not in self.heads: self.heads[f], self.handles[f] = safetensors_header(f), open(f, 'rb', buffering=0)
+    (head, start), h = self.heads[f], self.handles[f]
+    return head[key], start, h
 
-    def _read(self, key: str, h, buf: memoryview, pos: int):
-        "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts; a file that ends first (cut after its header was checked) is named."
-        while len(buf):
-            if not (n := os.preadv(h.fileno(), [buf], pos)):
-                raise ConfigError(f"model.path: {self.files[key]} ends at byte {pos:,}, inside tensor {key} (the file was cut short); download or save the model again")
-            buf, pos = buf[n:], pos + n
+# %% ../../nbs/07a2_backends.slices.ipynb #4cac37ca
+@patch
+def shape(self: Rows, key: str) -> list[int]: return self._entry(key)[0]['shape']
 
-    def rows(self, key: str, a: int, b: int) -> torch.Tensor:
-        e, start, h = self._entry(key)
-        shape, dt = e['shape'], SAFETENSORS_DTYPES[e['dtype']]
-        inner = math.prod(shape[1:]) * dt.itemsize
-        out = torch.empty([b - a, *shape[1:]] if shape else [], dtype=dt)
-        self._read(key, h, memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner)
-        self.read += out.nbytes
-        return out
+# %% ../../nbs/07a2_backends.slices.ipynb #8114e505
+@patch
+def _read(self: Rows, key: str, h, buf: memoryview, pos: int):
+    "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts; a file that ends first (cut after its header was checked) is named."
+    while len(buf):
+        if not (n := os.preadv(h.fileno(), [buf], pos)):
+            raise ConfigError(f"model.path: {self.files[key]} ends at byte {pos:,}, inside tensor {key} (the file was cut short); download or save the model again")
+        buf, pos = buf[n:], pos + n
 
-    def tensor(self, key: str) -> torch.Tensor: return self.rows(key, 0, (self.shape(key) or [1])[0])
+# %% ../../nbs/07a2_backends.slices.ipynb #e0aabb12
+@patch
+def rows(self: Rows, key: str, a: int, b: int) -> torch.Tensor:
+    e, start, h = self._entry(key)
+    shape, dt = e['shape'], SAFETENSORS_DTYPES[e['dtype']]
+    inner = math.prod(shape[1:]) * dt.itemsize
+    out = torch.empty([b - a, *shape[1:]] if shape else [], dtype=dt)
+    self._read(key, h, memoryview(out.view(-1).view(torch.uint8).numpy()), start + e['data_offsets'][0] + a * inner)
+    self.read += out.nbytes
+    return out
 
-    def cols(self, key: str, a: int, b: int) -> torch.Tensor:
-        "Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column is not), nothing else."
-        e, start, h = self._entry(key)
-        (n, m), size = e['shape'], SAFETENSORS_DTYPES[e['dtype']].itemsize
-        out = torch.empty(n, b - a, dtype=SAFETENSORS_DTYPES[e['dtype']])
-        buf, seg, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size, start + e['data_offsets'][0] + a * size
-        for r in range(n): self._read(key, h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
-        self.read += out.nbytes
-        return out
+# %% ../../nbs/07a2_backends.slices.ipynb #6d52f7dc
+@patch
+def tensor(self: Rows, key: str) -> torch.Tensor: return self.rows(key, 0, (self.shape(key) or [1])[0])
 
-# %% ../../nbs/07a2_backends.slices.ipynb #34a6e8d6
+# %% ../../nbs/07a2_backends.slices.ipynb #d0c398d8
+@patch
+def cols(self: Rows, key: str, a: int, b: int) -> torch.Tensor:
+    "Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column is not), nothing else."
+    e, start, h = self._entry(key)
+    (n, m), size = e['shape'], SAFETENSORS_DTYPES[e['dtype']].itemsize
+    out = torch.empty(n, b - a, dtype=SAFETENSORS_DTYPES[e['dtype']])
+    buf, seg, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size, start + e['data_offsets'][0] + a * size
+    for r in range(n): self._read(key, h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
+    self.read += out.nbytes
+    return out
+
+# %% ../../nbs/07a2_backends.slices.ipynb #a359a2bc
 class StateRows:
     "`Rows`' questions (`shape`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict already in memory."
     def __init__(self, state: dict[str, torch.Tensor]): self.state, self.read = state, 0
@@ -106,7 +121,7 @@ class StateRows:
     def cols(self, key: str, a: int, b: int) -> torch.Tensor: return self._give(self.state[key][:, a:b])
     def tensor(self, key: str) -> torch.Tensor: return self._give(self.state[key])
 
-# %% ../../nbs/07a2_backends.slices.ipynb #dc1a8433
+# %% ../../nbs/07a2_backends.slices.ipynb #19412321
 def checkpoint_sources(model, files: dict[str, str]) -> dict[str, tuple]:
     "Model state key → (transformers converter or None, {source pattern: [checkpoint keys]}), by the model's own conversion mapping."
     from transformers.conversion_mapping import get_model_conversion_mapping
@@ -123,7 +138,7 @@ def checkpoint_sources(model, files: dict[str, str]) -> dict[str, tuple]:
         out.setdefault(target, (conv, {}))[1].setdefault(pattern if conv else k, []).append(k)
     return out
 
-# %% ../../nbs/07a2_backends.slices.ipynb #b9355d5f
+# %% ../../nbs/07a2_backends.slices.ipynb #3ef70846
 def read_rows(reader: Rows, source: tuple, a: int, b: int) -> torch.Tensor:
     "Rows `a..b` (a < b) of the model tensor that `source` (a `checkpoint_sources` value) builds, read by `reader`."
     from transformers.core_model_loading import MergeModulelist
@@ -137,7 +152,7 @@ def read_rows(reader: Rows, source: tuple, a: int, b: int) -> torch.Tensor:
     (t,) = got.values()
     return t if rows else t[a:b]
 
-# %% ../../nbs/07a2_backends.slices.ipynb #53c82771
+# %% ../../nbs/07a2_backends.slices.ipynb #19b5167c
 def local_rows(p) -> tuple[torch.Tensor, int]:
     "(this rank's local tensor of parameter `p`, the row of the whole tensor it starts at): FSDP2's `Shard(0)` DTensor, or a plain tensor whole."
     from torch.distributed.tensor import DTensor
@@ -146,6 +161,7 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
     _, off = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     return p.to_local(), (off[0] if off else 0)
 
+# %% ../../nbs/07a2_backends.slices.ipynb #44574649
 def model_tensors(model):
     "(checkpoint-side names, tensor) of each parameter (a tied one once, with all its names, the input embedding's first) and each persistent buffer."
     names = {}
@@ -155,15 +171,17 @@ def model_tensors(model):
         for k, b in m._buffers.items():
             if b is not None and k not in m._non_persistent_buffers_set: yield [state_key(f'{mname}.{k}' if mname else k)], b  # the others: `rebuild_buffers`
 
-# %% ../../nbs/07a2_backends.slices.ipynb #f882766c
+# %% ../../nbs/07a2_backends.slices.ipynb #457530b0
 def _same_values(rd: Rows, a: str, b: str, chunk: int = 1024) -> bool:
     "Whether checkpoint tensors `a` and `b` hold the same values, compared `chunk` rows at a time."
     if rd.shape(a) != rd.shape(b): return False
     n, same = (rd.shape(a) or [1])[0], lambda x, y: torch.equal(x, y) if x.dtype == y.dtype else torch.equal(x.double(), y.double())
     return all(same(rd.rows(a, r, min(n, r + chunk)), rd.rows(b, r, min(n, r + chunk))) for r in range(0, n, chunk))
 
+# %% ../../nbs/07a2_backends.slices.ipynb #87a8efe4
 def _file_key(source: tuple) -> str: return next(iter(source[1].values()))[0]  # the checkpoint key a model tensor is read as it is from
 
+# %% ../../nbs/07a2_backends.slices.ipynb #9360b1ca
 def check_checkpoint(model, # built from config.json, on `meta` or anywhere: global shapes
                      path: str | Path) -> dict:
     "`checkpoint_sources` of `model` and the safetensors files of `path` once every tensor the model needs is there with its shape (LoRA adapters aside); a `ConfigError` naming file, tensor and both shapes otherwise. A tied head is the input embedding; a file head of other values is warned about."
@@ -191,6 +209,7 @@ def check_checkpoint(model, # built from config.json, on `meta` or anywhere: glo
         raise ConfigError(f"model.path: {path} has no tensor for the model's {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else '') + hint)
     return sources
 
+# %% ../../nbs/07a2_backends.slices.ipynb #d1abfec2
 def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
     "Copy each parameter's local rows and each persistent buffer from the safetensors files of `path` (`check_checkpoint`ed unless its `sources` are given); LoRA adapters are left to `init_lora`."
     files = checkpoint_files(path)
@@ -205,6 +224,7 @@ def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
             if got.shape != local.shape: raise ConfigError(f"model.path: {path}: {key} rows {a}..{a + n} read as {list(got.shape)}, the model holds {list(local.shape)} there")
             local.copy_(got)
 
+# %% ../../nbs/07a2_backends.slices.ipynb #b188dcba
 def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, ...)
                     path: str, **kw) -> torch.nn.Module:
     "What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint` on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint` fills, or the same refusal."
@@ -219,7 +239,7 @@ def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, 
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model
 
-# %% ../../nbs/07a2_backends.slices.ipynb #04087b15
+# %% ../../nbs/07a2_backends.slices.ipynb #2a92fde6
 def init_lora(model, rng_state: torch.Tensor):
     "Draw the LoRA adapters of a `meta`-built, now allocated PEFT `model` as PEFT draws them, from CPU generator state `rng_state`; copy in each rank's rows."
     from peft.tuners.lora import LoraLayer

@@ -13,7 +13,7 @@ from ..loss import document_block_mask
 # %% auto #0
 __all__ = ['seq_to_heads', 'heads_to_seq', 'ulysses_attention', 'register_ulysses', 'check_heads', 'sp_shard']
 
-# %% ../../nbs/07a1_backends.ulysses.ipynb #6e3c4b65
+# %% ../../nbs/07a1_backends.ulysses.ipynb #3348f7f1
 class _AllToAll(torch.autograd.Function):
     "Equal-split all-to-all along dim 0 of the sp group; the exchange is its own adjoint, so backward runs it again."
     @staticmethod
@@ -30,6 +30,7 @@ class _AllToAll(torch.autograd.Function):
         dist.all_to_all_single(out, grad, group=ctx.group)
         return out, None
 
+# %% ../../nbs/07a1_backends.ulysses.ipynb #950421ff
 def seq_to_heads(x: torch.Tensor, # [B, H, T/sp, D]: every head, this rank's tokens
                  group) -> torch.Tensor:
     "[B, H/sp, T, D]: this rank's heads, every token (rank order = token order)."
@@ -38,6 +39,7 @@ def seq_to_heads(x: torch.Tensor, # [B, H, T/sp, D]: every head, this rank's tok
     y = _AllToAll.apply(x.reshape(B, sp, H // sp, t, D).transpose(0, 1), group)  # send head group j to rank j
     return y.permute(1, 2, 0, 3, 4).reshape(B, H // sp, sp * t, D)  # y[j]: the tokens of rank j
 
+# %% ../../nbs/07a1_backends.ulysses.ipynb #46a5312f
 def heads_to_seq(x: torch.Tensor, # [B, T, H/sp, D]: attention output of this rank's heads
                  group) -> torch.Tensor:
     "[B, T/sp, H, D]: this rank's tokens, every head (the inverse of `seq_to_heads`, in the layout attention returns)."
@@ -46,12 +48,13 @@ def heads_to_seq(x: torch.Tensor, # [B, T, H/sp, D]: attention output of this ra
     y = _AllToAll.apply(x.reshape(B, sp, T // sp, h, D).transpose(0, 1), group)  # send token chunk j to rank j
     return y.permute(1, 2, 0, 3, 4).reshape(B, T // sp, sp * h, D)  # y[j]: head group j
 
-# %% ../../nbs/07a1_backends.ulysses.ipynb #acf2388f
+# %% ../../nbs/07a1_backends.ulysses.ipynb #f0cfb3b1
 class _Groups:
     "The attention module as the inner kernel sees it after the exchange: its own attributes, another query/KV head ratio."
     def __init__(self, module, groups: int): self._module, self.num_key_value_groups = module, groups
     def __getattr__(self, k): return getattr(self._module, k)
 
+# %% ../../nbs/07a1_backends.ulysses.ipynb #481f4d67
 def ulysses_attention(inner): # a transformers attention function (sdpa, eager, flex_attention)
     "`inner` behind a head all-to-all: given `sp_group`, the full sequence for 1/sp of the heads; without it, `inner` as it is (generate)."
     from transformers.integrations.sdpa_attention import repeat_kv
@@ -65,6 +68,7 @@ def ulysses_attention(inner): # a transformers attention function (sdpa, eager, 
         return heads_to_seq(out, sp_group), w
     return attend
 
+# %% ../../nbs/07a1_backends.ulysses.ipynb #58d29b59
 def register_ulysses(inner: str) -> str:
     "Register 'ulysses_<inner>' with transformers' attention (and mask) interface; the name, for `model.set_attn_implementation`."
     from transformers import AttentionInterface, AttentionMaskInterface
@@ -75,7 +79,7 @@ def register_ulysses(inner: str) -> str:
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])
     return name
 
-# %% ../../nbs/07a1_backends.ulysses.ipynb #1da1dfc6
+# %% ../../nbs/07a1_backends.ulysses.ipynb #6310d43b
 def check_heads(config, sp: int):
     "Raise a `ConfigError` naming `placement.sequence_parallel` when the model's attention heads cannot be split `sp` ways."
     from sft_nb.config import ConfigError
@@ -83,7 +87,7 @@ def check_heads(config, sp: int):
     H = c.num_attention_heads  # KV heads always divide then: lcm(KV, sp) divides H as both do (see `ulysses_attention`)
     if H % sp: raise ConfigError(f"placement.sequence_parallel: {sp} does not divide the model's {H} attention heads; choose a divisor of {H}")
 
-# %% ../../nbs/07a1_backends.ulysses.ipynb #f31d4a99
+# %% ../../nbs/07a1_backends.ulysses.ipynb #4860b485
 def _full_mask(mb: dict, T: int, form: str):
     "The attention mask of the whole row padded to T tokens: the batch's own (packed) or causal + padding; added tokens see only themselves."
     am, B, n = mb['attention_mask'], *mb['input_ids'].shape
@@ -96,6 +100,7 @@ def _full_mask(mb: dict, T: int, form: str):
     m[:, :, n:, n:] |= torch.eye(T - n, dtype=torch.bool, device=am.device)
     return additive_mask(m) if form == 'eager' else m
 
+# %% ../../nbs/07a1_backends.ulysses.ipynb #25a49cab
 def sp_shard(mb: dict, # a micro-batch: input_ids, labels, attention_mask, position_ids [, loss_weights]
              sp: int, rank: int, # the sequence-parallel size and this rank's place in it
              form: str = 'sdpa', # the inner attention kernel: sdpa (bool mask), eager (additive), flex_attention (BlockMask)
