@@ -1,5 +1,6 @@
 """Write README.md from nbs/index.ipynb (nbdev_readme needs Quarto, which we don't install).
-Markdown cells are copied; code cells become ```python blocks; `#| hide` cells are left out."""
+Markdown cells are copied; code cells become ```python blocks, followed by their kept printed output as a ```text block;
+`#| hide` cells are left out."""
 import json, pathlib
 root = pathlib.Path(__file__).resolve().parents[1]
 nb = json.loads((root / 'nbs' / 'index.ipynb').read_text())
@@ -12,4 +13,6 @@ for c in nb['cells']:
         lines = src.splitlines()
         if any(l.strip() in ('#| hide', '#|hide') for l in lines): continue
         parts.append('```python\n' + '\n'.join(l for l in lines if not l.startswith('#|')) + '\n```')
+        out = ''.join(''.join(o['text']) for o in c.get('outputs', []) if o.get('name') == 'stdout').strip('\n')
+        if out: parts.append('```text\n' + out + '\n```')  # a kept output: what the reader would see
 (root / 'README.md').write_text('\n\n'.join(parts) + '\n')
