@@ -10,7 +10,7 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'KeepBest', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule',
-           'Profiler', 'builtin_callbacks', 'Preempted', 'SaveOnSignal', 'ConsoleTracker', 'JSONLTracker',
+           'Profiler', 'Preempted', 'SaveOnSignal', 'builtin_callbacks', 'ConsoleTracker', 'JSONLTracker',
            'optional_tracker', 'ScalarTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers',
            'answer_text', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
 
@@ -22,6 +22,7 @@ class Control:
     should_save: bool = False
     should_evaluate: bool = False
 
+# %% ../nbs/08a_callbacks.ipynb #5de9a4f0
 class Callback:
     "Override any of these; they receive the trainer and the event's data."
     def on_train_start(self, trainer): pass
@@ -36,6 +37,7 @@ class Callback:
     def on_load(self, trainer, step: int): pass  # a checkpoint of `step` was loaded (0: a fresh start)
     def close(self): pass
 
+# %% ../nbs/08a_callbacks.ipynb #be30eb25
 class EarlyStopping(Callback):
     "Stop when eval loss (`metric`) has not improved by `min_delta` for `patience` evaluations."
     def __init__(self, patience: int = 2, min_delta: float = 0.0, metric: str = 'eval_loss'):
@@ -67,6 +69,7 @@ class KeepBest(Callback):
 class NonFiniteLoss(RuntimeError):
     "A step's loss or gradient norm was NaN/inf (`train.on_nonfinite: stop`); its update was not applied."
 
+# %% ../nbs/08a_callbacks.ipynb #58a7dad4
 class NonFiniteGuard(Callback):
     "Mark a step with a non-finite loss or gradient norm `skipped`; raise `NonFiniteLoss` under `policy='stop'`, warn under 'skip'."
     def __init__(self, policy: str = 'stop'): self.policy = policy
@@ -88,6 +91,7 @@ class Schedule(Callback):
         if self.eval_every and m['step'] % self.eval_every == 0: trainer.control.should_evaluate = True
         if self.save_every and m['step'] % self.save_every == 0: trainer.control.should_save = True
 
+# %% ../nbs/08a_callbacks.ipynb #85cf5cdb
 class Profiler(Callback):
     "A torch.profiler window on the workers over steps `start` … `start + steps - 1` (1-based; `start=0`: none)."
     def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)): self.start, self.steps, self.ranks = start, steps, ranks
@@ -98,19 +102,12 @@ class Profiler(Callback):
             trainer.profile_dir = trainer.run_dir / 'profile' / f"steps_{self.start}-{m['step']}"
             trainer.backend.profile('stop', str(trainer.profile_dir), self.ranks)
 
-def builtin_callbacks(cfg) -> list[Callback]:
-    "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
-    lg = cfg.logging
-    return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
-            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)] + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else [])
-
 # %% ../nbs/08a_callbacks.ipynb #1d7b9521
-SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's environment
-
 class Preempted(RuntimeError):
     "SIGTERM/SIGINT stopped training at a step boundary; the message says where to resume, `exit_code` is 128 + the signal's number."
     def __init__(self, message: str, signame: str): super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
 
+# %% ../nbs/08a_callbacks.ipynb #9d7deb4f
 class SaveOnSignal(Callback):
     "SIGTERM during `fit` (main thread only) stops it after the current step, saves a checkpoint and raises `Preempted` naming it."
     def __init__(self): self.got, self.prev = [], None
@@ -130,12 +127,22 @@ class SaveOnSignal(Callback):
         raise Preempted(f"stopped by {self.got[0]} at step {trainer.global_step} of {trainer.total_steps}; "
                         + (f"checkpoint {where}" if where else "no step was trained, nothing to resume"), self.got[0])
 
+# %% ../nbs/08a_callbacks.ipynb #4c6ee75e
+SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's environment
+
+def builtin_callbacks(cfg) -> list[Callback]:
+    "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
+    lg = cfg.logging
+    return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
+            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)] + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else [])
+
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:
     "True in a thread whose output a notebook `TrainerPanel` shows: the panel draws progress and eval lines itself."
     import sys
     return bool(getattr(sys.stderr, 'is_routed', lambda: False)())
 
+# %% ../nbs/08a_callbacks.ipynb #b1534aec
 class ConsoleTracker(Callback):
     "A tqdm bar (terminal or notebook) with the loss; eval results printed as lines (silent in a panel's runs)."
     def __init__(self, total: int | None = None): self.total, self.bar = total, None
@@ -156,6 +163,7 @@ class ConsoleTracker(Callback):
     def close(self):
         if self.bar is not None: self.bar.close(); self.bar = None
 
+# %% ../nbs/08a_callbacks.ipynb #4e2711ce
 class JSONLTracker(Callback):
     "Appends every logged metric dict to `run_dir/metrics.jsonl`."
     def __init__(self, path: str | Path): self.path = Path(path)
@@ -176,17 +184,20 @@ class JSONLTracker(Callback):
             if isinstance(rec, dict) and isinstance(rec.get('step'), int) and rec['step'] <= step: keep.append(line)
         self.path.write_text(''.join(l + '\n' for l in keep))
 
+# %% ../nbs/08a_callbacks.ipynb #ce335369
 def optional_tracker(name: str):
     "The module of an optional tracker package named in `logging.trackers`, or an error saying how to install it."
     try: return importlib.import_module(name)
     except ImportError: raise ImportError(f"logging.trackers includes {name!r} but {name} is not installed: pip install {name}") from None
 
+# %% ../nbs/08a_callbacks.ipynb #30d6287b
 class ScalarTracker(Callback):
     "A tracker of numbers: `write(metrics, 'train')` at every log, `write(metrics, 'eval')` after every evaluation."
     def on_log(self, trainer, metrics): self.write(metrics, 'train')
     def on_evaluate(self, trainer, metrics): self.write(metrics, 'eval')
     def write(self, metrics: dict, prefix: str): raise NotImplementedError
 
+# %% ../nbs/08a_callbacks.ipynb #0e819938
 class TensorBoardTracker(ScalarTracker):
     "Scalars to `run_dir/tensorboard`, as `train/<name>` and `eval/<name>`."
     def __init__(self, logdir: str | Path):
@@ -197,12 +208,14 @@ class TensorBoardTracker(ScalarTracker):
             if isinstance(v, (int, float)) and k != 'step': self.w.add_scalar(f'{prefix}/{k}', v, metrics['step'])
     def close(self): self.w.close()
 
+# %% ../nbs/08a_callbacks.ipynb #f4011566
 class WandbTracker(ScalarTracker):
     "Weights & Biases, only when installed and asked for."
     def __init__(self, project: str, config: dict): self.run = optional_tracker('wandb').init(project=project, config=config)
     def write(self, metrics, prefix): self.run.log(metrics, step=metrics['step'])
     def close(self): self.run.finish()
 
+# %% ../nbs/08a_callbacks.ipynb #87d62df6
 class MLflowTracker(ScalarTracker):
     "MLflow, only when installed and asked for."
     def __init__(self, project: str, config: dict):
@@ -228,11 +241,13 @@ def answer_text(message: dict) -> str:
     args = lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)
     return '\n'.join([message.get('content') or ''] + [f"→ {c.get('name')}({args(c.get('arguments'))})" for c in calls]).strip()
 
+# %% ../nbs/08a_callbacks.ipynb #926b5883
 def split_answer(messages: list[dict]) -> tuple[list[dict], str | None]:
     "A conversation → (the messages before its last assistant turn, that turn as text: `answer_text`); no assistant turn: (messages, None)."
     last = max((k for k, m in enumerate(messages) if m.get('role') == 'assistant'), default=None)
     return (messages, None) if last is None else (messages[:last], answer_text(messages[last]))
 
+# %% ../nbs/08a_callbacks.ipynb #ca038d3c
 def prompt_messages(prompt) -> list[dict]:
     "A prompt as chat messages: a string is one user message."
     return [{'role': 'user', 'content': prompt}] if isinstance(prompt, str) else [dict(m) for m in prompt]
@@ -242,6 +257,7 @@ def _text_chat(conv: dict) -> bool:
     "Every message's content is text (or empty, as on a tool-call turn): nothing the text-only `generate` cannot render."
     return bool(conv.get('messages')) and all(m.get('content') is None or isinstance(m.get('content'), str) for m in conv['messages'])
 
+# %% ../nbs/08a_callbacks.ipynb #6640dcac
 def _candidates(trainer):
     "(set name, [(source, tokenized dataset, example)]) in order of preference: first eval set, held-out rows, train rows."
     evals = trainer.eval_data if trainer.eval_data is not None else trainer.cfg.data.eval
@@ -252,6 +268,7 @@ def _candidates(trainer):
     if trainer.data.heldout: yield 'heldout', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.heldout]
     yield 'train', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.rows]
 
+# %% ../nbs/08a_callbacks.ipynb #9a206bfe
 def data_prompts(trainer, n: int) -> tuple[str | None, list[dict], dict[str, int]]:
     "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'tools', 'reference', 'row'}], {why rows were skipped: count}); (None, [], skipped) when none has any."
     from sft_nb.formats import normalize_row, BadRow

@@ -18,17 +18,20 @@ __all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointErr
 class RunDirBusy(UserError, RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
+# %% ../nbs/07e_checkpoint.ipynb #3f2ebc74
 RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml', 'events.jsonl')
 
 def run_outputs(run_dir) -> list[str]:
     "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
     return [n for n in RUN_OUTPUTS if (Path(run_dir) / n).exists()]
 
+# %% ../nbs/07e_checkpoint.ipynb #ee37d651
 def _proc_start(pid: int) -> str | None:
     "Start time of process `pid` (Linux), which tells a live owner from a reused PID; None when gone or unknown."
     try: return Path(f'/proc/{pid}/stat').read_text().rsplit(')', 1)[1].split()[19]
     except (OSError, IndexError): return None
 
+# %% ../nbs/07e_checkpoint.ipynb #b9a85212
 def _alive(pid: int, start: str | None) -> bool:
     if Path('/proc/self/stat').exists(): return (s := _proc_start(pid)) is not None and start in (None, s)
     try: os.kill(pid, 0); return True
@@ -66,7 +69,9 @@ class RunLock:
 class CheckpointError(UserError, RuntimeError):
     "A checkpoint folder that is damaged, foreign to this run, or holds something that loading it would run."
 
+# %% ../nbs/07e_checkpoint.ipynb #f966d222
 _DCP = 'torch.distributed.checkpoint.metadata'
+
 _DCP_GLOBALS = {(_DCP, n) for n in ('Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata',
                                     'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
     ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'), ('torch.serialization', '_get_layout'),
@@ -80,6 +85,7 @@ class _DCPUnpickler(pickle.Unpickler):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a torch checkpoint metadata class")
 
+# %% ../nbs/07e_checkpoint.ipynb #39a34c21
 def read_dcp_metadata(folder) -> object | None:
     "The DCP `Metadata` of checkpoint `folder` (None without `.metadata`), after checking every pickle in it runs nothing."
     import torch
@@ -109,12 +115,14 @@ def _sha256(f: Path) -> str:
         for block in iter(lambda: fh.read(1 << 20), b''): h.update(block)
     return h.hexdigest()
 
+# %% ../nbs/07e_checkpoint.ipynb #125a5771
 def write_digests(folder):
     "`folder/digests.json`: the SHA-256 of every other file in the folder."
     folder = Path(folder)
     files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'digests.json'}
     (folder / 'digests.json').write_text(json.dumps({'sha256': files}, indent=0))
 
+# %% ../nbs/07e_checkpoint.ipynb #963b6409
 _STATE_TYPES = {'global_step': int, 'total_steps': int, 'step_metrics': list}
 
 def check_state(state, path) -> dict:
@@ -141,6 +149,7 @@ def check_state(state, path) -> dict:
             raise CheckpointError(f"{f}: step_metrics[{i}] field 'step' is {r['step']!r}, expected a step 0 … {state['global_step']} of this run")
     return state
 
+# %% ../nbs/07e_checkpoint.ipynb #b51dfecb
 def verify_checkpoint(path) -> dict:
     "Check checkpoint folder `path` before anything loads it; its validated trainer state."
     path = Path(path)
@@ -175,6 +184,7 @@ def model_fingerprint(model_path, # the model folder (its config.json)
     arch = json.loads(f.read_text()) if f.exists() else {}
     return {**{k: arch[k] for k in _ARCH_KEYS if k in arch}, **{k: info[k] for k in ('n_params', 'n_trainable') if k in info}}
 
+# %% ../nbs/07e_checkpoint.ipynb #78b513b0
 def check_fingerprint(state: dict, fingerprint: dict, path):
     "Refuse checkpoint `path` (its `state`) when it was trained from another model than `fingerprint` describes."
     saved = state.get('model')
@@ -192,6 +202,16 @@ class Checkpointer:
 
 # %% ../nbs/07e_checkpoint.ipynb #310a05a0
 @patch
+def clean_leftovers(self: Checkpointer):
+    "Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose successor never landed is put back."
+    for p in self.dir.glob('.tmp_step_*'): shutil.rmtree(p, ignore_errors=True)
+    (self.dir / '.latest.tmp').unlink(missing_ok=True)
+    for p in self.dir.glob('.old_step_*'):
+        if (self.dir / p.name[len('.old_'):]).exists(): shutil.rmtree(p, ignore_errors=True)
+        else: os.rename(p, self.dir / p.name[len('.old_'):])
+
+# %% ../nbs/07e_checkpoint.ipynb #60189b38
+@patch
 def claim(self: Checkpointer, resuming: bool = False):
     "Lock run_dir; refuse one that holds another run's outputs unless the config (or `resuming`) resumes or overwrites it."
     c = self.cfg
@@ -207,15 +227,7 @@ def claim(self: Checkpointer, resuming: bool = False):
         for n in used: shutil.rmtree(self.run_dir / n) if (self.run_dir / n).is_dir() else (self.run_dir / n).unlink()
     self.owns_run_dir = True
 
-@patch
-def clean_leftovers(self: Checkpointer):
-    "Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose successor never landed is put back."
-    for p in self.dir.glob('.tmp_step_*'): shutil.rmtree(p, ignore_errors=True)
-    (self.dir / '.latest.tmp').unlink(missing_ok=True)
-    for p in self.dir.glob('.old_step_*'):
-        if (self.dir / p.name[len('.old_'):]).exists(): shutil.rmtree(p, ignore_errors=True)
-        else: os.rename(p, self.dir / p.name[len('.old_'):])
-
+# %% ../nbs/07e_checkpoint.ipynb #4cb01069
 @patch
 def release(self: Checkpointer):
     "Release the run folder's lock (idempotent)."
@@ -227,12 +239,14 @@ def checkpoints(self: Checkpointer) -> list[Path]:
     "Complete checkpoints, oldest first."
     return sorted(p for p in self.dir.glob('step_*') if (p / 'trainer_state.json').exists())
 
+# %% ../nbs/07e_checkpoint.ipynb #aa843065
 @patch
 def saved(self: Checkpointer, step: int) -> Path | None:
     "The checkpoint of `step` when this checkpointer saved it and it is still there."
     final = self.dir / f'step_{step:06d}'
     return final if self.saved_step == step and (final / 'trainer_state.json').exists() else None
 
+# %% ../nbs/07e_checkpoint.ipynb #c1d1e2e2
 @patch
 def save(self: Checkpointer, step: int, write, # write(folder): the workers write their shards there
          state: dict) -> Path:
@@ -283,6 +297,7 @@ def _candidates(self: Checkpointer) -> list[Path]:
     elif name and (self.dir / name) in found: found.remove(self.dir / name); found.insert(0, self.dir / name)
     return found
 
+# %% ../nbs/07e_checkpoint.ipynb #4f27de64
 @patch
 def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
     "The verified checkpoint `spec` names; 'latest'/'auto' with no checkpoint yet: None."
@@ -303,11 +318,13 @@ def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
         verify_checkpoint(path)
     return path
 
+# %% ../nbs/07e_checkpoint.ipynb #a55b351b
 @patch
 def state(self: Checkpointer, path: str | Path) -> dict:
     "The driver's state saved in checkpoint `path`, validated."
     return verify_checkpoint(path)
 
+# %% ../nbs/07e_checkpoint.ipynb #8614bc10
 @patch
 def drop_after(self: Checkpointer, step: int):
     "Delete the checkpoints after `step`: the future of a resumed step is rewritten, never mixed with it."

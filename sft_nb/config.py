@@ -14,7 +14,7 @@ from .errors import UserError
 from .formats import FormatName
 
 # %% auto #0
-__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_docs', 'nearest_key', 'SourceConfig',
+__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'check_range', 'field_docs', 'nearest_key', 'from_dict', 'SourceConfig',
            'DataConfig', 'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig',
            'PlacementConfig', 'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml',
            'parse_overrides', 'to_dict', 'flatten', 'load_config', 'save_config']
@@ -23,10 +23,12 @@ __all__ = ['MAX_YAML_VALUES', 'ConfigError', 'from_dict', 'check_range', 'field_
 class ConfigError(UserError, ValueError):
     "A bad configuration value; the message names the field (`optim.lr`) and what is allowed."
 
+# %% ../nbs/00_config.ipynb #993c795d
 def _type_name(tp) -> str:
     if get_origin(tp) is Literal: return 'one of ' + ', '.join(repr(a) for a in get_args(tp))
     return getattr(tp, '__name__', str(tp).replace('typing.', ''))
 
+# %% ../nbs/00_config.ipynb #bb2b09aa
 def _coerce(value, tp, path: str):
     "Check `value` against annotation `tp`; return it (ints are accepted where floats are expected)."
     origin, args = get_origin(tp), get_args(tp)
@@ -60,23 +62,7 @@ def _coerce(value, tp, path: str):
         raise ConfigError(f"{path}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
     return value
 
-def from_dict(cls, d: dict, path: str = ''):
-    "Build config dataclass `cls` from a (nested) dict, rejecting unknown keys and wrong types."
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in fields(cls) if f.init]
-    kw = {}
-    for k, v in (d or {}).items():
-        p = f"{path}.{k}" if path else k
-        if k not in names:
-            close = nearest_key(k, cls)
-            hint = f" (did you mean {close!r}?)" if close else ''
-            raise ConfigError(f"{p}: unknown key{hint}; allowed keys: {', '.join(names)}")
-        kw[k] = _coerce(v, hints[k], p)
-    try: return cls(**kw)
-    except ConfigError as e:
-        if path and not str(e).startswith(path): raise ConfigError(f"{path}.{e}") from None
-        raise
-
+# %% ../nbs/00_config.ipynb #ea6382f0
 def check_range(name: str, v, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False):
     "Raise a `ConfigError` naming `name` unless `v` (None passes) is a finite number in the range (`lo_open`: > lo, else >= lo)."
     if v is None: return
@@ -87,6 +73,7 @@ def check_range(name: str, v, lo=None, hi=None, lo_open: bool = False, hi_open: 
     else: want = f"{'<' if hi_open else '<='} {hi}"
     raise ConfigError(f"{name}: must be {'a finite number ' if isinstance(v, float) else ''}{want}, got {v!r}")
 
+# %% ../nbs/00_config.ipynb #48b72bb0
 def field_docs(cls) -> dict[str, str]:
     "The comment after each field, used by `show_doc`, the CLI help and papermill parameters."
     return {k: v for k, v in docments(cls).items() if k != 'return' and v}
@@ -103,6 +90,24 @@ def nearest_key(k: str, cls) -> str | None:
                               for i in range(max(1, len(text) - len(words) + 1))), default=0)
     best = max(names, key=lambda n: score(docs.get(n, '').lower().split()))
     return best if score(docs.get(best, '').lower().split()) >= 0.8 else None
+
+# %% ../nbs/00_config.ipynb #0db22fd2
+def from_dict(cls, d: dict, path: str = ''):
+    "Build config dataclass `cls` from a (nested) dict, rejecting unknown keys and wrong types."
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in fields(cls) if f.init]
+    kw = {}
+    for k, v in (d or {}).items():
+        p = f"{path}.{k}" if path else k
+        if k not in names:
+            close = nearest_key(k, cls)
+            hint = f" (did you mean {close!r}?)" if close else ''
+            raise ConfigError(f"{p}: unknown key{hint}; allowed keys: {', '.join(names)}")
+        kw[k] = _coerce(v, hints[k], p)
+    try: return cls(**kw)
+    except ConfigError as e:
+        if path and not str(e).startswith(path): raise ConfigError(f"{path}.{e}") from None
+        raise
 
 # %% ../nbs/00_config.ipynb #d27ac7c2
 @dataclass
@@ -393,6 +398,7 @@ def _set_dotted(d: dict, key: str, value):
         d = d[p]
     d[last] = value
 
+# %% ../nbs/00_config.ipynb #b4c6561b
 def parse_overrides(overrides: list[str]) -> dict:
     "`['optim.lr=3e-4', 'train.num_steps=10']` → nested dict; values are parsed as YAML scalars."
     out = {}
@@ -402,15 +408,18 @@ def parse_overrides(overrides: list[str]) -> dict:
         _set_dotted(out, k.strip(), load_yaml(v, f'override {o!r}') if v.strip() else None)
     return out
 
+# %% ../nbs/00_config.ipynb #d7176d91
 def _merge(a: dict, b: dict) -> dict:
     out = dict(a)
     for k, v in b.items(): out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
     return out
 
+# %% ../nbs/00_config.ipynb #6decdf07
 def to_dict(cfg) -> dict:
     "Plain nested dict of a config (what YAML stores)."
     return asdict(cfg)
 
+# %% ../nbs/00_config.ipynb #7c105fbf
 def flatten(d: dict, prefix: str = '') -> dict:
     "Nested config dict → {'section.key': value}; lists as JSON text (so they compare and print as one cell)."
     out = {}
@@ -420,6 +429,7 @@ def flatten(d: dict, prefix: str = '') -> dict:
         else: out[key] = json.dumps(v) if isinstance(v, (list, dict)) else v
     return out
 
+# %% ../nbs/00_config.ipynb #1fbd7d76
 def load_config(src: str | Path | dict | None = None, overrides: list[str] | dict | None = None) -> SFTConfig:
     "Build an `SFTConfig` from a YAML file/text or dict, then apply `key.sub=value` overrides."
     d = src if isinstance(src, dict) else {}
@@ -436,6 +446,7 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] | dic
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     return from_dict(SFTConfig, _merge(d, ov))
 
+# %% ../nbs/00_config.ipynb #573f9552
 def save_config(cfg: SFTConfig, path: str | Path):
     "Write `cfg` as YAML (round-trips through `load_config`)."
     Path(path).write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

@@ -38,10 +38,12 @@ class Sampler:
         "A permutation of range(n) that depends only on (n, seed, epoch)."
         return np.random.default_rng(self.seed + epoch).permutation(self.n).tolist()
 
+# %% ../nbs/05a_dataplan.ipynb #57c5060c
 class SequentialSampler(Sampler):
     "Data order, every epoch."
     def order(self, epoch: int) -> list[int]: return list(range(self.n))
 
+# %% ../nbs/05a_dataplan.ipynb #c43b7765
 def make_sampler(spec: str, n: int, seed: int) -> Sampler:
     "The sampler `train.sampler` names; a user class is imported and its order checked to be a permutation."
     if spec == 'random': return Sampler(n, seed)
@@ -83,6 +85,7 @@ def _row(ds, i: int) -> dict:
     if r.get('image_grid_thw'): out |= {'pixel_values': r['pixel_values'], 'image_grid_thw': r['image_grid_thw']}
     return out
 
+# %% ../nbs/05a_dataplan.ipynb #8270f2c5
 class DataPlan:
     "Train/eval sets, train items and lengths, pack plan, sampler, and each step's per-rank micro-batches."
     streams = False  # a `StreamPlan` reads its rows lazily; its checkpoints store the stream's position
@@ -120,6 +123,7 @@ def _why_no_rows(report, n_heldout: int) -> str:
     kinds = ', '.join(f"{k} {v}" for k, v in sorted(report.dropped.items()))
     return f"{report.n_dropped} of {report.n_rows} rows dropped ({kinds}): {rows}{more}. Fix those rows or the data/tokenize settings"
 
+# %% ../nbs/05a_dataplan.ipynb #89f02478
 @patch
 def prepare(self: DataPlan) -> DataPlan:
     "Tokenize train and eval sources, mix them, split off the held-out rows; sets `rows`, `heldout`, `lengths`."
@@ -187,6 +191,7 @@ def example(self: DataPlan, k: int) -> dict:
     s, i = self.rows[k]
     return _row(self.train_sets[s], int(i))
 
+# %% ../nbs/05a_dataplan.ipynb #1829b05b
 @patch
 def global_batch(self: DataPlan, step: int) -> list:
     "Items (row numbers, or bins of row numbers when packing) of optimizer step `step`."
@@ -198,12 +203,14 @@ def global_batch(self: DataPlan, step: int) -> list:
 # %% ../nbs/05a_dataplan.ipynb #3d174e7c
 def _uses(v) -> bool: return v is not None and len(v) > 0
 
+# %% ../nbs/05a_dataplan.ipynb #e9f6b5ee
 @patch
 def fill_row(self: DataPlan) -> dict:
     "The renderer's untrained row that exercises every parameter (made once)."
     if self._fill is None: self._fill = self.renderer.fill_row()
     return self._fill
 
+# %% ../nbs/05a_dataplan.ipynb #dfcd2e46
 @patch
 def collate(self: DataPlan, examples: list[dict]) -> dict:
     "A padded micro-batch of `examples` with the renderer's extra columns (pixel values for a vision-language model)."
@@ -224,6 +231,7 @@ def empty_batch(self: DataPlan, backward: bool = True) -> dict:
         b = collate_padded([{'input_ids': [pad, pad], 'loss_mask': [0, 0]}], pad)
     return {**b, 'n_real': 0}
 
+# %% ../nbs/05a_dataplan.ipynb #fbbb13c5
 @patch
 def collate_items(self: DataPlan, mb: list) -> dict:
     "Collate micro-batch `mb` of items (rows, or bins when packing); [] is the empty micro-batch."
@@ -241,6 +249,7 @@ class StepBatches(NamedTuple):
     n_trained: int  # trained targets
     n_real: int  # non-padding tokens
 
+# %% ../nbs/05a_dataplan.ipynb #81d3ab57
 @patch
 def rank_batches(self: DataPlan, items: list) -> StepBatches:
     "Per-replica micro-batches of `items` and the step's `weight_sum` (the loss divisor), `n_trained` and `n_real`."
@@ -261,6 +270,7 @@ def batches(self: DataPlan, step: int, prefetch: bool = True) -> StepBatches:
         self.pending = {step + 1: self._pool.submit(self.rank_batches, self.global_batch(step + 1))}
     return out
 
+# %% ../nbs/05a_dataplan.ipynb #384cf354
 @patch
 def close(self: DataPlan):
     "Stop the collation thread; a batch being collated is dropped (the next `batches` collates afresh)."
@@ -273,6 +283,7 @@ STREAM_KEYS = {'data': ('eval_fraction', 'seed', 'synthetic_rows', 'mix_stop', '
                             'train_on_reasoning', 'train_on_tool_calls'),
                'packing': ('enabled', 'strategy', 'capacity'), 'train': ('global_batch_size', 'sampler', 'seed')}
 
+# %% ../nbs/05a_dataplan.ipynb #6d87cbea
 def examples_digest(ds) -> str:
     "xxh3 of a tokenized set's ids, masks and loss weights, row by row (the same however its Arrow file is chunked)."
     import pyarrow.compute as pc, xxhash
@@ -284,6 +295,7 @@ def examples_digest(ds) -> str:
             h.update(np.asarray(pc.list_value_length(chunk), dtype=np.int64).tobytes()); h.update(np.asarray(chunk.flatten()).tobytes())
     return h.hexdigest()
 
+# %% ../nbs/05a_dataplan.ipynb #4ebab510
 @patch
 def identity(self: DataPlan) -> dict:
     "What decides which rows each step trains (JSON): the `STREAM_KEYS` values, each train source's examples, content and weight, the plan's digest."
@@ -306,6 +318,7 @@ def ckpt_state(self: DataPlan, step: int) -> dict:
     return {'total_steps': self.total_steps, 'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None,
             'sampler': self.cfg.train.sampler, 'identity': self.identity(), 'config': flatten(asdict(self.cfg))}
 
+# %% ../nbs/05a_dataplan.ipynb #cc91bacb
 @patch
 def restore(self: DataPlan, state: dict, path):
     "Continue from checkpoint `path`'s `state`: a streamed run only from a streamed run's checkpoint, a map-style run only from a map-style one."
@@ -314,6 +327,7 @@ def restore(self: DataPlan, state: dict, path):
                           f"{'streams' if self.streams else 'does not stream'}; resuming would train on other rows than the run it continues")
     self.pending = {}  # a batch collated before the load may not be this step's
 
+# %% ../nbs/05a_dataplan.ipynb #9b1d156d
 @patch
 def check_packable(self: DataPlan, info: dict):
     "Refuse to pack for a model whose layers attention masks cannot separate (`info`: what the workers' `setup` found)."
@@ -322,11 +336,12 @@ def check_packable(self: DataPlan, info: dict):
                           "cannot separate; packing would leak across sequences. Set packing.enabled=false")
 
 # %% ../nbs/05a_dataplan.ipynb #4c866a5b
+def _said(v) -> str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'
+
+# %% ../nbs/05a_dataplan.ipynb #3597861e
 _WHY = {'examples': 'another number of examples: rows were added or removed', 'weight': 'another mixing weight',
         'content': "the examples' tokens or masks differ: the rows were edited, or are rendered otherwise",
         'plan': 'another mix of the rows, or another packing of them into steps'}
-
-def _said(v) -> str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'
 
 @patch
 def check_resume(self: DataPlan, state: dict, path) -> dict:

@@ -17,9 +17,9 @@ from .renderers import tokenize_rows
 from .dataplan import split_for_ranks
 
 # %% auto #0
-__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'example_key', 'token_losses', 'remember_first',
-           'loss_table', 'rank_rows', 'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows', 'hf_token_losses',
-           'trained_token_stats_np', 'run_model_state', 'RunScorer', 'run_scorer']
+__all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'example_key', 'remember_first', 'token_losses',
+           'loss_table', 'rank_rows', 'print_hardest', 'lens_sources', 'inspector_for', 'RankedRows',
+           'trained_token_stats_np', 'hf_token_losses', 'run_model_state', 'RunScorer', 'run_scorer']
 
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
@@ -28,6 +28,7 @@ def train_source_names(trainer) -> list[str]:
     if trainer.cfg.data.synthetic_rows: return ['synthetic']
     return [source_name(s, k) for k, s in enumerate(trainer.cfg.data.train)]
 
+# %% ../nbs/08c_lens.ipynb #b78eec38
 def _split_pairs(trainer, split: str) -> list[tuple]:
     "(dataset, row number, source name) of every example of a split."
     names = train_source_names(trainer)
@@ -44,6 +45,7 @@ def _as_example(e) -> dict | None:
     if hasattr(e, 'input_ids') and hasattr(e, 'loss_mask'): return {'input_ids': list(e.input_ids), 'loss_mask': list(e.loss_mask)}
     return None
 
+# %% ../nbs/08c_lens.ipynb #f0e46b01
 def _tokenize_raw(trainer, rows) -> list[dict]:
     "Raw rows tokenized with the trainer's tokenize settings; a row that would not be trained is an error naming it."
     t = trainer.cfg.tokenize
@@ -87,6 +89,7 @@ def fill_bins(lengths: list[int], capacity: int) -> list[list[int]]:
         bins[-1].append(j); used += n
     return bins if bins[0] else []
 
+# %% ../nbs/08c_lens.ipynb #e038467a
 def lens_batch(trainer, exs: list[dict], packed: bool = False) -> dict:
     "One micro-batch of `exs` as the workers take it (an empty list: the empty micro-batch every rank still runs)."
     pad = trainer.tokenizer.pad_token_id
@@ -103,6 +106,7 @@ def example_key(input_ids, loss_mask) -> bytes:
     "A short fingerprint of an example (its ids and mask): the key of its first scoring."
     return hashlib.blake2b(np.asarray(input_ids, np.int64).tobytes() + np.asarray(loss_mask, np.int8).tobytes(), digest_size=16).digest()
 
+# %% ../nbs/08c_lens.ipynb #b5b6cb5a
 def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
     "Cut one micro-batch's flat target statistics into its examples (their targets come in example order)."
     out, a = [], 0
@@ -117,6 +121,14 @@ def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
         a = b
     assert a == len(stats['nll']), f"the workers scored {len(stats['nll'])} targets, the batch has {a}"
     return out
+
+# %% ../nbs/08c_lens.ipynb #dd2af4fb
+def remember_first(trainer, r: dict) -> dict:
+    "Add the step and the losses of the first scoring of this example (`before_step`, `before_nll`); the first one is this one."
+    if not hasattr(trainer, 'lens_first'): trainer.lens_first = {}  # example key → (step, nll)
+    r['step'] = trainer.global_step
+    r['before_step'], r['before_nll'] = trainer.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']), (trainer.global_step, r['nll']))
+    return r
 
 # %% ../nbs/08c_lens.ipynb #c6e39033
 def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', an eval set), tokenized examples, or raw rows
@@ -144,14 +156,6 @@ def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', 
         out += [r for _, r in sorted(zip(dealt, got), key=lambda p: p[0])]  # back in the order asked for
     return [remember_first(trainer, r) for r in out]
 
-# %% ../nbs/08c_lens.ipynb #dd2af4fb
-def remember_first(trainer, r: dict) -> dict:
-    "Add the step and the losses of the first scoring of this example (`before_step`, `before_nll`); the first one is this one."
-    if not hasattr(trainer, 'lens_first'): trainer.lens_first = {}  # example key → (step, nll)
-    r['step'] = trainer.global_step
-    r['before_step'], r['before_nll'] = trainer.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']), (trainer.global_step, r['nll']))
-    return r
-
 # %% ../nbs/08c_lens.ipynb #2b88c656
 def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
     "One line per scored example: position, source, index (its row), example of n_examples (of that row), length, n_trained, mean/sum/max loss (and a snippet of the trained text)."
@@ -167,6 +171,7 @@ def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
         lines.append(line)
     return pd.DataFrame(lines)
 
+# %% ../nbs/08c_lens.ipynb #50391eda
 def rank_rows(trainer, split: str = 'train', # 'train', 'heldout', or an eval set's name
               by: str = 'mean', # 'mean' | 'sum' | 'max' of the token losses
               k: int | None = 20, # rows kept (None: all)
@@ -196,6 +201,7 @@ def lens_sources(trainer, split: str = 'train') -> dict:
     if split not in evals: raise ValueError(f"split: {split!r} is not a split of this trainer")
     return {split: evals[split]}
 
+# %% ../nbs/08c_lens.ipynb #e25f8cf9
 def inspector_for(trainer, split: str = 'train', **kw):
     "An `Inspector` in loss mode on the raw rows of `split`, with the trainer's tokenize config (`kw`: row, view, trainer, k)."
     from sft_nb.inspect import Inspector
@@ -232,6 +238,12 @@ class RankedRows:
         display(self.widget)
 
 # %% ../nbs/08c_lens.ipynb #6ee861a7
+def trained_token_stats_np(logprobs, targets: list[int], k: int) -> dict:
+    import torch
+    top_p, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
+    return {'nll': (-logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0]).numpy(), 'top_ids': top_ids.numpy(), 'top_p': top_p.exp().numpy()}
+
+# %% ../nbs/08c_lens.ipynb #e351fd0f
 def hf_token_losses(model, examples: list, k: int = 3) -> list[dict]:
     "Per example (alone, no padding): the NLL of every trained token and the top-k alternatives, from a HF causal LM forward."
     import torch
@@ -244,11 +256,6 @@ def hf_token_losses(model, examples: list, k: int = 3) -> list[dict]:
         st = trained_token_stats_np(lp[[p - 1 for p in pos]], [ids[p] for p in pos], k)
         out += _per_example(st, [e], k)
     return out
-
-def trained_token_stats_np(logprobs, targets: list[int], k: int) -> dict:
-    import torch
-    top_p, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
-    return {'nll': (-logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0]).numpy(), 'top_ids': top_ids.numpy(), 'top_p': top_p.exp().numpy()}
 
 # %% ../nbs/08c_lens.ipynb #919a173e
 def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:

@@ -33,6 +33,7 @@ CHECKS = {
     'text_after_eot': 'no template text after the end-of-turn token (e.g. ChatML\'s newline: never generated, never trained)',
 }
 
+# %% ../nbs/03a_lint.ipynb #0a567f53
 STRATEGY = {'expand': 'one example per assistant turn, the render up to that turn, trained on that turn',
             'final': 'one example, the full render, each assistant turn trained as it appears there',
             'error': 'all_assistant refuses multi-turn rows (use last_assistant)'}
@@ -46,6 +47,7 @@ def _conversation(sample, i: int) -> dict:
     try: return normalize_row(row, detect_format(row.keys()))
     except BadRow as e: raise BadRow(f'sample {i}: {e.reason}', index=i) from None
 
+# %% ../nbs/03a_lint.ipynb #07f6e6dd
 def _conversations(samples: list) -> tuple[dict, list]:
     "({sample index: conversation} of the readable samples, [(index, why)] of the others)."
     convs, unread = {}, []
@@ -67,6 +69,7 @@ def _clock(when: datetime):
     try: yield
     finally: ctu.datetime = real
 
+# %% ../nbs/03a_lint.ipynb #40267f5e
 def _diff(a: str, b: str, width: int = 40) -> str:
     "The first place two renders differ."
     k = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -96,6 +99,7 @@ def data_features(conv: dict) -> set[str]:
     return ({'tools'} if conv.get('tools') else set()) | {f for m in ms for f, has in (('system', m['role'] == 'system'),
             ('tool', m['role'] == 'tool'), ('tool_calls', bool(m.get('tool_calls'))), ('reasoning', bool(m.get('reasoning_content')))) if has}
 
+# %% ../nbs/03a_lint.ipynb #10d4bb15
 def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
     "(first sample, what it carries that the template does not render, and the shipped templates that do), or None."
     have, missing = template_features(tokenizer, template, kw), {}
@@ -131,6 +135,7 @@ class _Lint:
 
     def tools(self, i: int): return self.convs[i]['tools'] or self.kw_tools
 
+# %% ../nbs/03a_lint.ipynb #9270d71d
 def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, rewritten_turns: str) -> _Lint:
     "Read the samples, probe the template and render every readable sample."
     template, kw = load_template(template), dict(chat_template_kwargs or {})
@@ -152,12 +157,14 @@ def _check_mechanism(lt: _Lint) -> dict:
     if lt.info is None: return {'mechanism': ('n/a', None, 'the probe conversation does not render: no mechanism')}
     return {'mechanism': ('pass', None, f'{lt.info.mechanism}: {lt.info.why}')}
 
+# %% ../nbs/03a_lint.ipynb #849ab2dd
 def _check_reads(lt: _Lint) -> dict:
     "The first sample `sft_nb.formats` cannot read, and how many."
     if not lt.unread: return {}
     i, why = lt.unread[0]
     return {'reads': ('fail', i, f"{len(lt.unread)} of {lt.n_samples} samples not read; first: {why}")}
 
+# %% ../nbs/03a_lint.ipynb #fc33e488
 def _check_renders(lt: _Lint) -> dict:
     "The first sample the template refuses, and how many; else the probe conversation's refusal."
     if lt.refused:
@@ -165,6 +172,7 @@ def _check_renders(lt: _Lint) -> dict:
         return {'renders': ('fail', i, f'{len(lt.refused)} of {len(lt.convs)} samples refused; first: {why}')}
     return {'renders': ('fail', None, lt.probe_error)} if lt.probe_error else {}
 
+# %% ../nbs/03a_lint.ipynb #315c0346
 def _check_unrendered(lt: _Lint) -> dict:
     "What the samples carry that the template drops (`unrendered`)."
     return {'unrendered': ('fail', *lt.missing)} if lt.missing else {}
@@ -177,6 +185,7 @@ def _check_default_system(lt: _Lint) -> dict:
     i = next((i for i, c in lt.convs.items() if c['messages'][0]['role'] != 'system'), None)
     return {'default_system_prompt': ('fail', i, lt.injected)}
 
+# %% ../nbs/03a_lint.ipynb #ea4521b9
 def _check_empty_think(lt: _Lint) -> dict:
     "A generation prompt with an empty think block that earlier turns lack (the probe's finding)."
     info = lt.info
@@ -185,6 +194,7 @@ def _check_empty_think(lt: _Lint) -> dict:
                                        f'{min(info.headers, key=len)!r}: '
                                        'each turn is located by the header it really has')}
 
+# %% ../nbs/03a_lint.ipynb #a468e936
 def _check_after_eot(lt: _Lint) -> dict:
     "Template text after the end-of-turn: 'info' when masks and generation end at an end-of-turn token, else 'fail'."
     info = lt.info
@@ -232,6 +242,7 @@ def _check_date(lt: _Lint) -> dict:
         if a != b: return {'date_dependent': ('fail', i, _diff(a, b))}
     return {}
 
+# %% ../nbs/03a_lint.ipynb #25f3e6a5
 def _check_bos(lt: _Lint) -> dict:
     "The first render starting with BOS that the tokenizer's defaults give a second BOS."
     tok, bos, f = lt.tokenizer, lt.tokenizer.bos_token_id, {}
@@ -280,6 +291,7 @@ LINT_CHECKS = {'mechanism': _check_mechanism, 'reads': _check_reads, 'renders': 
                'gen_prompt_mismatch': _check_prefixes, 'empty_think_gen_prompt': _check_empty_think,
                'whitespace_merged': _check_spans, 'text_after_eot': _check_after_eot}
 
+# %% ../nbs/03a_lint.ipynb #bef668d1
 def lint_template(tokenizer, # fast HF tokenizer (with the template's special tokens)
                   sample_conversations: list, # message lists, or rows in any format of sft_nb.formats.FORMATS
                   template: str | None = None, # template text or .jinja path; None = the tokenizer's

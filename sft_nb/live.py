@@ -15,7 +15,7 @@ from .errors import error_html
 
 # %% auto #0
 __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'diff_html', 'eval_groups', 'samples_html',
-           'samples_text', 'data_html', 'eval_line', 'TrainerPanel', 'ChatBox', 'dry_run_state']
+           'samples_text', 'data_html', 'eval_line', 'ChatBox', 'TrainerPanel', 'dry_run_state']
 
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
@@ -26,6 +26,7 @@ def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> g
     fig.add_scatter(x=[e['step'] for e in ev], y=[e['eval_loss'] for e in ev], mode='markers', name='eval', marker=dict(size=10, symbol='diamond'))
     return fig
 
+# %% ../nbs/08b_live.ipynb #6a9dedac
 class LivePlot(Callback):
     "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s metrics when given one."
     def __init__(self, trainer=None):
@@ -51,6 +52,7 @@ class _Router:
         if threading.get_ident() not in self.sinks: self.stream.flush()
     def __getattr__(self, name): return getattr(self.stream, name)
 
+# %% ../nbs/08b_live.ipynb #d8541f3b
 @contextmanager
 def route_output(sink):
     "Send this thread's print / tqdm / warnings text to `sink(text)` while the block runs."
@@ -119,6 +121,7 @@ def diff_html(old: str | None, new: str) -> str:
     tag = {'=': '{}', '+': f'<ins style="{_INS}">{{}}</ins>', '-': f'<del style="{_DEL}">{{}}</del>'}
     return ''.join(tag[op].format(html.escape(t)) for op, t in word_diff(old, new))
 
+# %% ../nbs/08b_live.ipynb #caeb91fe
 def eval_groups(samples: list[dict]) -> list[list[dict]]:
     "Records grouped by evaluation, oldest first (a group starts at each new step, or when the prompts start over)."
     groups = []
@@ -143,6 +146,7 @@ def samples_html(samples: list[dict], max_evals: int = 5, why: str = '') -> str:
                    f'<table style="border-collapse:collapse;font-size:12px;text-align:left">{rows}</table></div>')
     return '<div style="font-family:monospace;font-size:12px;max-height:320px;overflow:auto">' + ''.join(out) + '</div>'
 
+# %% ../nbs/08b_live.ipynb #170eadb6
 def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
     "The samples as plain text, oldest evaluation first; changes against the previous answer as [-removed-]{+inserted+}."
     mark = {'=': '{}', '+': '{{+{}+}}', '-': '[-{}-]'}
@@ -171,132 +175,6 @@ def eval_line(metrics: dict) -> str:
     sets = [k[:-5] for k in metrics if k.endswith('_loss') and k != 'eval_loss'] or (['eval'] if 'eval_loss' in metrics else [])
     parts = [f"{s} loss {metrics[f'{s}_loss']:.4f} ppl {metrics[f'{s}_ppl']:.2f}" for s in sets]
     return f"eval at step {metrics['step']}: " + (' · '.join(parts) or 'no eval set (samples only)')
-
-# %% ../nbs/08b_live.ipynb #21525d35
-class TrainerPanel(Callback):
-    "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
-    def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
-        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
-        self.refreshing = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
-        self.plot, self.log = LivePlot(trainer), PanelLog()
-        for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
-            if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
-        B = lambda d, i, **k: W.Button(description=d, icon=i, **k)
-        self.step_button, self.fit_button = B('Step', 'step-forward'), B('Fit', 'play', button_style='success')
-        self.stop_button = B('Stop', 'stop', button_style='danger')
-        self.eval_button, self.save_button = B('Evaluate', 'check'), B('Save', 'save')
-        self.dry_button = B('Dry run', 'tachometer', tooltip='one step per rank on the largest micro-batch: fits, or what to change')
-        self.progress, self.status = W.IntProgress(min=0, max=1, layout=W.Layout(width='300px')), W.HTML()
-        self.data_line = W.HTML()  # what the run trains on (set once the trainer is set up)
-        self.step_button.on_click(lambda _: self.start('step', self.trainer.step))
-        self.fit_button.on_click(lambda _: self.start('fit', lambda: self.trainer.fit(self.fit_steps)))
-        self.eval_button.on_click(lambda _: self.start('evaluate', self.trainer.evaluate))
-        self.save_button.on_click(lambda _: self.start('save', self.trainer.save))
-        self.stop_button.on_click(lambda _: self.stop())
-        self.dry_button.on_click(lambda _: self.start('dry_run', self.trainer.dry_run))
-        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button, self.dry_button]
-        self.chat = ChatBox(self)  # talk to the current weights between steps
-        self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.chat.widget, self.log.widget])
-        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
-        self.refresh()
-
-# %% ../nbs/08b_live.ipynb #ce9cb95f
-@patch_to(TrainerPanel)
-def refresh(self):
-    "Redraw the status line, the progress bar and which buttons can be pressed now."
-    with self.refreshing:
-        t = self.trainer
-        total, running = getattr(t, 'total_steps', None), t.action
-        h = t.step_metrics[-1] if t.step_metrics else None
-        self.progress.max, self.progress.value = max(1, total or 1), t.global_step
-        done = total is not None and t.global_step >= total
-        where = ' (from the panel)' if self.busy else ' (from a cell)'
-        stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
-        state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
-                else ('done: every step ran' if done and self.state == 'idle' else self.state)
-        self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
-                             + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
-                             + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
-        for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
-        for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
-        self.stop_button.disabled = running not in ('fit', 'train') or stopping
-        self.chat.send_button.disabled = bool(running)
-        plan = getattr(t, 'data', None)
-        self.data_line.value = data_html(plan.data_report if plan is not None else None)
-
-@patch_to(TrainerPanel, as_prop=True)
-def busy(self) -> bool:
-    "True while an action started from this panel runs."
-    return self.thread is not None and self.thread.is_alive()
-
-# %% ../nbs/08b_live.ipynb #bdda87a4
-@patch_to(TrainerPanel)
-def start(self, name: str, fn):
-    "Run `fn` (the action `name`) in a background thread, its output and errors in the panel."
-    if self.busy: self.log.write(f'{name}: the panel is already running {self.thread.name}\n'); return
-    def work():
-        with route_output(self.log.write):
-            try:
-                r = fn()
-                if name == 'fit' and self.stopped: self.state = f'stopped at step {self.trainer.global_step}'
-                elif name == 'dry_run': self.state = dry_run_state(r, self.log)
-                else: self.state = 'idle'
-            except Exception as e: self.log.error(e); self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
-            finally: self.stopped = False
-        self.thread = None; self.refresh()
-    self.stopped, self.state = False, 'idle'
-    self.thread = threading.Thread(target=work, name=name, daemon=True)
-    self.thread.start(); self.take_interrupts(); self.refresh()
-
-@patch_to(TrainerPanel)
-def stop(self):
-    "Stop a running fit after its current step (nothing happens when idle)."
-    if self.trainer.request_stop():
-        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
-        self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
-    self.refresh()
-
-@patch_to(TrainerPanel)
-def on_interrupt(self, signum, frame):
-    "The kernel's interrupt (JupyterLab's ■, Kernel › Interrupt) while no cell runs: this panel's fit stops after its step, as Stop does, and says so."
-    if self.busy: self.log.write('interrupt: '); self.stop()
-
-@patch_to(TrainerPanel)
-def take_interrupts(self):
-    "Let the kernel's interrupt reach `on_interrupt`: between messages ipykernel ignores SIGINT (its `saved_sigint_handler`, put back after each message), so a fit in this panel's thread would never hear it; a cell that runs still gets KeyboardInterrupt."
-    from IPython import get_ipython
-    kernel = getattr(get_ipython(), 'kernel', None)
-    if kernel is not None and hasattr(kernel, 'saved_sigint_handler') and threading.current_thread() is threading.main_thread():
-        kernel.saved_sigint_handler = self.on_interrupt
-
-@patch_to(TrainerPanel)
-def wait(self, timeout: float | None = None):
-    "Block until the panel's running action ends (tests and scripts)."
-    th = self.thread
-    if th is not None: th.join(timeout)
-    self.refresh()
-
-# %% ../nbs/08b_live.ipynb #6450a894
-@patch_to(TrainerPanel)
-def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
-@patch_to(TrainerPanel)
-def on_step_start(self, trainer, step): self.in_step = True
-@patch_to(TrainerPanel)
-def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
-@patch_to(TrainerPanel)
-def on_train_end(self, trainer): self.refresh()
-@patch_to(TrainerPanel)
-def on_evaluate(self, trainer, metrics):
-    self.log.write(eval_line(metrics) + '\n')
-    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))  # the SamplesCallback ran before the panel
-    self.refresh()
-@patch_to(TrainerPanel)
-def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')
-@patch_to(TrainerPanel)
-def _ipython_display_(self):
-    from IPython.display import display
-    display(self.widget)
 
 # %% ../nbs/08b_live.ipynb #840b1e1a
 class ChatBox:
@@ -343,6 +221,149 @@ class ChatBox:
         hint = '<span style="color:#777">chat with the current weights: type below and Send (between steps, or after Stop)</span>'
         self.output.value = '<div style="font-family:monospace;font-size:12px;white-space:pre-wrap;max-height:240px;overflow:auto">' + (''.join(rows) or hint) + '</div>'
 
+
+# %% ../nbs/08b_live.ipynb #21525d35
+class TrainerPanel(Callback):
+    "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
+    def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
+        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
+        self.refreshing = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
+        self.plot, self.log = LivePlot(trainer), PanelLog()
+        for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
+            if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
+        B = lambda d, i, **k: W.Button(description=d, icon=i, **k)
+        self.step_button, self.fit_button = B('Step', 'step-forward'), B('Fit', 'play', button_style='success')
+        self.stop_button = B('Stop', 'stop', button_style='danger')
+        self.eval_button, self.save_button = B('Evaluate', 'check'), B('Save', 'save')
+        self.dry_button = B('Dry run', 'tachometer', tooltip='one step per rank on the largest micro-batch: fits, or what to change')
+        self.progress, self.status = W.IntProgress(min=0, max=1, layout=W.Layout(width='300px')), W.HTML()
+        self.data_line = W.HTML()  # what the run trains on (set once the trainer is set up)
+        self.step_button.on_click(lambda _: self.start('step', self.trainer.step))
+        self.fit_button.on_click(lambda _: self.start('fit', lambda: self.trainer.fit(self.fit_steps)))
+        self.eval_button.on_click(lambda _: self.start('evaluate', self.trainer.evaluate))
+        self.save_button.on_click(lambda _: self.start('save', self.trainer.save))
+        self.stop_button.on_click(lambda _: self.stop())
+        self.dry_button.on_click(lambda _: self.start('dry_run', self.trainer.dry_run))
+        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button, self.dry_button]
+        self.chat = ChatBox(self)  # talk to the current weights between steps
+        self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.chat.widget, self.log.widget])
+        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
+        self.refresh()
+
+# %% ../nbs/08b_live.ipynb #ce9cb95f
+@patch_to(TrainerPanel, as_prop=True)
+def busy(self) -> bool:
+    "True while an action started from this panel runs."
+    return self.thread is not None and self.thread.is_alive()
+
+# %% ../nbs/08b_live.ipynb #73943b5e
+@patch_to(TrainerPanel)
+def refresh(self):
+    "Redraw the status line, the progress bar and which buttons can be pressed now."
+    with self.refreshing:
+        t = self.trainer
+        total, running = getattr(t, 'total_steps', None), t.action
+        h = t.step_metrics[-1] if t.step_metrics else None
+        self.progress.max, self.progress.value = max(1, total or 1), t.global_step
+        done = total is not None and t.global_step >= total
+        where = ' (from the panel)' if self.busy else ' (from a cell)'
+        stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
+        state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
+                else ('done: every step ran' if done and self.state == 'idle' else self.state)
+        self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
+                             + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
+                             + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
+        for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
+        for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
+        self.stop_button.disabled = running not in ('fit', 'train') or stopping
+        self.chat.send_button.disabled = bool(running)
+        plan = getattr(t, 'data', None)
+        self.data_line.value = data_html(plan.data_report if plan is not None else None)
+
+# %% ../nbs/08b_live.ipynb #bdda87a4
+@patch_to(TrainerPanel)
+def stop(self):
+    "Stop a running fit after its current step (nothing happens when idle)."
+    if self.trainer.request_stop():
+        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
+        self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
+    self.refresh()
+
+# %% ../nbs/08b_live.ipynb #95e13d95
+@patch_to(TrainerPanel)
+def on_interrupt(self, signum, frame):
+    "The kernel's interrupt (JupyterLab's ■, Kernel › Interrupt) while no cell runs: this panel's fit stops after its step, as Stop does, and says so."
+    if self.busy: self.log.write('interrupt: '); self.stop()
+
+# %% ../nbs/08b_live.ipynb #b64d89d5
+@patch_to(TrainerPanel)
+def take_interrupts(self):
+    "Let the kernel's interrupt reach `on_interrupt`: between messages ipykernel ignores SIGINT (its `saved_sigint_handler`, put back after each message), so a fit in this panel's thread would never hear it; a cell that runs still gets KeyboardInterrupt."
+    from IPython import get_ipython
+    kernel = getattr(get_ipython(), 'kernel', None)
+    if kernel is not None and hasattr(kernel, 'saved_sigint_handler') and threading.current_thread() is threading.main_thread():
+        kernel.saved_sigint_handler = self.on_interrupt
+
+# %% ../nbs/08b_live.ipynb #2e587708
+@patch_to(TrainerPanel)
+def start(self, name: str, fn):
+    "Run `fn` (the action `name`) in a background thread, its output and errors in the panel."
+    if self.busy: self.log.write(f'{name}: the panel is already running {self.thread.name}\n'); return
+    def work():
+        with route_output(self.log.write):
+            try:
+                r = fn()
+                if name == 'fit' and self.stopped: self.state = f'stopped at step {self.trainer.global_step}'
+                elif name == 'dry_run': self.state = dry_run_state(r, self.log)
+                else: self.state = 'idle'
+            except Exception as e: self.log.error(e); self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
+            finally: self.stopped = False
+        self.thread = None; self.refresh()
+    self.stopped, self.state = False, 'idle'
+    self.thread = threading.Thread(target=work, name=name, daemon=True)
+    self.thread.start(); self.take_interrupts(); self.refresh()
+
+# %% ../nbs/08b_live.ipynb #c350dd1f
+@patch_to(TrainerPanel)
+def wait(self, timeout: float | None = None):
+    "Block until the panel's running action ends (tests and scripts)."
+    th = self.thread
+    if th is not None: th.join(timeout)
+    self.refresh()
+
+# %% ../nbs/08b_live.ipynb #6450a894
+@patch_to(TrainerPanel)
+def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
+
+# %% ../nbs/08b_live.ipynb #a6bee059
+@patch_to(TrainerPanel)
+def on_step_start(self, trainer, step): self.in_step = True
+
+# %% ../nbs/08b_live.ipynb #eb015cb8
+@patch_to(TrainerPanel)
+def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
+
+# %% ../nbs/08b_live.ipynb #2c42ea4c
+@patch_to(TrainerPanel)
+def on_train_end(self, trainer): self.refresh()
+
+# %% ../nbs/08b_live.ipynb #32e74d01
+@patch_to(TrainerPanel)
+def on_evaluate(self, trainer, metrics):
+    self.log.write(eval_line(metrics) + '\n')
+    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))  # the SamplesCallback ran before the panel
+    self.refresh()
+
+# %% ../nbs/08b_live.ipynb #325b2c7e
+@patch_to(TrainerPanel)
+def on_save(self, trainer, path): self.log.write(f'checkpoint {path}\n')
+
+# %% ../nbs/08b_live.ipynb #2879aad0
+@patch_to(TrainerPanel)
+def _ipython_display_(self):
+    from IPython.display import display
+    display(self.widget)
 
 # %% ../nbs/08b_live.ipynb #5e25fc9d
 def dry_run_state(verdict: dict, # what `trainer.dry_run()` returned

@@ -29,6 +29,7 @@ def mix_counts(pairs: list[tuple[int, int]], # `(source, example)` pairs, e.g. f
                     'n_used': used, 'n_cut': n - used, 'n_drawn': len(drawn), 'repeat': round(len(drawn) / max(1, n), 2)})
     return out
 
+# %% ../nbs/01c_mix.ipynb #7f49f7c0
 def mix_line(s: dict) -> str:
     "One train source of a mix in words (`mix_counts`, or a stream's report): weight, share, rows read and kept, examples, draws."
     ex = f", {s['n_examples']} examples" if s['n_examples'] != s['n_kept'] else ''
@@ -37,7 +38,6 @@ def mix_line(s: dict) -> str:
         out += f", {s['n_drawn']} draws an epoch" + (f" (×{s['repeat']:g})" if s['repeat'] > 1 else '')
         out += f" ({s['n_cut']} examples cut)" if s['n_cut'] else ''
     return out + (f", {s['passes']} passes so far" if s.get('passes') else '')
-
 
 # %% ../nbs/01c_mix.ipynb #a1d0e010
 def _mix_draws(n, p, seed: int, stop: str):

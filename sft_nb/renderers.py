@@ -58,11 +58,13 @@ def encode_texts(tokenizer, texts: list[str]):
     out = tokenizer(texts, add_special_tokens=False, return_offsets_mapping=True)  # slow tokenizers have no offsets
     return list(zip(out['input_ids'], out['offset_mapping']))
 
+# %% ../nbs/02e_renderers.ipynb #46a3d744
 def _encodings(tokenizer, texts: list[str]):
     "Rust `Encoding`s of `texts` (no special tokens added, as apply_chat_template), or None for slow tokenizers."
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     return backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
 
+# %% ../nbs/02e_renderers.ipynb #72358f7c
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
     "Apply `max_length` (cut or `BadRow` too_long) and refuse a row with no trained token left."
     truncated = False
@@ -83,6 +85,7 @@ def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[flo
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
+# %% ../nbs/02e_renderers.ipynb #c91bfa36
 def lost_fields(text: str, messages: list[dict], turns, tools: list | None = None) -> list[tuple[int, str]]:
     "(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out of `text`; (-1, 'tools'): tool schemas it left out."
     out = [(-1, 'tools')] if tools and any(t['function']['name'] not in text for t in tools) else []
@@ -92,6 +95,7 @@ def lost_fields(text: str, messages: list[dict], turns, tools: list | None = Non
         if any(c['function']['name'] not in text for c in messages[m].get('tool_calls') or []): out.append((m, 'tool_calls'))
     return out
 
+# %% ../nbs/02e_renderers.ipynb #f4405501
 def _untrained_parts(text: str, spans, messages: list[dict]) -> list[tuple[int, int, int]]:
     "(start, end, message) in `text` of the weight-0 content parts of trained messages: the message's content located inside its own trained span."
     out = []
@@ -103,6 +107,7 @@ def _untrained_parts(text: str, spans, messages: list[dict]) -> list[tuple[int, 
         out += [(k + a, k + b, i) for a, b in messages[i]['untrained_parts']]
     return out
 
+# %% ../nbs/02e_renderers.ipynb #5e91f623
 def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
                   train_on_reasoning: bool = True, train_on_tool_calls: bool = True, tools: list | None = None) -> Example:
     "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
@@ -124,6 +129,7 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
     return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None,
                    lost_fields(text, messages, {sp[2] for sp in spans if sp[2] >= 0}, tools))
 
+# %% ../nbs/02e_renderers.ipynb #638d339d
 def _bad_text(texts: list[str]) -> dict[int, str]:
     "{position: reason} of the texts a tokenizer cannot take (a lone surrogate: not UTF-8)."
     out = {}
@@ -132,6 +138,7 @@ def _bad_text(texts: list[str]) -> dict[int, str]:
         except UnicodeEncodeError as e: out[k] = f"holds {t[e.start:e.end]!r} at char {e.start}, which is not UTF-8 text (a lone surrogate)"
     return out
 
+# %% ../nbs/02e_renderers.ipynb #0071cce6
 def _surrogate_row(messages, tools, reason: str) -> BadRow:
     "The BadRow naming the message (or tools) that holds text a tokenizer cannot take."
     for j, m in enumerate(messages):
@@ -154,6 +161,7 @@ def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'com
     ids, mask, truncated = finish_tokens(ids, mask, max_length, truncation)
     return Example(ids, mask, truncated, text, offsets[:len(ids)], spans)
 
+# %% ../nbs/02e_renderers.ipynb #a4b0e416
 def tokenize_conversation(messages: list[dict], # OpenAI-style messages
                           tokenizer, # a fast HF tokenizer with a chat template
                           *, mode: str = 'all_assistant', # all_assistant | last_assistant | all
@@ -197,6 +205,7 @@ def row_features(conv: dict) -> set:
     return ({'system', 'tool'} & {m['role'] for m in ms}) | {'tool_calls' for m in ms if m.get('tool_calls')} \
         | {'reasoning' for m in ms if m.get('reasoning_content')} | ({'tools'} if conv.get('tools') else set())
 
+# %% ../nbs/02e_renderers.ipynb #a45ea1cd
 def template_error(e: Exception, # what the template raised
                    conv: dict | None, # the normalized row (None: it did not normalize)
                    features, # () -> the template's `template_features`
@@ -212,6 +221,7 @@ def _tokenized(fmt: str) -> bool:
     "Rows of format `fmt` are token ids already: no chat template renders them (an unknown `fmt` is refused per row)."
     return fmt in FORMATS and FORMATS[fmt].tokenized
 
+# %% ../nbs/02e_renderers.ipynb #c4644e1e
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, indices: list[int] | None = None,
                   keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
                  ):

@@ -29,6 +29,7 @@ def _json_rows(path: Path, start: int):
         for i, row in batch:
             if i >= start: yield i, (bad_row_marker(row) if isinstance(row, BadRow) else row), None
 
+# %% ../nbs/05b_stream.ipynb #36ca0ab4
 def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
     "`(index, row, cursor)` of a JSONL file; `cursor` = [byte offset, line] after the row: a resume seeks there instead of re-reading."
     off, n = cursor or (0, 0)
@@ -41,6 +42,7 @@ def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
             if i >= start: yield i, (bad_row_marker(rec[1]) if isinstance(rec[1], BadRow) else rec[1]), [off, n]
             i += 1
 
+# %% ../nbs/05b_stream.ipynb #04ee2ffb
 def _hf_rows(ds, start: int):
     "`(index, row, None)` of a `datasets` Dataset or IterableDataset from row `start`."
     import datasets
@@ -173,6 +175,7 @@ def read_source(self: StreamPlan, s: int, n: int) -> list:
     self.pos[s], self.cursor[s] = self.pos[s] + len(rows), rows[-1][2]
     return [(i, r) for i, r, _ in rows]
 
+# %% ../nbs/05b_stream.ipynb #fdd18e74
 @patch
 def read(self: StreamPlan, n: int) -> list:
     "The next `n` rows as `(source, pass, index, row)`: one source in order, several interleaved by weight."
@@ -183,6 +186,7 @@ def read(self: StreamPlan, n: int) -> list:
         out.append((s, self.passes[s], i, r))
     return out
 
+# %% ../nbs/05b_stream.ipynb #7d2e0630
 def example_row(source: int, index: int, ex) -> dict:
     "A tokenized `Example` as the collator's input (plain ints: it goes into checkpoints as JSON)."
     out = {'input_ids': [int(x) for x in ex.input_ids], 'loss_mask': [int(x) for x in ex.loss_mask], 'source': source, 'index': int(index)}
@@ -205,6 +209,7 @@ def count(self: StreamPlan, s: int, n_rows: int, good: list, bad: list):
     for i, e in good:
         for _, kind in e.lost: rep.lose(i, kind); rep.keeps[kind] = templates_with(kind)
 
+# %% ../nbs/05b_stream.ipynb #d137f532
 @patch
 def report(self: StreamPlan) -> DataReport:
     "The data report: the sources' first passes summed, with per-source counts when there are several."
@@ -213,6 +218,16 @@ def report(self: StreamPlan) -> DataReport:
         rep.sources = [{'source': self.names[s], 'weight': self.weights[s], 'share': float(self.probs[s]), 'n_rows': r.n_rows,
                         'n_kept': r.n_kept, 'n_examples': r.n_examples, 'passes': self.passes[s]} for s, r in enumerate(self.reports)]
     return rep
+
+# %% ../nbs/05b_stream.ipynb #2d193324
+@patch
+def detect(self: StreamPlan, s: int) -> str:
+    "Source `s`'s row format: its own `format`, else `tokenize.format`, else detected from its first rows."
+    def columns():
+        head = [r for _, r, _ in islice(stream_rows(self.sources[s]), 20)]
+        if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
+        return row_columns(enumerate(head))
+    return source_format(self.sources[s], self.cfg.tokenize.format, columns)
 
 # %% ../nbs/05b_stream.ipynb #77fa4e6a
 @patch
@@ -242,16 +257,6 @@ def fill(self: StreamPlan):
         k = cap - len(self.buffer)
         self.buffer, self.carry = self.buffer + self.carry[:k], self.carry[k:]
 
-# %% ../nbs/05b_stream.ipynb #2d193324
-@patch
-def detect(self: StreamPlan, s: int) -> str:
-    "Source `s`'s row format: its own `format`, else `tokenize.format`, else detected from its first rows."
-    def columns():
-        head = [r for _, r, _ in islice(stream_rows(self.sources[s]), 20)]
-        if not head: raise BadRow(f"{self.names[s]}: no rows", kind='empty_source')
-        return row_columns(enumerate(head))
-    return source_format(self.sources[s], self.cfg.tokenize.format, columns)
-
 # %% ../nbs/05b_stream.ipynb #5c64f955
 @patch
 def draw(self: StreamPlan) -> list:
@@ -269,6 +274,7 @@ def draw(self: StreamPlan) -> list:
     self.buffer = [e for k, e in enumerate(buf) if k not in used]
     return [[buf[k] for k in g] for g in groups] if c.packing.enabled else [buf[g[0]] for g in groups]
 
+# %% ../nbs/05b_stream.ipynb #b12b3439
 @patch
 def snapshot(self: StreamPlan) -> dict:
     "The stream's state now (JSON-serializable; the window's examples are shared, not copied)."
@@ -285,6 +291,7 @@ def state_dict(self: StreamPlan, step: int | None = None) -> dict:
     if step in self._snaps: return self._snaps[step]
     raise ValueError(f"step {step}: the stream's state is kept for steps {sorted(self._snaps)} and {self.next_step} only")
 
+# %% ../nbs/05b_stream.ipynb #0161b5b4
 @patch
 def load_state_dict(self: StreamPlan, d: dict):
     "Continue the stream from a `state_dict`: the next `global_batch` is the one an uninterrupted run draws."

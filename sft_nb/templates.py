@@ -12,7 +12,7 @@ from .errors import UserError
 # %% auto #0
 __all__ = ['CHAT_TEMPLATES', 'REASONING_FIELDS', 'MAX_TEMPLATE_VALUE', 'MAX_TEMPLATE_STEPS', 'MAX_TEMPLATE_SECONDS', 'MECHANISMS',
            'FAMILY_SPECIALS', 'shipped_template', 'templates_with', 'TemplateError', 'load_template', 'plain_data',
-           'render', 'chat_ids', 'has_generation_tags', 'template_name', 'TemplateRenderer', 'bounded_template',
+           'has_generation_tags', 'template_name', 'bounded_template', 'TemplateRenderer', 'render', 'chat_ids',
            'TemplateInfo', 'tagged_twin', 'common_prefix', 'probe_template', 'template_key', 'template_info',
            'collapse_template', 'add_family_specials', 'template_features']
 
@@ -28,11 +28,13 @@ CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_
     'smollm2': ('smollm2', frozenset({'system', 'tool'})),  # SmolLM2-Instruct's own template (its default system prompt too), tagged
 }
 
+# %% ../nbs/02a_templates.ipynb #421a8abb
 def shipped_template(name: str) -> str:
     "The text of one of our tagged training templates (a key of `CHAT_TEMPLATES`)."
     from importlib.resources import files
     return (files('sft_nb') / 'chat_templates' / f'{name}.jinja').read_text()
 
+# %% ../nbs/02a_templates.ipynb #deffe347
 def templates_with(feature: str) -> list[str]:
     "Shipped templates that render `feature`: 'system' | 'tools' | 'tool_calls' | 'tool' | 'reasoning'."
     return [n for n, (_, fs) in CHAT_TEMPLATES.items() if feature in fs]
@@ -41,6 +43,7 @@ def templates_with(feature: str) -> list[str]:
 class TemplateError(UserError, ValueError):
     "A chat template behaves in a way that would make masks wrong; the message names the behaviour."
 
+# %% ../nbs/02a_templates.ipynb #93e96945
 def load_template(template: str | None) -> str | None:
     "Template text from inline Jinja, a shipped template's name (`CHAT_TEMPLATES`) or a file path (`~` expanded); anything else is an error, not template text."
     if template is None or '{' in template: return template
@@ -72,79 +75,37 @@ def plain_data(value):
     return f'<{type(value).__name__}>'
 
 # %% ../nbs/02a_templates.ipynb #e4bdd870
-def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
-    "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
-    return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))), tools, gen=add_generation_prompt)
-
-def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **kwargs) -> list[int]:
-    "`apply_chat_template(..., tokenize=True)` ids as a plain list: `render`, tokenized without special tokens added."
-    return list(tokenizer(render(tokenizer, messages, tools, template=template, **kwargs), add_special_tokens=False)['input_ids'])
-
 _GEN_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 def has_generation_tags(text: str | None) -> bool:
     "Does a template mark assistant output with `{% generation %}…{% endgeneration %}`?"
     return bool(text) and bool(_GEN_TAG.search(text))
 
+# %% ../nbs/02a_templates.ipynb #afb69702
 def template_name(tokenizer, template: str | None = None) -> str:
     "How errors name a chat template: the tokenizer's, a shipped one, or the start of the text given."
     if template is None: return f"of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
     shipped = next((n for n in CHAT_TEMPLATES if shipped_template(n) == template), None)
     return repr(shipped) if shipped else f"given in tokenize.chat_template ({template[:40]!r}{'…' if len(template) > 40 else ''})"
 
-class TemplateRenderer:
-    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.formats.normalize_row` made (plain
-    dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the tokenizer's
-    special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning aliased as
-    transformers does), so the text is byte-identical; every render of a chat template goes through it (the span finder,
-    `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character spans. A template
-    that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a `TemplateError` naming it."""
-    def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
-        kw = dict(chat_template_kwargs or {})
-        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
-        self.variables = plain_data({**tokenizer.special_tokens_map, **kw})
-        self.name, self._text, self._compiled = template_name(tokenizer, template), {}, {}
-    def text(self, tools=None) -> str:
-        "The template text used for a conversation with (or without) tools."
-        key = tools is not None
-        if key not in self._text: self._text[key] = self.tokenizer.get_chat_template(self.template, tools)
-        return self._text[key]
-    def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
-        import jinja2
-        from jinja2.exceptions import SecurityError
-        tools = tools if tools is not None else self.tools
-        key = tools is not None
-        msgs = []
-        for m in messages:
-            if not isinstance(m, dict): raise TypeError(f'chat messages are dicts, got {type(m).__name__}: {m!r:.80}')
-            m = {k: v for k, v in m.items() if v is not None}
-            r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
-            msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
-        args = dict(messages=msgs, tools=plain_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
-        try:
-            if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
-            if not tags: return self._compiled[key].render(**args, **self.variables)
-            return _render_with_spans(self._compiled[key], {**args, **self.variables})
-        except SecurityError as e: raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
-        except jinja2.TemplateSyntaxError as e: raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
-        except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise  # the template's own refusal: per row
-        except (RecursionError, MemoryError, OverflowError) as e:
-            raise TemplateError(f"chat template {self.name}: {type(e).__name__}: {e} (a recursion, range or value no "
-                                "conversation needs): fix the template") from None
-
 # %% ../nbs/02a_templates.ipynb #cfdbdc00
 MAX_TEMPLATE_VALUE = 1 << 24  # 16M characters: ~100x the longest conversation a model takes, far below an out-of-memory
+
 MAX_TEMPLATE_STEPS = 2_000_000  # loop iterations + calls in one render: ~50x a 1000-turn conversation's
+
 MAX_TEMPLATE_SECONDS = 5.0  # one render's time (a macro call costs ~10x a loop iteration); real renders take milliseconds
 
 def _refuse(env, what: str, n: int, limit: int = MAX_TEMPLATE_VALUE, unit: str = 'characters or items'):
     raise TemplateError(f"chat template {env.template_name}: {what} would make {n:,} {unit} (limit {limit:,}); "
                         "a chat template renders conversations and has no use for one this large: fix the template")
 
+# %% ../nbs/02a_templates.ipynb #34d89fcf
 def _size(x) -> int: return len(x) if isinstance(x, (str, list, tuple)) else 0
 
+# %% ../nbs/02a_templates.ipynb #367ae66f
 def _widths(fmt) -> int: return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0) if isinstance(fmt, str) else 0
 
+# %% ../nbs/02a_templates.ipynb #79478e9b
 def _made(name: str, args: tuple, kwargs: dict) -> int:
     "An upper bound (before it is made) on the size of what the filter or str method `name` makes of `args`."
     vals = (*args, *kwargs.values())
@@ -161,6 +122,7 @@ def _made(name: str, args: tuple, kwargs: dict) -> int:
         n = max(n, (sizes[0] + 1) * (sizes[-1] + 1) if len(sizes) == 2 else 0)
     return n
 
+# %% ../nbs/02a_templates.ipynb #3829649e
 def _checked(env, name: str, f, drop: int = 0):
     "`f` (a filter, a global) refusing a value larger than `MAX_TEMPLATE_VALUE`, before and after it is made."
     @functools.wraps(f)
@@ -171,6 +133,7 @@ def _checked(env, name: str, f, drop: int = 0):
         return out
     return g
 
+# %% ../nbs/02a_templates.ipynb #82a45af0
 def _step(env, context):
     ec = context.eval_ctx  # one per render, shared by the contexts loops and blocks derive from it
     ec.steps = getattr(ec, 'steps', 0) + 1
@@ -181,18 +144,6 @@ def _step(env, context):
                             f"(limit {MAX_TEMPLATE_SECONDS} s); a chat template renders conversations in milliseconds: fix the template")
 
 # %% ../nbs/02a_templates.ipynb #8613462b
-_MARKS = contextvars.ContextVar('generation_marks', default=None)  # ([characters rendered so far], [mark positions]) of the render in progress
-
-def _render_with_spans(compiled, variables: dict) -> tuple[str, list[tuple[int, int]]]:
-    "Render through `generate` counting characters as they come: the `{% generation %}` marks and the tracker's nested blocks → (text, spans in order)."
-    pos, marks, blocks, nested = [0], [], [], []
-    token = _MARKS.set((pos, marks))
-    try:
-        with compiled.environment.activate_tracker(blocks, nested):
-            for chunk in compiled.generate(**variables): blocks.append(chunk); pos[0] += len(chunk)
-    finally: _MARKS.reset(token)
-    return ''.join(blocks), sorted([*zip(marks[::2], marks[1::2]), *map(tuple, nested)])
-
 @functools.lru_cache(maxsize=64)
 def bounded_template(text: str, name: str = '(given inline)'):
     """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by `MAX_TEMPLATE_VALUE`,
@@ -262,13 +213,71 @@ def bounded_template(text: str, name: str = '(given inline)'):
     env.call_binop, env.call, env.concat, env.loop_over, env.unsafe_undefined, env.code_generator_class = call_binop, call, join, loop_over, unsafe, Codegen
     return env.from_string(text)
 
-# %% ../nbs/02a_templates.ipynb #2afbea8d
-MECHANISMS = {'tags': 'the template marks assistant output with {% generation %} blocks: the spans are its own',
-              'prefix': 'no generation tags; each assistant turn is what rendering it adds after '
-                        'render(messages[:i], add_generation_prompt=True), checked to extend that prompt',
-              'history-rewriting': 'adding later turns changes the text of earlier ones: each turn is found by prefix '
-                                   'rendering, and all_assistant on multi-turn rows goes through `rewritten_turns` (expand / final / error)'}
+# %% ../nbs/02a_templates.ipynb #83b0e843
+_MARKS = contextvars.ContextVar('generation_marks', default=None)  # ([characters rendered so far], [mark positions]) of the render in progress
 
+def _render_with_spans(compiled, variables: dict) -> tuple[str, list[tuple[int, int]]]:
+    "Render through `generate` counting characters as they come: the `{% generation %}` marks and the tracker's nested blocks → (text, spans in order)."
+    pos, marks, blocks, nested = [0], [], [], []
+    token = _MARKS.set((pos, marks))
+    try:
+        with compiled.environment.activate_tracker(blocks, nested):
+            for chunk in compiled.generate(**variables): blocks.append(chunk); pos[0] += len(chunk)
+    finally: _MARKS.reset(token)
+    return ''.join(blocks), sorted([*zip(marks[::2], marks[1::2]), *map(tuple, nested)])
+
+# %% ../nbs/02a_templates.ipynb #9d87de84
+class TemplateRenderer:
+    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.formats.normalize_row` made (plain
+    dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the tokenizer's
+    special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning aliased as
+    transformers does), so the text is byte-identical; every render of a chat template goes through it (the span finder,
+    `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character spans. A template
+    that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a `TemplateError` naming it."""
+    def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
+        kw = dict(chat_template_kwargs or {})
+        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
+        self.variables = plain_data({**tokenizer.special_tokens_map, **kw})
+        self.name, self._text, self._compiled = template_name(tokenizer, template), {}, {}
+    def text(self, tools=None) -> str:
+        "The template text used for a conversation with (or without) tools."
+        key = tools is not None
+        if key not in self._text: self._text[key] = self.tokenizer.get_chat_template(self.template, tools)
+        return self._text[key]
+    def __call__(self, messages, tools=None, gen: bool = False, tags: bool = False):
+        import jinja2
+        from jinja2.exceptions import SecurityError
+        tools = tools if tools is not None else self.tools
+        key = tools is not None
+        msgs = []
+        for m in messages:
+            if not isinstance(m, dict): raise TypeError(f'chat messages are dicts, got {type(m).__name__}: {m!r:.80}')
+            m = {k: v for k, v in m.items() if v is not None}
+            r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
+            msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
+        args = dict(messages=msgs, tools=plain_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
+        try:
+            if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
+            if not tags: return self._compiled[key].render(**args, **self.variables)
+            return _render_with_spans(self._compiled[key], {**args, **self.variables})
+        except SecurityError as e: raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
+        except jinja2.TemplateSyntaxError as e: raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
+        except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise  # the template's own refusal: per row
+        except (RecursionError, MemoryError, OverflowError) as e:
+            raise TemplateError(f"chat template {self.name}: {type(e).__name__}: {e} (a recursion, range or value no "
+                                "conversation needs): fix the template") from None
+
+# %% ../nbs/02a_templates.ipynb #a98bdbcb
+def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
+    "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
+    return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))), tools, gen=add_generation_prompt)
+
+# %% ../nbs/02a_templates.ipynb #8d0a8273
+def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **kwargs) -> list[int]:
+    "`apply_chat_template(..., tokenize=True)` ids as a plain list: `render`, tokenized without special tokens added."
+    return list(tokenizer(render(tokenizer, messages, tools, template=template, **kwargs), add_special_tokens=False)['input_ids'])
+
+# %% ../nbs/02a_templates.ipynb #2afbea8d
 @dataclass(frozen=True)
 class TemplateInfo:
     "What one probe of a chat template found (computed once per tokenizer + template + kwargs)."
@@ -290,6 +299,13 @@ class TemplateInfo:
     @property
     def empty_think_in_gen_prompt(self) -> bool: return '<think>' in self.gen_prompt and '</think>' in self.gen_prompt
 
+# %% ../nbs/02a_templates.ipynb #4367158d
+MECHANISMS = {'tags': 'the template marks assistant output with {% generation %} blocks: the spans are its own',
+              'prefix': 'no generation tags; each assistant turn is what rendering it adds after '
+                        'render(messages[:i], add_generation_prompt=True), checked to extend that prompt',
+              'history-rewriting': 'adding later turns changes the text of earlier ones: each turn is found by prefix '
+                                   'rendering, and all_assistant on multi-turn rows goes through `rewritten_turns` (expand / final / error)'}
+
 # %% ../nbs/02a_templates.ipynb #ec5a90fd
 _U1, _A1, _U2, _A2, _R1, _R2 = 'qzxUone', 'qzxAone', 'qzxUtwo', 'qzxAtwo', 'qzxRone', 'qzxRtwo'
 
@@ -298,6 +314,7 @@ def _special_strings(tokenizer) -> list[str]:
     specials |= {t.content for t in getattr(tokenizer, 'added_tokens_decoder', {}).values() if getattr(t, 'special', False)}
     return sorted((s for s in specials if s), key=len, reverse=True)
 
+# %% ../nbs/02a_templates.ipynb #beda2c49
 def _split_eot(footer: str, specials: list[str]) -> tuple[str, str]:
     "Split an assistant footer into (trained end-of-turn, untrained rest): the special tokens it opens with."
     hits = [(footer.find(s), s) for s in specials if s in footer]
@@ -321,6 +338,7 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
 
 # %% ../nbs/02a_templates.ipynb #7d1e0a02
 _TWIN_TOOL = {'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}
+
 _TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders, and the edges where templates differ
     ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}], None),
     ([{'role': 'system', 'content': 'qzxS'}, {'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1},
@@ -337,6 +355,7 @@ _TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders,
     ([{'role': 'user', 'content': ''}, {'role': 'assistant', 'content': ''}], None),
 ]
 
+# %% ../nbs/02a_templates.ipynb #74984edc
 def _twin_renders(renderer: TemplateRenderer) -> list:
     "What `renderer` makes of every twin probe, with and without the generation prompt (an error counts as its type: a twin refuses what the template refuses)."
     out = []
@@ -346,6 +365,7 @@ def _twin_renders(renderer: TemplateRenderer) -> list:
             except Exception as e: out.append(('error', type(e).__name__))
     return out
 
+# %% ../nbs/02a_templates.ipynb #cccb35ee
 def _tags_follow_prompt(renderer: TemplateRenderer) -> bool:
     """Whether the twin's first `{% generation %}` block starts where the generation prompt ends: kwargs that move text
     into the prompt (Qwen3's `enable_thinking=False` puts the empty think block there) make the tags train prompt text."""
@@ -353,6 +373,7 @@ def _tags_follow_prompt(renderer: TemplateRenderer) -> bool:
     _, spans = renderer(msgs, tags=True)
     return bool(spans) and spans[0][0] >= len(renderer(msgs[:-1], gen=True))
 
+# %% ../nbs/02a_templates.ipynb #6b8b4514
 def tagged_twin(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
     """The shipped tagged template (a key of `CHAT_TEMPLATES`) that renders byte-identically to `template` on every twin
     probe and whose tags start after the generation prompt, or ''."""
@@ -371,6 +392,7 @@ def common_prefix(a: str, b: str) -> int:
         else: hi = mid - 1
     return lo
 
+# %% ../nbs/02a_templates.ipynb #e407747e
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
     renderer = TemplateRenderer(tokenizer, template, chat_template_kwargs)  # the bounded sandbox (bounded_template)
@@ -452,6 +474,7 @@ FAMILY_SPECIALS = {  # family → (named special tokens, extra special tokens) i
     'qwen2.5-instruct': ({'eos_token': '<|im_end|>'}, ['<|im_start|>', '<|im_end|>']),
     'smollm2': ({'bos_token': '<|im_start|>', 'eos_token': '<|im_end|>'}, ['<|im_start|>', '<|im_end|>'])}
 
+# %% ../nbs/02a_templates.ipynb #bbb6551f
 def add_family_specials(tokenizer, family: str):
     "Add the special tokens of a template family to `tokenizer` (in place), so its template can be tested with any tokenizer."
     named, extra = FAMILY_SPECIALS[family]

@@ -29,6 +29,7 @@ __all__ = ['LR_RULE', 'TrainerBusy', 'Exclusive', 'action', 'hold_interrupts', '
 class TrainerBusy(UserError, RuntimeError):
     "A second action (step, fit, train, evaluate, save, ...) was asked for while one runs in another thread."
 
+# %% ../nbs/08_trainer.ipynb #3de5665a
 class Exclusive:
     "`with guard('fit'):` holds the trainer for one thread's action; `action` names it (None when idle)."
     def __init__(self): self._lock, self._owner, self.action = threading.Lock(), None, None
@@ -46,6 +47,7 @@ class Exclusive:
             if outer:
                 with self._lock: self._owner, self.action = None, None
 
+# %% ../nbs/08_trainer.ipynb #5f891630
 def action(name: str, setup: bool = True):
     "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."
     def wrap(f):
@@ -153,6 +155,7 @@ def token_losses(self: SFTTrainer, rows_or_split='train', **kw) -> list[dict]:
     from sft_nb.lens import token_losses
     return token_losses(self, rows_or_split, **kw)
 
+# %% ../nbs/08_trainer.ipynb #d434c369
 @patch
 @action('rank_rows')
 def rank_rows(self: SFTTrainer, split: str = 'train', **kw) -> pd.DataFrame:
@@ -172,6 +175,7 @@ def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
             self.shutdown()  # a failed setup leaves no workers, no Ray it started, no lock
             raise
 
+# %% ../nbs/08_trainer.ipynb #b293b42d
 @patch
 def _prepare_data(self: SFTTrainer) -> DataPlan:
     "The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned)."
@@ -186,6 +190,7 @@ def unsaved_run(run_dir: Path, save_every: int) -> str:
     kept = [n for n in ('best', 'hf') if (run_dir / n).exists()] + ([f'{steps} steps in metrics.jsonl'] if steps > (save_every or 0) else [])
     return ', '.join(kept)
 
+# %% ../nbs/08_trainer.ipynb #bd8647cb
 @patch
 def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
@@ -259,6 +264,7 @@ def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
     self._emit('on_train_end')
     return self.metrics
 
+# %% ../nbs/08_trainer.ipynb #44dd71ec
 @patch
 @action('train')
 def train(self: SFTTrainer) -> pd.DataFrame:
@@ -318,9 +324,6 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     return self.global_step
 
 # %% ../nbs/08_trainer.ipynb #56397099
-LR_RULE = ("the LR schedule follows the run's current train.num_steps: steps already trained kept their LR; the steps after "
-           "this resume take the LR the schedule of the new length gives them, as a run planned that long from the start would")
-
 @patch
 def write_config(self: SFTTrainer):
     "`run_dir/config.yaml`: this segment's config, then a comment per resume (from `events.jsonl`) naming the keys that changed."
@@ -333,6 +336,10 @@ def write_config(self: SFTTrainer):
     if notes:
         with open(self.run_dir / 'config.yaml', 'a') as out: out.write('# segments (run_dir/events.jsonl); the config above is the last one\n' + '\n'.join(notes) + '\n')
 
+# %% ../nbs/08_trainer.ipynb #6c281500
+LR_RULE = ("the LR schedule follows the run's current train.num_steps: steps already trained kept their LR; the steps after "
+           "this resume take the LR the schedule of the new length gives them, as a run planned that long from the start would")
+
 @patch
 def record_resume(self: SFTTrainer, path, changed: dict):
     "Append the resume from checkpoint `path` (at `global_step`) with its `changed` config keys to `run_dir/events.jsonl`; rewrite config.yaml."
@@ -341,6 +348,7 @@ def record_resume(self: SFTTrainer, path, changed: dict):
     with open(self.run_dir / 'events.jsonl', 'a') as f: f.write(json.dumps(ev) + '\n')
     self.write_config()
 
+# %% ../nbs/08_trainer.ipynb #38487df9
 @patch
 def _continue(self: SFTTrainer, total: int):
     "Make a finished run `total` steps long, in place (workers, data plan, config): `LR_RULE`; recorded in events.jsonl and config.yaml, and said."
@@ -375,12 +383,14 @@ def export(self: SFTTrainer, path: str | Path | None = None,
         save_run_tokenizer(self.tokenizer, self.cfg.tokenize.chat_template, hf)
     return export_gguf(hf, path or self.run_dir / 'gguf', quant) if to == 'gguf' else hf
 
+# %% ../nbs/08_trainer.ipynb #ca52a215
 @patch
 def prompt_ids(self: SFTTrainer, messages: list[dict], tools: list | None = None) -> list[int]:
     "A conversation as the ids the model answers: the run's chat template (`tokenize.chat_template` and its kwargs) and the generation prompt."
     tk = self.cfg.tokenize
     return chat_ids(self.tokenizer, messages, tools, template=load_template(tk.chat_template), add_generation_prompt=True, **tk.chat_template_kwargs)
 
+# %% ../nbs/08_trainer.ipynb #e1c8d19f
 @patch
 @action('generate')
 def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32,

@@ -27,6 +27,7 @@ def _short(ref) -> str:
     s = str(ref)
     return s[:40] + '…' if s.startswith('data:') and len(s) > 40 else s
 
+# %% ../nbs/02c_vision.ipynb #9c5cf614
 def load_image(ref, # path | data URI | PIL image | {'bytes'|'path'} dict
                base_dir: str | Path | None = None, # folder relative paths are resolved against
               ):
@@ -78,6 +79,7 @@ def _parts(content, where: str, images: list, pending: list) -> list[dict] | str
         else: raise BadRow(f"{where}: content part type {t!r} is not supported (text, image)")
     return out
 
+# %% ../nbs/02c_vision.ipynb #da23ca0f
 def vision_conversation(row: dict, # a raw row: messages (or ShareGPT conversations) + optional images column
                         base_dir: str | Path | None = None, # folder for relative image paths
                        ) -> dict:
@@ -107,6 +109,7 @@ class VisionExample(Example):
     image_tokens: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each image's placeholder
     images: list = field(default_factory=list)  # the PIL images (for views)
 
+# %% ../nbs/02c_vision.ipynb #a8e2d49f
 def image_placeholder(processor, template: str | None = None) -> str:
     "The text the processor's template renders for one image part (e.g. `<|vision_start|><|image_pad|><|vision_end|>`)."
     a, b = 'qzxBEFORE', 'qzxAFTER'
@@ -114,6 +117,7 @@ def image_placeholder(processor, template: str | None = None) -> str:
         [{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}])
     return t[t.index(a) + len(a):t.index(b)]
 
+# %% ../nbs/02c_vision.ipynb #940d6784
 def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tuple]) -> tuple[str, list[tuple], list[tuple[int, int]]]:
     "Repeat the k-th `token` in `text` `counts[k]` times; shift `spans`' end points; return (text', spans', char range of each image)."
     starts = [m.start() for m in re.finditer(re.escape(token), text)]
@@ -194,6 +198,7 @@ def _image_fingerprint(rows, base_dir) -> str:
             h.update(p.read_bytes() if p is not None and p.is_file() else str(ref).encode())
     return h.hexdigest()
 
+# %% ../nbs/02c_vision.ipynb #8969037a
 class ProcessorRenderer(Renderer):
     "Image (and text) rows through a vision-language processor: `tokenize_vision_rows` behind the `Renderer` seam."
     needs_rows_for_key = True  # the cache key hashes the image files the rows reference
@@ -228,18 +233,7 @@ def patch_dim(self: ProcessorRenderer) -> int:
     ip = self.processor.image_processor
     return 3 * ip.temporal_patch_size * ip.patch_size ** 2
 
-@patch
-def collate(self: ProcessorRenderer, examples: list, batch: dict) -> dict:
-    "A padded batch + the image columns: mm_token_type_ids, concatenated pixel_values [Σ patches, patch_dim], image_grid_thw; no position_ids (the model computes its multimodal ones)."
-    import torch
-    batch = {k: v for k, v in batch.items() if k != 'position_ids'}
-    batch['mm_token_type_ids'] = (batch['input_ids'] == self.processor.image_token_id).long()
-    pv = [torch.as_tensor(np.asarray(e['pixel_values'], dtype=np.float32)) for e in examples if len(e.get('image_grid_thw') or [])]
-    if pv:
-        batch['pixel_values'] = torch.cat([p.reshape(-1, self.patch_dim()) for p in pv])
-        batch['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
-    return batch
-
+# %% ../nbs/02c_vision.ipynb #112266b0
 @patch
 def fill_row(self: ProcessorRenderer) -> dict:
     "An untrained row holding the smallest image the image processor makes, its placeholder rendered and expanded by the processor."
@@ -253,3 +247,16 @@ def fill_row(self: ProcessorRenderer) -> dict:
     ids = encode_texts(self.tokenizer, [text])[0][0]
     return {'input_ids': list(ids), 'loss_mask': [0] * len(ids),
             'pixel_values': np.asarray(out['pixel_values'], dtype=np.float32).reshape(-1).tolist(), 'image_grid_thw': grid}
+
+# %% ../nbs/02c_vision.ipynb #9f283ebc
+@patch
+def collate(self: ProcessorRenderer, examples: list, batch: dict) -> dict:
+    "A padded batch + the image columns: mm_token_type_ids, concatenated pixel_values [Σ patches, patch_dim], image_grid_thw; no position_ids (the model computes its multimodal ones)."
+    import torch
+    batch = {k: v for k, v in batch.items() if k != 'position_ids'}
+    batch['mm_token_type_ids'] = (batch['input_ids'] == self.processor.image_token_id).long()
+    pv = [torch.as_tensor(np.asarray(e['pixel_values'], dtype=np.float32)) for e in examples if len(e.get('image_grid_thw') or [])]
+    if pv:
+        batch['pixel_values'] = torch.cat([p.reshape(-1, self.patch_dim()) for p in pv])
+        batch['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
+    return batch
