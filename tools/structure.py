@@ -160,19 +160,25 @@ def find_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(out)
 
 
-def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str, str, int]]:
-    "`(notebook, cell, lines)` of every exported cell over `limit` lines; cell = its 0-based position and id."
+def exported_cells(root: Path = ROOT) -> list[tuple[str, int, str, list[str], bool]]:
+    """`(notebook, position, id, lines, tested)` of every exported notebook cell: its lines without the `#|` directives,
+    and whether the next code cell is not exported (the example or test under it)."""
     out = []
     for nb in sorted((root / 'nbs').rglob('*.ipynb')):
         if '.ipynb_checkpoints' in nb.parts: continue
-        for i, c in enumerate(json.loads(nb.read_text(encoding='utf-8'))['cells']):
-            if c['cell_type'] != 'code': continue
-            lines = ''.join(c['source']).rstrip().splitlines()
-            directives = [m.group(1) for l in lines if (m := _DIRECTIVE.match(l))]
-            if not EXPORT_DIRECTIVES & set(directives): continue
-            n = sum(1 for l in lines if not _DIRECTIVE.match(l))
-            if n > limit: out.append((str(nb.relative_to(root)), f"{i}" + (f" (id {c['id']})" if c.get('id') else ''), n))
+        code = [(i, c) for i, c in enumerate(json.loads(nb.read_text(encoding='utf-8'))['cells']) if c['cell_type'] == 'code']
+        exported = [EXPORT_DIRECTIVES & {m.group(1) for l in ''.join(c['source']).splitlines() if (m := _DIRECTIVE.match(l))}
+                    for _, c in code]
+        for k, (i, c) in enumerate(code):
+            if not exported[k]: continue
+            lines = [l for l in ''.join(c['source']).rstrip().splitlines() if not _DIRECTIVE.match(l)]
+            out.append((str(nb.relative_to(root)), i, c.get('id', ''), lines, k + 1 < len(code) and not exported[k + 1]))
     return out
+
+
+def long_cells(root: Path = ROOT, limit: int = MAX_CELL_LINES) -> list[tuple[str, str, int]]:
+    "`(notebook, cell, lines)` of every exported cell over `limit` lines; cell = its 0-based position and id."
+    return [(nb, f"{i}" + (f" (id {id})" if id else ''), len(lines)) for nb, i, id, lines, _ in exported_cells(root) if len(lines) > limit]
 
 
 def said_twice(root: Path = ROOT) -> list[str]:
