@@ -209,7 +209,7 @@ def pytest_cmd(ids: list[str], first_failure: bool) -> list[str]:
 # A Python that has imported what every named test imports (torch, transformers' model code, pytest: ~5 s of CPU) and not
 # sft_nb; each pytest run is a fork of it in its copy (sft_nb, imported after the fork, comes from the copy). One thread
 # only: a fork of a process with threads may hold their locks. It reads one job a line: [copy, argv, output file]; the
-# forked run writes its exit code to output + '.rc' last.
+# forked run writes its exit code to output + '.rc' last, by a rename (a reader never sees it half written).
 FORK_SERVER = r"""
 import json, os, signal, sys, threading
 import torch, numpy, pandas, pytest, transformers
@@ -230,7 +230,8 @@ for line in sys.stdin:
     try: rc = int(pytest.main(argv))
     except BaseException as e: print(f'fork server run: {e!r}'); rc = 3
     sys.stdout.flush(); sys.stderr.flush()
-    open(out + '.rc', 'w').write(str(rc)); os._exit(rc)
+    with open(out + '.rc.tmp', 'w') as f: f.write(str(rc))
+    os.replace(out + '.rc.tmp', out + '.rc'); os._exit(rc)  # whole or absent: the parent polls for the file and reads it at once
 """
 
 
