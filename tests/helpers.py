@@ -65,44 +65,65 @@ def cli(*args) -> tuple[int, str, str]:
 
 
 def fsdp_rank(rank, world, sp, port, model_cfg, mbs, n_global, out):
-    "One FSDP rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses; rank 0 reports."
+    """One FSDP rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses. Rank 0 puts
+    ('ok', its results) on `out`; a rank that fails puts ('error', its traceback), so the test says why, at once."""
+    import traceback
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import OptimConfig, PlacementConfig
-    w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1, placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
-    w.init_dist('127.0.0.1', port)
     try:
-        w.setup()
-        mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
-        r = w.forward_backward(mine, n_global)
-        grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy() for k, p in w.model.named_parameters()}  # by value
-        ev, tl = w.eval_loss(mine), w.token_losses(mine)
-        if rank == 0: out.put((r, grads, ev, tl))
-    finally: w.shutdown()
+        w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1,
+                       placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
+        w.init_dist('127.0.0.1', port)
+        try:
+            w.setup()
+            mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
+            r = w.forward_backward(mine, n_global)
+            grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy()  # by value
+                     for k, p in w.model.named_parameters()}
+            ev, tl = w.eval_loss(mine), w.token_losses(mine)
+            if rank == 0: out.put(('ok', (r, grads, ev, tl)))
+        finally: w.shutdown()
+    except BaseException:
+        out.put(('error', f'rank {rank} of {world}:\n{traceback.format_exc()}'))
+        raise
+
+
+def _rank_results(got, errors=()) -> tuple:
+    "Rank 0's (result, gradients as tensors, eval, per-token losses) from what `fsdp_rank` put, or the failing rank's traceback."
+    import torch
+    kind, value = got
+    if kind == 'error': raise AssertionError(f'a spawned FSDP rank failed: {value}')
+    assert not errors, f'a spawned FSDP rank failed after rank 0 reported: {errors[0]}'
+    r, grads, ev, tl = value
+    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
 
 
 def spawn(world, sp, model_cfg, mbs, n_global):
     """Run `world` FSDP ranks (spawned processes, a gloo group, no Ray; `sp` ranks share each replica's rows) and return rank
     0's (forward_backward result, full gradients, eval, per-token losses)."""
-    import torch
+    import queue
     import torch.multiprocessing as mp
     from sft_nb.workers import free_port
     ctx, port = mp.get_context('spawn'), free_port()
     out = ctx.Queue()
     ps = [ctx.Process(target=fsdp_rank, args=(r, world, sp, port, model_cfg, mbs, n_global, out)) for r in range(world)]
     for p in ps: p.start()
-    try: r, grads, ev, tl = out.get(timeout=300)
+    try: got = out.get(timeout=300)
     finally:
         for p in ps: p.join(timeout=60)
-    assert all(p.exitcode == 0 for p in ps), [p.exitcode for p in ps]
-    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
+    errors = []
+    while True:  # a rank that failed after rank 0 reported (in its shutdown, say) left its traceback here
+        try: errors.append(out.get(timeout=1)[1])
+        except queue.Empty: break
+    result = _rank_results(got, errors)
+    assert all(p.exitcode == 0 for p in ps), f'exit codes by rank: {[p.exitcode for p in ps]}'
+    return result
 
 
 def one_rank(model_cfg, mbs, n_global):
     "What `spawn(1, 1, ...)` returns, computed in this process (a 1-rank gloo group): the reference the spawned ranks match."
     import queue
-    import torch
     from sft_nb.workers import free_port
     out = queue.Queue()
     fsdp_rank(0, 1, 1, free_port(), model_cfg, mbs, n_global, out)
-    r, grads, ev, tl = out.get_nowait()
-    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
+    return _rank_results(out.get_nowait())

@@ -140,6 +140,7 @@ def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
     gradient FSDP reduces over the ranks equals one rank's gradient of both micro-batches."""
     mbs = list(batches(tiny_tok, True).values())
     n = sum(mb['weight_sum'] for mb in mbs)
+    worker.loss_chunk = ModelConfig().loss_chunk  # the spawned ranks' (earlier tests leave the module's worker at 5)
     _, one = _grads(worker, mbs, n)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
     _, two, _, _ = spawn(2, 1, ModelConfig(path=str(tiny_path)), [[{k: mb[k] for k in keep}] for mb in mbs], n)

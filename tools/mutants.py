@@ -374,6 +374,7 @@ def main(argv=None) -> int:
                     failing |= checks
                     failed = re.findall(r'^(?:FAILED|ERROR) (\S+)', out, re.M)
                     print(f"baseline: {label} fails unmutated (exit {rc}): {', '.join(failed) or _last_line(out)}", flush=True)
+                    print('\n'.join(f'    | {l}' for l in out.strip().splitlines()[-60:]), flush=True)  # why, for a failure seen only in CI
             n = sum(len(c) for _, c in work.values())
             print(f"baseline: the {n} named checks {'do NOT all pass' if failing else 'pass'} unmutated "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
