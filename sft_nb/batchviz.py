@@ -19,11 +19,13 @@ def batch_grid(batch: dict) -> tuple[np.ndarray, list[list[int]]]:
     labels = np.asarray(batch['labels'])
     B, T = labels.shape
     if 'seq_lens' in batch:
-        starts = [np.concatenate([[0], np.cumsum(l)[:-1]]).astype(int).tolist() if len(l) else [] for l in batch['seq_lens']]
+        starts = [np.concatenate([[0], np.cumsum(l)[:-1]]).astype(int).tolist() if len(l) else []
+                  for l in batch['seq_lens']]
         real = np.arange(T)[None, :] < np.asarray([sum(l) for l in batch['seq_lens']])[:, None]
     else:
         real = np.asarray(batch['attention_mask']).astype(bool)
-        if real.ndim != 2: raise ValueError("batch: a padded batch needs a 2D attention_mask; a packed one needs 'seq_lens'")
+        if real.ndim != 2:
+            raise ValueError("batch: a padded batch needs a 2D attention_mask; a packed one needs 'seq_lens'")
         starts = [[0] if r.any() else [] for r in real]
     return np.where(real, np.where(labels != -100, TRAINED, MASKED), PAD), starts
 
@@ -48,22 +50,28 @@ def batch_fig(batch: dict, # from collate_padded or collate_packed
                         subplot_titles=('loss mask', 'position_ids') if packed else None)
     custom = np.stack([ids, pos, labels], axis=-1).tolist()
     xgap = 1 if T <= 128 else 0  # a gap wider than a cell would hide it
-    fig.add_trace(go.Heatmap(z=grid.tolist(), customdata=custom, colorscale=_discrete_scale(), zmin=-0.5, zmax=2.5, xgap=xgap, ygap=2, name='mask',
-                             colorbar=dict(tickvals=[0, 1, 2], ticktext=list(CATEGORIES), len=0.5 if packed else 1, y=1, yanchor='top'),
-                             hovertemplate='row %{y}, position %{x}: %{z}<br>id %{customdata[0]} · position_id %{customdata[1]} · label %{customdata[2]}<extra></extra>'), row=1, col=1)
+    fig.add_trace(go.Heatmap(z=grid.tolist(), customdata=custom, colorscale=_discrete_scale(), zmin=-0.5, zmax=2.5,
+                             xgap=xgap, ygap=2, name='mask',
+                             colorbar=dict(tickvals=[0, 1, 2], ticktext=list(CATEGORIES), len=0.5 if packed else 1,
+                                           y=1, yanchor='top'),
+                             hovertemplate='row %{y}, position %{x}: %{z}<br>id %{customdata[0]} · position_id '
+                                           '%{customdata[1]} · label %{customdata[2]}<extra></extra>'), row=1, col=1)
     if packed:
         shown = [[int(p) if g else None for p, g in zip(pr, gr)] for pr, gr in zip(pos.tolist(), grid.tolist())]
         fig.add_trace(go.Heatmap(z=shown, colorscale='Viridis', xgap=xgap, ygap=2, name='position_ids', showscale=False,
-                                 hovertemplate='row %{y}, position %{x}: position_id %{z}<extra></extra>'), row=2, col=1)
+                                 hovertemplate='row %{y}, position %{x}: position_id %{z}<extra></extra>'),
+                                 row=2, col=1)
     for b, row_starts in enumerate(starts):
         for s in row_starts[1:]:
             for r in range(1, 3 if packed else 2):
-                fig.add_shape(type='line', x0=s - 0.5, x1=s - 0.5, y0=b - 0.5, y1=b + 0.5, line=dict(color=COLORS['boundary'], width=2), row=r, col=1)
+                fig.add_shape(type='line', x0=s - 0.5, x1=s - 0.5, y0=b - 0.5, y1=b + 0.5,
+                              line=dict(color=COLORS['boundary'], width=2), row=r, col=1)
     n_trained, n_pad = int((grid == TRAINED).sum()), int((grid == PAD).sum())
     fig.update_yaxes(autorange='reversed', title_text='row', dtick=1)
     fig.update_xaxes(title_text='position', row=2 if packed else 1, col=1)
     fig.update_layout(height=min(900, (140 + 26 * B) * (2 if packed else 1)), margin=dict(l=50, r=20, t=50, b=40),
-                      title=title or f'{"packed" if packed else "padded"}: {B} rows × {T} positions · {n_trained} trained · {n_pad / grid.size:.0%} padding')
+                      title=title or f'{"packed" if packed else "padded"}: {B} rows × {T} positions · {n_trained} '
+                                     f'trained · {n_pad / grid.size:.0%} padding')
     return fig
 
 # %% ../nbs/03b_batchviz.ipynb #4554f707
@@ -87,4 +95,5 @@ def batch_text(batch: dict, form: str = 'text', width: int | None = None) -> str
             out.append(ch)
         lines.append(f'{b:>3} ' + ''.join(out))
     kind = 'packed' if 'seq_lens' in batch else 'padded'
-    return f'{kind}: {B} rows × {T} positions ({step} per cell) · . pad  - masked  # trained  | sequence start\n' + '\n'.join(lines)
+    return (f'{kind}: {B} rows × {T} positions ({step} per cell) · . pad  - masked  # trained  | sequence start\n'
+            + '\n'.join(lines))

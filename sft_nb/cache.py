@@ -17,7 +17,9 @@ __all__ = ['ALGO_VERSION', 'cache_root', 'cache_key', 'file_fingerprint', 'verif
            'load_entry', 'commit_entry']
 
 # %% ../nbs/02b_cache.ipynb #7c06f737
-ALGO_VERSION = 8  # bump when stored examples or reports change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows through the seam; 7: the per-row self-check; 8: reports count lost reasoning/tool calls)
+# bump when stored examples or reports change: old cache entries then miss (5: loss_weights; 6: Arrow parts, image rows
+# through the seam; 7: the per-row self-check; 8: reports count lost reasoning/tool calls)
+ALGO_VERSION = 8
 
 def cache_root(cache_dir: str | None = None) -> Path:
     return Path(cache_dir).expanduser() if cache_dir else sft_nb_home() / 'tokenized'  # '~/cache' is the home folder's
@@ -25,15 +27,19 @@ def cache_root(cache_dir: str | None = None) -> Path:
 def cache_key(data_fingerprint: str, tokenizer, spec: TokenizeConfig, fmt: str) -> str:
     from sft_nb import __version__
     parts = [data_fingerprint, template_key(tokenizer, spec.chat_template, spec.chat_template_kwargs), spec.mode,
-             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.rewritten_turns, spec.train_on_reasoning, spec.train_on_tool_calls]
+             spec.max_length, spec.truncation, fmt, __version__, ALGO_VERSION, spec.rewritten_turns,
+             spec.train_on_reasoning, spec.train_on_tool_calls]
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()[:32]
 
 def file_fingerprint(source) -> str | None:
-    "The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it; None otherwise."
+    """The content key of a local file source (a streaming xxh3 of its bytes, + max_rows), computed without parsing it;
+    None otherwise."""
     path = source_path(source)
     if path is None or path.startswith('sft_nb:') or not Path(path).expanduser().is_file(): return None
     fill = getattr(source, 'null_content', None) == 'empty'  # data.null_content='empty' reads other rows: another key
-    return file_digest(Path(path).expanduser(), 'xxh3') + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '') + ('/null_content=empty' if fill else '')
+    return (file_digest(Path(path).expanduser(), 'xxh3')
+            + (f":{source.max_rows}" if isinstance(source, SourceConfig) else '')
+            + ('/null_content=empty' if fill else ''))
 
 # %% ../nbs/02b_cache.ipynb #0e7a735e
 def _manifest(folder: Path, digests: bool = True) -> dict:
@@ -50,11 +56,14 @@ def verify_entry(folder: Path, recorded: dict) -> str:
     return next((n for n in sizes if file_digest(folder / n, 'xxh3') != recorded[n][1]), '')
 
 def index_parts(folder: Path, features, fingerprint: str):
-    "Write what `datasets.load_from_disk` reads next to the parts (state.json, dataset_info.json): the folder is a saved Dataset."
+    """Write what `datasets.load_from_disk` reads next to the parts (state.json, dataset_info.json): the folder is a
+    saved Dataset."""
     files = sorted(p.name for p in Path(folder).glob('data-*.arrow'))
-    (folder / 'state.json').write_text(json.dumps({'_data_files': [{'filename': f} for f in files], '_fingerprint': fingerprint,
-        '_format_columns': None, '_format_kwargs': {}, '_format_type': None, '_output_all_columns': False, '_split': None}, indent=2))
-    (folder / 'dataset_info.json').write_text(json.dumps({'citation': '', 'description': '', 'features': features.to_dict(),
+    (folder / 'state.json').write_text(json.dumps({'_data_files': [{'filename': f} for f in files],
+        '_fingerprint': fingerprint, '_format_columns': None, '_format_kwargs': {}, '_format_type': None,
+        '_output_all_columns': False, '_split': None}, indent=2))
+    (folder / 'dataset_info.json').write_text(json.dumps({'citation': '', 'description': '',
+                                                          'features': features.to_dict(),
                                                           'homepage': '', 'license': ''}, indent=2))
 
 def open_parts(folder: Path):
@@ -72,15 +81,18 @@ def load_entry(folder: Path, verify: bool = True): # verify=False: the entry thi
     try:
         if not m.exists(): return None
         if verify and (bad := verify_entry(folder, json.loads(m.read_text()))):
-            warnings.warn(f"tokenization cache entry {folder} fails its content check ({bad}); rebuilding it", stacklevel=3)
+            warnings.warn(f"tokenization cache entry {folder} fails its content check ({bad}); rebuilding it",
+                          stacklevel=3)
             return None
         try: rep = DataReport.from_dict(json.loads((folder / 'report.json').read_text()), str(folder / 'report.json'))
         except ValueError as e:  # odd types (an edited entry whose manifest was rewritten too): named, then rebuilt
             warnings.warn(f"tokenization cache entry {folder}: {e}; rebuilding it", stacklevel=3)
             return None
         return open_parts(folder / 'data'), rep
-    except (OSError, ValueError, KeyError) as e:  # Arrow's and datasets' read errors are these; anything else is a bug: raised
-        warnings.warn(f"tokenization cache entry {folder} cannot be read ({type(e).__name__}: {e}); rebuilding it", stacklevel=3)
+    # Arrow's and datasets' read errors are these; anything else is a bug: raised
+    except (OSError, ValueError, KeyError) as e:
+        warnings.warn(f"tokenization cache entry {folder} cannot be read ({type(e).__name__}: {e}); rebuilding it",
+                      stacklevel=3)
         return None
 
 # %% ../nbs/02b_cache.ipynb #77a44e6f
@@ -90,5 +102,6 @@ def commit_entry(tmp: Path, folder: Path, report: DataReport):
     (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
     if folder.exists(): shutil.rmtree(folder, ignore_errors=True)  # a corrupt entry we decided to rebuild
     try: os.rename(tmp, folder)
-    except OSError:  # a concurrent tokenization committed the same entry first (ENOTEMPTY/EEXIST): its copy is equally good
+    # a concurrent tokenization committed the same entry first (ENOTEMPTY/EEXIST): its copy is equally good
+    except OSError:
         if load_entry(folder) is None: raise

@@ -29,7 +29,7 @@ class Callback:
     def on_train_end(self, trainer): pass
     def on_epoch_start(self, trainer, epoch: int): pass
     def on_epoch_end(self, trainer, epoch: int): pass
-    def on_step_start(self, trainer, step: int): pass  # `step`: the number of the step starting, 1-based like metrics['step']
+    def on_step_start(self, trainer, step: int): pass  # `step`: number of the step starting, 1-based as metrics['step']
     def on_step_end(self, trainer, metrics: dict): pass
     def on_evaluate(self, trainer, metrics: dict): pass
     def on_save(self, trainer, path: str): pass
@@ -51,12 +51,15 @@ class EarlyStopping(Callback):
             self.bad += 1
             if self.bad >= self.patience:
                 trainer.control.should_stop = True
-                print(f"early stopping: {self.metric} {v:.4f}, not below its best {self.best:.4f} for {self.bad} evaluations; the fit stops")
+                print(f"early stopping: {self.metric} {v:.4f}, not below its best {self.best:.4f} for {self.bad} "
+                      "evaluations; the fit stops")
 
 # %% ../nbs/08a_callbacks.ipynb #3193aebf
 class KeepBest(Callback):
-    "At each evaluation that lowers `metric`, export the model to `run_dir/<name>` (with best.json: step, metric); `trainer.best` says which."
-    def __init__(self, metric: str = 'eval_loss', name: str = 'best'): self.metric, self.name, self.best = metric, name, None
+    """At each evaluation that lowers `metric`, export the model to `run_dir/<name>` (with best.json: step, metric);
+    `trainer.best` says which."""
+    def __init__(self, metric: str = 'eval_loss', name: str = 'best'):
+        self.metric, self.name, self.best = metric, name, None
     def on_evaluate(self, trainer, metrics):
         v = metrics.get(self.metric)
         if v is None or (self.best is not None and v >= self.best[self.metric]): return
@@ -71,7 +74,8 @@ class NonFiniteLoss(RuntimeError):
 
 # %% ../nbs/08a_callbacks.ipynb #58a7dad4
 class NonFiniteGuard(Callback):
-    "Mark a step with a non-finite loss or gradient norm `skipped`; raise `NonFiniteLoss` under `policy='stop'`, warn under 'skip'."
+    """Mark a step with a non-finite loss or gradient norm `skipped`; raise `NonFiniteLoss` under `policy='stop'`, warn
+    under 'skip'."""
     def __init__(self, policy: str = 'stop'): self.policy = policy
     def on_step_end(self, trainer, m):
         loss, gn, step = m['loss'], m['grad_norm'], m['step']
@@ -86,7 +90,8 @@ class NonFiniteGuard(Callback):
 # %% ../nbs/08a_callbacks.ipynb #9df1933a
 class Schedule(Callback):
     "Raise `should_evaluate` every `eval_every` steps and `should_save` every `save_every` steps (0: never)."
-    def __init__(self, eval_every: int = 0, save_every: int = 0): self.eval_every, self.save_every = eval_every, save_every
+    def __init__(self, eval_every: int = 0, save_every: int = 0):
+        self.eval_every, self.save_every = eval_every, save_every
     def on_step_end(self, trainer, m):
         if self.eval_every and m['step'] % self.eval_every == 0: trainer.control.should_evaluate = True
         if self.save_every and m['step'] % self.save_every == 0: trainer.control.should_save = True
@@ -94,7 +99,8 @@ class Schedule(Callback):
 # %% ../nbs/08a_callbacks.ipynb #85cf5cdb
 class Profiler(Callback):
     "A torch.profiler window on the workers over steps `start` … `start + steps - 1` (1-based; `start=0`: none)."
-    def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)): self.start, self.steps, self.ranks = start, steps, ranks
+    def __init__(self, start: int = 0, steps: int = 1, ranks=(0,)):
+        self.start, self.steps, self.ranks = start, steps, ranks
     def on_step_start(self, trainer, step):
         if self.start and step == self.start: trainer.backend.profile('start', None, self.ranks)
     def on_step_end(self, trainer, m):
@@ -104,20 +110,25 @@ class Profiler(Callback):
 
 # %% ../nbs/08a_callbacks.ipynb #1d7b9521
 class Preempted(RuntimeError):
-    "SIGTERM/SIGINT stopped training at a step boundary; the message says where to resume, `exit_code` is 128 + the signal's number."
-    def __init__(self, message: str, signame: str): super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
+    """SIGTERM/SIGINT stopped training at a step boundary; the message says where to resume, `exit_code` is 128 + the
+    signal's number."""
+    def __init__(self, message: str, signame: str):
+        super().__init__(message); self.exit_code = 128 + signal.Signals[signame]
 
 # %% ../nbs/08a_callbacks.ipynb #9d7deb4f
 class SaveOnSignal(Callback):
-    "SIGTERM during `fit` (main thread only) stops it after the current step, saves a checkpoint and raises `Preempted` naming it."
+    """SIGTERM during `fit` (main thread only) stops it after the current step, saves a checkpoint and raises
+    `Preempted` naming it."""
     def __init__(self): self.got, self.prev = [], None
     def on_train_start(self, trainer):
         self.got = []
-        if threading.current_thread() is threading.main_thread():  # Ray's start installs its own handler: this one wins during fit
+        # Ray's start installs its own handler: this one wins during fit
+        if threading.current_thread() is threading.main_thread():
             self.prev = signal.signal(signal.SIGTERM, self.on_signal)
     def on_signal(self, signum, frame):
         self.got.append(signal.Signals(signum).name)
-        if len(self.got) == 1: print(f"{self.got[0]}: saving a checkpoint at the end of this step", file=sys.stderr, flush=True)
+        if len(self.got) == 1:
+            print(f"{self.got[0]}: saving a checkpoint at the end of this step", file=sys.stderr, flush=True)
     def on_step_end(self, trainer, m):
         if self.got: trainer.control.should_stop = True
     def on_train_end(self, trainer):
@@ -133,8 +144,9 @@ SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's 
 def builtin_callbacks(cfg) -> list[Callback]:
     "The callbacks a trainer of `cfg` (an `SFTConfig`) runs before all others, in this order."
     lg = cfg.logging
-    return [Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
-            Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)] + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else [])
+    return ([Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
+             Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)]
+            + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else []))
 
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:
@@ -155,7 +167,8 @@ class ConsoleTracker(Callback):
         if _in_panel(): return
         if self.bar is None: self.on_train_start(trainer)
         self.bar.n = metrics['step']; self.bar.refresh()
-        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}", tok_s=f"{metrics['tokens_per_s']:.0f}")
+        self.bar.set_postfix(loss=f"{metrics['loss']:.4f}", lr=f"{metrics['lr']:.2e}",
+                             tok_s=f"{metrics['tokens_per_s']:.0f}")
     def on_evaluate(self, trainer, metrics):
         if _in_panel(): return
         msg = '  '.join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith('loss'))
@@ -180,7 +193,8 @@ class JSONLTracker(Callback):
         for n, line in enumerate(self.path.read_text(errors='replace').splitlines(), 1):
             try: rec = json.loads(line) if line.strip() else {}
             except ValueError:  # a line cut short by a kill: the resumed run writes that step again
-                warnings.warn(f"{self.path}: line {n} is not valid JSON (cut short when a run was killed?); dropped"); continue
+                warnings.warn(f"{self.path}: line {n} is not valid JSON (cut short when a run was killed?); dropped")
+                continue
             if isinstance(rec, dict) and isinstance(rec.get('step'), int) and rec['step'] <= step: keep.append(line)
         self.path.write_text(''.join(l + '\n' for l in keep))
 
@@ -188,7 +202,9 @@ class JSONLTracker(Callback):
 def optional_tracker(name: str):
     "The module of an optional tracker package named in `logging.trackers`, or an error saying how to install it."
     try: return importlib.import_module(name)
-    except ImportError: raise ImportError(f"logging.trackers includes {name!r} but {name} is not installed: pip install {name}") from None
+    except ImportError:
+        raise ImportError(f"logging.trackers includes {name!r} but {name} is not installed: pip install "
+                          f"{name}") from None
 
 # %% ../nbs/08a_callbacks.ipynb #30d6287b
 class ScalarTracker(Callback):
@@ -211,7 +227,8 @@ class TensorBoardTracker(ScalarTracker):
 # %% ../nbs/08a_callbacks.ipynb #f4011566
 class WandbTracker(ScalarTracker):
     "Weights & Biases, only when installed and asked for."
-    def __init__(self, project: str, config: dict): self.run = optional_tracker('wandb').init(project=project, config=config)
+    def __init__(self, project: str, config: dict):
+        self.run = optional_tracker('wandb').init(project=project, config=config)
     def write(self, metrics, prefix): self.run.log(metrics, step=metrics['step'])
     def close(self): self.run.finish()
 
@@ -220,18 +237,23 @@ class MLflowTracker(ScalarTracker):
     "MLflow, only when installed and asked for."
     def __init__(self, project: str, config: dict):
         self.mlflow = optional_tracker('mlflow'); self.mlflow.set_experiment(project); self.mlflow.start_run()
-    def write(self, metrics, prefix): self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
+    def write(self, metrics, prefix):
+        self.mlflow.log_metrics({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=metrics['step'])
     def close(self): self.mlflow.end_run()
 
 # %% ../nbs/08a_callbacks.ipynb #5cd1e2ee
-def make_trackers(names: list[str], run_dir: str | Path, project: str = 'sft_nb', config: dict | None = None) -> list[Callback]:
-    "Trackers named in `logging.trackers`, and a `SamplesCallback` when `config` (the run's, as a dict) has `eval.samples`."
+def make_trackers(names: list[str], run_dir: str | Path, project: str = 'sft_nb',
+                  config: dict | None = None) -> list[Callback]:
+    """Trackers named in `logging.trackers`, and a `SamplesCallback` when `config` (the run's, as a dict) has
+    `eval.samples`."""
     run_dir = Path(run_dir)
     make = {'console': lambda: ConsoleTracker(), 'jsonl': lambda: JSONLTracker(run_dir / 'metrics.jsonl'),
             'tensorboard': lambda: TensorBoardTracker(run_dir / 'tensorboard'),
-            'wandb': lambda: WandbTracker(project, config or {}), 'mlflow': lambda: MLflowTracker(project, config or {})}
+            'wandb': lambda: WandbTracker(project, config or {}),
+            'mlflow': lambda: MLflowTracker(project, config or {})}
     ev = (config or {}).get('eval') or {}
-    samples = [SamplesCallback(run_dir / 'samples.jsonl', ev['samples'], ev.get('max_new_tokens', 64))] if ev.get('samples') else []
+    samples = ([SamplesCallback(run_dir / 'samples.jsonl', ev['samples'], ev.get('max_new_tokens', 64))]
+               if ev.get('samples') else [])
     return [make[n]() for n in names] + samples
 
 # %% ../nbs/08a_callbacks.ipynb #584ed4ab
@@ -239,11 +261,13 @@ def answer_text(message: dict) -> str:
     "An assistant turn as text: its content, then one `→ name(arguments)` line per tool call."
     calls = [c.get('function', c) for c in message.get('tool_calls') or []]
     args = lambda a: a if isinstance(a, str) else json.dumps(a, ensure_ascii=False)
-    return '\n'.join([message.get('content') or ''] + [f"→ {c.get('name')}({args(c.get('arguments'))})" for c in calls]).strip()
+    return '\n'.join([message.get('content') or '']
+                     + [f"→ {c.get('name')}({args(c.get('arguments'))})" for c in calls]).strip()
 
 # %% ../nbs/08a_callbacks.ipynb #926b5883
 def split_answer(messages: list[dict]) -> tuple[list[dict], str | None]:
-    "A conversation → (the messages before its last assistant turn, that turn as text: `answer_text`); no assistant turn: (messages, None)."
+    """A conversation → (the messages before its last assistant turn, that turn as text: `answer_text`); no assistant
+    turn: (messages, None)."""
     last = max((k for k, m in enumerate(messages) if m.get('role') == 'assistant'), default=None)
     return (messages, None) if last is None else (messages[:last], answer_text(messages[last]))
 
@@ -254,23 +278,28 @@ def prompt_messages(prompt) -> list[dict]:
 
 # %% ../nbs/08a_callbacks.ipynb #0df184c6
 def _text_chat(conv: dict) -> bool:
-    "Every message's content is text (or empty, as on a tool-call turn): nothing the text-only `generate` cannot render."
-    return bool(conv.get('messages')) and all(m.get('content') is None or isinstance(m.get('content'), str) for m in conv['messages'])
+    """Every message's content is text (or empty, as on a tool-call turn): nothing the text-only `generate` cannot
+    render."""
+    return (bool(conv.get('messages'))
+            and all(m.get('content') is None or isinstance(m.get('content'), str) for m in conv['messages']))
 
 # %% ../nbs/08a_callbacks.ipynb #6640dcac
 def _candidates(trainer):
-    "(set name, [(source, tokenized dataset, example)]) in order of preference: first eval set, held-out rows, train rows."
+    """(set name, [(source, tokenized dataset, example)]) in order of preference: first eval set, held-out rows, train
+    rows."""
     evals = trainer.eval_data if trainer.eval_data is not None else trainer.cfg.data.eval
     train = [trainer.train_data] if trainer.train_data is not None else trainer.cfg.data.train
     if evals:
         name = next(iter(evals)); ds = trainer.data.eval_sets[name]
         yield name, [(evals[name], ds, i) for i in range(len(ds))]
-    if trainer.data.heldout: yield 'heldout', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.heldout]
+    if trainer.data.heldout:
+        yield 'heldout', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.heldout]
     yield 'train', [(train[s], trainer.data.train_sets[s], int(i)) for s, i in trainer.data.rows]
 
 # %% ../nbs/08a_callbacks.ipynb #9a206bfe
 def data_prompts(trainer, n: int) -> tuple[str | None, list[dict], dict[str, int]]:
-    "Up to `n` prompts from the trainer's data: (set name, [{'messages', 'tools', 'reference', 'row'}], {why rows were skipped: count}); (None, [], skipped) when none has any."
+    """Up to `n` prompts from the trainer's data: (set name, [{'messages', 'tools', 'reference', 'row'}], {why rows were
+    skipped: count}); (None, [], skipped) when none has any."""
     from sft_nb.formats import normalize_row, BadRow
     from sft_nb.data import load_source, source_columns, source_format, row_dict
     if trainer.cfg.data.synthetic_rows: return None, [], {'synthetic (no text)': trainer.cfg.data.synthetic_rows}
@@ -306,7 +335,8 @@ class SamplesCallback(JSONLTracker):
                  max_new_tokens: int = 64):
         super().__init__(path)
         self.spec, self.max_new_tokens = samples, max_new_tokens
-        self.prompts, self.samples, self.why = None, [], ''  # prompts are chosen at the first evaluation; why: none was found
+        # prompts are chosen at the first evaluation; why: none was found
+        self.prompts, self.samples, self.why = None, [], ''
 
     def choose(self, trainer) -> list[dict]:
         "The prompts: `eval.samples` as given, or that many rows of the trainer's data."
@@ -314,22 +344,27 @@ class SamplesCallback(JSONLTracker):
             name, found, skipped = data_prompts(trainer, self.spec)
             if not found:
                 rows = ', '.join(f'{k} rows {why}' for why, k in skipped.items()) or 'the data has no rows'
-                self.why = f"eval.samples={self.spec}: no sample prompts ({rows}); set eval.samples to a list of prompts"
+                self.why = (f"eval.samples={self.spec}: no sample prompts ({rows}); "
+                            "set eval.samples to a list of prompts")
                 warnings.warn(self.why)
             return [{'eval': name, **p} for p in found]
-        return [{'eval': 'prompts', 'messages': prompt_messages(p), 'tools': None, 'reference': None, 'row': None} for p in self.spec]
+        return [{'eval': 'prompts', 'messages': prompt_messages(p), 'tools': None, 'reference': None, 'row': None}
+                for p in self.spec]
 
     def on_log(self, trainer, metrics): pass  # samples only: the metrics go to metrics.jsonl
     def on_evaluate(self, trainer, metrics):
         if self.prompts is None:
             self.prompts = self.choose(trainer)
-            if self.path.exists(): self.samples = [json.loads(l) for l in self.path.read_text().splitlines() if l]  # a resumed run's
+            # a resumed run's
+            if self.path.exists(): self.samples = [json.loads(l) for l in self.path.read_text().splitlines() if l]
         trainer.samples, trainer.samples_why = self.samples, self.why
         if not self.prompts: return
-        answers = trainer.generate([p['messages'] for p in self.prompts], self.max_new_tokens, [p['tools'] for p in self.prompts])
+        answers = trainer.generate([p['messages'] for p in self.prompts], self.max_new_tokens,
+                                   [p['tools'] for p in self.prompts])
         prev = {s['prompt_id']: s['answer'] for s in self.samples}  # the latest answer to each prompt
         for k, (p, a) in enumerate(zip(self.prompts, answers)):
-            rec = {'step': metrics['step'], 'eval': p['eval'], 'prompt_id': k, 'row': p['row'], 'prompt': p['messages'][-1]['content'],
-                   'answer': a, 'previous': prev.get(k), 'reference': p['reference']}
+            rec = {'step': metrics['step'], 'eval': p['eval'], 'prompt_id': k, 'row': p['row'],
+                   'prompt': p['messages'][-1]['content'], 'answer': a, 'previous': prev.get(k),
+                   'reference': p['reference']}
             if len(p['messages']) > 1: rec['messages'] = p['messages']
             self.samples.append(rec); self._write(rec)

@@ -19,7 +19,8 @@ class RunDirBusy(UserError, RuntimeError):
     "Another live trainer (in this or another process) holds the run folder's lock."
 
 # %% ../nbs/07e_checkpoint.ipynb #3f2ebc74
-RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile', 'config.yaml', 'events.jsonl')
+RUN_OUTPUTS = ('checkpoints', 'metrics.jsonl', 'summary.json', 'samples.jsonl', 'hf', 'tensorboard', 'profile',
+               'config.yaml', 'events.jsonl')
 
 def run_outputs(run_dir) -> list[str]:
     "What an earlier run left in `run_dir` (papermill's executed notebook does not count)."
@@ -40,7 +41,8 @@ def _alive(pid: int, start: str | None) -> bool:
 
 # %% ../nbs/07e_checkpoint.ipynb #c4553a11
 class RunLock:
-    "`run_dir/.lock`, created atomically with its owner's host, PID and start time; a lock whose process is gone is taken over."
+    """`run_dir/.lock`, created atomically with its owner's host, PID and start time; a lock whose process is gone is
+    taken over."""
     def __init__(self, run_dir): self.path, self.held = Path(run_dir) / '.lock', False
     def acquire(self) -> 'RunLock':
         me = {'host': socket.gethostname(), 'pid': os.getpid(), 'start': _proc_start(os.getpid())}
@@ -55,10 +57,13 @@ class RunLock:
                 except ValueError: other = {}
                 who = f"PID {other.get('pid')} on {other.get('host')}"
                 if other.get('host', me['host']) != me['host']:
-                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}; if that run is over, delete {self.path}")
+                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}; if that run is over, "
+                                     f"delete {self.path}")
                 if other.get('pid') and _alive(other['pid'], other.get('start')):
-                    mine = ' (this process: another SFTTrainer on this run_dir; call its shutdown())' if other['pid'] == me['pid'] else ''
-                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}{mine}; wait for it or choose another run_dir")
+                    mine = (' (this process: another SFTTrainer on this run_dir; call its shutdown())'
+                            if other['pid'] == me['pid'] else '')
+                    raise RunDirBusy(f"checkpoint.run_dir: {self.path.parent} is in use by {who}{mine}; wait for it or "
+                                     "choose another run_dir")
                 self.path.unlink(missing_ok=True)  # its owner is gone (killed): stale
             raise RunDirBusy(f"checkpoint.run_dir: could not take {self.path}")
         finally: tmp.unlink(missing_ok=True)
@@ -74,20 +79,23 @@ _DCP = 'torch.distributed.checkpoint.metadata'
 
 _DCP_GLOBALS = {(_DCP, n) for n in ('Metadata', 'TensorStorageMetadata', 'BytesStorageMetadata', 'ChunkStorageMetadata',
                                     'TensorProperties', 'MetadataIndex', 'StorageMeta', '_MEM_FORMAT_ENCODING')} | {
-    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'), ('torch.serialization', '_get_layout'),
+    ('torch.distributed.checkpoint.filesystem', '_StorageInfo'), ('torch', 'Size'),
+    ('torch.serialization', '_get_layout'),
     ('pathlib', 'PosixPath'), ('collections', 'OrderedDict')}
 
 class _DCPUnpickler(pickle.Unpickler):
     "Admits torch's DCP metadata classes and torch dtypes; anything else (`os.system`, `exec`, ...) is refused unrun."
     def find_class(self, module, name):
         import torch
-        if (module, name) in _DCP_GLOBALS or (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype)):
+        if ((module, name) in _DCP_GLOBALS
+            or (module == 'torch' and isinstance(getattr(torch, name, None), torch.dtype))):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"{module}.{name} is not a torch checkpoint metadata class")
 
 # %% ../nbs/07e_checkpoint.ipynb #39a34c21
 def read_dcp_metadata(folder) -> object | None:
-    "The DCP `Metadata` of checkpoint `folder` (None without `.metadata`), after checking every pickle in it runs nothing."
+    """The DCP `Metadata` of checkpoint `folder` (None without `.metadata`), after checking every pickle in it runs
+    nothing."""
     import torch
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata
     folder = Path(folder).resolve()
@@ -97,8 +105,11 @@ def read_dcp_metadata(folder) -> object | None:
         with open(f, 'rb') as fh: md = _DCPUnpickler(fh).load()
         for idx, info in md.storage_data.items():
             shard = (folder / info.relative_path).resolve()
-            if shard.parent != folder: raise pickle.UnpicklingError(f"entry {idx.fqn!r} names {info.relative_path!r}, outside the folder")
-            if info.transform_descriptors: raise pickle.UnpicklingError(f"entry {idx.fqn!r} is stored with transforms {info.transform_descriptors}")
+            if shard.parent != folder:
+                raise pickle.UnpicklingError(f"entry {idx.fqn!r} names {info.relative_path!r}, outside the folder")
+            if info.transform_descriptors:
+                raise pickle.UnpicklingError(f"entry {idx.fqn!r} is stored with transforms "
+                                             f"{info.transform_descriptors}")
             if isinstance(md.state_dict_metadata.get(idx.fqn), BytesStorageMetadata):
                 with open(shard, 'rb') as fh: fh.seek(info.offset); raw = fh.read(info.length)
                 torch.load(io.BytesIO(raw), weights_only=True)  # the workers' reader uses weights_only=False here
@@ -119,7 +130,8 @@ def _sha256(f: Path) -> str:
 def write_digests(folder):
     "`folder/digests.json`: the SHA-256 of every other file in the folder."
     folder = Path(folder)
-    files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob('*')) if p.is_file() and p.name != 'digests.json'}
+    files = {p.relative_to(folder).as_posix(): _sha256(p) for p in sorted(folder.rglob('*'))
+             if p.is_file() and p.name != 'digests.json'}
     (folder / 'digests.json').write_text(json.dumps({'sha256': files}, indent=0))
 
 # %% ../nbs/07e_checkpoint.ipynb #963b6409
@@ -131,22 +143,30 @@ def check_state(state, path) -> dict:
     if not isinstance(state, dict): raise CheckpointError(f"{f}: holds a {type(state).__name__}, not an object")
     for k, t in _STATE_TYPES.items():
         if not isinstance(state.get(k), t) or isinstance(state.get(k), bool):
-            raise CheckpointError(f"{f}: field {k!r} is {state.get(k)!r}, expected {'a' if k != 'step_metrics' else 'a list of'} "
+            raise CheckpointError(f"{f}: field {k!r} is {state.get(k)!r}, expected "
+                                  f"{'a' if k != 'step_metrics' else 'a list of'} "
                                   f"{'non-negative integer' if t is int else 'step records'}")
-    if not 0 <= state['global_step'] <= state['total_steps'] or not all(isinstance(r, dict) for r in state['step_metrics']):
-        raise CheckpointError(f"{f}: global_step {state['global_step']} of total_steps {state['total_steps']} or its step_metrics are out of range")
+    if (not 0 <= state['global_step'] <= state['total_steps']
+        or not all(isinstance(r, dict) for r in state['step_metrics'])):
+        raise CheckpointError(f"{f}: global_step {state['global_step']} of total_steps {state['total_steps']} or its "
+                              "step_metrics are out of range")
     m = re.fullmatch(r'step_(\d{6})', Path(path).name)
     if m and int(m[1]) != state['global_step']:
-        raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the checkpoint is damaged")
-    if not isinstance(state.get('sampler', ''), str): raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
+        raise CheckpointError(f"{f}: global_step {state['global_step']} in the folder of step {int(m[1])}; the "
+                              "checkpoint is damaged")
+    if not isinstance(state.get('sampler', ''), str):
+        raise CheckpointError(f"{f}: field 'sampler' is {state['sampler']!r}, expected a name")
     for k in ('identity', 'config'):  # what a resume compares (DataPlan.check_resume)
-        if not isinstance(state.get(k, {}), dict): raise CheckpointError(f"{f}: field {k!r} is {state[k]!r}, expected an object")
+        if not isinstance(state.get(k, {}), dict):
+            raise CheckpointError(f"{f}: field {k!r} is {state[k]!r}, expected an object")
     num = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     for i, r in enumerate(state['step_metrics']):  # the metrics a resumed run reports and plots
-        k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])), 'step' if 'step' not in r else None)
+        k = next((k for k in ('step', 'loss', 'grad_norm', 'lr', 'n_trained') if k in r and not num(r[k])),
+                 'step' if 'step' not in r else None)
         if k: raise CheckpointError(f"{f}: step_metrics[{i}] field {k!r} is {r.get(k)!r}, expected a number")
         if type(r['step']) is not int or not 0 <= r['step'] <= state['global_step']:
-            raise CheckpointError(f"{f}: step_metrics[{i}] field 'step' is {r['step']!r}, expected a step 0 … {state['global_step']} of this run")
+            raise CheckpointError(f"{f}: step_metrics[{i}] field 'step' is {r['step']!r}, expected a step 0 … "
+                                  f"{state['global_step']} of this run")
     return state
 
 # %% ../nbs/07e_checkpoint.ipynb #b51dfecb
@@ -155,42 +175,59 @@ def verify_checkpoint(path) -> dict:
     path = Path(path)
     def read_json(name):
         try: return json.loads((path / name).read_text())
-        except FileNotFoundError: raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete") from None
-        except (ValueError, UnicodeDecodeError) as e: raise CheckpointError(f"{path / name}: not valid JSON ({e}); the file is truncated or damaged") from None
-        except RecursionError: raise CheckpointError(f"{path / name}: JSON nested deeper than Python's reader goes; the file is not sft_nb's") from None
+        except FileNotFoundError:
+            raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete") from None
+        except (ValueError, UnicodeDecodeError) as e:
+            raise CheckpointError(f"{path / name}: not valid JSON ({e}); the file is truncated or damaged") from None
+        except RecursionError:
+            raise CheckpointError(f"{path / name}: JSON nested deeper than Python's reader goes; the file is not "
+                                  "sft_nb's") from None
     links = sorted(p.relative_to(path).as_posix() for p in path.rglob('*') if p.is_symlink())
-    if links: raise CheckpointError(f"{path}: holds symbolic links ({', '.join(links[:5])}); a checkpoint sft_nb saves has none, "
-                                    "and a link can bring in files from outside it: copy the files in, or use another checkpoint")
+    if links:
+        raise CheckpointError(f"{path}: holds symbolic links ({', '.join(links[:5])}); a checkpoint sft_nb saves has "
+                              "none, and a link can bring in files from outside it: copy the files in, or use another "
+                              "checkpoint")
     listed = read_json('digests.json')
     listed = listed.get('sha256') if isinstance(listed, dict) else None
-    if not isinstance(listed, dict): raise CheckpointError(f"{path / 'digests.json'}: has no 'sha256' table; the checkpoint is damaged")
+    if not isinstance(listed, dict):
+        raise CheckpointError(f"{path / 'digests.json'}: has no 'sha256' table; the checkpoint is damaged")
     for name, digest in listed.items():
         f = (path / name).resolve()
-        if f.parent != path.resolve() and path.resolve() not in f.parents: raise CheckpointError(f"{path / 'digests.json'}: names {name!r}, outside the folder")
+        if f.parent != path.resolve() and path.resolve() not in f.parents:
+            raise CheckpointError(f"{path / 'digests.json'}: names {name!r}, outside the folder")
         if not f.is_file(): raise CheckpointError(f"{path / name} is missing; the checkpoint is incomplete")
-        if _sha256(f) != digest: raise CheckpointError(f"{path / name}: its content differs from what was saved (digest mismatch); the file is damaged")
-    extra = [p.name for p in path.rglob('*') if p.is_file() and p.name != 'digests.json' and p.relative_to(path).as_posix() not in listed]
+        if _sha256(f) != digest:
+            raise CheckpointError(f"{path / name}: its content differs from what was saved (digest mismatch); the file "
+                                  "is damaged")
+    extra = [p.name for p in path.rglob('*') if p.is_file() and p.name != 'digests.json'
+             and p.relative_to(path).as_posix() not in listed]
     if extra: raise CheckpointError(f"{path}: holds files that were not saved with it: {', '.join(sorted(extra))}")
     read_dcp_metadata(path)
     return check_state(read_json('trainer_state.json'), path)
 
 # %% ../nbs/07e_checkpoint.ipynb #7b7fe3ea
-_ARCH_KEYS = ('model_type', 'num_hidden_layers', 'hidden_size', 'intermediate_size', 'num_attention_heads', 'num_key_value_heads', 'vocab_size')
+_ARCH_KEYS = ('model_type', 'num_hidden_layers', 'hidden_size', 'intermediate_size', 'num_attention_heads',
+              'num_key_value_heads', 'vocab_size')
 
 def model_fingerprint(model_path, # the model folder (its config.json)
                       info: dict) -> dict: # what the workers' `setup` reported (n_params, n_trainable)
     "What a checkpoint's weights must fit: the model's architecture and its parameter counts."
     f = Path(model_path) / 'config.json'
     arch = json.loads(f.read_text()) if f.exists() else {}
-    return {**{k: arch[k] for k in _ARCH_KEYS if k in arch}, **{k: info[k] for k in ('n_params', 'n_trainable') if k in info}}
+    return {**{k: arch[k] for k in _ARCH_KEYS if k in arch}, **{k: info[k] for k in ('n_params', 'n_trainable')
+                                                                if k in info}}
 
 # %% ../nbs/07e_checkpoint.ipynb #78b513b0
 def check_fingerprint(state: dict, fingerprint: dict, path):
     "Refuse checkpoint `path` (its `state`) when it was trained from another model than `fingerprint` describes."
     saved = state.get('model')
-    if not isinstance(saved, dict): raise CheckpointError(f"{Path(path) / 'trainer_state.json'}: has no 'model' fingerprint; it was not written by this version of sft_nb")
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{Path(path) / 'trainer_state.json'}: has no 'model' fingerprint; it was not written by "
+                              "this version of sft_nb")
     diff = [f"{k} {saved[k]!r} there, {v!r} here" for k, v in fingerprint.items() if k in saved and saved[k] != v]
-    if diff: raise CheckpointError(f"checkpoint.resume: {path} is of another model ({'; '.join(diff)}); resume it with the model it was trained from")
+    if diff:
+        raise CheckpointError(f"checkpoint.resume: {path} is of another model ({'; '.join(diff)}); resume it with the "
+                              "model it was trained from")
 
 # %% ../nbs/07e_checkpoint.ipynb #dccb7cfd
 class Checkpointer:
@@ -203,7 +240,8 @@ class Checkpointer:
 # %% ../nbs/07e_checkpoint.ipynb #310a05a0
 @patch
 def clean_leftovers(self: Checkpointer):
-    "Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose successor never landed is put back."
+    """Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose
+    successor never landed is put back."""
     for p in self.dir.glob('.tmp_step_*'): shutil.rmtree(p, ignore_errors=True)
     (self.dir / '.latest.tmp').unlink(missing_ok=True)
     for p in self.dir.glob('.old_step_*'):
@@ -213,7 +251,8 @@ def clean_leftovers(self: Checkpointer):
 # %% ../nbs/07e_checkpoint.ipynb #60189b38
 @patch
 def claim(self: Checkpointer, resuming: bool = False):
-    "Lock run_dir; refuse one that holds another run's outputs unless the config (or `resuming`) resumes or overwrites it."
+    """Lock run_dir; refuse one that holds another run's outputs unless the config (or `resuming`) resumes or overwrites
+    it."""
     c = self.cfg
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.lock = RunLock(self.run_dir).acquire()
@@ -222,8 +261,9 @@ def claim(self: Checkpointer, resuming: bool = False):
     used = run_outputs(self.run_dir)
     if used and not (c.resume or resuming):
         if not c.overwrite:
-            raise ConfigError(f"checkpoint.run_dir: {self.run_dir} already holds a run ({', '.join(used)}); continue it with "
-                              "checkpoint.resume=latest, start over with checkpoint.overwrite=true (deletes them), or choose another run_dir")
+            raise ConfigError(f"checkpoint.run_dir: {self.run_dir} already holds a run ({', '.join(used)}); continue "
+                              "it with checkpoint.resume=latest, start over with checkpoint.overwrite=true (deletes "
+                              "them), or choose another run_dir")
         for n in used: shutil.rmtree(self.run_dir / n) if (self.run_dir / n).is_dir() else (self.run_dir / n).unlink()
     self.owns_run_dir = True
 
@@ -250,7 +290,8 @@ def saved(self: Checkpointer, step: int) -> Path | None:
 @patch
 def save(self: Checkpointer, step: int, write, # write(folder): the workers write their shards there
          state: dict) -> Path:
-    "Atomic checkpoint of `step`: `write` fills a temp folder, `state` goes to trainer_state.json, digests last, then it is renamed into place."
+    """Atomic checkpoint of `step`: `write` fills a temp folder, `state` goes to trainer_state.json, digests last, then
+    it is renamed into place."""
     final, tmp = self.dir / f'step_{step:06d}', self.dir / f'.tmp_step_{step:06d}'
     try:
         if tmp.exists(): shutil.rmtree(tmp)
@@ -260,14 +301,18 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
         write_digests(tmp)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)  # nothing half-written stays; the earlier checkpoints are untouched
-        full = getattr(e, 'errno', None) == errno.ENOSPC or any(s in str(e) for s in ('No space left', 'unexpected pos'))  # torch's zip writer on a full disk
+        # torch's zip writer on a full disk
+        full = (getattr(e, 'errno', None) == errno.ENOSPC
+                or any(s in str(e) for s in ('No space left', 'unexpected pos')))
         if not (full or isinstance(e, OSError)): raise
         free, cks = shutil.disk_usage(self.dir).free, self.checkpoints()
-        full = full or bool(cks) and free < sum(f.stat().st_size for f in cks[-1].rglob('*') if f.is_file())  # less room than one checkpoint takes
+        # less room than one checkpoint takes
+        full = full or bool(cks) and free < sum(f.stat().st_size for f in cks[-1].rglob('*') if f.is_file())
         what = 'no space left on the disk' if full else f"a write failed ({e.strerror or e})"
-        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free // 2**20} MiB free there). The trained state of step "
-                              f"{step} is still in memory and the earlier checkpoints are kept: {'free space' if full else 'fix the folder'}, "
-                              "then save again (trainer.save())") from None
+        raise CheckpointError(f"checkpoint {final} not saved: {what} of {self.dir} ({free // 2**20} MiB free there). "
+                              f"The trained state of step {step} is still in memory and the earlier checkpoints are "
+                              f"kept: {'free space' if full else 'fix the folder'}, then save again "
+                              "(trainer.save())") from None
     old = self.dir / f'.old_step_{step:06d}'  # a checkpoint of this step from before a resume: replaced
     if final.exists(): shutil.rmtree(old, ignore_errors=True); os.rename(final, old)
     os.rename(tmp, final)
@@ -284,13 +329,16 @@ _STEP = re.compile(r'step_\d{6}')
 
 @patch
 def _candidates(self: Checkpointer) -> list[Path]:
-    "Checkpoint folders for 'latest', best first: the one the marker names (when it names a folder here), then newest to oldest."
+    """Checkpoint folders for 'latest', best first: the one the marker names (when it names a folder here), then newest
+    to oldest."""
     found = sorted((p for p in self.dir.glob('step_*') if _STEP.fullmatch(p.name) and p.is_dir()), reverse=True)
     for p in [p for p in found if p.is_symlink()]:  # a link to a folder of another run is not this run's checkpoint
-        warnings.warn(f"{p}: a symbolic link to {os.path.realpath(p)}, not a checkpoint folder of {self.dir}; ignored"); found.remove(p)
+        warnings.warn(f"{p}: a symbolic link to {os.path.realpath(p)}, not a checkpoint folder of {self.dir}; ignored")
+        found.remove(p)
     marker = self.dir / 'latest'
     if marker.is_symlink() or (marker.exists() and not marker.is_file()):
-        warnings.warn(f"{marker}: a {'symbolic link' if marker.is_symlink() else 'folder or device'}, not the marker file sft_nb writes; ignored")
+        warnings.warn(f"{marker}: a {'symbolic link' if marker.is_symlink() else 'folder or device'}, not the marker "
+                      "file sft_nb writes; ignored")
     name = marker.read_text(errors='replace')[:64].strip() if marker.is_file() and not marker.is_symlink() else ''
     if name and not (_STEP.fullmatch(name) and (self.dir / name).resolve().parent == self.dir.resolve()):
         warnings.warn(f"{marker}: names {name!r}, not a checkpoint folder of {self.dir}; ignored")
@@ -305,16 +353,20 @@ def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
         problems = []
         for path in self._candidates():
             try: verify_checkpoint(path); break
-            except CheckpointError as e: problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
+            except CheckpointError as e:
+                problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
         else:
             if not problems: return None
-            raise CheckpointError(f"checkpoint.resume=latest: no usable checkpoint in {self.dir}: {' | '.join(problems)}. "
-                                  "Resume a checkpoint by path, or start over with checkpoint.overwrite=true")
+            raise CheckpointError(f"checkpoint.resume=latest: no usable checkpoint in {self.dir}: "
+                                  f"{' | '.join(problems)}. Resume a checkpoint by path, or start over with "
+                                  "checkpoint.overwrite=true")
     else:
         path = Path(spec).expanduser().resolve()
-        if not path.exists(): raise MissingFile(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
+        if not path.exists():
+            raise MissingFile(f"checkpoint.resume: {spec} is not a complete checkpoint: no such folder")
         if not (_STEP.fullmatch(path.name) and path.is_dir()):
-            raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a run's checkpoints/)")
+            raise CheckpointError(f"checkpoint.resume: {spec} is not a checkpoint folder (a 'step_NNNNNN' folder of a "
+                                  "run's checkpoints/)")
         verify_checkpoint(path)
     return path
 

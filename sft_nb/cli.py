@@ -71,8 +71,11 @@ def _tree(src: str) -> ast.Module | None:
 def _names(src: str, assigned: bool) -> set[str]:
     "The names cell source `src` assigns at top level (`assigned`), or every name it mentions."
     if (tree := _tree(src)) is None: return set()
-    if not assigned: return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)} | {k.arg for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg}
-    targets = [t for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign)) for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
+    if not assigned:
+        return ({n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+                | {k.arg for k in ast.walk(tree) if isinstance(k, ast.keyword) and k.arg})
+    targets = [t for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+               for t in (n.targets if isinstance(n, ast.Assign) else [n.target])]
     return {e.id for t in targets for e in (t.elts if isinstance(t, ast.Tuple) else [t]) if isinstance(e, ast.Name)}
 
 # %% ../nbs/11_cli.ipynb #aebae18e
@@ -81,13 +84,16 @@ def _reads_binds(src: str) -> tuple[set[str], set[str]]:
     if (tree := _tree(src)) is None: return set(), set()
     nodes = list(ast.walk(tree))
     reads = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-    binds = {n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)} | {a.arg for a in nodes if isinstance(a, ast.arg)}
-    binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom)) for a in n.names}
+    binds = ({n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
+             | {a.arg for a in nodes if isinstance(a, ast.arg)})
+    binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
+              for a in n.names}
     return reads, binds | {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
 
 # %% ../nbs/11_cli.ipynb #f21c59ae
 def _cells(notebook: str | Path) -> tuple[str | None, list[str]]:
-    "(the source of `notebook`'s parameters cell, None without one; the sources of its other code cells, papermill's injected one left out)."
+    """(the source of `notebook`'s parameters cell, None without one; the sources of its other code cells, papermill's
+    injected one left out)."""
     cells = [c for c in json.loads(Path(notebook).read_text())['cells'] if c['cell_type'] == 'code']
     tags = lambda c: c.get('metadata', {}).get('tags', [])
     params = next((c for c in cells if 'parameters' in tags(c)), None)
@@ -96,24 +102,31 @@ def _cells(notebook: str | Path) -> tuple[str | None, list[str]]:
 
 # %% ../nbs/11_cli.ipynb #b5101d30
 def parameter_keys(notebook: str | Path) -> dict[str, str]:
-    "{config key: parameter} for each config field `notebook`'s code sets from a parameter alone (`p` or `p or <constant>`)."
+    """{config key: parameter} for each config field `notebook`'s code sets from a parameter alone (`p` or `p or
+    <constant>`)."""
     from dataclasses import fields, is_dataclass
     from typing import get_type_hints
     from sft_nb.config import SFTConfig
     params, other = _cells(notebook)
     if params is None: return {}
     declared, types = _names(params, True), {k: t for k, t in get_type_hints(SFTConfig).items() if is_dataclass(t)}
-    sections, by_class = {k: {f.name for f in fields(t)} for k, t in types.items()}, {t.__name__: k for k, t in types.items()}
+    sections, by_class = ({k: {f.name for f in fields(t)} for k, t in types.items()},
+                          {t.__name__: k for k, t in types.items()})
     def param(v):  # the parameter `v` is, alone or as `p or None`
-        if isinstance(v, ast.BoolOp) and isinstance(v.op, ast.Or) and all(isinstance(x, ast.Constant) for x in v.values[1:]): v = v.values[0]
+        if (isinstance(v, ast.BoolOp) and isinstance(v.op, ast.Or)
+            and all(isinstance(x, ast.Constant) for x in v.values[1:])):
+            v = v.values[0]
         return v.id if isinstance(v, ast.Name) and v.id in declared else None
     out = {}
     for n in (n for s in other if (t := _tree(s)) for n in ast.walk(t)):
-        if isinstance(n, ast.Dict) and n.keys and all(isinstance(k, ast.Constant) and k.value in sections for k in n.keys):
+        if (isinstance(n, ast.Dict) and n.keys
+            and all(isinstance(k, ast.Constant) and k.value in sections for k in n.keys)):
             sets = [(k.value, k2.value, v2) for k, v in zip(n.keys, n.values) if isinstance(v, ast.Dict)
-                    for k2, v2 in zip(v.keys, v.values) if isinstance(k2, ast.Constant)]  # {'tokenize': {'max_length': max_length}}
+                    # {'tokenize': {'max_length': max_length}}
+                    for k2, v2 in zip(v.keys, v.values) if isinstance(k2, ast.Constant)]
         elif isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in by_class:
-            sets = [(by_class[n.func.id], kw.arg, kw.value) for kw in n.keywords]  # TokenizeConfig(max_length=max_length)
+            # TokenizeConfig(max_length=max_length)
+            sets = [(by_class[n.func.id], kw.arg, kw.value) for kw in n.keywords]
         else: continue
         out |= {f'{s}.{k}': p for s, k, v in sets if k in sections[s] and (p := param(v))}
     return out
@@ -122,13 +135,15 @@ def parameter_keys(notebook: str | Path) -> dict[str, str]:
 def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
                        form: str = 'notebook', # 'notebook': `max_length=4175` (a Python value) | 'run': `-p max_length 4175`
                       ) -> str:
-    "Advice `key=value` on a config key a notebook parameter sets, in that parameter's words: `tokenize.max_length=4175` → `max_length=4175`."
+    """Advice `key=value` on a config key a notebook parameter sets, in that parameter's words:
+    `tokenize.max_length=4175` → `max_length=4175`."""
     if not keys or not text: return text
     import shlex
     def say(m):
         quoted = m[2][:1] in ('"', "'")
         raw = m[2][1:-1] if quoted else m[2]
-        return f"-p {keys[m[1]]} {shlex.quote(raw)}" if form == 'run' else f"{keys[m[1]]}={raw if quoted else parse_value(raw)!r}"
+        return (f"-p {keys[m[1]]} {shlex.quote(raw)}"
+                if form == 'run' else f"{keys[m[1]]}={raw if quoted else parse_value(raw)!r}")
     key = '|'.join(map(re.escape, sorted(keys, key=len, reverse=True)))
     return re.sub(rf"""(?<![\w.])({key})=('[^']*'|"[^"]*"|[^\s,;:)]*[^\s,;:).])""", say, text)
 
@@ -136,30 +151,36 @@ def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
 def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
                           notebook: str | Path | None = None, # the notebook file; None: the one JupyterLab runs (JPY_SESSION_NAME)
                          ) -> None:
-    """A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other cell of `notebook`
-    uses, with the closest parameter; then the kernel's error boxes name the parameters that set config keys (`errors.reword`)."""
+    """A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other
+    cell of `notebook` uses, with the closest parameter; then the kernel's error boxes name the parameters that set
+    config keys (`errors.reword`)."""
     import builtins, difflib
     from functools import partial
     from sft_nb import errors
     notebook = notebook or os.environ.get('JPY_SESSION_NAME')
-    if not notebook or not Path(notebook).is_file(): return  # no notebook file to hold the names against (a plain IPython session)
+    # no notebook file to hold the names against (a plain IPython session)
+    if not notebook or not Path(notebook).is_file(): return
     params, other = _cells(notebook)
     if params is None: return
     declared = _names(params, True)
     used = set().union(*(_names(s, False) for s in other))
     reads, binds = (set().union(*x) for x in zip(*map(_reads_binds, other))) if other else (set(), set())
-    names = sorted(declared & used | reads - binds - set(dir(builtins)))  # the parameters: what other cells read and none of them binds
-    ran = [s for s in ns.get('In', [])[-3:-1]  # the parameters cell and papermill's injected one ('# Parameters'): assignments only
+    # the parameters: what other cells read and none of them binds
+    names = sorted(declared & used | reads - binds - set(dir(builtins)))
+    # the parameters cell and papermill's injected one ('# Parameters'): assignments only
+    ran = [s for s in ns.get('In', [])[-3:-1]
            if (a := _names(s, True)) and (a & declared or s.startswith('# Parameters')) and not _names(s, False) - a]
     for name in sorted({n for s in ran for n in _names(s, True)} - used):
         close = difflib.get_close_matches(name, names, n=1)
-        raise ParameterError(f"{name}: not a parameter of this notebook" + (f"; did you mean {close[0]}?" if close else ''),
+        raise ParameterError(f"{name}: not a parameter of this notebook"
+                             + (f"; did you mean {close[0]}?" if close else ''),
                              fix=f"rename it in the parameters cell (this notebook's parameters: {', '.join(names)})")
     errors.reword = partial(in_parameter_words, keys=keys) if (keys := parameter_keys(notebook)) else None
 
 # %% ../nbs/11_cli.ipynb #98bcc790
 def in_thread(fn):
-    "`fn()` in a thread while the main thread waits, free to run signal handlers; its result, or its exception raised here."
+    """`fn()` in a thread while the main thread waits, free to run signal handlers; its result, or its exception raised
+    here."""
     box = {}
     def run():
         try: box['out'] = fn()
@@ -171,7 +192,8 @@ def in_thread(fn):
 
 # %% ../nbs/11_cli.ipynb #26614bb8
 def kernel_pids() -> list[int]:
-    "PIDs of this process's children that are Jupyter kernels (jupyter_client starts them in a session of their own: no Ctrl-C reaches them)."
+    """PIDs of this process's children that are Jupyter kernels (jupyter_client starts them in a session of their own:
+    no Ctrl-C reaches them)."""
     found = []
     for pid in child_pids():
         try:
@@ -181,28 +203,34 @@ def kernel_pids() -> list[int]:
 
 # %% ../nbs/11_cli.ipynb #40c9b182
 class SignalStop:
-    """SIGTERM (cloud preemption) and SIGINT (Ctrl-C) in `sft-nb train` and `sft-nb run`. The first signal calls `stop(name)`,
-    which asks the work to end at its next step boundary (`SFTTrainer.request_stop`; the notebook's kernel, whose
-    `SaveOnSignal` saves there) and says whether it will. When it cannot (setup, tokenization, an eval or export outside
-    a step), `Preempted` is raised at once where the main thread is: nothing runs on, setup's clean-up runs, and the
-    command exits 128 + the signal's number. Past `grace_s` without a boundary `give_up()` runs and the process exits.
-    `got`: the names received. Ray's start replaces the SIGTERM handler with one exiting 15: `arm()` puts this one back,
-    and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted` raised into it. A
-    `Preempted` that Python swallows (the signal met a weakref callback or a `__del__`, whose exceptions go to
-    `sys.unraisablehook`, as an import's module-lock callback does) is raised again at once, where the main thread is next."""
+    """SIGTERM (cloud preemption) and SIGINT (Ctrl-C) in `sft-nb train` and `sft-nb run`. The first signal calls
+    `stop(name)`, which asks the work to end at its next step boundary (`SFTTrainer.request_stop`; the notebook's
+    kernel, whose `SaveOnSignal` saves there) and says whether it will. When it cannot (setup, tokenization, an eval or
+    export outside a step), `Preempted` is raised at once where the main thread is: nothing runs on, setup's clean-up
+    runs, and the command exits 128 + the signal's number. Past `grace_s` without a boundary `give_up()` runs and the
+    process exits. `got`: the names received. Ray's start replaces the SIGTERM handler with one exiting 15: `arm()` puts
+    this one back, and that exit is read as the SIGTERM it was, as is any exception a library made of the `Preempted`
+    raised into it. A `Preempted` that Python swallows (the signal met a weakref callback or a `__del__`, whose
+    exceptions go to `sys.unraisablehook`, as an import's module-lock callback does) is raised again at once, where the
+    main thread is next."""
     def __init__(self, who: str, grace_s: float, stop=lambda name: False, give_up=lambda: None, hint: str = '',
                  doing: str = 'saving a checkpoint at the end of this step'):  # what `stop` set going, for the message
-        self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing  # hint: where to resume
+        # hint: where to resume
+        self.who, self.grace_s, self.stop, self.give_up, self.hint, self.doing = who, grace_s, stop, give_up, hint, doing
         self.got, self.prev, self.timer, self.raised, self.again, self.prev_hook = [], {}, None, False, False, None
         self.wake = threading.Event()
     def __enter__(self): return self.arm()
     def __exit__(self, typ, e, tb):
-        for s, h in self.prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)  # None: a handler set outside Python
-        if self.prev_hook is not None: sys.unraisablehook, self.prev_hook, self.again = self.prev_hook, None, False; self.wake.set()
+        # None: a handler set outside Python
+        for s, h in self.prev.items(): signal.signal(s, h if h is not None else signal.SIG_DFL)
+        if self.prev_hook is not None:
+            sys.unraisablehook, self.prev_hook, self.again = self.prev_hook, None, False; self.wake.set()
         if self.timer is not None: self.timer.cancel()
-        if typ is SystemExit and e.code == signal.SIGTERM and not self.got:  # Ray's handler ran before `arm` could take it back
+        # Ray's handler ran before `arm` could take it back
+        if typ is SystemExit and e.code == signal.SIGTERM and not self.got:
             self.got.append('SIGTERM'); self.raised = True
-        if self.raised and typ is not None and not issubclass(typ, Preempted):  # what a library made of it (transformers' lazy import)
+        # what a library made of it (transformers' lazy import)
+        if self.raised and typ is not None and not issubclass(typ, Preempted):
             raise Preempted(f"stopped by {self.got[0]} outside a training step", self.got[0]) from None
         return False
 
@@ -231,8 +259,8 @@ def on_signal(self: SignalStop, signum, frame):
     print(f"{self.who}: {name}: {self.doing} (within {self.grace_s:g}s)", file=sys.stderr, flush=True)
     def give_up():
         self.give_up()
-        print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint ({self.hint})",
-              file=sys.stderr, flush=True)
+        print(f"{self.who}: {name}: no step boundary within {self.grace_s:g}s; exiting without a new checkpoint "
+              f"({self.hint})", file=sys.stderr, flush=True)
         os._exit(128 + signum)
     self.timer = threading.Timer(self.grace_s, give_up); self.timer.daemon = True; self.timer.start()
 
@@ -253,10 +281,12 @@ ANSI = re.compile(r'\x1b\[[0-9;]*m')  # colour codes in a kernel's traceback lin
 
 # %% ../nbs/11_cli.ipynb #28994dcf
 class NotebookError(UserError, RuntimeError):
-    "A notebook cell stopped on the user's mistake (a `UserError` in the kernel): its message, the cell, the executed notebook, its fix."
+    """A notebook cell stopped on the user's mistake (a `UserError` in the kernel): its message, the cell, the executed
+    notebook, its fix."""
 
 # %% ../nbs/11_cli.ipynb #e2423a1c
-def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600, output: str | None = None,
+def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeout: int = 3600,
+                 output: str | None = None,
                  grace_s: float = 120) -> Path: # seconds from SIGTERM/SIGINT to a checkpoint in the kernel; then it is killed
     "Validate `params`, then execute `notebook` with papermill; returns the executed notebook's path."
     import papermill as pm
@@ -267,48 +297,54 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     rd.mkdir(parents=True, exist_ok=True)
     out = Path(output) if output else rd / Path(notebook).name
     if out.resolve() == Path(notebook).resolve(): out = out.with_suffix('.executed.ipynb')  # never overwrite the source
-    if params.get('overwrite') is True:  # the run folder starts over (the kernel's trainer deletes its outputs): no record of the old run stays
+    # the run folder starts over (the kernel's trainer deletes its outputs): no record of the old run stays
+    if params.get('overwrite') is True:
         for old in (out, out.with_suffix('.failed.ipynb')): old.unlink(missing_ok=True)
     # An earlier run's record is replaced only by a run that succeeds; a failed (e.g. refused) one is kept beside it.
     target = out.with_name(f'.{out.stem}.running.ipynb') if out.exists() else out
     env_before = dict(os.environ)
     os.environ.setdefault('RAY_USAGE_STATS_ENABLED', '0'); os.environ.setdefault('RAY_AUTH_MODE', 'disabled')
     os.environ[SAVE_ON_SIGNAL] = '1'  # the kernel's trainers save at a step boundary on SIGTERM (SaveOnSignal)
-    forward = lambda name: [os.kill(pid, signal.SIGTERM) for pid in kernel_pids()] != []  # no kernel yet: stopped at once
+    # no kernel yet: stopped at once
+    forward = lambda name: [os.kill(pid, signal.SIGTERM) for pid in kernel_pids()] != []
     sig = SignalStop('sft-nb run', grace_s, forward, lambda: [os.kill(pid, signal.SIGKILL) for pid in kernel_pids()],
                      'the kernel is killed; resume from the last checkpoint with -p resume latest',
                      "sent to the notebook's kernel: a trainer fitting there saves a checkpoint at the end of its step")
     stopped = sig.got
     try:
         with sig:  # papermill runs in a thread: the main thread takes the signals
-            in_thread(lambda: pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True, progress_bar=False,
+            in_thread(lambda: pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True,
+                                                  progress_bar=False,
                                                   execution_timeout=timeout, cwd=None, kernel_name='python3'))
     except Exception as e:
         if not (stopped or isinstance(e, pm.PapermillExecutionError)): raise
         if target != out and target.exists(): target = target.replace(out.with_suffix('.failed.ipynb'))
         kept = f"; the earlier run's record {out} is kept" if target != out else ''
         if stopped:
-            said = (e.evalue.replace('stopped by SIGTERM', f'stopped by {stopped[0]}', 1) if getattr(e, 'ename', None) == 'Preempted'
+            said = (e.evalue.replace('stopped by SIGTERM', f'stopped by {stopped[0]}', 1)
+                    if getattr(e, 'ename', None) == 'Preempted'
                     else f"stopped by {stopped[0]} outside training ({type(e).__name__}): no new checkpoint")
-            raise Preempted(f"{said} (executed notebook: {target}{kept}); continue with the same command and -p resume latest",
-                            stopped[0]) from None
+            raise Preempted(f"{said} (executed notebook: {target}{kept}); continue with the same command "
+                            "and -p resume latest", stopped[0]) from None
         first = next((l for l in (e.source or '').splitlines() if l.strip()), '')
         where = f"cell {e.exec_count} `{first[:80]}` of {notebook}; executed notebook: {target}{kept}"
         lines = [ANSI.sub('', l) for l in e.traceback or []]
-        if lines and not any('Traceback' in l or l.startswith('---') for l in lines):  # a UserError's box: what, where, the fix
+        # a UserError's box: what, where, the fix
+        if lines and not any('Traceback' in l or l.startswith('---') for l in lines):
             fix = next((l.removeprefix('fix: ') for l in lines if l.startswith('fix: ')), None)
             raise NotebookError(f"{e.ename}: {in_parameter_words(e.evalue, keys, 'run')} ({where})",
                                 fix=fix and in_parameter_words(fix, keys, 'run')) from None
         print('\n'.join(lines), file=sys.stderr)  # a bug keeps its traceback, as the kernel wrote it
-        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: {in_parameter_words(e.evalue, keys, 'run')} "
-                           f"(executed notebook: {target}{kept})") from None
+        raise RuntimeError(f"{notebook}: cell {e.exec_count} `{first[:80]}` failed: {e.ename}: "
+                           f"{in_parameter_words(e.evalue, keys, 'run')} (executed notebook: {target}{kept})") from None
     finally:
         os.environ.clear(); os.environ.update(env_before)
     if target != out: target.replace(out)
     return out
 
 # %% ../nbs/11_cli.ipynb #bbe33bbe
-PAPERMILL_BANNERS = re.compile(r'(Executing|Ending) Cell \d+-+$|(Input|Output) Notebook: |Executing notebook with kernel')
+PAPERMILL_BANNERS = re.compile(r'(Executing|Ending) Cell \d+-+$|(Input|Output) Notebook: '
+                               r'|Executing notebook with kernel')
 
 # %% ../nbs/11_cli.ipynb #ab196557
 def _cmd_run(a):
@@ -316,11 +352,13 @@ def _cmd_run(a):
     log = logging.getLogger('papermill')  # papermill streams cell output through this logger
     if not log.handlers: log.addHandler(logging.StreamHandler(sys.stdout))
     log.setLevel(logging.INFO); log.propagate = False
-    log.filters = [lambda r: not PAPERMILL_BANNERS.match(r.getMessage())]  # the cells' own output, not papermill's cell-by-cell banners
+    # the cells' own output, not papermill's cell-by-cell banners
+    log.filters = [lambda r: not PAPERMILL_BANNERS.match(r.getMessage())]
     params = {}
     if a.file:
         try: params.update(load_yaml(Path(a.file).read_text(), f'-f {a.file}') or {})
-        except yaml.YAMLError as e: raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
+        except yaml.YAMLError as e:
+            raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
         except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
     for name, value in a.param or []: params[name] = parse_value(value)
     out = run_notebook(a.notebook, params, a.run_dir, a.timeout, grace_s=a.grace)
@@ -333,14 +371,16 @@ def check_overrides(overrides: list[str]):
         key, sep, value = o.partition('=')
         try: sep and load_yaml(value, f'override {o!r}')
         except yaml.YAMLError as e:
-            raise ValueError(f"override {o!r}: the value of {key} is not valid YAML ({getattr(e, 'problem', None) or e}); "
-                             "quote it (key='[1,') or fix the brackets") from None
+            raise ValueError(f"override {o!r}: the value of {key} is not valid YAML "
+                             f"({getattr(e, 'problem', None) or e}); quote it (key='[1,') or fix the "
+                             "brackets") from None
 
 # %% ../nbs/11_cli.ipynb #e7ff5e9a
 def _cmd_train(a):
     check_overrides(a.overrides)
     t, hint = None, f"continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
-    steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop()  # a fit that ends at a step boundary
+    # a fit that ends at a step boundary
+    steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop()
     sig = SignalStop('sft-nb train', a.grace, steps_left, hint=hint)
     try:
         with sig:  # from before the imports: a signal in setup (tokenization, Ray's start, the model) stops it at once
@@ -353,25 +393,30 @@ def _cmd_train(a):
                 try:
                     if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
                     if not sig.got: t.fit()
-                    if sig.got: raise Preempted(f"stopped by {sig.got[0]}", sig.got[0])  # at the step boundary fit stopped at
+                    # at the step boundary fit stopped at
+                    if sig.got: raise Preempted(f"stopped by {sig.got[0]}", sig.got[0])
                     h = t.train()
-                except Exception as e:  # at a boundary, or in an eval, save or export outside the steps: the steps trained are saved
+                # at a boundary, or in an eval, save or export outside the steps: the steps trained are saved
+                except Exception as e:
                     if not sig.got: raise
                     e = e if isinstance(e, Preempted) else f"stopped by {sig.got[0]} outside a training step"
                     where = (t.ckpt.saved(t.global_step) or t.save()) if t.global_step > 0 else None
-                    raise Preempted(f"{e} at step {t.global_step} of {t.total_steps}; " + (f"checkpoint {where}; {hint}" if where else
+                    raise Preempted(f"{e} at step {t.global_step} of {t.total_steps}; "
+                                    + (f"checkpoint {where}; {hint}" if where else
                                     "no step was trained, nothing to resume"), sig.got[0]) from None
                 ev = getattr(t, 'last_eval', {})
                 summary = {'steps': t.global_step, 'final_train_loss': float(h.loss.iloc[-1]) if len(h) else None,
                            'train_losses': [float(x) for x in h.loss], 'eval_loss': ev.get('eval_loss'),
-                           'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None, 'wall_time_s': time.time() - t0,
+                           'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None,
+                           'wall_time_s': time.time() - t0,
                            'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
                            'data_report': t.data_report.to_dict()}
                 Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
     except Preempted as e:
         if t is not None: raise
-        raise Preempted(f"{e}, during setup (loading, tokenization, starting workers): nothing was trained and the run folder "
-                        "holds no new run; run the same command again", signal.Signals(e.exit_code - 128).name) from None
+        raise Preempted(f"{e}, during setup (loading, tokenization, starting workers): nothing was trained and the run "
+                        "folder holds no new run; run the same command again",
+                        signal.Signals(e.exit_code - 128).name) from None
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))
 
 # %% ../nbs/11_cli.ipynb #e5400a02
@@ -379,9 +424,9 @@ def export_parser(sub):
     "`sft-nb export RUN_DIR`: its arguments."
     from sft_nb.export import GGUF_QUANTS
     e = sub.add_parser('export', help="a run's model for llama.cpp/Ollama (GGUF + Modelfile) and the Hub (card, push)",
-                       description="RUN_DIR's HF export (hf/; written from its latest checkpoint when missing), then as "
-                                   "asked: a GGUF for llama.cpp with an Ollama Modelfile (gguf/), a model card in hf/, "
-                                   "an upload to the Hub.")
+                       description="RUN_DIR's HF export (hf/; written from its latest checkpoint when missing), then "
+                                   "as asked: a GGUF for llama.cpp with an Ollama Modelfile (gguf/), a model card in "
+                                   "hf/, an upload to the Hub.")
     e.add_argument('run_dir')
     e.add_argument('--gguf', action='store_true', help='write gguf/model-QUANT.gguf and gguf/Modelfile')
     e.add_argument('--quant', choices=GGUF_QUANTS, default='f16', help='GGUF weights: f16, or q8_0 (8-bit blocks)')
@@ -403,14 +448,16 @@ def _cmd_estimate(a):
     check_overrides(a.overrides)
     from sft_nb.config import load_config
     from sft_nb.memory import estimate, estimate_report
-    p = estimate(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory, device=a.device, data=not a.no_data)
+    p = estimate(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
+                 device=a.device, data=not a.no_data)
     print(estimate_report(p)); sys.exit(0 if p['fits'] else 3)
 
 # %% ../nbs/11_cli.ipynb #32b075d6
 def _cmd_inspect(a, rest):
     from sft_nb.inspect import inspect_main
     from sft_nb.models import load_tokenizer
-    if '--run' in rest or any(r.startswith('--run=') for r in rest):  # loss mode: the run's model is loaded here (above the inspector)
+    # loss mode: the run's model is loaded here (above the inspector)
+    if '--run' in rest or any(r.startswith('--run=') for r in rest):
         from sft_nb.lens import run_scorer
         return inspect_main(rest, run_loader=run_scorer, tokenizer_loader=load_tokenizer)
     return inspect_main(rest, tokenizer_loader=load_tokenizer)
@@ -431,26 +478,42 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='sft-nb', description='sft_nb: supervised fine-tuning, notebook-first')
     sub = p.add_subparsers(dest='command', required=True)
     r = sub.add_parser('run', help='execute a parameterized notebook with papermill',
-                       description='Execute NOTEBOOK headless; parameters are checked against its parameters cell first.')
+                       description='Execute NOTEBOOK headless; parameters are checked against its parameters cell '
+                                   'first.')
     r.add_argument('notebook')
-    r.add_argument('-p', '--param', nargs=2, action='append', metavar=('NAME', 'VALUE'), help='set a notebook parameter')
+    r.add_argument('-p', '--param', nargs=2, action='append', metavar=('NAME', 'VALUE'),
+                   help='set a notebook parameter')
     r.add_argument('-f', '--file', help='YAML file of parameters')
     r.add_argument('--run-dir', help="run folder (sets the notebook's run_dir parameter)")
     r.add_argument('--timeout', type=int, default=3600, help='seconds allowed per cell')
-    r.add_argument('--grace', type=float, default=120, help="seconds from SIGTERM/SIGINT to a checkpoint in the notebook's trainer; then the kernel is killed")
-    t = sub.add_parser('train', help='train from a YAML config (no notebook)', description='Train from CONFIG with key.sub=value overrides.')
+    r.add_argument('--grace', type=float, default=120,
+                   help="seconds from SIGTERM/SIGINT to a checkpoint in the notebook's trainer; then the kernel is "
+                        "killed")
+    t = sub.add_parser('train', help='train from a YAML config (no notebook)',
+                       description='Train from CONFIG with key.sub=value overrides.')
     t.add_argument('config'); t.add_argument('overrides', nargs='*', help='key.sub=value')
-    t.add_argument('--dry-run', action='store_true', help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), trains nothing')
-    t.add_argument('--grace', type=float, default=120, help='seconds from SIGTERM/SIGINT to a checkpoint at a step boundary; then it exits anyway')
-    pl = sub.add_parser('estimate', help='per-rank memory of one training step on a cluster you do not have (fake tensors, no weights)',
-                        description='Estimate CONFIG (key.sub=value overrides) on NODES x GPUS ranks: weights, gradients, optimizer state, activations, peak, verdict.')
+    t.add_argument('--dry-run', action='store_true',
+                   help='one step per rank on the largest micro-batch: says fits or what to change (exit 3), '
+                        'trains nothing')
+    t.add_argument('--grace', type=float, default=120,
+                   help='seconds from SIGTERM/SIGINT to a checkpoint at a step boundary; then it exits anyway')
+    pl = sub.add_parser('estimate',
+                        help='per-rank memory of one training step on a cluster you do not have (fake tensors, '
+                             'no weights)',
+                        description='Estimate CONFIG (key.sub=value overrides) on NODES x GPUS ranks: weights, '
+                                    'gradients, optimizer state, activations, peak, verdict.')
     pl.add_argument('config'); pl.add_argument('overrides', nargs='*', help='key.sub=value')
-    pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node'); pl.add_argument('--nodes', type=int, default=1, help='nodes')
+    pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node')
+    pl.add_argument('--nodes', type=int, default=1, help='nodes')
     pl.add_argument('--gpu-memory', type=float, help='GiB of one GPU (needed for --device cuda)')
-    pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda', help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
-    pl.add_argument('--no-data', action='store_true', help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model folder has a tokenizer)")
+    pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
+                    help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
+    pl.add_argument('--no-data', action='store_true',
+                    help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model "
+                         "folder has a tokenizer)")
     export_parser(sub)
-    for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'), ('pack', 'simulate packing of a dataset'),
+    for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'),
+                    ('pack', 'simulate packing of a dataset'),
                     ('demo', 'the SmolLM2 identity demo')):
         sub.add_parser(name, help=h, add_help=False)
     return p
@@ -462,7 +525,8 @@ def main(argv=None):
     argv = [x for x in argv if x != '--debug']
     p = build_parser()
     if argv and argv[0] in ('inspect', 'pack', 'demo'):  # these parse their own arguments (and --help)
-        cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack, 'demo': _cmd_demo}[argv[0]](None, argv[1:])
+        cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack,
+                                     'demo': _cmd_demo}[argv[0]](None, argv[1:])
     else:
         a = p.parse_args(argv)
         cmds = {'run': _cmd_run, 'train': _cmd_train, 'estimate': _cmd_estimate, 'export': _cmd_export}
@@ -471,11 +535,14 @@ def main(argv=None):
     except Preempted as e:
         print(f"sft-nb {cmd}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (ValueError, RuntimeError, OSError, ImportError) as e:  # bad input and failed runs: what, where, the fix; no traceback
+    # bad input and failed runs: what, where, the fix; no traceback
+    except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)
         if getattr(e, 'fix', None): print(f"fix: {e.fix}", file=sys.stderr)
         if debug: traceback.print_exception(e)
-        elif not isinstance(e, UserError) and cmd != 'run': print(f"(sft-nb {cmd} --debug shows the traceback)", file=sys.stderr)  # run printed the kernel's
+        # run printed the kernel's
+        elif not isinstance(e, UserError) and cmd != 'run':
+            print(f"(sft-nb {cmd} --debug shows the traceback)", file=sys.stderr)
         sys.exit(2 if isinstance(e, ValueError) else 1)
 
 if __name__ == '__main__' and 'IPython' not in sys.modules: main()  # not when a notebook kernel runs this cell

@@ -25,7 +25,8 @@ def _weights(ex) -> list[float] | None:
 
 # %% ../nbs/05_collate.ipynb #93f5dc46
 def _with_weights(wt, labels) -> dict:
-    "`loss_weights` [B, T] (0 wherever `labels` is -100) and their sum, when some example has fractional weights; else nothing."
+    """`loss_weights` [B, T] (0 wherever `labels` is -100) and their sum, when some example has fractional weights; else
+    nothing."""
     if wt is None: return {}
     wt[labels == -100] = 0
     return {'loss_weights': wt, 'weight_sum': float(wt.double().sum())}
@@ -35,7 +36,8 @@ def collate_padded(examples: Sequence, # Examples or dicts with input_ids and lo
                    pad_id: int, # id used for padding (never trained, never attended)
                    pad_to: int | None = None, # pad to this length instead of the longest row
                   ) -> dict:
-    "Right-padded batch: input_ids, labels, attention_mask, position_ids [B, T], `n_trained` (trained targets) and `n_real` (non-padding tokens)."
+    """Right-padded batch: input_ids, labels, attention_mask, position_ids [B, T], `n_trained` (trained targets) and
+    `n_real` (non-padding tokens)."""
     pairs = [_ids_mask(e) for e in examples]
     T = max(pad_to or 0, max(len(i) for i, _ in pairs))
     B = len(pairs)
@@ -77,7 +79,8 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
                    capacity: int | None = None, # row length; None = the longest bin
                    mask_form: str = 'bool', # 'bool' (sdpa) or 'additive' (eager)
                   ) -> dict:
-    "Packed batch: input_ids, labels, position_ids [B, T], 4D block-diagonal `attention_mask`, `seq_lens`, `cu_seqlens`, `n_trained`, `n_real`."
+    """Packed batch: input_ids, labels, position_ids [B, T], 4D block-diagonal `attention_mask`, `seq_lens`,
+    `cu_seqlens`, `n_trained`, `n_real`."""
     rows = [[_ids_mask(e) for e in bin_] for bin_ in bins]
     ws = [[_weights(e) for e in bin_] for bin_ in bins]
     lens = [[len(i) for i, _ in r] for r in rows]
@@ -103,7 +106,8 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
     cu = torch.zeros(len(flat) + 1, dtype=torch.int32); cu[1:] = torch.cumsum(torch.as_tensor(flat), 0)
     return {'input_ids': ids, 'labels': labels, 'position_ids': pos,
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
-            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()), 'n_real': sum(flat)} | _with_weights(wt, labels)
+            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()),
+            'n_real': sum(flat)} | _with_weights(wt, labels)
 
 # %% ../nbs/05_collate.ipynb #0c8be797
 VISION_KEYS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')
@@ -119,12 +123,15 @@ def collate_vision(examples: Sequence, # dicts with input_ids, loss_mask and opt
                    image_token_id: int, # the processor's image placeholder id
                    patch_dim: int | None = None, # reshape flat pixel_values to [-1, patch_dim]
                   ) -> dict:
-    "Padded batch of text and image rows: `collate_padded` + concatenated pixel_values/image_grid_thw + mm_token_type_ids, no position_ids."
+    """Padded batch of text and image rows: `collate_padded` + concatenated pixel_values/image_grid_thw +
+    mm_token_type_ids, no position_ids."""
     b = collate_padded(examples, pad_id)
     b.pop('position_ids')
     b['mm_token_type_ids'] = (b['input_ids'] == image_token_id).long()
-    pv = [torch.as_tensor(e['pixel_values'], dtype=torch.float32) for e in examples if len(e.get('image_grid_thw') or [])]
+    pv = [torch.as_tensor(e['pixel_values'], dtype=torch.float32)
+          for e in examples if len(e.get('image_grid_thw') or [])]
     if pv:
         b['pixel_values'] = torch.cat([p.reshape(-1, patch_dim or p.shape[-1]) for p in pv])
-        b['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
+        b['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])],
+                                              dtype=torch.long)
     return b

@@ -52,7 +52,8 @@ def _coerce(value, tp, path: str):
         return {k: _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()} if args else dict(value)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp): return value
-        if not isinstance(value, dict): raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
+        if not isinstance(value, dict):
+            raise ConfigError(f"{path}: expected a mapping for {tp.__name__}, got {value!r}")
         return from_dict(tp, value, path)
     if tp is float and isinstance(value, int) and not isinstance(value, bool): return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads `1e-4` as a string
@@ -64,9 +65,11 @@ def _coerce(value, tp, path: str):
 
 # %% ../nbs/00_config.ipynb #ea6382f0
 def check_range(name: str, v, lo=None, hi=None, lo_open: bool = False, hi_open: bool = False):
-    "Raise a `ConfigError` naming `name` unless `v` (None passes) is a finite number in the range (`lo_open`: > lo, else >= lo)."
+    """Raise a `ConfigError` naming `name` unless `v` (None passes) is a finite number in the range (`lo_open`: > lo,
+    else >= lo)."""
     if v is None: return
-    ok = math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo)) and (hi is None or (v < hi if hi_open else v <= hi))
+    ok = (math.isfinite(v) and (lo is None or (v > lo if lo_open else v >= lo))
+          and (hi is None or (v < hi if hi_open else v <= hi)))
     if ok: return
     if lo is not None and hi is not None: want = f"in {'(' if lo_open else '['}{lo}, {hi}{')' if hi_open else ']'}"
     elif lo is not None: want = f"{'>' if lo_open else '>='} {lo}"
@@ -80,7 +83,8 @@ def field_docs(cls) -> dict[str, str]:
 
 # %% ../nbs/00_config.ipynb #ba0dbe7a
 def nearest_key(k: str, cls) -> str | None:
-    "The field of `cls` an unknown key `k` most likely meant: the closest name, else the field whose comment has the words closest to `k`'s ('lerning_rate' → 'lr', 'peak learning rate')."
+    """The field of `cls` an unknown key `k` most likely meant: the closest name, else the field whose comment has the
+    words closest to `k`'s ('lerning_rate' → 'lr', 'peak learning rate')."""
     names = [f.name for f in fields(cls) if f.init]
     if close := difflib.get_close_matches(k, names, n=1): return close[0]
     try: docs = field_docs(cls)
@@ -137,21 +141,28 @@ class DataConfig:
     streaming: bool = False  # read the train source lazily, tokenize on the fly and pack within a bounded window (sft_nb.stream); needs train.num_steps
     stream_buffer: int = 1024  # streaming: tokenized examples held in the shuffle/pack window (memory is bounded by it, not by the source)
     def __post_init__(self):
-        check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True); check_range('synthetic_rows', self.synthetic_rows, 0)
+        check_range('eval_fraction', self.eval_fraction, 0, 1, hi_open=True)
+        check_range('synthetic_rows', self.synthetic_rows, 0)
         check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
         check_range('stream_buffer', self.stream_buffer, 1)
         if self.streaming: self.check_streaming()
-        for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')), ('null_content', ('bad_row', 'empty'))):
-            if getattr(self, name) not in allowed: raise ConfigError(f"{name}: {getattr(self, name)!r} is not allowed; allowed values: {', '.join(map(repr, allowed))}")
+        for name, allowed in (('mix_stop', ('all_exhausted', 'first_exhausted')),
+                              ('null_content', ('bad_row', 'empty'))):
+            if getattr(self, name) not in allowed: raise ConfigError(f"{name}: {getattr(self, name)!r} is not allowed; "
+                                                                     f"allowed values: {', '.join(map(repr, allowed))}")
         for src in [*self.train, *self.eval.values()]:  # sft_nb.data.load_source reads it from each source
             if isinstance(src, SourceConfig): src.null_content = self.null_content
 
     def check_streaming(self):
         "What a streamed run cannot do (yet): each refused with the parameter to change."
         why = "with data.streaming=true"
-        if self.eval_fraction > 0: raise ConfigError(f"eval_fraction: {self.eval_fraction} is not supported {why}: a stream cannot set rows aside for a held-out split; give an eval set in data.eval, or set data.eval_fraction=0")
-        if self.synthetic_rows: raise ConfigError(f"synthetic_rows: {self.synthetic_rows} rows of random ids are not a stream; set data.synthetic_rows=0 or data.streaming=false")
-        if self.null_content != 'bad_row': raise ConfigError(f"null_content: {self.null_content!r} is not supported {why}; use 'bad_row'")
+        if self.eval_fraction > 0: raise ConfigError(f"eval_fraction: {self.eval_fraction} is not supported {why}: a "
+                                                     "stream cannot set rows aside for a held-out split; give an eval "
+                                                     "set in data.eval, or set data.eval_fraction=0")
+        if self.synthetic_rows: raise ConfigError(f"synthetic_rows: {self.synthetic_rows} rows of random ids are not a "
+                                                  "stream; set data.synthetic_rows=0 or data.streaming=false")
+        if self.null_content != 'bad_row':
+            raise ConfigError(f"null_content: {self.null_content!r} is not supported {why}; use 'bad_row'")
 
 # %% ../nbs/00_config.ipynb #cd94391b
 @dataclass
@@ -171,7 +182,9 @@ class TokenizeConfig:
     cache_dir: str | None = None  # tokenized-dataset cache; None = ~/.cache/sft_nb
     extend_context: bool = False  # allow max_length beyond the model's positions (max_position_embeddings, or its RoPE scaling's limit): you extend its context on purpose
     def __post_init__(self):
-        check_range('max_length', self.max_length, 2); check_range('num_proc', self.num_proc, 1); check_range('ray_shards', self.ray_shards, 0)
+        check_range('max_length', self.max_length, 2)
+        check_range('num_proc', self.num_proc, 1)
+        check_range('ray_shards', self.ray_shards, 0)
 
 # %% ../nbs/00_config.ipynb #8bb4bf13
 @dataclass
@@ -200,9 +213,11 @@ class ModelConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps
     loss_chunk: int = 2048  # trained tokens per chunk of the LM head + cross-entropy (forward and backward); 0 = all at once
     def __post_init__(self):
-        if not self.path.strip(): raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")
+        if not self.path.strip():
+            raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")
         check_range('lora_r', self.lora_r, 0); check_range('lora_alpha', self.lora_alpha, 0, lo_open=True)
-        check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True); check_range('loss_chunk', self.loss_chunk, 0)
+        check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True)
+        check_range('loss_chunk', self.loss_chunk, 0)
 
 # %% ../nbs/00_config.ipynb #c0946b1d
 @dataclass
@@ -238,7 +253,8 @@ class TrainConfig:
     on_nonfinite: Literal['stop', 'skip'] = 'stop'  # a step whose loss or gradient norm is NaN/inf: stop the run with an error naming it, or skip its update
     def __post_init__(self):
         if self.sampler not in ('random', 'sequential') and ':' not in self.sampler:
-            raise ConfigError(f"sampler: expected 'random', 'sequential' or an import path 'module:Class', got {self.sampler!r}")
+            raise ConfigError("sampler: expected 'random', 'sequential' or an import path 'module:Class', got "
+                              f"{self.sampler!r}")
         for k in ('global_batch_size', 'micro_batch_size'):
             if getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
         if self.num_steps is not None and self.num_epochs is not None:
@@ -268,14 +284,17 @@ class PlacementConfig:
     @property
     def world_size(self): return self.num_nodes * self.workers_per_node
     @property
-    def dp_size(self): return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel * self.sequence_parallel)
+    def dp_size(self): return self.world_size // (self.tensor_parallel * self.pipeline_parallel * self.context_parallel
+                                                  * self.sequence_parallel)
     def __post_init__(self):
-        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel', 'context_parallel', 'sequence_parallel', 'cpus_per_worker'):
+        for k in ('num_nodes', 'workers_per_node', 'tensor_parallel', 'pipeline_parallel', 'context_parallel',
+                  'sequence_parallel', 'cpus_per_worker'):
             if getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
         check_range('object_store_memory', self.object_store_memory, 1)
         mp = self.tensor_parallel * self.pipeline_parallel
         if self.world_size % mp:
-            raise ConfigError(f"tensor_parallel, pipeline_parallel: TP×PP={mp} must divide world size {self.world_size}")
+            raise ConfigError(f"tensor_parallel, pipeline_parallel: TP×PP={mp} must divide world size "
+                              f"{self.world_size}")
         if mp > 1 and self.backend != 'megatron':
             raise ConfigError(f"tensor_parallel, pipeline_parallel: need backend 'megatron', got {self.backend!r}")
         if self.sequence_parallel > 1 and self.backend != 'fsdp':
@@ -283,12 +302,15 @@ class PlacementConfig:
         if self.world_size % self.sequence_parallel:
             raise ConfigError(f"sequence_parallel: {self.sequence_parallel} must divide world size {self.world_size}")
         if self.context_parallel > 1 and self.backend != 'megatron':
-            raise ConfigError(f"context_parallel: needs backend 'megatron' (fsdp: sequence_parallel), got {self.backend!r}")
-        if self.context_parallel > 1 and not self.use_gpu:  # megatron-core's local (CPU) attention asserts context_parallel_size == 1
-            raise ConfigError("context_parallel: megatron-core runs context parallelism only in TransformerEngine's attention on CUDA; "
-                              "on CPU workers use backend 'fsdp' with sequence_parallel")
+            raise ConfigError("context_parallel: needs backend 'megatron' (fsdp: sequence_parallel), got "
+                              f"{self.backend!r}")
+        # megatron-core's local (CPU) attention asserts context_parallel_size == 1
+        if self.context_parallel > 1 and not self.use_gpu:
+            raise ConfigError("context_parallel: megatron-core runs context parallelism only in TransformerEngine's "
+                              "attention on CUDA; on CPU workers use backend 'fsdp' with sequence_parallel")
         if self.world_size % (mp * self.context_parallel):
-            raise ConfigError(f"context_parallel: TP×PP×CP={mp * self.context_parallel} must divide world size {self.world_size}")
+            raise ConfigError(f"context_parallel: TP×PP×CP={mp * self.context_parallel} must divide world size "
+                              f"{self.world_size}")
 
 # %% ../nbs/00_config.ipynb #aafee5f7
 @dataclass
@@ -303,9 +325,11 @@ class CheckpointConfig:
     lora_export: Literal['merged', 'adapter'] = 'merged'  # LoRA runs: merge the adapter into the weights, or save the PEFT adapter alone
     def __post_init__(self):
         check_range('save_every', self.save_every, 0); check_range('keep_last', self.keep_last, 1)
-        if self.resume is not None and not self.resume.strip(): self.resume = None  # '' (papermill's "no resume") = fresh run
+        # '' (papermill's "no resume") = fresh run
+        if self.resume is not None and not self.resume.strip(): self.resume = None
         if self.resume is not None and self.overwrite:
-            raise ConfigError("resume, overwrite: resuming keeps run_dir's outputs and overwrite deletes them; set one of them")
+            raise ConfigError("resume, overwrite: resuming keeps run_dir's outputs and overwrite deletes them; set one "
+                              "of them")
 
 # %% ../nbs/00_config.ipynb #62412b75
 @dataclass
@@ -354,21 +378,25 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)  # generation samples at every evaluation
     @property
     def pack_capacity(self) -> int:
-        "Tokens a packed row holds: `packing.capacity`, by default `tokenize.max_length` (the one place this rule is written)."
+        """Tokens a packed row holds: `packing.capacity`, by default `tokenize.max_length` (the one place this rule is
+        written)."""
         return self.packing.capacity or self.tokenize.max_length
     def __post_init__(self):
         t, dp = self.train, self.placement.dp_size
         if t.global_batch_size % (t.micro_batch_size * dp):
             raise ConfigError(f"train.global_batch_size: {t.global_batch_size} is not divisible by "
                               f"train.micro_batch_size × data-parallel size = {t.micro_batch_size} × {dp}")
-        if self.packing.capacity is not None and self.packing.capacity < self.tokenize.max_length and self.packing.enabled:
-            raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length {self.tokenize.max_length}")
+        if (self.packing.capacity is not None and self.packing.capacity < self.tokenize.max_length
+                and self.packing.enabled):
+            raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length "
+                              f"{self.tokenize.max_length}")
 
 # %% ../nbs/00_config.ipynb #0a9a25db
 MAX_YAML_VALUES = 1_000_000  # values a YAML document may expand to through its aliases: ~1000x any config's
 
 def load_yaml(text: str, where: str):
-    "YAML `text` read with `yaml.SafeLoader`, refusing a document whose aliases expand past `MAX_YAML_VALUES` values or into themselves."
+    """YAML `text` read with `yaml.SafeLoader`, refusing a document whose aliases expand past `MAX_YAML_VALUES` values
+    or into themselves."""
     loader = yaml.SafeLoader(text)
     try:
         try: node = loader.get_single_node()
@@ -377,13 +405,15 @@ def load_yaml(text: str, where: str):
         sizes, open_ = {}, set()
         def size(n) -> int:  # the values `n` expands to, each shared node once per place it is used
             if id(n) in sizes: return sizes[id(n)]
-            if id(n) in open_: raise ConfigError(f"{where}: a YAML alias refers to the anchor it is inside (a document without end)")
+            if id(n) in open_:
+                raise ConfigError(f"{where}: a YAML alias refers to the anchor it is inside (a document without end)")
             open_.add(id(n))
-            kids = n.value if isinstance(n, yaml.SequenceNode) else [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else []
+            kids = (n.value if isinstance(n, yaml.SequenceNode)
+                    else [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else [])
             sizes[id(n)] = s = 1 + sum(map(size, kids))
             if s > MAX_YAML_VALUES:
-                raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_YAML_VALUES:,} values (a 'billion laughs' "
-                                  "document); write the values out instead of nesting aliases")
+                raise ConfigError(f"{where}: its YAML aliases expand to more than {MAX_YAML_VALUES:,} values (a "
+                                  "'billion laughs' document); write the values out instead of nesting aliases")
             open_.discard(id(n))
             return s
         size(node)
@@ -441,7 +471,8 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] | dic
             where = getattr(e, 'problem_mark', None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ''
             raise ConfigError(f"{src}: not valid YAML{at}: {getattr(e, 'problem', None) or e}") from None
-        if d is None: raise ConfigError(f"{src}: the config is empty; it needs at least data.train (see examples/tiny.yaml)")
+        if d is None:
+            raise ConfigError(f"{src}: the config is empty; it needs at least data.train (see examples/tiny.yaml)")
         if not isinstance(d, dict): raise ConfigError(f"{src}: the YAML must be a mapping of sections")
     ov = overrides if isinstance(overrides, dict) else parse_overrides(overrides)
     return from_dict(SFTConfig, _merge(d, ov))

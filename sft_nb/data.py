@@ -21,15 +21,18 @@ __all__ = ['source_path', 'source_name', 'row_dict', 'row_columns', 'source_colu
 def _null_choice(src, null_content) -> str:
     "The null-content choice: the argument, else the source's (stamped by `DataConfig.null_content`), else 'bad_row'."
     choice = null_content or getattr(src, 'null_content', None) or 'bad_row'
-    if choice not in NULL_CONTENT: raise ValueError(f"null_content: {choice!r} is not allowed; use one of {', '.join(NULL_CONTENT)}")
+    if choice not in NULL_CONTENT:
+        raise ValueError(f"null_content: {choice!r} is not allowed; use one of {', '.join(NULL_CONTENT)}")
     return choice
 
 # %% ../nbs/01_data.ipynb #42317e97
-def _null_turn(m) -> bool: return isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls')
+def _null_turn(m) -> bool:
+    return isinstance(m, dict) and m.get('role') == 'assistant' and m.get('content') is None and not m.get('tool_calls')
 
 # %% ../nbs/01_data.ipynb #f5f42986
 def _fill_null_content(row: dict) -> dict:
-    "A copy of `row` whose assistant turns with `content: null` and no tool calls have content '' (trained as empty turns)."
+    """A copy of `row` whose assistant turns with `content: null` and no tool calls have content '' (trained as empty
+    turns)."""
     out = row
     for key in ('messages', 'prompt', 'completion'):
         msgs = row.get(key)
@@ -55,9 +58,11 @@ def _load_json(p: Path, fill: bool = False):
         if isinstance(row, BadRow): text = json.dumps(bad_row_marker(row, line), ensure_ascii=False)
         elif fill: text = json.dumps(_fill_null_content(row), ensure_ascii=False)
         texts.append(text)
-        if len(texts) == 8192: chunks.append(pa.array(texts, pa.string())); texts = []  # record batches, not one Python list
+        # record batches, not one Python list
+        if len(texts) == 8192: chunks.append(pa.array(texts, pa.string())); texts = []
     table = pa.Table.from_arrays([pa.chunked_array(chunks + [pa.array(texts, pa.string())])], names=['_json'])
-    fp = digest.hexdigest() if not fill else hashlib.sha256(f"{digest.hexdigest()}/null_content=empty".encode()).hexdigest()
+    fp = (digest.hexdigest() if not fill
+          else hashlib.sha256(f"{digest.hexdigest()}/null_content=empty".encode()).hexdigest())
     return datasets.Dataset(InMemoryTable(table), fingerprint=fp)  # the file's sha256: no second read to fingerprint it
 
 # %% ../nbs/01_data.ipynb #e2a6b8c3
@@ -79,13 +84,15 @@ def row_dict(ds_row: dict) -> dict:
 # %% ../nbs/01_data.ipynb #2280311e
 def row_columns(rows) -> list[str]:
     """The columns of the first 20 readable rows of `rows` (an iterable of `(index, row)`; bad lines carry no columns);
-    a source whose every row is bad is a `BadRow` naming the first. Every reader (map-style, streamed, JSONL) asks this."""
+    a source whose every row is bad is a `BadRow` naming the first. Every reader (map-style, streamed, JSONL) asks
+    this."""
     cols, bad, n = set(), [], 0
     for j, r in rows:
         if isinstance(r, dict) and BAD_ROW_KEY in r: bad.append((j, r[BAD_ROW_KEY]['reason']))
         elif isinstance(r, dict): cols |= set(r); n += 1
         if n == 20: break
-    if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}", kind='empty_source')
+    if not n and bad: raise BadRow(f"no readable row: all {len(bad)} rows are bad, e.g. row {bad[0][0]}: {bad[0][1]}",
+                                   kind='empty_source')
     return sorted(cols)
 
 # %% ../nbs/01_data.ipynb #b610e6c1
@@ -107,7 +114,8 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
     if isinstance(src, list):
         if not all(isinstance(r, dict) for r in src): raise BadRow("a list source must hold dicts (one per row)")
         # rows are heterogeneous (tool schemas, tool_calls): keep each row as one JSON string column
-        return datasets.Dataset.from_dict({'_json': [json.dumps(_fill_null_content(r) if fill else r, ensure_ascii=False) for r in src]})
+        return datasets.Dataset.from_dict({'_json': [json.dumps(_fill_null_content(r) if fill else r,
+                                                                ensure_ascii=False) for r in src]})
     if type(src).__name__ == 'DataFrame': return load_source(src.to_dict('records'), null_content=null_content)
     cfg = src if isinstance(src, SourceConfig) else SourceConfig(path=str(src), split=split)
     if cfg.path.startswith('sft_nb:'): return _builtin(cfg)
@@ -122,16 +130,21 @@ def load_source(src, # a SourceConfig, a path/name string, a pandas DataFrame, a
         if suffix in ('.json', '.jsonl'): ds = _load_json(p, fill)
         elif suffix == '.parquet':
             import pyarrow.parquet as pq
-            if pq.ParquetFile(p).metadata.num_rows == 0: raise BadRow(f"{p}: no rows", kind='empty_source')  # datasets fails obscurely
+            # datasets fails obscurely
+            if pq.ParquetFile(p).metadata.num_rows == 0: raise BadRow(f"{p}: no rows", kind='empty_source')
             ds = datasets.Dataset.from_parquet(str(p))
         elif suffix == '.arrow': ds = datasets.Dataset.from_file(str(p))
-        else: raise BadRow(f"{p}: unsupported file type {suffix!r} (use .json, .jsonl, .parquet, .arrow or a save_to_disk folder)")
+        else: raise BadRow(f"{p}: unsupported file type {suffix!r} (use .json, .jsonl, .parquet, .arrow or a "
+                           "save_to_disk folder)")
     elif p.is_dir() and not any(p.iterdir()): raise BadRow(f"{p}: an empty folder (no rows)", kind='empty_source')
     elif p.exists(): raise BadRow(f"{p}: a folder that is neither a save_to_disk dataset nor a dataset dict")
-    elif str(cfg.path).startswith(('.', '/', '~')) or Path(cfg.path).suffix in ('.json', '.jsonl', '.parquet', '.arrow'):
-        raise MissingFile(f"data source {cfg.path!r} does not exist", fix=f"check the path (a relative one is read from {Path.cwd()})")
+    elif (str(cfg.path).startswith(('.', '/', '~'))
+          or Path(cfg.path).suffix in ('.json', '.jsonl', '.parquet', '.arrow')):
+        raise MissingFile(f"data source {cfg.path!r} does not exist",
+                          fix=f"check the path (a relative one is read from {Path.cwd()})")
     else: ds = datasets.load_dataset(cfg.path, cfg.subset, split=cfg.split)
-    if len(ds) == 0: raise BadRow(f"{p if p.exists() else cfg.path}: no rows (split {cfg.split!r})", kind='empty_source')
+    if len(ds) == 0:
+        raise BadRow(f"{p if p.exists() else cfg.path}: no rows (split {cfg.split!r})", kind='empty_source')
     if fill and ds.column_names != ['_json']: ds = _fill_dataset(ds)  # JSON files were filled while reading
     if cfg.max_rows is not None: ds = ds.select(range(min(cfg.max_rows, len(ds))))
     return ds
@@ -162,7 +175,7 @@ def source_fingerprint(src, ds) -> str:
 # %% ../nbs/01_data.ipynb #f0a50002
 def source_format(src, # a SourceConfig, a path/name, rows or a Dataset
                   default: str = 'auto', # the format of a source that names none (`tokenize.format`)
-                  columns: Callable[[], list[str]] | None = None, # the source's columns, asked only to detect its format
+                  columns: Callable[[], list[str]] | None = None, # source's columns, asked only to detect its format
                  ) -> str:
     "A source's row format: its own `format`, else `default`, else detected from `columns()` (given none: 'auto')."
     fmt = src.format if isinstance(src, SourceConfig) and src.format != 'auto' else default

@@ -25,14 +25,16 @@ __all__ = ['STREAM_KEYS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'ma
 
 # %% ../nbs/05a_dataplan.ipynb #3f655ebe
 def split_for_ranks(items: list, dp: int, micro: int) -> list[list[list]]:
-    "`deal` a global batch to `dp` ranks and cut each share into micro-batches; every rank gets the same micro-batch count."
+    """`deal` a global batch to `dp` ranks and cut each share into micro-batches; every rank gets the same micro-batch
+    count."""
     mbs = [[share[i:i + micro] for i in range(0, len(share), micro)] for share in deal(items, dp)]
     n = max(1, max(len(m) for m in mbs))
     return [m + [[]] * (n - len(m)) for m in mbs]  # [] = an empty micro-batch
 
 # %% ../nbs/05a_dataplan.ipynb #7631f11e
 class Sampler:
-    "Random order, a new permutation each epoch. Subclass it (override `order`) and name it in `train.sampler` as 'module:Class'."
+    """Random order, a new permutation each epoch. Subclass it (override `order`) and name it in `train.sampler` as
+    'module:Class'."""
     def __init__(self, n: int, seed: int): self.n, self.seed = n, seed
     def order(self, epoch: int) -> list[int]:
         "A permutation of range(n) that depends only on (n, seed, epoch)."
@@ -50,12 +52,16 @@ def make_sampler(spec: str, n: int, seed: int) -> Sampler:
     if spec == 'sequential': return SequentialSampler(n, seed)
     mod, _, name = spec.partition(':')
     try: cls = getattr(importlib.import_module(mod), name)
-    except (ImportError, AttributeError) as e: raise ConfigError(f"train.sampler: cannot import {spec!r}: {e}") from None
-    if not (isinstance(cls, type) and issubclass(cls, Sampler)):  # checked before calling it: the name could be any callable
-        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.dataplan.Sampler (got {type(cls).__name__} {cls!r})")
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(f"train.sampler: cannot import {spec!r}: {e}") from None
+    # checked before calling it: the name could be any callable
+    if not (isinstance(cls, type) and issubclass(cls, Sampler)):
+        raise ConfigError(f"train.sampler: {spec!r} is not a subclass of sft_nb.dataplan.Sampler (got "
+                          f"{type(cls).__name__} {cls!r})")
     smp = cls(n, seed)
     o = [int(i) for i in smp.order(0)]
-    if sorted(o) != list(range(n)): raise ConfigError(f"train.sampler: {spec}.order(0) is not a permutation of range({n})")
+    if sorted(o) != list(range(n)):
+        raise ConfigError(f"train.sampler: {spec}.order(0) is not a permutation of range({n})")
     return smp
 
 # %% ../nbs/05a_dataplan.ipynb #3a8f2094
@@ -94,12 +100,14 @@ class DataPlan:
                  train_data=None, # rows to train on instead of cfg.data.train
                  eval_data: dict | None = None, # {name: rows} eval sets instead of cfg.data.eval
                 ):
-        self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data = cfg, tokenizer, processor, train_data, eval_data
+        self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data = (cfg, tokenizer, processor,
+                                                                                     train_data, eval_data)
         # what turns rows into examples: a vision-language processor's renderer, or the tokenizer's chat template
         self.renderer = (ProcessorRenderer(processor, cfg.tokenize) if processor is not None else
                          make_renderer(tokenizer, cfg.tokenize) if tokenizer is not None else None)
         self.train_sets, self.eval_sets, self.data_report, self.mix_counts = [], {}, None, {}
-        self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)  # (source, row) pairs: train, held out
+        # (source, row) pairs: train, held out
+        self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
         self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
         self.pending, self._pool = {}, None  # {step: future} of the batch collating in a thread (see `batches`)
@@ -121,7 +129,8 @@ def _why_no_rows(report, n_heldout: int) -> str:
     rows = '; '.join(f"row {i}: {kind}: {msg}" for i, kind, msg in report.bad_rows[:5])
     more = f" (and {report.n_dropped - 5} more)" if report.n_dropped > 5 else ''
     kinds = ', '.join(f"{k} {v}" for k, v in sorted(report.dropped.items()))
-    return f"{report.n_dropped} of {report.n_rows} rows dropped ({kinds}): {rows}{more}. Fix those rows or the data/tokenize settings"
+    return (f"{report.n_dropped} of {report.n_rows} rows dropped ({kinds}): {rows}{more}. Fix those rows or the "
+            "data/tokenize settings")
 
 # %% ../nbs/05a_dataplan.ipynb #89f02478
 @patch
@@ -129,8 +138,10 @@ def prepare(self: DataPlan) -> DataPlan:
     "Tokenize train and eval sources, mix them, split off the held-out rows; sets `rows`, `heldout`, `lengths`."
     c = self.cfg
     if c.data.synthetic_rows:
-        self.train_sets = [synthetic_dataset(c.data.synthetic_rows, c.tokenize.max_length, len(self.tokenizer), c.data.seed)]
-        self.data_report, weights, reports = DataReport(n_rows=c.data.synthetic_rows, n_kept=c.data.synthetic_rows), [1.0], None
+        self.train_sets = [synthetic_dataset(c.data.synthetic_rows, c.tokenize.max_length, len(self.tokenizer),
+                                             c.data.seed)]
+        self.data_report, weights, reports = DataReport(n_rows=c.data.synthetic_rows,
+                                                        n_kept=c.data.synthetic_rows), [1.0], None
         names = ['synthetic']
     else:
         sources = [self.train_data] if self.train_data is not None else c.data.train
@@ -142,14 +153,16 @@ def prepare(self: DataPlan) -> DataPlan:
         weights = [s.weight if isinstance(s, SourceConfig) else 1.0 for s in sources]
         names = [source_name(s, k) for k, s in enumerate(sources)]
     sizes = [len(d) for d in self.train_sets]
-    if not any(sizes): raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}", fix=self.data_report.too_long_fix())
+    if not any(sizes):
+        raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, 0)}",
+                          fix=self.data_report.too_long_fix())
     rows = mix_indices(sizes, weights, c.data.seed, stop=c.data.mix_stop, names=names)
     self.source_names, self.mix_counts = names, mix_counts(rows, sizes, names, weights, reports)
     self.data_report.sources = self.mix_counts  # per source: weight, rows read and kept, examples, draws per epoch
     evals = self.eval_data if self.eval_data is not None else c.data.eval
     if c.data.eval_fraction > 0 and 'heldout' in evals:
-        raise ConfigError("data.eval: an eval set is named 'heldout', the name of the data.eval_fraction split, which would "
-                          "replace it; rename that eval set or set data.eval_fraction=0")
+        raise ConfigError("data.eval: an eval set is named 'heldout', the name of the data.eval_fraction "
+                          "split, which would replace it; rename that eval set or set data.eval_fraction=0")
     self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
     self.heldout = []
     if c.data.eval_fraction > 0:  # by source row: the expanded examples of one row stay on one side
@@ -157,7 +170,9 @@ def prepare(self: DataPlan) -> DataPlan:
         train, held = heldout_split([(s, int(index[s][i])) for s, i in rows], c.data.eval_fraction, c.data.seed)
         self.heldout, rows = [rows[k] for k in held], [rows[k] for k in train]
     self.rows = rows  # (source, row) pairs
-    if not rows: raise ConfigError(f"data.train: no usable rows after tokenization: {_why_no_rows(self.data_report, len(self.heldout))}", fix=self.data_report.too_long_fix())
+    if not rows:
+        raise ConfigError("data.train: no usable rows after tokenization: "
+                          f"{_why_no_rows(self.data_report, len(self.heldout))}", fix=self.data_report.too_long_fix())
     cols = [np.asarray(ds['length'], dtype=np.int64) for ds in self.train_sets]  # one column read per source
     self.lengths = np.array([cols[s][i] for s, i in rows], dtype=np.int64)
     return self
@@ -167,15 +182,19 @@ def prepare(self: DataPlan) -> DataPlan:
 def plan(self: DataPlan) -> DataPlan:
     "Pack (when `packing.enabled`) and make the sampler; sets `items`, `steps_per_epoch`, `total_steps`."
     c = self.cfg
-    if c.packing.enabled and any('image_grid_thw' in ds.column_names and any(len(g) for g in ds['image_grid_thw']) for ds in self.train_sets):
-        raise ConfigError("packing.enabled: image rows cannot be packed: Qwen2-VL-style models compute multi-dimensional "
-                          "(time/height/width) rotary positions per sequence from the whole row, so restarting position_ids "
-                          "per packed sequence does not reproduce them. Set packing.enabled=false")
+    if (c.packing.enabled
+        and any('image_grid_thw' in ds.column_names and any(len(g) for g in ds['image_grid_thw'])
+                for ds in self.train_sets)):
+        raise ConfigError("packing.enabled: image rows cannot be packed: Qwen2-VL-style models compute "
+                          "multi-dimensional (time/height/width) rotary positions per sequence from the whole row, so "
+                          "restarting position_ids per packed sequence does not reproduce them. Set "
+                          "packing.enabled=false")
     if c.packing.enabled:
         self.capacity = c.pack_capacity
         # planned independently of the worker count: step s packs the same rows on 1 or N workers,
         # which keeps losses identical across DP sizes and lets a run resume on another one
-        self.pack_plan = pack(self.lengths.tolist(), self.capacity, strategy=c.packing.strategy, dp=1, seed=c.train.seed)
+        self.pack_plan = pack(self.lengths.tolist(), self.capacity, strategy=c.packing.strategy, dp=1,
+                              seed=c.train.seed)
         self.items = [list(b) for b in self.pack_plan.bins]
     else:
         self.pack_plan, self.items = None, list(range(len(self.rows)))
@@ -215,7 +234,8 @@ def fill_row(self: DataPlan) -> dict:
 def collate(self: DataPlan, examples: list[dict]) -> dict:
     "A padded micro-batch of `examples` with the renderer's extra columns (pixel values for a vision-language model)."
     extras = self.renderer.features()
-    fill = self.cfg.placement.dp_size > 1 and bool(extras) and not any(_uses(e.get(k)) for e in examples for k in extras)
+    fill = (self.cfg.placement.dp_size > 1 and bool(extras)
+            and not any(_uses(e.get(k)) for e in examples for k in extras))
     if fill: examples = list(examples) + [self.fill_row()]  # keeps every rank's graph the same (see above)
     b = self.renderer.collate(examples, collate_padded(examples, self.tokenizer.pad_token_id))
     if fill: b['n_real'] -= len(self.fill_row()['input_ids'])  # not real data
@@ -237,7 +257,8 @@ def collate_items(self: DataPlan, mb: list) -> dict:
     "Collate micro-batch `mb` of items (rows, or bins when packing); [] is the empty micro-batch."
     if not mb: return self.empty_batch()
     if self.pack_plan is None: return self.collate([self.example(k) for k in mb])
-    b = collate_packed([[self.example(k) for k in bin_] for bin_ in mb], self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
+    # bool mask: the worker makes it the kernel's form
+    b = collate_packed([[self.example(k) for k in bin_] for bin_ in mb], self.tokenizer.pad_token_id, self.capacity)
     b.pop('seq_lens'); b.pop('cu_seqlens')
     return b
 
@@ -257,12 +278,14 @@ def rank_batches(self: DataPlan, items: list) -> StepBatches:
     per_rank = split_for_ranks(items, c.placement.dp_size, c.train.micro_batch_size)
     batches = [[self.collate_items(mb) for mb in mbs] for mbs in per_rank]
     counts = [(b.pop('n_trained'), b.pop('weight_sum', None), b.pop('n_real')) for mbs in batches for b in mbs]
-    return StepBatches(batches, sum(n if w is None else w for n, w, _ in counts), sum(n for n, _, _ in counts), sum(r for _, _, r in counts))
+    return StepBatches(batches, sum(n if w is None else w for n, w, _ in counts), sum(n for n, _, _ in counts),
+                       sum(r for _, _, r in counts))
 
 # %% ../nbs/05a_dataplan.ipynb #d2dcd9a7
 @patch
 def batches(self: DataPlan, step: int, prefetch: bool = True) -> StepBatches:
-    "`rank_batches(global_batch(step))`, the prefetched one when ready; then step `step + 1`'s starts collating in a thread."
+    """`rank_batches(global_batch(step))`, the prefetched one when ready; then step `step + 1`'s starts collating in a
+    thread."""
     f = self.pending.pop(step, None)
     out = f.result() if f is not None else self.rank_batches(self.global_batch(step))
     if prefetch and step + 1 < self.total_steps:
@@ -278,9 +301,10 @@ def close(self: DataPlan):
     self._pool, self.pending = None, {}
 
 # %% ../nbs/05a_dataplan.ipynb #b3413edb
-STREAM_KEYS = {'data': ('eval_fraction', 'seed', 'synthetic_rows', 'mix_stop', 'null_content', 'streaming', 'stream_buffer'),
-               'tokenize': ('mode', 'max_length', 'truncation', 'chat_template', 'chat_template_kwargs', 'format', 'rewritten_turns',
-                            'train_on_reasoning', 'train_on_tool_calls'),
+STREAM_KEYS = {'data': ('eval_fraction', 'seed', 'synthetic_rows', 'mix_stop', 'null_content', 'streaming',
+                        'stream_buffer'),
+               'tokenize': ('mode', 'max_length', 'truncation', 'chat_template', 'chat_template_kwargs', 'format',
+                            'rewritten_turns', 'train_on_reasoning', 'train_on_tool_calls'),
                'packing': ('enabled', 'strategy', 'capacity'), 'train': ('global_batch_size', 'sampler', 'seed')}
 
 # %% ../nbs/05a_dataplan.ipynb #6d87cbea
@@ -292,13 +316,15 @@ def examples_digest(ds) -> str:
         if col not in table.column_names: continue
         h.update(col.encode())
         for chunk in table.column(col).chunks:
-            h.update(np.asarray(pc.list_value_length(chunk), dtype=np.int64).tobytes()); h.update(np.asarray(chunk.flatten()).tobytes())
+            h.update(np.asarray(pc.list_value_length(chunk), dtype=np.int64).tobytes())
+            h.update(np.asarray(chunk.flatten()).tobytes())
     return h.hexdigest()
 
 # %% ../nbs/05a_dataplan.ipynb #4ebab510
 @patch
 def identity(self: DataPlan) -> dict:
-    "What decides which rows each step trains (JSON): the `STREAM_KEYS` values, each train source's examples, content and weight, the plan's digest."
+    """What decides which rows each step trains (JSON): the `STREAM_KEYS` values, each train source's examples, content
+    and weight, the plan's digest."""
     if self._identity is None:
         import xxhash
         c = self.cfg
@@ -306,8 +332,10 @@ def identity(self: DataPlan) -> dict:
         sources = [self.train_data] if self.train_data is not None else c.data.train
         for k, ds in enumerate(self.train_sets):
             w = sources[k].weight if k < len(sources) and isinstance(sources[k], SourceConfig) else 1.0
-            out |= {f'data.train[{k}].examples': len(ds), f'data.train[{k}].content': examples_digest(ds), f'data.train[{k}].weight': w}
-        out['plan'] = xxhash.xxh3_128(json.dumps([np.asarray(self.rows).tolist(), self.items], default=int).encode()).hexdigest()
+            out |= {f'data.train[{k}].examples': len(ds), f'data.train[{k}].content': examples_digest(ds),
+                    f'data.train[{k}].weight': w}
+        out['plan'] = xxhash.xxh3_128(json.dumps([np.asarray(self.rows).tolist(), self.items],
+                                                 default=int).encode()).hexdigest()
         self._identity = json.loads(json.dumps(out))  # as a checkpoint reads it back (tuples are lists)
     return self._identity
 
@@ -315,16 +343,20 @@ def identity(self: DataPlan) -> dict:
 @patch
 def ckpt_state(self: DataPlan, step: int) -> dict:
     "The plan's part of a checkpoint taken after `step` steps (JSON-serializable)."
-    return {'total_steps': self.total_steps, 'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None,
+    return {'total_steps': self.total_steps,
+            'pack_plan': self.pack_plan.to_dict() if self.pack_plan is not None else None,
             'sampler': self.cfg.train.sampler, 'identity': self.identity(), 'config': flatten(asdict(self.cfg))}
 
 # %% ../nbs/05a_dataplan.ipynb #cc91bacb
 @patch
 def restore(self: DataPlan, state: dict, path):
-    "Continue from checkpoint `path`'s `state`: a streamed run only from a streamed run's checkpoint, a map-style run only from a map-style one."
+    """Continue from checkpoint `path`'s `state`: a streamed run only from a streamed run's checkpoint, a map-style run
+    only from a map-style one."""
     if ('stream' in state) != self.streams:
-        raise ConfigError(f"data.streaming: the checkpoint {path} is of a {'streamed' if 'stream' in state else 'map-style'} run, this config "
-                          f"{'streams' if self.streams else 'does not stream'}; resuming would train on other rows than the run it continues")
+        raise ConfigError(f"data.streaming: the checkpoint {path} is of a "
+                          f"{'streamed' if 'stream' in state else 'map-style'} run, this config "
+                          f"{'streams' if self.streams else 'does not stream'}; resuming would train on other rows "
+                          "than the run it continues")
     self.pending = {}  # a batch collated before the load may not be this step's
 
 # %% ../nbs/05a_dataplan.ipynb #9b1d156d
@@ -345,11 +377,12 @@ _WHY = {'examples': 'another number of examples: rows were added or removed', 'w
 
 @patch
 def check_resume(self: DataPlan, state: dict, path) -> dict:
-    """Refuse to continue checkpoint `path` (its `state`) when this plan trains other rows at a step than its run did, naming
-    each key, both values and what to do; else the config keys that changed otherwise, {key: [then, now]}."""
+    """Refuse to continue checkpoint `path` (its `state`) when this plan trains other rows at a step than its run did,
+    naming each key, both values and what to do; else the config keys that changed otherwise, {key: [then, now]}."""
     now, saved = self.identity(), state.get('identity')
     if saved is None:
-        warnings.warn(f"{path}: the checkpoint records no data identity (written by an older sft_nb): the data and batch settings cannot be compared")
+        warnings.warn(f"{path}: the checkpoint records no data identity (written by an older sft_nb): the data and "
+                      "batch settings cannot be compared")
         saved = now
     diff = [k for k in dict.fromkeys([*saved, *now]) if saved.get(k) != now.get(k)]
     if diff:
@@ -357,15 +390,18 @@ def check_resume(self: DataPlan, state: dict, path) -> dict:
             src, _, part = k.rpartition('.')
             if k == 'plan' or src.startswith('data.train['):
                 s = int(src[len('data.train['):-1]) if src else None
-                name = f"{src} ({self.source_names[s]})" if s is not None and s < len(self.source_names) else src or 'the data plan'
-                return f"{name}{' ' + part if src else ''}: {_said(saved.get(k))} in the checkpoint's run, {_said(now.get(k))} now ({_WHY[part]})"
+                name = (f"{src} ({self.source_names[s]})" if s is not None and s < len(self.source_names)
+                        else src or 'the data plan')
+                return (f"{name}{' ' + part if src else ''}: {_said(saved.get(k))} in the checkpoint's run, "
+                        f"{_said(now.get(k))} now ({_WHY[part]})")
             return f"{k}: {_said(saved.get(k))} in the checkpoint's run, {_said(now.get(k))} in this config"
-        raise ConfigError(f"checkpoint.resume: {path} cannot be continued with this data: {'; '.join(one(k) for k in diff)}. "
-                          "Resuming would train some rows twice and skip others. Resume with the run's data and settings "
-                          "(its config.yaml), or start a new run (another checkpoint.run_dir, or checkpoint.overwrite=true)")
+        raise ConfigError(f"checkpoint.resume: {path} cannot be continued with this data: "
+                          f"{'; '.join(one(k) for k in diff)}. Resuming would train some rows twice and skip others. "
+                          "Resume with the run's data and settings (its config.yaml), or start a new run (another "
+                          "checkpoint.run_dir, or checkpoint.overwrite=true)")
     if self.total_steps < state['global_step']:
-        raise ConfigError(f"train.num_steps: the checkpoint {path} is at step {state['global_step']}, past this config's "
-                          f"{self.total_steps} steps; resume with at least {state['global_step']}")
+        raise ConfigError(f"train.num_steps: the checkpoint {path} is at step {state['global_step']}, "
+                          f"past this config's {self.total_steps} steps; resume with at least {state['global_step']}")
     then = state.get('config') or {}
     return {k: [then[k], v] for k, v in flatten(asdict(self.cfg)).items()
             if k in then and then[k] != v and k not in now and k not in ('checkpoint.resume', 'checkpoint.overwrite')}

@@ -20,9 +20,12 @@ _TOO_LONG = re.compile(r'^(\d+) tokens > max_length (\d+)')
 def row_lengths(ds, # tokenized dataset (columns `length`, `n_trained`, `index`)
                 report: DataReport, # its report
                ) -> pd.DataFrame:
-    "One row per example (kept) or dropped source row: index (the source row), tokens, trained tokens, kept, reason ('' when kept)."
-    kept = pd.DataFrame({'index': ds['index'], 'tokens': ds['length'], 'trained': ds['n_trained'], 'kept': True, 'reason': ''})
-    gone = [{'index': i, 'tokens': int(m[1]) if (m := _TOO_LONG.match(msg)) else pd.NA, 'trained': pd.NA, 'kept': False, 'reason': kind}
+    """One row per example (kept) or dropped source row: index (the source row), tokens, trained tokens, kept, reason
+    ('' when kept)."""
+    kept = pd.DataFrame({'index': ds['index'], 'tokens': ds['length'], 'trained': ds['n_trained'], 'kept': True,
+                         'reason': ''})
+    gone = [{'index': i, 'tokens': int(m[1]) if (m := _TOO_LONG.match(msg)) else pd.NA, 'trained': pd.NA, 'kept': False,
+             'reason': kind}
             for i, kind, msg in report.bad_rows]
     out = pd.concat([kept, pd.DataFrame(gone, columns=kept.columns)], ignore_index=True) if gone else kept
     return out.astype({'index': 'int64', 'tokens': 'Int64', 'trained': 'Int64'}).sort_values('index', ignore_index=True)
@@ -46,12 +49,15 @@ def lengths_fig(lengths: pd.DataFrame, # from `row_lengths`
     size = max(1, -(-top // nbins))
     bins = dict(start=0, end=size * (nbins + 1), size=size)
     fig = go.Figure()
-    for name, x, color in (('tokens per row', kept.tokens, COLORS['masked']), ('trained tokens per row', kept.trained, COLORS['trained']),
+    for name, x, color in (('tokens per row', kept.tokens, COLORS['masked']),
+                           ('trained tokens per row', kept.trained, COLORS['trained']),
                            ('dropped: longer than max_length', gone.tokens, COLORS['boundary'])):
-        if len(x): fig.add_trace(go.Histogram(x=x.astype(int).tolist(), name=name, marker_color=color, xbins=bins, opacity=0.85))
-    if max_length: fig.add_vline(x=max_length, line_dash='dash', line_color='black', annotation_text=f'max_length {max_length}', annotation_position='top')
-    fig.update_layout(barmode='overlay', height=340, margin=dict(l=50, r=20, t=50, b=40), xaxis_title='tokens', yaxis_title='rows',
-                      title=_title(lengths), legend=dict(orientation='h', y=-0.25))
+        if len(x): fig.add_trace(go.Histogram(x=x.astype(int).tolist(), name=name, marker_color=color, xbins=bins,
+                                              opacity=0.85))
+    if max_length: fig.add_vline(x=max_length, line_dash='dash', line_color='black',
+                                 annotation_text=f'max_length {max_length}', annotation_position='top')
+    fig.update_layout(barmode='overlay', height=340, margin=dict(l=50, r=20, t=50, b=40), xaxis_title='tokens',
+                      yaxis_title='rows', title=_title(lengths), legend=dict(orientation='h', y=-0.25))
     return fig
 
 # %% ../nbs/03c_datareport.ipynb #a28d0002
@@ -59,36 +65,41 @@ def long_rows(lengths: pd.DataFrame, # from `row_lengths`
               worker_tokens: int, # tokens of the longest row one worker trains within its memory (measured)
               sequence_parallel: int = 1, # placement.sequence_parallel: ranks that share each row
              ) -> dict:
-    "Kept examples longer than one worker holds, those still too long for `sequence_parallel` ranks, and the sp the longest needs."
+    """Kept examples longer than one worker holds, those still too long for `sequence_parallel` ranks, and the sp the
+    longest needs."""
     from sft_nb.config import check_range
     check_range('worker_tokens', worker_tokens, 1); check_range('sequence_parallel', sequence_parallel, 1)
     x = lengths.tokens[lengths.kept].astype(int)
     longest = int(x.max()) if len(x) else 0
     return {'worker_tokens': worker_tokens, 'sequence_parallel': sequence_parallel, 'longest': longest,
             'longer_than_one_worker': int((x > worker_tokens).sum()),
-            'longer_than_sp': int((x > sequence_parallel * worker_tokens).sum()), 'sp_needed': max(1, -(-longest // worker_tokens))}
+            'longer_than_sp': int((x > sequence_parallel * worker_tokens).sum()),
+            'sp_needed': max(1, -(-longest // worker_tokens))}
 
 def long_rows_line(d: dict) -> str:
     "The report's sentence on rows longer than one worker."
     sp, w = d['sequence_parallel'], d['worker_tokens']
     s = f"{d['longer_than_one_worker']} examples longer than one worker holds ({w} tokens)"
-    if sp > 1: s += f"; sequence_parallel={sp} spreads each row over {sp} ranks (up to {sp * w} tokens): {d['longer_than_sp']} still too long"
+    if sp > 1: s += (f"; sequence_parallel={sp} spreads each row over {sp} ranks (up to {sp * w} tokens): "
+                     f"{d['longer_than_sp']} still too long")
     return s + f"; the longest ({d['longest']} tokens) needs sequence_parallel >= {d['sp_needed']}"
 
 
 # %% ../nbs/03c_datareport.ipynb #b5eba63d
 class DatasetReport:
-    "Length histogram with the max_length cut, drops per reason, a table of dropped rows and, given `worker_tokens`, the rows longer than one worker."
+    """Length histogram with the max_length cut, drops per reason, a table of dropped rows and, given `worker_tokens`,
+    the rows longer than one worker."""
     def __init__(self, ds, # tokenized dataset from `tokenize_dataset`
                  report: DataReport, # its report
                  max_length: int | None = None, # the cut used (TokenizeConfig.max_length)
                  n_dropped: int = 5, # dropped rows listed
-                 worker_tokens: int | None = None, # the longest row one worker holds (measured); None: no long-row count
+                 worker_tokens: int | None = None, # longest row one worker holds (measured); None: no long-row count
                  sequence_parallel: int = 1, # placement.sequence_parallel the run uses
                 ):
         self.report, self.max_length = report, max_length
         self.lengths = row_lengths(ds, report)
-        self.drops = pd.DataFrame(sorted(report.dropped.items(), key=lambda kv: (-kv[1], kv[0])), columns=['reason', 'rows'])
+        self.drops = pd.DataFrame(sorted(report.dropped.items(), key=lambda kv: (-kv[1], kv[0])),
+                                  columns=['reason', 'rows'])
         self.dropped = pd.DataFrame(report.bad_rows[:n_dropped], columns=['row', 'reason', 'message'])
         self.long = long_rows(self.lengths, worker_tokens, sequence_parallel) if worker_tokens else None
         self.fig = lengths_fig(self.lengths, max_length)
@@ -100,7 +111,8 @@ def text(self: DatasetReport, width: int = 40, nbins: int = 10) -> str:
     lines = [str(self.report)] + ([long_rows_line(self.long)] if self.long else [])
     x = self.lengths.tokens.dropna().astype(int).to_numpy()
     if len(x):
-        lines.append('tokens per example (kept, and dropped rows for length)' + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
+        lines.append('tokens per example (kept, and dropped rows for length)'
+                     + (f'; | marks max_length {self.max_length}' if self.max_length else ''))
         edges = np.linspace(0, max(int(x.max()), self.max_length or 0) + 1, nbins + 1).astype(int)
         counts, _ = np.histogram(x, edges)
         for lo, hi, n in zip(edges[:-1], edges[1:], counts):
@@ -114,7 +126,8 @@ def text(self: DatasetReport, width: int = 40, nbins: int = 10) -> str:
 @patch
 def _ipython_display_(self: DatasetReport):
     from IPython.display import HTML, display
-    display(HTML(f'<b>{html.escape(str(self.report))}</b>' + (f'<br>{html.escape(long_rows_line(self.long))}' if self.long else '')))
+    display(HTML(f'<b>{html.escape(str(self.report))}</b>' + (f'<br>{html.escape(long_rows_line(self.long))}'
+                                                              if self.long else '')))
     display(self.fig)
     if len(self.drops): display(self.drops, self.dropped)
 

@@ -33,18 +33,21 @@ def run_demo(model: str = 'smollm2', epochs: int = 3, cpus: int = 2, run_dir: st
     with SFTTrainer(cfg, train_data=rows['train'], eval_data={'heldout': rows['eval']}) as t:
         before_loss = t.evaluate()['heldout_loss']
         before = t.generate([question], max_new_tokens=40)[0]
-        print(f"\nbefore training  held-out eval loss {before_loss:.4f}\n  Q: {question[-1]['content']}\n  A: {before}\n", flush=True)
+        print(f"\nbefore training  held-out eval loss {before_loss:.4f}\n  Q: {question[-1]['content']}\n  A: "
+              f"{before}\n", flush=True)
         hard_before = print_hardest(t, 'heldout', 'before training')
         h = t.fit()
         after_loss = t.evaluate()['heldout_loss']
         after = t.generate([question], max_new_tokens=40)[0]
         hard_after = t.rank_rows('heldout', k=3)
     print('\ntrain loss by step: ' + ' '.join(f"{l:.3f}" for l in h.loss))
-    print(f"\nafter training   held-out eval loss {after_loss:.4f}  (before {before_loss:.4f})\n  Q: {question[-1]['content']}\n  A: {after}")
+    print(f"\nafter training   held-out eval loss {after_loss:.4f}  (before {before_loss:.4f})\n  Q: "
+          f"{question[-1]['content']}\n  A: {after}")
     print_hardest(hard_after, 'heldout', 'after training')
-    print(f"\ndone in {time.time() - t0:.0f} s; eval loss {'went down' if after_loss < before_loss else 'DID NOT go down'}")
-    return {'before_loss': before_loss, 'after_loss': after_loss, 'before': before, 'after': after, 'seconds': time.time() - t0,
-            'hardest_before': hard_before, 'hardest_after': hard_after}
+    print(f"\ndone in {time.time() - t0:.0f} s; eval loss "
+          f"{'went down' if after_loss < before_loss else 'DID NOT go down'}")
+    return {'before_loss': before_loss, 'after_loss': after_loss, 'before': before, 'after': after,
+            'seconds': time.time() - t0, 'hardest_before': hard_before, 'hardest_after': hard_after}
 
 def main(argv=None):
     p = argparse.ArgumentParser(description='sft_nb demo: a real SFT run on the embedded identity data')

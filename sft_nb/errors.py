@@ -23,10 +23,12 @@ class MissingFile(UserError, FileNotFoundError):
     "A file or folder the user named (a data source, a checkpoint) does not exist."
 
 # %% ../nbs/00c_errors.ipynb #46f08afd
-reword = None  # str -> str: advice in the words the user edits (a notebook's parameters; see `sft_nb.cli.check_parameter_names`)
+# str -> str: advice in the words the user edits (a notebook's parameters; see `sft_nb.cli.check_parameter_names`)
+reword = None
 
 def error_lines(exc: BaseException) -> list[str]:
-    "The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one; both through `reword` when set."
+    """The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one; both through `reword` when
+    set."""
     say = reword or str
     return [f'{type(exc).__name__}: {say(str(exc))}'] + ([f'fix: {say(exc.fix)}'] if getattr(exc, 'fix', None) else [])
 
@@ -38,11 +40,12 @@ def traceback_text(exc: BaseException) -> str:
 def folded_traceback_html(exc: BaseException, open: bool = False) -> str:
     "The traceback of `exc` in a `<details>` (closed unless `open`), its summary counting the lines."
     tb = traceback_text(exc)
-    return (f'<details class="sft-nb-error-tb"{" open" if open else ""}><summary>traceback ({tb.count(chr(10))} lines)</summary>'
-            f'<pre style="font-size:11px">{html.escape(tb)}</pre></details>')
+    return (f'<details class="sft-nb-error-tb"{" open" if open else ""}><summary>traceback ({tb.count(chr(10))} '
+            f'lines)</summary><pre style="font-size:11px">{html.escape(tb)}</pre></details>')
 
 def user_error_lines(exc: UserError) -> list[str]:
-    "`UserError._render_traceback_`: the box's lines (the class in bold red); in a kernel the folded traceback follows the cell's output."
+    """`UserError._render_traceback_`: the box's lines (the class in bold red); in a kernel the folded traceback follows
+    the cell's output."""
     from IPython import get_ipython
     ip = get_ipython()
     if ip is not None and getattr(ip, 'kernel', None) is not None and not getattr(exc, '_folded', False):
@@ -50,8 +53,10 @@ def user_error_lines(exc: UserError) -> list[str]:
         exc._folded = True  # IPython may ask twice (the error output, the execute reply): one fold
         def show():
             ip.events.unregister('post_execute', show)
-            n = traceback_text(exc).count(chr(10))  # a terminal or an executed notebook's text shows the box alone, as the browser does
-            display({'text/html': folded_traceback_html(exc), 'text/plain': f'(traceback folded: {n} lines; the HTML output holds it)'}, raw=True)
+            # a terminal or an executed notebook's text shows the box alone, as the browser does
+            n = traceback_text(exc).count(chr(10))
+            display({'text/html': folded_traceback_html(exc),
+                     'text/plain': f'(traceback folded: {n} lines; the HTML output holds it)'}, raw=True)
         ip.events.register('post_execute', show)
     head, *rest = error_lines(exc)
     kind, msg = head.split(': ', 1) if ': ' in head else (head, '')
@@ -59,8 +64,10 @@ def user_error_lines(exc: UserError) -> list[str]:
 
 # %% ../nbs/00c_errors.ipynb #64c3bd3e
 def error_html(exc: BaseException) -> str:
-    "One error as an HTML box: the lines of `error_lines`, then its traceback (folded for a `UserError`, open otherwise)."
+    """One error as an HTML box: the lines of `error_lines`, then its traceback (folded for a `UserError`, open
+    otherwise)."""
     bold = " style='font-weight:bold'"
     body = ''.join(f'<div{bold * (i == 0)}>{html.escape(l)}</div>' for i, l in enumerate(error_lines(exc)))
-    return (f'<div class="sft-nb-error" style="background:#fdd;color:#b00020;padding:4px 6px;margin:2px 0;white-space:pre-wrap">'
+    return ('<div class="sft-nb-error" style="background:#fdd;color:#b00020;padding:4px 6px;margin:2px 0;'
+            'white-space:pre-wrap">'
             f'{body}{folded_traceback_html(exc, open=not isinstance(exc, UserError))}</div>')

@@ -31,8 +31,10 @@ SHAREGPT_ROLES = {'human': 'user', 'user': 'user', 'gpt': 'assistant', 'assistan
 def _json(value, where: str):
     if isinstance(value, str):
         try: return json.loads(value)
-        except json.JSONDecodeError as e: raise BadRow(f"{where}: not valid JSON ({e.msg} at char {e.pos}): {value[:60]!r}") from None
-        except RecursionError: raise BadRow(f"{where}: JSON nested deeper than Python's JSON reader goes: {value[:60]!r}") from None
+        except json.JSONDecodeError as e:
+            raise BadRow(f"{where}: not valid JSON ({e.msg} at char {e.pos}): {value[:60]!r}") from None
+        except RecursionError:
+            raise BadRow(f"{where}: JSON nested deeper than Python's JSON reader goes: {value[:60]!r}") from None
     return value
 
 # %% ../nbs/00d_formats.ipynb #f0d511bb
@@ -50,9 +52,11 @@ def normalize_tool_calls(value, where: str = 'tool_calls') -> list[dict] | None:
             raise BadRow(f"{where}[{i}]: missing the function name")
         args = _json(fn.get('arguments', fn.get('parameters', {})), f"{where}[{i}].arguments")
         if args is None: args = {}
-        if not isinstance(args, dict): raise BadRow(f"{where}[{i}].arguments: expected an object, got {type(args).__name__}")
+        if not isinstance(args, dict):
+            raise BadRow(f"{where}[{i}].arguments: expected an object, got {type(args).__name__}")
         call = {'type': 'function', 'function': {'name': fn['name'], 'arguments': args}}
-        if c.get('id', c.get('call_id')) is not None: call['id'] = c.get('id', c.get('call_id'))  # responses API: call_id
+        # responses API: call_id
+        if c.get('id', c.get('call_id')) is not None: call['id'] = c.get('id', c.get('call_id'))
         out.append(call)
     return out
 
@@ -62,7 +66,8 @@ def normalize_tools(value, where: str = 'tools') -> list[dict] | None:
     value = _json(value, where)
     if value in (None, '', []): return None
     if isinstance(value, dict): value = [value]
-    if not isinstance(value, list): raise BadRow(f"{where}: expected a list of tool schemas, got {type(value).__name__}")
+    if not isinstance(value, list):
+        raise BadRow(f"{where}: expected a list of tool schemas, got {type(value).__name__}")
     out = []
     for i, t in enumerate(value):
         t = _json(t, f"{where}[{i}]")
@@ -83,9 +88,10 @@ PART_TYPES = {'text': 'text', 'input_text': 'text', 'output_text': 'text',  # pa
 
 IMAGE_PARTS = ('image', 'image_url', 'input_image', 'video', 'audio')
 
-PART_FORMATS = ("LLaMA-Factory v1 {'type': 'text'|'reasoning'|'tool_call', 'value': ...}; OpenAI {'type': 'text', 'text': ...}; "
-                "OpenAI responses 'input_text'|'output_text'|'reasoning' (text or summary)|'function_call'|'function_call_output'; "
-                "Anthropic 'text'|'thinking'|'tool_use'|'tool_result' blocks")
+PART_FORMATS = ("LLaMA-Factory v1 {'type': 'text'|'reasoning'|'tool_call', 'value': ...}; OpenAI {'type': 'text', "
+                "'text': ...}; OpenAI responses 'input_text'|'output_text'|'reasoning' (text or "
+                "summary)|'function_call'|'function_call_output'; Anthropic 'text'|'thinking'|'tool_use'|'tool_result' "
+                "blocks")
 
 # %% ../nbs/00d_formats.ipynb #793332dd
 def _text(content, where: str) -> str:
@@ -94,32 +100,40 @@ def _text(content, where: str) -> str:
     if isinstance(content, str): return content
     if isinstance(content, list) and all(isinstance(p, dict) for p in content):
         parts = content_parts(content, where)
-        if parts['reasoning'] or parts['tool_calls']: raise BadRow(f"{where}: reasoning or tool-call parts where only text is read")
+        if parts['reasoning'] or parts['tool_calls']:
+            raise BadRow(f"{where}: reasoning or tool-call parts where only text is read")
         return parts['text']
     raise BadRow(f"{where}: content must be a string or a list of text parts, got {type(content).__name__}")
 
 # %% ../nbs/00d_formats.ipynb #fa714436
 def _part_text(p: dict, where: str) -> str:
-    "The text of one part: under 'text', 'value', 'thinking', 'output' or 'content', or a responses-style 'summary' list."
+    """The text of one part: under 'text', 'value', 'thinking', 'output' or 'content', or a responses-style 'summary'
+    list."""
     for k in ('text', 'value', 'thinking', 'output', 'content'):
         if k in p: return _text(p[k], where)
-    if isinstance(p.get('summary'), list): return '\n'.join(s.get('text', '') if isinstance(s, dict) else str(s) for s in p['summary'])
-    raise BadRow(f"{where}: a {p.get('type', 'text')!r} part without text (keys {sorted(p)}; expected 'text' or 'value')")
+    if isinstance(p.get('summary'), list):
+        return '\n'.join(s.get('text', '') if isinstance(s, dict) else str(s) for s in p['summary'])
+    raise BadRow(f"{where}: a {p.get('type', 'text')!r} part without text (keys {sorted(p)}; expected 'text' or "
+                 "'value')")
 
 # %% ../nbs/00d_formats.ipynb #674fac49
 def content_parts(content, where: str) -> dict:
     "Message content → `{'text', 'reasoning', 'tool_calls'}`: a string, or a list of parts in any of `PART_FORMATS`."
-    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content): return {'text': _text(content, where)}
+    if not isinstance(content, list) or not all(isinstance(p, dict) for p in content):
+        return {'text': _text(content, where)}
     kinds = [p.get('type', 'text') for p in content]
     if unknown := sorted({str(k) for k in kinds if k not in PART_TYPES}):
         hint = ("image/audio parts need a vision-language model/processor" if set(unknown) <= set(IMAGE_PARTS) else
-                "put tool schemas in the row's 'tools' column" if unknown == ['tools'] else f"known formats: {PART_FORMATS}")
+                "put tool schemas in the row's 'tools' column" if unknown == ['tools']
+                else f"known formats: {PART_FORMATS}")
         raise BadRow(f"{where}: content parts of type {unknown} are not read ({hint})")
     out = {'text': [], 'reasoning': [], 'tool_calls': []}
     for j, (p, k) in enumerate(zip(content, kinds)):
         if PART_TYPES[k] == 'tool_call':
-            call = p.get('value', p.get('function', {k2: v for k2, v in p.items() if k2 in ('name', 'arguments', 'id', 'call_id')}
-                                        | ({'arguments': p['input']} if 'input' in p else {})))  # Anthropic's tool_use: its 'input'
+            call = p.get('value', p.get('function',
+                                        {k2: v for k2, v in p.items() if k2 in ('name', 'arguments', 'id', 'call_id')}
+                                        # Anthropic's tool_use: its 'input'
+                                        | ({'arguments': p['input']} if 'input' in p else {})))
             out['tool_calls'] += normalize_tool_calls(call, f"{where}.content[{j}]") or []
         else: out[PART_TYPES[k]].append(_part_text(p, f"{where}.content[{j}]"))
     return {'text': ''.join(out['text']), 'reasoning': '\n'.join(out['reasoning']), 'tool_calls': out['tool_calls']}
@@ -129,32 +143,39 @@ NULL_CONTENT = ('bad_row', 'empty')  # what an assistant turn with `content: nul
 
 # %% ../nbs/00d_formats.ipynb #52367186
 def _part_weights(content, where: str) -> tuple:
-    """(the weight of a message's trained content parts, [(start, end)] of its weight-0 text parts in the joined content) under
-    Axolotl's per-part `weight` (or `train: false`); (None, []) when no part carries one. Trained parts that differ are refused."""
-    if not isinstance(content, list) or not any(isinstance(p, dict) and ('weight' in p or 'train' in p) for p in content): return None, []
+    """(the weight of a message's trained content parts, [(start, end)] of its weight-0 text parts in the joined
+    content) under Axolotl's per-part `weight` (or `train: false`); (None, []) when no part carries one. Trained parts
+    that differ are refused."""
+    if not isinstance(content, list) or not any(isinstance(p, dict) and ('weight' in p or 'train' in p)
+                                                for p in content):
+        return None, []
     ws, holes, at = [], [], 0
     for j, p in enumerate(content):
         if not isinstance(p, dict) or PART_TYPES.get(p.get('type', 'text')) != 'text': continue
-        n, w = len(_part_text(p, f"{where}.content[{j}]")), p['weight'] if 'weight' in p else (0 if p.get('train') is False else 1)
+        n, w = (len(_part_text(p, f"{where}.content[{j}]")),
+                p['weight'] if 'weight' in p else (0 if p.get('train') is False else 1))
         if w == 0:
             if holes and holes[-1][1] == at: holes[-1] = (holes[-1][0], at + n)
             else: holes.append((at, at + n))
         else: ws.append(w)
         at += n
     if any(w != ws[0] for w in ws[1:]):
-        raise BadRow(f"{where}: content parts carry different weights {ws}; parts may be trained (one weight) or weight 0, "
-                     "not weighted apart (split the message into one message per weight)")
+        raise BadRow(f"{where}: content parts carry different weights {ws}; parts may be trained (one weight) or "
+                     "weight 0, not weighted apart (split the message into one message per weight)")
     return (ws[0] if ws else 0), [h for h in holes if h[1] > h[0]] if ws else []
 
 # %% ../nbs/00d_formats.ipynb #d0a49d76
 def split_tool_results(m, i: int) -> list:
-    "A user message of Anthropic `tool_result` parts → one tool message per part (with its `tool_use_id`); any other message as it is."
+    """A user message of Anthropic `tool_result` parts → one tool message per part (with its `tool_use_id`); any other
+    message as it is."""
     c = m.get('content') if isinstance(m, dict) and m.get('role') == 'user' else None
     if not isinstance(c, list) or not any(isinstance(p, dict) and p.get('type') == 'tool_result' for p in c): return [m]
     if not all(isinstance(p, dict) and p.get('type') == 'tool_result' for p in c):
-        raise BadRow(f"message {i}: a user message mixes tool_result parts with {sorted({str(p.get('type')) for p in c if isinstance(p, dict)} - {'tool_result'})} "
-                     "parts; put the tool results in a message of their own (they become tool turns)")
-    return [{'role': 'tool', 'content': p.get('content'), **({'tool_call_id': p['tool_use_id']} if p.get('tool_use_id') else {})} for p in c]
+        raise BadRow(f"message {i}: a user message mixes tool_result parts with "
+                     f"{sorted({str(p.get('type')) for p in c if isinstance(p, dict)} - {'tool_result'})} parts; put "
+                     "the tool results in a message of their own (they become tool turns)")
+    return [{'role': 'tool', 'content': p.get('content'),
+             **({'tool_call_id': p['tool_use_id']} if p.get('tool_use_id') else {})} for p in c]
 
 # %% ../nbs/00d_formats.ipynb #46f0e707
 def normalize_message(m, i: int,
@@ -163,7 +184,8 @@ def normalize_message(m, i: int,
     "One OpenAI-style message → canonical form (raises `BadRow` naming message `i`)."
     where = f"message {i}"
     if not isinstance(m, dict): raise BadRow(f"{where}: expected an object, got {type(m).__name__}")
-    role = {'developer': 'system', 'function': 'tool'}.get(m.get('role'), m.get('role'))  # OpenAI's newer system role; its legacy function role
+    # OpenAI's newer system role; its legacy function role
+    role = {'developer': 'system', 'function': 'tool'}.get(m.get('role'), m.get('role'))
     if role is None: raise BadRow(f"{where}: missing 'role'")
     if role not in ROLES: raise BadRow(f"{where}: unknown role {role!r} (allowed: {', '.join(ROLES)})")
     parts = content_parts(m.get('content'), where)
@@ -174,11 +196,13 @@ def normalize_message(m, i: int,
     if calls := calls + parts.get('tool_calls', []):
         if role != 'assistant': raise BadRow(f"{where}: tool_calls on a {role!r} message")
         out['tool_calls'] = calls
-    key = 'reasoning_content' if m.get('reasoning_content') else 'reasoning'  # 'reasoning': OpenRouter's and vLLM's name for it
-    reasoning = '\n'.join(r for r in (_text(m.get(key), f"{where}.{key}") if m.get(key) else '', parts.get('reasoning', '')) if r)
+    # 'reasoning': OpenRouter's and vLLM's name for it
+    key = 'reasoning_content' if m.get('reasoning_content') else 'reasoning'
+    reasoning = '\n'.join(r for r in (_text(m.get(key), f"{where}.{key}") if m.get(key) else '',
+                                      parts.get('reasoning', '')) if r)
     if reasoning: out['reasoning_content'] = reasoning
-    if role == 'assistant' and m.get('content') is None and not out.get('tool_calls') and not out.get('reasoning_content') \
-            and null_content != 'empty':
+    if role == 'assistant' and m.get('content') is None and not out.get('tool_calls') \
+            and not out.get('reasoning_content') and null_content != 'empty':
         raise BadRow(f"{where}: assistant content is null (no text, no tool calls); set data.null_content='empty' "
                      "(or load_source(..., null_content='empty')) to train it as an empty turn", kind='empty_assistant')
     if role == 'tool':
@@ -187,13 +211,16 @@ def normalize_message(m, i: int,
     key = 'loss_weight' if 'loss_weight' in m else 'weight'
     (pw, holes), w = _part_weights(m.get('content'), where), m.get(key)
     if pw is not None:
-        if w is not None and w != pw: raise BadRow(f"{where}: {key} {w!r} and the content parts' weight {pw!r} disagree")
+        if w is not None and w != pw:
+            raise BadRow(f"{where}: {key} {w!r} and the content parts' weight {pw!r} disagree")
         w, key = pw, 'weight'
     if w is not None and not (isinstance(w, numbers.Real) and math.isfinite(w) and w >= 0):
         raise BadRow(f"{where}: {key} must be a finite number >= 0, got {w!r}")
     if m.get('train') is False or (w is not None and w == 0): out['train'] = False
-    elif w is not None and w != 1: out['loss_weight'] = float(w)  # fractional: its tokens weigh w in the loss (see sft_nb.collate)
-    if holes and role == 'assistant' and out.get('train') is not False: out['untrained_parts'] = holes  # [(start, end)] of `content`, never trained
+    # fractional: its tokens weigh w in the loss (see sft_nb.collate)
+    elif w is not None and w != 1: out['loss_weight'] = float(w)
+    # [(start, end)] of `content`, never trained
+    if holes and role == 'assistant' and out.get('train') is not False: out['untrained_parts'] = holes
     return out
 
 # %% ../nbs/00d_formats.ipynb #21471508
@@ -204,13 +231,16 @@ def _sharegpt(turns) -> list[dict]:
         if not isinstance(t, dict): raise BadRow(f"message {i}: expected an object")
         frm = t.get('from', t.get('role'))
         if frm is None: raise BadRow(f"message {i}: missing 'from'")
-        if frm not in SHAREGPT_ROLES: raise BadRow(f"message {i}: unknown role {frm!r} (allowed: {', '.join(SHAREGPT_ROLES)})")
+        if frm not in SHAREGPT_ROLES:
+            raise BadRow(f"message {i}: unknown role {frm!r} (allowed: {', '.join(SHAREGPT_ROLES)})")
         value = t.get('value', t.get('content'))
-        if not isinstance(value, str): raise BadRow(f"message {i}: 'value' must be a string, got {type(value).__name__}")
+        if not isinstance(value, str):
+            raise BadRow(f"message {i}: 'value' must be a string, got {type(value).__name__}")
         if frm == 'function_call':
             calls = normalize_tool_calls(value, f"message {i} (function_call)")
             prev = msgs[-1] if msgs else None
-            if prev and prev['role'] == 'assistant' and 'tool_calls' not in prev: prev['tool_calls'] = calls  # text then call: one turn
+            # text then call: one turn
+            if prev and prev['role'] == 'assistant' and 'tool_calls' not in prev: prev['tool_calls'] = calls
             else: msgs.append({'role': 'assistant', 'content': '', 'tool_calls': calls})
         else:
             msgs.append(normalize_message({**{k: v for k, v in t.items() if k not in ('from', 'value')},
@@ -230,8 +260,10 @@ def _conversation(row: dict, msgs: list[dict]) -> dict:
 def _pretokenized(row: dict, null_content: str) -> dict:
     ids = row.get('input_ids')
     if not isinstance(ids, list) or not ids: raise BadRow("input_ids: expected a non-empty list of ints")
-    if (odd := next(((i, x) for i, x in enumerate(ids) if not isinstance(x, int) or isinstance(x, bool)), None)) is not None:
-        raise BadRow(f"input_ids: position {odd[0]} holds {odd[1]!r}, not an integer token id (a float column? ids are never rounded)")
+    if (odd := next(((i, x) for i, x in enumerate(ids) if not isinstance(x, int) or isinstance(x, bool)),
+                    None)) is not None:
+        raise BadRow(f"input_ids: position {odd[0]} holds {odd[1]!r}, not an integer token id (a float column? ids are "
+                     "never rounded)")
     if row.get('loss_mask') is not None: mask = [int(bool(x)) for x in row['loss_mask']]
     else: mask = [int(l != -100) for l in row['labels']]
     if len(mask) != len(ids): raise BadRow(f"loss_mask/labels length {len(mask)} != input_ids length {len(ids)}")
@@ -241,7 +273,8 @@ def _pretokenized(row: dict, null_content: str) -> dict:
 def _messages(row: dict, null_content: str) -> dict:
     ms = row.get('messages')
     if not isinstance(ms, list): raise BadRow(f"messages: expected a list, got {type(ms).__name__}")
-    return _conversation(row, [normalize_message(x, i, null_content) for i, m in enumerate(ms) for x in split_tool_results(m, i)])
+    return _conversation(row, [normalize_message(x, i, null_content) for i, m in enumerate(ms)
+                               for x in split_tool_results(m, i)])
 
 # %% ../nbs/00d_formats.ipynb #1de185b1
 def _sharegpt_row(row: dict, null_content: str) -> dict: return _conversation(row, _sharegpt(row.get('conversations')))
@@ -251,19 +284,24 @@ def _alpaca(row: dict, null_content: str) -> dict:
     ins, inp, out = row.get('instruction'), row.get('input') or '', row.get('output')
     if not isinstance(ins, str) or not isinstance(out, str) or not isinstance(inp, str):
         missing = [k for k in ('instruction', 'output') if k not in row]
-        raise BadRow(f"alpaca: no {' and no '.join(map(repr, missing))} field (the row has {', '.join(map(repr, row))}); is it another format?"
+        raise BadRow(f"alpaca: no {' and no '.join(map(repr, missing))} field (the row has "
+                     f"{', '.join(map(repr, row))}); is it another format?"
                      if missing else "alpaca: instruction, input and output must be strings")
     msgs = []
     for j, pair in enumerate(row.get('history') or []):
-        if not (isinstance(pair, (list, tuple)) and len(pair) == 2): raise BadRow(f"history[{j}]: expected [question, answer]")
-        msgs += [{'role': 'user', 'content': _text(pair[0], f'history[{j}]')}, {'role': 'assistant', 'content': _text(pair[1], f'history[{j}]')}]
-    return _conversation(row, msgs + [{'role': 'user', 'content': ins + ('\n\n' + inp if inp else '')}, {'role': 'assistant', 'content': out}])
+        if not (isinstance(pair, (list, tuple)) and len(pair) == 2):
+            raise BadRow(f"history[{j}]: expected [question, answer]")
+        msgs += [{'role': 'user', 'content': _text(pair[0], f'history[{j}]')},
+                 {'role': 'assistant', 'content': _text(pair[1], f'history[{j}]')}]
+    return _conversation(row, msgs + [{'role': 'user', 'content': ins + ('\n\n' + inp if inp else '')},
+                                      {'role': 'assistant', 'content': out}])
 
 # %% ../nbs/00d_formats.ipynb #c880cc34
 def _prompt_completion(row: dict, null_content: str) -> dict:
     p, c = row.get('prompt'), row.get('completion')
     if isinstance(p, list) and isinstance(c, list):  # conversational prompt/completion
-        return {'messages': [normalize_message(m, i, null_content) for i, m in enumerate(p + c)], 'tools': normalize_tools(row.get('tools'))}
+        return {'messages': [normalize_message(m, i, null_content) for i, m in enumerate(p + c)],
+                'tools': normalize_tools(row.get('tools'))}
     if not isinstance(p, str) or not isinstance(c, str): raise BadRow("prompt/completion: expected two strings")
     return {'prompt': p, 'completion': c}
 
@@ -282,15 +320,19 @@ class RowFormat:
 # %% ../nbs/00d_formats.ipynb #bfe8ddb1
 FORMATS = {  # name → RowFormat, in detection order
     'pretokenized': RowFormat('pretokenized', ('input_ids',), 'input_ids+loss_mask/labels',
-                              lambda c: 'input_ids' in c and bool({'loss_mask', 'labels'} & c), _pretokenized, tokenized=True),
+                              lambda c: 'input_ids' in c and bool({'loss_mask', 'labels'} & c), _pretokenized,
+                              tokenized=True),
     'messages': RowFormat('messages', ('messages',), 'messages', lambda c: 'messages' in c, _messages, images=True),
-    'sharegpt': RowFormat('ShareGPT', ('conversations',), 'conversations (ShareGPT)', lambda c: 'conversations' in c, _sharegpt_row, images=True),
-    'alpaca': RowFormat('Alpaca', ('instruction', 'output'), 'instruction+output (Alpaca)', lambda c: {'instruction', 'output'} <= c, _alpaca),
+    'sharegpt': RowFormat('ShareGPT', ('conversations',), 'conversations (ShareGPT)', lambda c: 'conversations' in c,
+                          _sharegpt_row, images=True),
+    'alpaca': RowFormat('Alpaca', ('instruction', 'output'), 'instruction+output (Alpaca)',
+                        lambda c: {'instruction', 'output'} <= c, _alpaca),
     'prompt_completion': RowFormat('prompt/completion', ('prompt', 'completion'), 'prompt+completion',
                                    lambda c: {'prompt', 'completion'} <= c, _prompt_completion),
 }
 
-FormatName = Literal[('auto', *FORMATS)]  # a config's row format: 'auto' (detected from the columns) or a key of FORMATS
+# a config's row format: 'auto' (detected from the columns) or a key of FORMATS
+FormatName = Literal[('auto', *FORMATS)]
 
 # %% ../nbs/00d_formats.ipynb #699f9580
 def detect_format(columns) -> str:
@@ -301,19 +343,23 @@ def detect_format(columns) -> str:
                  f"{' | '.join(f.signs for f in FORMATS.values())}; or set the source's `format`")
 
 # %% ../nbs/00d_formats.ipynb #26c14c10
-BAD_ROW_KEY = '__sft_nb_bad_row__'  # a row the reader could not read is stored as {BAD_ROW_KEY: {'kind', 'reason', 'line'}}
+# a row the reader could not read is stored as {BAD_ROW_KEY: {'kind', 'reason', 'line'}}
+BAD_ROW_KEY = '__sft_nb_bad_row__'
 
 def normalize_row(row: dict, fmt: str,
                   null_content: str = 'bad_row', # assistant `content: null` without tool calls: a bad row, or 'empty' ('' text)
                  ) -> dict:
     "One raw row in format `fmt` → canonical conversation (or prompt/completion, or pretokenized) dict."
-    if BAD_ROW_KEY in row: raise BadRow(row[BAD_ROW_KEY]['reason'], kind=row[BAD_ROW_KEY]['kind'])  # the reader's verdict
+    # the reader's verdict
+    if BAD_ROW_KEY in row: raise BadRow(row[BAD_ROW_KEY]['reason'], kind=row[BAD_ROW_KEY]['kind'])
     if fmt not in FORMATS: raise BadRow(f"unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
-    if any(row.get(k) is None for k in FORMATS[fmt].fields):  # not this format's row: is it another's (a file of mixed formats)?
+    # not this format's row: is it another's (a file of mixed formats)?
+    if any(row.get(k) is None for k in FORMATS[fmt].fields):
         has = [k for k, v in row.items() if v is not None]
         try: other = detect_format(has)
         except BadRow: other = fmt
         if other != fmt:
-            raise BadRow(f"looks like {FORMATS[other].title} ({', '.join(has)}), the source's rows like {FORMATS[fmt].title} (its first rows, or its "
-                         "`format`): one source holds one format; put these rows in a source of their own", kind='mixed_formats')
+            raise BadRow(f"looks like {FORMATS[other].title} ({', '.join(has)}), the source's rows like "
+                         f"{FORMATS[fmt].title} (its first rows, or its `format`): one source holds one format; put "
+                         "these rows in a source of their own", kind='mixed_formats')
     return FORMATS[fmt].normalize(row, null_content)

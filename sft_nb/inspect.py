@@ -57,10 +57,12 @@ def char_roles(ex: Example) -> list[str]:
 def token_rows(ex: Example, tokenizer=None) -> list[TokenRow]:
     "One `TokenRow` per token of `ex`."
     labels = labels_for(ex.input_ids, ex.loss_mask)
-    names = tokenizer.convert_ids_to_tokens(list(ex.input_ids)) if tokenizer is not None else [str(i) for i in ex.input_ids]
+    names = (tokenizer.convert_ids_to_tokens(list(ex.input_ids)) if tokenizer is not None
+             else [str(i) for i in ex.input_ids])
     if not ex.text or not ex.offsets:  # pretokenized rows: no text to point into
         pieces = [tokenizer.decode([i]) if tokenizer is not None else f'{i} ' for i in ex.input_ids]
-        return [TokenRow(p, i, n, pc, -1, -1, bool(m), l, 'template') for p, (i, n, pc, m, l) in enumerate(zip(ex.input_ids, names, pieces, ex.loss_mask, labels))]
+        return [TokenRow(p, i, n, pc, -1, -1, bool(m), l, 'template')
+                for p, (i, n, pc, m, l) in enumerate(zip(ex.input_ids, names, pieces, ex.loss_mask, labels))]
     roles, out, seen = char_roles(ex), [], 0
     for p, (i, n, (s, e), m, l) in enumerate(zip(ex.input_ids, names, ex.offsets, ex.loss_mask, labels)):
         role = next((r for r in roles[s:e] if r != 'template'), 'template')
@@ -70,7 +72,8 @@ def token_rows(ex: Example, tokenizer=None) -> list[TokenRow]:
 
 # %% ../nbs/03_inspect.ipynb #139223de
 _CSS = ('<style>.sftnb{font-family:ui-monospace,Menlo,Consolas,monospace;font-size:12px;line-height:2}'
-        '.sftnb .k{display:inline-block;white-space:pre;border-radius:3px;padding:1px 1px;margin-right:1px;border-bottom:3px solid}'
+        '.sftnb .k{display:inline-block;white-space:pre;border-radius:3px;padding:1px 1px;margin-right:1px;'
+        'border-bottom:3px solid}'
         '.sftnb .c{white-space:pre-wrap;border-bottom:3px solid}.sftnb .head{font-family:sans-serif;margin-bottom:4px}'
         '.sftnb .err{background:#fde2e1;padding:4px;font-family:sans-serif}</style>')
 
@@ -87,7 +90,8 @@ def _head(ex: Example, header: str) -> str:
 
 # %% ../nbs/03_inspect.ipynb #1b5038df
 def _legend_html() -> str:
-    fill = ''.join(f'<span class="k" style="background:{COLORS[k]};border-color:transparent">{k}</span> ' for k in ('trained', 'masked'))
+    fill = ''.join(f'<span class="k" style="background:{COLORS[k]};border-color:transparent">{k}</span> '
+                   for k in ('trained', 'masked'))
     return fill + ' '.join(f'<span class="k" style="border-color:{c}">{r}</span>' for r, c in ROLE_COLORS.items())
 
 # %% ../nbs/03_inspect.ipynb #f8346878
@@ -136,8 +140,9 @@ def _with_images(cells: list, ex) -> list:
 def _is_processor(tok) -> bool: return tok is not None and hasattr(tok, 'image_processor')
 
 # %% ../nbs/03_inspect.ipynb #455eded4
-CALL_TAIL_NOTE = ("train tool calls is off: the call's tokens are not trained; the end-of-turn after the call still is, since it is "
-                  "predicted with the call in view: the model learns to end its turn after calling, not to skip the call")
+CALL_TAIL_NOTE = ("train tool calls is off: the call's tokens are not trained; the end-of-turn after the call still "
+                  "is, since it is predicted with the call in view: the model learns to end its turn after calling, "
+                  "not to skip the call")
 
 # %% ../nbs/03_inspect.ipynb #7ed0044d
 def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view: str, note: str = '') -> str:
@@ -145,9 +150,10 @@ def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view
     NL, out = '\n', []
     for t, trained, role, r in cells:
         if isinstance(r, ImageChip):  # one chip with a thumbnail in place of the image's placeholder tokens
-            out.append(f'<span class="k n r-{role} img" style="background:{COLORS["masked"]};border-color:{ROLE_COLORS[role]}" '
-                       f'title="image {r.k} | tokens {r.start}-{r.end - 1} | never trained">'
-                       f'<img src="{r.thumb}" style="height:48px;vertical-align:middle"> {r.end - r.start} tokens</span>')
+            out.append(f'<span class="k n r-{role} img" '
+                       f'style="background:{COLORS["masked"]};border-color:{ROLE_COLORS[role]}" '
+                       f'title="image {r.k} | tokens {r.start}-{r.end - 1} | never trained"><img src="{r.thumb}" '
+                       f'style="height:48px;vertical-align:middle"> {r.end - r.start} tokens</span>')
             continue
         style = f'background:{COLORS["trained" if trained else "masked"]};border-color:{ROLE_COLORS[role]}'
         cls = f'{"y" if trained else "n"} r-{role}'
@@ -159,8 +165,10 @@ def _html_form(cells: list, head: str, tokenizer, losses: dict | None, loss_view
         title = html.escape(f'pos {r.pos} | id {r.id} | label {r.label} | {role} | {r.token!r}' + lt)
         shown = html.escape(t.replace(NL, '↵'))
         out.append(f'<span class="k {cls}" style="{style}" title="{title}">{shown}</span>' + '<br>' * t.count(NL))
-    legend = _legend_html() + (loss_legend_html(loss_view) if losses else '') + (f'<div class="note">{html.escape(note)}</div>' if note else '')
-    return f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div><div>{"".join(out)}</div></div>'
+    legend = (_legend_html() + (loss_legend_html(loss_view) if losses else '')
+              + (f'<div class="note">{html.escape(note)}</div>' if note else ''))
+    return (f'{_CSS}<div class="sftnb"><div class="head">{html.escape(head)}</div><div class="head">{legend}</div>'
+            f'<div>{"".join(out)}</div></div>')
 
 # %% ../nbs/03_inspect.ipynb #9620ebe0
 def _text_form(cells: list, head: str) -> str:
@@ -176,7 +184,8 @@ def _ansi_form(cells: list, head: str, losses: dict | None, loss_view: str) -> s
     "24-bit ANSI: background = trained/masked (or the loss fill), foreground = role, alternate shades between tokens."
     NL, body = '\n', []
     for k, (t, trained, role, r) in enumerate(cells):
-        fill = _loss_bg(losses, r.pos, loss_view) if losses and trained and isinstance(r, TokenRow) and loss_title(losses, r.pos) else None
+        fill = (_loss_bg(losses, r.pos, loss_view)
+                if losses and trained and isinstance(r, TokenRow) and loss_title(losses, r.pos) else None)
         bg = hex_to_rgb(_shade(fill or COLORS['trained' if trained else 'masked'], .85 if k % 2 and r else 1.0))
         fg = hex_to_rgb(ROLE_COLORS[role])
         on = f'\x1b[48;2;{bg[0]};{bg[1]};{bg[2]}m\x1b[38;2;{fg[0]};{fg[1]};{fg[2]}m'
@@ -192,11 +201,13 @@ def example_markup(ex: Example, # a tokenized row
                    view: str = 'tokens', # 'tokens' (one chip per token) | 'text' (the rendered text, by character)
                    header: str = '', # prefix of the summary line (e.g. 'row 3')
                    losses: dict | None = None, # loss mode: one `token_losses` result for this row (see "Loss mode")
-                   loss_view: str = 'now', # loss mode: 'now' (shade by loss) | 'diff' (shade by the change since the first scoring)
+                   loss_view: str = 'now', # loss mode: 'now' (shade by loss) | 'diff' (by change since first scoring)
                   ) -> str:
     "The row drawn as token chips (or coloured text) in HTML, ANSI or plain text, with a summary line."
-    if form not in ('html', 'ansi', 'text'): raise ValueError(f"form: {form!r} is not allowed; allowed values: html, ansi, text")
-    if _is_processor(tokenizer): tokenizer = tokenizer.tokenizer  # a vision-language processor: its text tokenizer names the tokens
+    if form not in ('html', 'ansi', 'text'):
+        raise ValueError(f"form: {form!r} is not allowed; allowed values: html, ansi, text")
+    # a vision-language processor: its text tokenizer names the tokens
+    if _is_processor(tokenizer): tokenizer = tokenizer.tokenizer
     if view not in ('tokens', 'text'): raise ValueError(f"view: {view!r} is not allowed; allowed values: tokens, text")
     if view == 'text' and ex.text and ex.offsets: cells = [(t, tr, role, None) for t, tr, role in _runs(ex)]
     else: cells = _with_images([(r.piece or '◦', r.trained, r.role, r) for r in token_rows(ex, tokenizer)], ex)
@@ -210,7 +221,8 @@ def example_markup(ex: Example, # a tokenized row
 # %% ../nbs/03_inspect.ipynb #a52baa74
 LOSS_SCALE = ((0, '#ffffcc'), (2, '#fed976'), (4, '#fd8d3c'), (6, '#e31a1c'), (8, '#800026'))  # nats → fill (YlOrRd)
 
-DELTA_SCALE = ((-4, '#2166ac'), (-1, '#92c5de'), (0, '#f7f7f7'), (1, '#f4a582'), (4, '#b2182b'))  # Δ nats: easier → harder
+# Δ nats: easier → harder
+DELTA_SCALE = ((-4, '#2166ac'), (-1, '#92c5de'), (0, '#f7f7f7'), (1, '#f4a582'), (4, '#b2182b'))
 
 # %% ../nbs/03_inspect.ipynb #098e0c9a
 def scale_color(x: float, scale=LOSS_SCALE) -> str:
@@ -231,18 +243,21 @@ def _ink(bg: str) -> str:
 # %% ../nbs/03_inspect.ipynb #981bdd9a
 def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
     now = float(losses['nll'][pos])
-    if view == 'diff' and losses.get('before_nll') is not None: return scale_color(now - float(losses['before_nll'][pos]), DELTA_SCALE)
+    if view == 'diff' and losses.get('before_nll') is not None:
+        return scale_color(now - float(losses['before_nll'][pos]), DELTA_SCALE)
     return scale_color(now)
 
 # %% ../nbs/03_inspect.ipynb #77be2660
 def loss_title(losses: dict, pos: int, tokenizer=None) -> str:
-    "Hover text of a scored token: its loss, the change since its first scoring, the top-k alternatives ('' where not scored)."
+    """Hover text of a scored token: its loss, the change since its first scoring, the top-k alternatives ('' where not
+    scored)."""
     import math
     v = float(losses['nll'][pos])
     if math.isnan(v): return ''
     out = f' | loss {v:.3f}'
     b = losses.get('before_nll')
-    if b is not None and not math.isnan(float(b[pos])): out += f' (first {float(b[pos]):.3f}, Δ {v - float(b[pos]):+.3f})'
+    if b is not None and not math.isnan(float(b[pos])):
+        out += f' (first {float(b[pos]):.3f}, Δ {v - float(b[pos]):+.3f})'
     ids = [int(i) for i in losses['top_ids'][pos]]
     names = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
     return out + ' | top: ' + ', '.join(f'{n!r} {float(p):.0%}' for n, p in zip(names, losses['top_p'][pos]))
@@ -253,20 +268,25 @@ def loss_summary(losses: dict, view: str = 'now') -> str:
     import numpy as np
     v = np.asarray(losses['nll'], dtype=float); v = v[~np.isnan(v)]
     if not len(v): return ' · no trained token scored'
-    s = f" · loss mean {v.mean():.3f} max {v.max():.3f}" + (f" (step {losses['step']})" if losses.get('step') is not None else '')
+    s = f" · loss mean {v.mean():.3f} max {v.max():.3f}" + (f" (step {losses['step']})"
+                                                            if losses.get('step') is not None else '')
     b = losses.get('before_nll')
     if view == 'diff' and b is not None:
         bb = np.asarray(b, dtype=float); bb = bb[~np.isnan(bb)]
-        s += f" · first scored{' at step ' + str(losses['before_step']) if losses.get('before_step') is not None else ''}: mean {bb.mean():.3f}"
+        s += (" · first scored"
+              f"{' at step ' + str(losses['before_step']) if losses.get('before_step') is not None else ''}"
+              f": mean {bb.mean():.3f}")
     return s
 
 # %% ../nbs/03_inspect.ipynb #470c894c
 def loss_legend_html(view: str = 'now') -> str:
     "The legend of the loss fill: swatches along the scale."
     if view == 'diff':
-        items, label = [(x, scale_color(x, DELTA_SCALE), f'{x:+d}') for x in (-4, -2, -1, 0, 1, 2, 4)], 'Δ loss since first scored (nats): easier ← → harder'
+        items, label = ([(x, scale_color(x, DELTA_SCALE), f'{x:+d}') for x in (-4, -2, -1, 0, 1, 2, 4)],
+                        'Δ loss since first scored (nats): easier ← → harder')
     else: items, label = [(x, scale_color(x), f'{x}' + ('+' if x == 8 else '')) for x in range(0, 9)], 'loss (nats)'
-    sw = ''.join(f'<span class="k" style="background:{c};color:{_ink(c)};border-color:transparent">{t}</span>' for _, c, t in items)
+    sw = ''.join(f'<span class="k" style="background:{c};color:{_ink(c)};border-color:transparent">{t}</span>'
+                 for _, c, t in items)
     return f'<div class="loss-legend" data-view="{view}">{label} {sw}</div>'
 
 # %% ../nbs/03_inspect.ipynb #c99d6ef4
@@ -277,7 +297,8 @@ def inspect_examples(rows, # a loaded source (datasets.Dataset)
                      fmt: str | None = None, # format; None = detect from the columns
                      base_dir: str | Path | None = None, # folder of relative image paths (processor only)
                     ) -> tuple[list[Example], str]:
-    "Row `index` tokenized as training does, truncation included: `([Example, ...], '')` (several when `rewritten_turns='expand'` splits it), or `([], reason)`."
+    """Row `index` tokenized as training does, truncation included: `([Example, ...], '')` (several when
+    `rewritten_turns='expand'` splits it), or `([], reason)`."""
     if _is_processor(tokenizer):  # the trainer's vision path: processor-exact ids, image placeholders never trained
         from sft_nb.vision import tokenize_vision_rows
         good, bad = tokenize_vision_rows([row_dict(rows[int(index)])], tokenizer, spec, base_dir, [int(index)])
@@ -305,15 +326,17 @@ class Inspector:
     "Token/mask inspector: every token of a row as a chip coloured by trained/masked and by role."
     def __init__(self, source, # path, list of dicts, DataFrame, Dataset, or {name: any of these}
                  tokenizer, # fast HF tokenizer (with the template's special tokens)
-                 config: TokenizeConfig | None = None, # the tokenize settings training uses (mode, max_length, truncation, template, kwargs, ...)
+                 config: TokenizeConfig | None = None, # training's tokenize settings (mode, max_length, ...)
                  *, row: int = 0, # first row shown
                  view: str = 'tokens', # 'tokens' | 'text'
-                 trainer=None, # loss mode: anything with `token_losses(examples, k=...)` (an `SFTTrainer`, a `sft_nb.lens.RunScorer`)
+                 trainer=None, # loss mode: has `token_losses(examples, k=...)` (`SFTTrainer`, `sft_nb.lens.RunScorer`)
                  k: int = 3, # loss mode: alternatives shown per token
                 ):
         import ipywidgets as W
-        c = self.base = config if config is not None else TokenizeConfig()  # the controls start from it; `spec` is it with their values
-        self.tokenizer, self.template, self.format, self._loaded = tokenizer, load_template(c.chat_template), c.format, {}
+        # the controls start from it; `spec` is it with their values
+        c = self.base = config if config is not None else TokenizeConfig()
+        self.tokenizer, self.template, self.format, self._loaded = (
+            tokenizer, load_template(c.chat_template), c.format, {})
         self.sources = _named_sources(source)
         self.base_dirs = {name: image_base_dir(src) for name, src in self.sources.items()}
         self.source = W.Dropdown(options=list(self.sources), description='source')
@@ -324,20 +347,26 @@ class Inspector:
         # a browser cuts a long description at the default 90px ('template …'): size the label to its text
         self.kwargs = W.Text(value=json.dumps(c.chat_template_kwargs or {}), description='template kwargs',
                              style={'description_width': 'initial'}, layout=W.Layout(width='420px'))
-        self.rewritten_turns = W.Dropdown(options=REWRITTEN_TURNS, value=c.rewritten_turns, description='rewritten turns', style={'description_width': 'initial'})
+        self.rewritten_turns = W.Dropdown(options=REWRITTEN_TURNS, value=c.rewritten_turns,
+                                          description='rewritten turns', style={'description_width': 'initial'})
         self.reasoning = W.Checkbox(value=c.train_on_reasoning, description='train reasoning', indent=False)
         self.tool_calls = W.Checkbox(value=c.train_on_tool_calls, description='train tool calls', indent=False)
         self.max_length = W.IntText(value=c.max_length or 0, description='max_length', layout=W.Layout(width='180px'))
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
         self.scorer, self.k, self.losses, self.first_losses = trainer, k, [], {}
-        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now', style={'button_width': 'auto'},
+        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now',
+                                         style={'button_width': 'auto'},
                                          layout=W.Layout(display='' if trainer is not None else 'none'))
-        self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]), W.HBox([self.mode, self.max_length, self.view]),
-                              W.HBox([self.rewritten_turns, self.reasoning, self.tool_calls]), self.kwargs, self.loss_view, self.html])
+        self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]),
+                              W.HBox([self.mode, self.max_length, self.view]),
+                              W.HBox([self.rewritten_turns, self.reasoning, self.tool_calls]), self.kwargs,
+                              self.loss_view, self.html])
         self.widget.add_class('sft-nb-inspector')
         self._load(); self.row.value = min(row, self.row.max)
-        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.rewritten_turns, self.reasoning, self.tool_calls, self.loss_view): w.observe(lambda _: self.update(), names='value')
+        for w in (self.row, self.mode, self.kwargs, self.max_length, self.view, self.rewritten_turns, self.reasoning,
+                  self.tool_calls, self.loss_view):
+            w.observe(lambda _: self.update(), names='value')
         self.source.observe(lambda _: (self._load(), self.update()), names='value')
         self.update()
 
@@ -348,7 +377,8 @@ def _load(self: Inspector):
     if name not in self._loaded:
         ds = load_source(self.sources[name])
         # the rule training follows (`source_format`): the source's own format, else tokenize.format, else detected
-        fmt = None if _is_processor(self.tokenizer) else source_format(self.sources[name], self.format, lambda: source_columns(ds))
+        fmt = (None if _is_processor(self.tokenizer)
+               else source_format(self.sources[name], self.format, lambda: source_columns(ds)))
         self._loaded[name] = ds, fmt
     self.rows, self.fmt = self._loaded[name]
     self.row.max = max(0, len(self.rows) - 1)
@@ -360,8 +390,9 @@ def spec(self: Inspector) -> TokenizeConfig:
     "The inspector's `TokenizeConfig` with the controls' values (raises on template kwargs that are not a JSON object)."
     kw = json.loads(self.kwargs.value or '{}')
     if not isinstance(kw, dict): raise ValueError('template kwargs must be a JSON object')
-    return dataclasses.replace(self.base, mode=self.mode.value, max_length=self.max_length.value or None, chat_template=self.template,
-                               chat_template_kwargs=kw, rewritten_turns=self.rewritten_turns.value, train_on_reasoning=self.reasoning.value,
+    return dataclasses.replace(self.base, mode=self.mode.value, max_length=self.max_length.value or None,
+                               chat_template=self.template, chat_template_kwargs=kw,
+                               rewritten_turns=self.rewritten_turns.value, train_on_reasoning=self.reasoning.value,
                                train_on_tool_calls=self.tool_calls.value)
 
 # %% ../nbs/03_inspect.ipynb #1acabf46
@@ -372,17 +403,23 @@ def update(self: Inspector):
                                                       self.base_dirs.get(self.source.value))
     except ValueError as e: self.examples, self.error = [], f'template kwargs: {e}'
     self.example = self.examples[0] if self.examples else None
-    self.losses = self.score(self.examples) if self.scorer is not None and self.examples else [None] * len(self.examples)
+    self.losses = (self.score(self.examples) if self.scorer is not None and self.examples
+                   else [None] * len(self.examples))
     head = f'{self.source.value} row {self.row.value} · {self.mode.value}'
     lv = self.loss_view.value
     if self.example is None:
-        self.html.value = f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — {html.escape(self.error)}</div></div>'
-    elif len(self.examples) == 1: self.html.value = example_markup(self.example, self.tokenizer, 'html', self.view.value, head, self.losses[0], lv)
+        self.html.value = (f'{_CSS}<div class="sftnb"><div class="err">{html.escape(head)}: not trained — '
+                           f'{html.escape(self.error)}</div></div>')
+    elif len(self.examples) == 1: self.html.value = example_markup(self.example, self.tokenizer, 'html',
+                                                                   self.view.value, head, self.losses[0], lv)
     else:  # rewritten_turns='expand': the examples of one row side by side, one column per trained turn
         n = len(self.examples)
-        cols = [f'<div style="flex:1;min-width:0">{example_markup(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}</div>'
+        cols = ['<div style="flex:1;min-width:0">'
+                f'{example_markup(ex, self.tokenizer, "html", self.view.value, f"{head} · example {k + 1}/{n}", lo, lv)}'
+                '</div>'
                 for k, (ex, lo) in enumerate(zip(self.examples, self.losses))]
-        self.html.value = f'<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">{"".join(cols)}</div>'
+        self.html.value = ('<div class="sftnb-examples" style="display:flex;gap:12px;align-items:flex-start">'
+                           f'{"".join(cols)}</div>')
     if (mech := self.mechanism()):  # under the rendering: which mechanism found the spans, and why
         self.html.value += f'<div class="sftnb"><div class="head">spans: {html.escape(mech)}</div></div>'
 
@@ -412,7 +449,8 @@ from fastcore.basics import patch
 
 @patch
 def score(self: Inspector, examples: list) -> list[dict]:
-    "Loss mode: the scorer's `token_losses` of `examples`, each with the losses of its first scoring (`before_nll`) for the diff view."
+    """Loss mode: the scorer's `token_losses` of `examples`, each with the losses of its first scoring (`before_nll`)
+    for the diff view."""
     res = [dict(r) for r in self.scorer.token_losses(examples, k=self.k)]
     for ex, r in zip(examples, res):
         if r.get('before_nll') is None:  # a scorer that keeps no baseline: this inspector keeps the first one it saw
@@ -425,58 +463,79 @@ def inspect_main(argv: list[str] | None = None,
                  run_loader=None, # `--run`: RUN_DIR → (scorer with `token_losses`, the run's tokenize settings); `sft-nb inspect` passes `sft_nb.lens.run_scorer`
                  tokenizer_loader=None, # (model, template, family) → tokenizer or processor; `sft-nb inspect` passes `sft_nb.models.load_tokenizer`
                 ) -> int:
-    "CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the exit status (1: the row would not be trained, 2: no such row)."
+    """CLI entry: print one row's tokens and loss mask (with `--run`, shaded by the run's per-token losses); returns the
+    exit status (1: the row would not be trained, 2: no such row)."""
     p = argparse.ArgumentParser(prog='sft-nb inspect', description='Show the tokens and loss mask of one dataset row.')
     p.add_argument('data', help='dataset: .json/.jsonl/.parquet/.arrow file, save_to_disk folder or hub name')
     p.add_argument('--row', type=int, default=0, help='row index')
-    p.add_argument('--model', default=None, help="tokenizer: 'tiny' (default), 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
+    p.add_argument('--model', default=None,
+                   help="tokenizer: 'tiny' (default), 'smollm2', 'tiny-vlm' (image rows), a local folder or a hub id")
     p.add_argument('--mode', default=None, choices=MODES, help='masking mode (default all_assistant)')
-    p.add_argument('--rewritten-turns', default=None, choices=REWRITTEN_TURNS, help='all_assistant on a template that rewrites earlier turns (default expand)')
+    p.add_argument('--rewritten-turns', default=None, choices=REWRITTEN_TURNS,
+                   help='all_assistant on a template that rewrites earlier turns (default expand)')
     p.add_argument('--no-train-reasoning', action='store_true', help='mask <think>…</think> blocks of trained turns')
     p.add_argument('--no-train-tool-calls', action='store_true', help='mask the tool calls of trained turns')
-    p.add_argument('--template', default=None, help="chat template replacing the tokenizer's: a shipped name (chatml, llama3, mistral, gemma, phi3, qwen2.5, qwen3) or a .jinja path")
-    p.add_argument('--family', default=None, choices=sorted(FAMILY_SPECIALS), help="add this template family's special tokens")
+    p.add_argument('--template', default=None,
+                   help="chat template replacing the tokenizer's: a shipped name (chatml, llama3, mistral, gemma, "
+                        "phi3, qwen2.5, qwen3) or a .jinja path")
+    p.add_argument('--family', default=None, choices=sorted(FAMILY_SPECIALS),
+                   help="add this template family's special tokens")
     p.add_argument('--max-length', type=int, default=None, help='longest row in tokens (tokenize.max_length)')
-    p.add_argument('--truncation', default=None, choices=('drop', 'keep_start'), help='a longer row: dropped (default, as training) or cut')
+    p.add_argument('--truncation', default=None, choices=('drop', 'keep_start'),
+                   help='a longer row: dropped (default, as training) or cut')
     p.add_argument('--chat-template-kwargs', default='{}', help='JSON object of extra template variables')
     p.add_argument('--format', default='auto', help='source format (auto-detected by default)')
     p.add_argument('--view', default='tokens', choices=('tokens', 'text'))
-    p.add_argument('--color', default='always', choices=('always', 'never'), help="'never' prints ⟦trained⟧ runs as plain text")
-    p.add_argument('--run', default=None, help="a run folder: shade trained tokens by the loss of its exported (hf/) or latest checkpointed model, "
-                   "with its tokenizer and tokenize settings (the options above still override them)")
+    p.add_argument('--color', default='always', choices=('always', 'never'),
+                   help="'never' prints ⟦trained⟧ runs as plain text")
+    p.add_argument('--run', default=None,
+                   help="a run folder: shade trained tokens by the loss of its exported (hf/) or latest checkpointed "
+                   "model, with its tokenizer and tokenize settings (the options above still override them)")
     p.add_argument('--top-k', type=int, default=3, help='with --run: alternatives shown per token')
     p.add_argument('--html', default=None, help='also write the rendering to this HTML file')
     a = p.parse_args(argv)
     scorer, run = (None, {}) if a.run is None else _run_settings(a, run_loader)
-    a.model, a.mode, a.rewritten_turns = a.model or run.get('model') or 'tiny', a.mode or run.get('mode') or 'all_assistant', a.rewritten_turns or run.get('rewritten_turns') or 'expand'
+    a.model, a.mode, a.rewritten_turns = (a.model or run.get('model') or 'tiny',
+                                          a.mode or run.get('mode') or 'all_assistant',
+                                          a.rewritten_turns or run.get('rewritten_turns') or 'expand')
     a.template, a.max_length = a.template or run.get('template'), a.max_length or run.get('max_length')
     a.truncation = a.truncation or run.get('truncation') or 'drop'
-    if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'): a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
-    a.no_train_reasoning |= run.get('train_on_reasoning') is False; a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
-    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
+    if a.chat_template_kwargs == '{}' and run.get('chat_template_kwargs'):
+        a.chat_template_kwargs = json.dumps(run['chat_template_kwargs'])
+    a.no_train_reasoning |= run.get('train_on_reasoning') is False
+    a.no_train_tool_calls |= run.get('train_on_tool_calls') is False
+    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb inspect` (sft_nb.cli), or "
+                                                  "tokenizer_loader=sft_nb.models.load_tokenizer")
     tokenizer = tokenizer_loader(a.model, a.template, a.family)
     rows = load_source(a.data)
     if not 0 <= a.row < len(rows):
-        print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr); return 2
-    spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=a.template, chat_template_kwargs=json.loads(a.chat_template_kwargs),
-                        rewritten_turns=a.rewritten_turns, train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
-                        truncation=a.truncation)
-    exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format, image_base_dir(a.data))
+        print(f'sft-nb inspect: --row {a.row} is out of range: {a.data} has {len(rows)} rows', file=sys.stderr)
+        return 2
+    spec = TokenizeConfig(mode=a.mode, max_length=a.max_length, chat_template=a.template,
+                          chat_template_kwargs=json.loads(a.chat_template_kwargs), rewritten_turns=a.rewritten_turns,
+                          train_on_reasoning=not a.no_train_reasoning, train_on_tool_calls=not a.no_train_tool_calls,
+                          truncation=a.truncation)
+    exs, err = inspect_examples(rows, a.row, tokenizer, spec, None if a.format == 'auto' else a.format,
+                                image_base_dir(a.data))
     head = f'{a.data} row {a.row} · {a.mode}'
     if not exs:
         print(f'{head}: not trained — {err}'); return 1
     form = 'text' if a.color == 'never' or os.environ.get('NO_COLOR') else 'ansi'
     losses = scorer.token_losses(exs, k=a.top_k) if scorer is not None else [None] * len(exs)
     heads = [head + (f' · example {k + 1}/{len(exs)}' if len(exs) > 1 else '') for k in range(len(exs))]
-    for ex, lo, h in zip(exs, losses, heads): sys.stdout.write(example_markup(ex, tokenizer, form, a.view, h, lo) + '\n')
+    for ex, lo, h in zip(exs, losses, heads):
+        sys.stdout.write(example_markup(ex, tokenizer, form, a.view, h, lo) + '\n')
     if a.html:
         body = ''.join(example_markup(ex, tokenizer, 'html', a.view, h, lo) for ex, lo, h in zip(exs, losses, heads))
-        Path(a.html).write_text(f'<!doctype html><html><head><meta charset="utf-8"><title>{html.escape(head)}</title></head><body>{body}</body></html>')
+        Path(a.html).write_text('<!doctype html><html><head><meta charset="utf-8">'
+                                f'<title>{html.escape(head)}</title></head><body>{body}</body></html>')
         print(f'wrote {a.html}', file=sys.stderr)
     return 0
 
 # %% ../nbs/03_inspect.ipynb #d901870d
 def _run_settings(a, run_loader) -> tuple:
-    "`--run`: the run's scorer and settings, from `run_loader` (which lives above this module: it loads a trained model)."
-    if run_loader is None: raise ValueError("--run: scoring a run needs `sft-nb inspect` (sft_nb.cli), which can load its model")
+    """`--run`: the run's scorer and settings, from `run_loader` (which lives above this module: it loads a trained
+    model)."""
+    if run_loader is None: raise ValueError("--run: scoring a run needs `sft-nb inspect` (sft_nb.cli), which can load "
+                                            "its model")
     return run_loader(a.run)

@@ -19,7 +19,8 @@ class _DuplicateKey(ValueError):
 def _unique_keys(pairs: list) -> dict:
     "`object_pairs_hook` refusing an object with a repeated key."
     d = dict(pairs)
-    if len(d) != len(pairs): raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
+    if len(d) != len(pairs):
+        raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
 
 # %% ../nbs/01b_jsonl.ipynb #8635e918
@@ -27,8 +28,8 @@ MAX_ROW_BYTES = 1 << 27  # 128 MiB: one JSONL line past it is a bad row, never r
 
 def bounded_lines(f, digest=None):
     """`(line, its length in the file)` per line of binary file `f`, holding at most `MAX_ROW_BYTES + 1` bytes of one: a
-    longer line comes as its first `MAX_ROW_BYTES + 1` bytes (the rest read past in 16 MiB chunks), which `json_line` refuses.
-    `digest` is fed every byte."""
+    longer line comes as its first `MAX_ROW_BYTES + 1` bytes (the rest read past in 16 MiB chunks), which `json_line`
+    refuses. `digest` is fed every byte."""
     while raw := f.readline(MAX_ROW_BYTES + 1):
         if digest is not None: digest.update(raw)
         n = len(raw)
@@ -43,21 +44,27 @@ def bounded_lines(f, digest=None):
 def json_line(raw: bytes, # one line of a JSONL file, as read
               p, n: int, # the file and the line number (1-based), for the reason
              ) -> tuple[str | None, dict | BadRow] | None:
-    "The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8, not JSON, a key twice, not an object)."
+    """The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8,
+    not JSON, a key twice, not an object)."""
     if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
     if len(raw) > MAX_ROW_BYTES:
-        return None, BadRow(f"{p}: line {n} is over {MAX_ROW_BYTES >> 20} MiB; a row that long is past any model's context: split or drop it", kind='bad_json')
+        return None, BadRow(f"{p}: line {n} is over {MAX_ROW_BYTES >> 20} MiB; a row that long is past any model's "
+                            "context: split or drop it", kind='bad_json')
     if not raw.strip(): return None
     try: text = raw.decode('utf-8').strip()
     except UnicodeDecodeError as e:
-        return None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the line)", kind='bad_encoding')
+        return None, BadRow(f"{p}: line {n} is not valid UTF-8 (byte {raw[e.start]:#04x} at byte {e.start + 1} of the "
+                            "line)", kind='bad_encoding')
     try: row = json.loads(text, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
-        if '\r' in text: return None, BadRow(f"{p}: line {n} holds carriage returns (CR) between rows: the file ends its lines with CR alone "
-                                             "(old Mac style); JSONL rows end with \\n: convert it (tr '\\r' '\\n' < in > out)", kind='bad_json')
+        if '\r' in text: return None, BadRow(f"{p}: line {n} holds carriage returns (CR) between rows: the file ends "
+                                             "its lines with CR alone (old Mac style); JSONL rows end with \\n: "
+                                             "convert it (tr '\\r' '\\n' < in > out)", kind='bad_json')
         return None, BadRow(f"{p}: line {n} is not valid JSON ({e.msg} at column {e.colno})", kind='bad_json')
-    except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; keep one of them", kind='bad_json')
-    except RecursionError: return None, BadRow(f"{p}: line {n}: JSON nested deeper than Python's JSON reader goes (no row needs that)", kind='bad_json')
+    except _DuplicateKey as e: return None, BadRow(f"{p}: line {n}: key {e.args[0]!r} appears twice in one object; "
+                                                   "keep one of them", kind='bad_json')
+    except RecursionError: return None, BadRow(f"{p}: line {n}: JSON nested deeper than Python's JSON reader goes (no "
+                                               "row needs that)", kind='bad_json')
     if isinstance(row, dict): return text, row
     return None, BadRow(f"{p}: line {n}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
 
@@ -89,15 +96,19 @@ def _array_records(f, p: Path, digest=None):
         dup = None
         try: row, j = dec.raw_decode(text, i)
         except json.JSONDecodeError as e:
-            raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be read past a "
-                         "broken element (in JSONL a broken line is one bad row)", kind='bad_json') from None
+            raise BadRow(f"{p}: line {e.lineno} column {e.colno} is not valid JSON ({e.msg}); a JSON list cannot be "
+                         "read past a broken element (in JSONL a broken line is one bad row)",
+                         kind='bad_json') from None
         except _DuplicateKey as e: (row, j), dup = plain.raw_decode(text, i), e.args[0]
         except RecursionError:
-            raise BadRow(f"{p}: line {line}: JSON nested deeper than Python's JSON reader goes; a JSON list cannot be read past it", kind='bad_json') from None
-        if dup is not None: yield line, None, BadRow(f"{p}: line {line}: key {dup!r} appears twice in one object; keep one of them", kind='bad_json')
+            raise BadRow(f"{p}: line {line}: JSON nested deeper than Python's JSON reader goes; a JSON list cannot be "
+                         "read past it", kind='bad_json') from None
+        if dup is not None: yield line, None, BadRow(f"{p}: line {line}: key {dup!r} appears twice in one object; keep "
+                                                     "one of them", kind='bad_json')
         elif lossy and _UNDECODABLE.search(text, i, j):
             yield line, None, BadRow(f"{p}: line {line}: the row is not valid UTF-8", kind='bad_encoding')
-        elif not isinstance(row, dict): yield line, None, BadRow(f"{p}: line {line}: expected a JSON object, got {type(row).__name__}", kind='bad_json')
+        elif not isinstance(row, dict): yield line, None, BadRow(f"{p}: line {line}: expected a JSON object, got "
+                                                                 f"{type(row).__name__}", kind='bad_json')
         else: yield line, text[i:j], row
         i = ws.match(text, j).end()
         if text.startswith(',', i): i = ws.match(text, i + 1).end()
@@ -107,19 +118,23 @@ def _array_records(f, p: Path, digest=None):
 
 # %% ../nbs/01b_jsonl.ipynb #a1d0e00a
 def _refuse_one_object(f, p: Path):
-    "A .json file that is one multi-line object (`{\"data\": [...]}`) is not rows: say where its rows are (else every line is 'invalid JSON')."
+    """A .json file that is one multi-line object (`{\"data\": [...]}`) is not rows: say where its rows are (else every
+    line is 'invalid JSON')."""
     text = f.read().decode('utf-8', 'replace').lstrip('\ufeff \t\r\n'); f.seek(0)
     try: obj, end = json.JSONDecoder().raw_decode(text)
     except (json.JSONDecodeError, RecursionError): return  # the row reader names it
-    if not isinstance(obj, dict) or text[end:].strip() or '\n' not in text[:end].strip(): return  # JSON lines, or one row on one line
+    # JSON lines, or one row on one line
+    if not isinstance(obj, dict) or text[end:].strip() or '\n' not in text[:end].strip(): return
     lists = [k for k, v in obj.items() if isinstance(v, list)]
-    where = f"its rows look like the list under {lists[0]!r}: save that list as the file (a JSON list) or as JSONL" if lists else \
-            "a .json source is a JSON list of rows or one row per line (JSONL)"
-    raise BadRow(f"{p}: one JSON object spread over several lines (keys {', '.join(map(repr, list(obj)[:5]))}), not rows; {where}", kind='bad_json')
+    where = (f"its rows look like the list under {lists[0]!r}: save that list as the file (a JSON list) or as JSONL"
+             if lists else "a .json source is a JSON list of rows or one row per line (JSONL)")
+    raise BadRow(f"{p}: one JSON object spread over several lines (keys {', '.join(map(repr, list(obj)[:5]))}), not "
+                 f"rows; {where}", kind='bad_json')
 
 # %% ../nbs/01b_jsonl.ipynb #12c6a66e
 def json_records(p: Path, digest=None):
-    "`(line, text, row | BadRow)` for every row of a .json/.jsonl file; raises `BadRow` naming the file when it has no rows."
+    """`(line, text, row | BadRow)` for every row of a .json/.jsonl file; raises `BadRow` naming the file when it has no
+    rows."""
     with open(p, 'rb') as f:
         head = b''
         while not head.lstrip(codecs.BOM_UTF8 + b' \t\r\n') and (chunk := f.read(1 << 16)): head += chunk
@@ -140,7 +155,8 @@ def iter_json_rows(path, # a .json (list or lines) or .jsonl file
                    digest=None, # a hasher from `new_digest`: fed every byte of the file as it is read
                   ):
     "Stream a JSON/JSONL file once: lists of `(row index, row dict | BadRow)`; bad lines are rows, not failures."
-    # `digest` is complete once the iterator is exhausted; a file without rows raises BadRow(kind='empty_source') at the end
+    # `digest` is complete once the iterator is exhausted; a file without rows raises BadRow(kind='empty_source') at
+    # the end
     if batch_rows < 1: raise ValueError(f"batch_rows: must be >= 1, got {batch_rows}")
     batch = []
     for i, (_, _, row) in enumerate(json_records(Path(path), digest)):

@@ -24,7 +24,8 @@ __all__ = ['train_source_names', 'lens_rows', 'fill_bins', 'lens_batch', 'exampl
 # %% ../nbs/08c_lens.ipynb #57316665
 def train_source_names(trainer) -> list[str]:
     "A name per train source: the inspector and the ranked-rows table use the same ones."
-    if trainer.train_data is not None: return [str(trainer.train_data) if isinstance(trainer.train_data, (str, Path)) else 'train_data']
+    if trainer.train_data is not None:
+        return [str(trainer.train_data) if isinstance(trainer.train_data, (str, Path)) else 'train_data']
     if trainer.cfg.data.synthetic_rows: return ['synthetic']
     return [source_name(s, k) for k, s in enumerate(trainer.cfg.data.train)]
 
@@ -33,16 +34,21 @@ def _split_pairs(trainer, split: str) -> list[tuple]:
     "(dataset, row number, source name) of every example of a split."
     names = train_source_names(trainer)
     if split == 'train': return [(trainer.data.train_sets[s], int(i), names[s]) for s, i in trainer.data.rows]
-    if split == 'heldout' and trainer.data.heldout: return [(trainer.data.train_sets[s], int(i), names[s]) for s, i in trainer.data.heldout]
-    if split in trainer.data.eval_sets: return [(trainer.data.eval_sets[split], i, split) for i in range(len(trainer.data.eval_sets[split]))]
+    if split == 'heldout' and trainer.data.heldout:
+        return [(trainer.data.train_sets[s], int(i), names[s]) for s, i in trainer.data.heldout]
+    if split in trainer.data.eval_sets:
+        return [(trainer.data.eval_sets[split], i, split) for i in range(len(trainer.data.eval_sets[split]))]
     known = ['train'] + (['heldout'] if trainer.data.heldout else []) + list(trainer.data.eval_sets)
     raise ValueError(f"rows_or_split: {split!r} is not a split of this trainer; its splits: {', '.join(known)}")
 
 # %% ../nbs/08c_lens.ipynb #3c804e34
 def _as_example(e) -> dict | None:
     "A tokenized example as {'input_ids', 'loss_mask'}, or None when `e` is not one."
-    if isinstance(e, dict): return {'input_ids': list(e['input_ids']), 'loss_mask': list(e['loss_mask'])} if 'input_ids' in e and 'loss_mask' in e else None
-    if hasattr(e, 'input_ids') and hasattr(e, 'loss_mask'): return {'input_ids': list(e.input_ids), 'loss_mask': list(e.loss_mask)}
+    if isinstance(e, dict):
+        return ({'input_ids': list(e['input_ids']), 'loss_mask': list(e['loss_mask'])}
+                if 'input_ids' in e and 'loss_mask' in e else None)
+    if hasattr(e, 'input_ids') and hasattr(e, 'loss_mask'):
+        return {'input_ids': list(e.input_ids), 'loss_mask': list(e.loss_mask)}
     return None
 
 # %% ../nbs/08c_lens.ipynb #f0e46b01
@@ -50,11 +56,14 @@ def _tokenize_raw(trainer, rows) -> list[dict]:
     "Raw rows tokenized with the trainer's tokenize settings; a row that would not be trained is an error naming it."
     t = trainer.cfg.tokenize
     spec = TokenizeConfig(t.mode, t.max_length, t.truncation, t.chat_template, t.chat_template_kwargs,
-                        rewritten_turns=t.rewritten_turns, train_on_reasoning=t.train_on_reasoning, train_on_tool_calls=t.train_on_tool_calls)
+                        rewritten_turns=t.rewritten_turns, train_on_reasoning=t.train_on_reasoning,
+                          train_on_tool_calls=t.train_on_tool_calls)
     ds = load_source(rows)
-    good, bad = tokenize_rows([row_dict(r) for r in ds], trainer.tokenizer, spec, detect_format(source_columns(ds)), keep_offsets=False)
+    good, bad = tokenize_rows([row_dict(r) for r in ds], trainer.tokenizer, spec, detect_format(source_columns(ds)),
+                              keep_offsets=False)
     if bad: raise ValueError(f"rows_or_split: row {bad[0][0]} would not be trained ({bad[0][1]}: {bad[0][2]})")
-    return [{'input_ids': list(ex.input_ids), 'loss_mask': list(ex.loss_mask), 'source': 'rows', 'index': int(i)} for i, ex in good]
+    return [{'input_ids': list(ex.input_ids), 'loss_mask': list(ex.loss_mask), 'source': 'rows', 'index': int(i)}
+            for i, ex in good]
 
 # %% ../nbs/08c_lens.ipynb #975d274d
 def lens_rows(trainer, rows_or_split, indices: list[int] | None = None) -> list[dict]:
@@ -71,18 +80,21 @@ def lens_rows(trainer, rows_or_split, indices: list[int] | None = None) -> list[
                 where[id(ds)] = dict(zip(uniq.tolist(), zip(first.tolist(), count.tolist())))
             row = int(r.get('index', i)); first, n = where[id(ds)][row]
             out.append({'input_ids': r['input_ids'], 'loss_mask': r['loss_mask'], 'source': name, 'index': row,
-                        'example': int(i) - first + 1, 'n_examples': n})  # one row's examples (rewritten_turns='expand') lie together
+                        # one row's examples (rewritten_turns='expand') lie together
+                        'example': int(i) - first + 1, 'n_examples': n})
         return out
     items = list(rows_or_split) if not hasattr(rows_or_split, 'to_dict') else rows_or_split.to_dict('records')
     exs = [_as_example(e) for e in items]
     if all(e is not None for e in exs): out = [{**e, 'source': 'examples', 'index': j} for j, e in enumerate(exs)]
-    elif any(e is not None for e in exs): raise ValueError("rows_or_split: mixes tokenized examples (input_ids, loss_mask) and raw rows")
+    elif any(e is not None for e in exs):
+        raise ValueError("rows_or_split: mixes tokenized examples (input_ids, loss_mask) and raw rows")
     else: out = _tokenize_raw(trainer, items)
     return out if indices is None else [out[int(j)] for j in indices]
 
 # %% ../nbs/08c_lens.ipynb #ce7829e5
 def fill_bins(lengths: list[int], capacity: int) -> list[list[int]]:
-    "Consecutive items into bins of at most `capacity` tokens, in order (an item longer than `capacity` gets a bin alone)."
+    """Consecutive items into bins of at most `capacity` tokens, in order (an item longer than `capacity` gets a bin
+    alone)."""
     bins, used = [[]], 0
     for j, n in enumerate(lengths):
         if bins[-1] and used + n > capacity: bins.append([]); used = 0
@@ -97,14 +109,16 @@ def lens_batch(trainer, exs: list[dict], packed: bool = False) -> dict:
     if not packed: return collate_padded(exs, pad)
     c = trainer.cfg
     cap = max(c.pack_capacity, max(len(e['input_ids']) for e in exs))
-    b = collate_packed([[exs[j] for j in bin_] for bin_ in fill_bins([len(e['input_ids']) for e in exs], cap)], pad, cap)
+    b = collate_packed([[exs[j] for j in bin_] for bin_ in fill_bins([len(e['input_ids']) for e in exs], cap)],
+                       pad, cap)
     b.pop('seq_lens'); b.pop('cu_seqlens')
     return b
 
 # %% ../nbs/08c_lens.ipynb #025bb75f
 def example_key(input_ids, loss_mask) -> bytes:
     "A short fingerprint of an example (its ids and mask): the key of its first scoring."
-    return hashlib.blake2b(np.asarray(input_ids, np.int64).tobytes() + np.asarray(loss_mask, np.int8).tobytes(), digest_size=16).digest()
+    return hashlib.blake2b(np.asarray(input_ids, np.int64).tobytes() + np.asarray(loss_mask, np.int8).tobytes(),
+                           digest_size=16).digest()
 
 # %% ../nbs/08c_lens.ipynb #b5b6cb5a
 def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
@@ -124,32 +138,39 @@ def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
 
 # %% ../nbs/08c_lens.ipynb #dd2af4fb
 def remember_first(trainer, r: dict) -> dict:
-    "Add the step and the losses of the first scoring of this example (`before_step`, `before_nll`); the first one is this one."
+    """Add the step and the losses of the first scoring of this example (`before_step`, `before_nll`); the first one is
+    this one."""
     if not hasattr(trainer, 'lens_first'): trainer.lens_first = {}  # example key → (step, nll)
     r['step'] = trainer.global_step
-    r['before_step'], r['before_nll'] = trainer.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']), (trainer.global_step, r['nll']))
+    r['before_step'], r['before_nll'] = trainer.lens_first.setdefault(example_key(r['input_ids'], r['loss_mask']),
+                                                                      (trainer.global_step, r['nll']))
     return r
 
 # %% ../nbs/08c_lens.ipynb #c6e39033
-def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', an eval set), tokenized examples, or raw rows
+def token_losses(trainer,
+                 rows_or_split='train', # a split ('train', 'heldout', an eval set), tokenized examples, or raw rows
                  *, indices: list[int] | None = None, # only these positions of the split / list
                  k: int = 3, # alternatives kept per position
                  packed: bool = False, # collate packed rows instead of padded ones (the losses are the same)
                  micro_batch_size: int | None = None, # rows per micro-batch (default: 4 × train.micro_batch_size, as evaluate)
                  progress: bool | None = None, # progress bar (default: for more than 64 rows)
                 ) -> list[dict]:
-    "Per example: ids, mask, the NLL of every trained token and the top-k alternatives, from the current weights on the workers."
+    """Per example: ids, mask, the NLL of every trained token and the top-k alternatives, from the current weights on
+    the workers."""
     from tqdm.auto import tqdm
     trainer.setup()
-    if trainer.processor is not None: raise NotImplementedError("token_losses: vision-language rows are not supported yet")
+    if trainer.processor is not None:
+        raise NotImplementedError("token_losses: vision-language rows are not supported yet")
     exs = lens_rows(trainer, rows_or_split, indices)
     dp, micro = trainer.cfg.placement.dp_size, micro_batch_size or max(1, trainer.cfg.train.micro_batch_size) * 4
     per_call, out = dp * micro * 4, []
-    for start in tqdm(range(0, len(exs), per_call), desc='token losses', unit='batch', disable=not (len(exs) > 64 if progress is None else progress)):
+    for start in tqdm(range(0, len(exs), per_call), desc='token losses', unit='batch',
+                      disable=not (len(exs) > 64 if progress is None else progress)):
         chunk = exs[start:start + per_call]
         per_rank, got = split_for_ranks(chunk, dp, micro), []
         batches = [[lens_batch(trainer, mb, packed) for mb in mbs] for mbs in per_rank]
-        for mbs, res in zip(per_rank, trainer.backend.token_losses(batches, k)):  # per replica (megatron: its last stage answers)
+        # per replica (megatron: its last stage answers)
+        for mbs, res in zip(per_rank, trainer.backend.token_losses(batches, k)):
             for mb, stats in zip(mbs, res):
                 if mb: got += _per_example(stats, mb, k)
         dealt = [j for mbs in split_for_ranks(list(range(len(chunk))), dp, micro) for mb in mbs for j in mb]
@@ -158,13 +179,15 @@ def token_losses(trainer, rows_or_split='train', # a split ('train', 'heldout', 
 
 # %% ../nbs/08c_lens.ipynb #2b88c656
 def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
-    "One line per scored example: position, source, index (its row), example of n_examples (of that row), length, n_trained, mean/sum/max loss (and a snippet of the trained text)."
+    """One line per scored example: position, source, index (its row), example of n_examples (of that row), length,
+    n_trained, mean/sum/max loss (and a snippet of the trained text)."""
     lines = []
     for j, r in enumerate(results):
         v = r['nll'][~np.isnan(r['nll'])]
-        line = {'position': j, 'source': r['source'], 'index': r['index'], 'example': r.get('example', 1), 'n_examples': r.get('n_examples', 1),
-                'length': len(r['input_ids']), 'n_trained': len(v),
-                'mean_loss': float(v.mean()) if len(v) else np.nan, 'sum_loss': float(v.sum()), 'max_loss': float(v.max()) if len(v) else np.nan}
+        line = {'position': j, 'source': r['source'], 'index': r['index'], 'example': r.get('example', 1),
+                'n_examples': r.get('n_examples', 1), 'length': len(r['input_ids']), 'n_trained': len(v),
+                'mean_loss': float(v.mean()) if len(v) else np.nan, 'sum_loss': float(v.sum()),
+                'max_loss': float(v.max()) if len(v) else np.nan}
         if tokenizer is not None:
             text = tokenizer.decode([i for i, m in zip(r['input_ids'], r['loss_mask']) if m], skip_special_tokens=True)
             line['snippet'] = ' '.join(text.split())[:60]
@@ -184,7 +207,8 @@ def rank_rows(trainer, split: str = 'train', # 'train', 'heldout', or an eval se
 
 # %% ../nbs/08c_lens.ipynb #d4ecfa3d
 def print_hardest(trainer_or_table, split: str = 'heldout', label: str = '', k: int = 3) -> pd.DataFrame:
-    "Print the `k` hardest rows of `split` (index, mean token loss, a snippet of the trained text); returns their table."
+    """Print the `k` hardest rows of `split` (index, mean token loss, a snippet of the trained text); returns their
+    table."""
     df = trainer_or_table if isinstance(trainer_or_table, pd.DataFrame) else trainer_or_table.rank_rows(split, k=k)
     print(f"{k} hardest {split} rows{' ' + label if label else ''} (mean token loss):")
     for _, r in df.head(k).iterrows(): print(f"  row {r['index']:>4}  {r.mean_loss:7.4f}  {r.snippet!r}")
@@ -203,9 +227,11 @@ def lens_sources(trainer, split: str = 'train') -> dict:
 
 # %% ../nbs/08c_lens.ipynb #e25f8cf9
 def inspector_for(trainer, split: str = 'train', **kw):
-    "An `Inspector` in loss mode on the raw rows of `split`, with the trainer's tokenize config (`kw`: row, view, trainer, k)."
+    """An `Inspector` in loss mode on the raw rows of `split`, with the trainer's tokenize config (`kw`: row, view,
+    trainer, k)."""
     from sft_nb.inspect import Inspector
-    return Inspector(lens_sources(trainer, split), trainer.tokenizer, trainer.cfg.tokenize, **({'trainer': trainer} | kw))
+    return Inspector(lens_sources(trainer, split), trainer.tokenizer, trainer.cfg.tokenize,
+                     **({'trainer': trainer} | kw))
 
 # %% ../nbs/08c_lens.ipynb #11b04004
 class RankedRows:
@@ -215,13 +241,17 @@ class RankedRows:
         self.trainer, self.split, self.by = trainer, split, by
         self.table = trainer.rank_rows(split, by=by, k=k)
         self.inspector = inspector or inspector_for(trainer, split)
-        which = lambda r: f" example {r.example} of {r.n_examples}" if r.n_examples > 1 else ''  # a row split per turn (rewritten_turns='expand')
-        self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']}{which(r)} · {by} {r[f'{by}_loss']:.3f}",
-                                 tooltip=r.snippet, layout=W.Layout(width='auto', height='auto')) for n, r in self.table.iterrows()]
+        # a row split per turn (rewritten_turns='expand')
+        which = lambda r: f" example {r.example} of {r.n_examples}" if r.n_examples > 1 else ''
+        self.buttons = [W.Button(description=f"#{n + 1} {r.source} row {r['index']}{which(r)} · {by} "
+                                             f"{r[f'{by}_loss']:.3f}",
+                                 tooltip=r.snippet, layout=W.Layout(width='auto', height='auto'))
+                        for n, r in self.table.iterrows()]
         for n, b in enumerate(self.buttons): b.on_click(lambda _, n=n: self.open(n))
-        self.status = W.HTML(f"<b>{len(self.table)} hardest {split} rows by {by} token loss</b> (step {trainer.global_step}); "
-                             "click one to open it in the inspector")
-        self.widget = W.VBox([self.status, W.VBox(self.buttons, layout=W.Layout(max_height='240px', overflow='auto')), self.inspector.widget])
+        self.status = W.HTML(f"<b>{len(self.table)} hardest {split} rows by {by} token loss</b> (step "
+                             f"{trainer.global_step}); click one to open it in the inspector")
+        self.widget = W.VBox([self.status, W.VBox(self.buttons, layout=W.Layout(max_height='240px', overflow='auto')),
+                              self.inspector.widget])
         self.widget.add_class('sft-nb-ranked')
 
     def open(self, n: int):
@@ -241,11 +271,13 @@ class RankedRows:
 def trained_token_stats_np(logprobs, targets: list[int], k: int) -> dict:
     import torch
     top_p, top_ids = logprobs.topk(min(k, logprobs.shape[-1]), -1)
-    return {'nll': (-logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0]).numpy(), 'top_ids': top_ids.numpy(), 'top_p': top_p.exp().numpy()}
+    return {'nll': (-logprobs.gather(1, torch.tensor(targets)[:, None])[:, 0]).numpy(), 'top_ids': top_ids.numpy(),
+            'top_p': top_p.exp().numpy()}
 
 # %% ../nbs/08c_lens.ipynb #e351fd0f
 def hf_token_losses(model, examples: list, k: int = 3) -> list[dict]:
-    "Per example (alone, no padding): the NLL of every trained token and the top-k alternatives, from a HF causal LM forward."
+    """Per example (alone, no padding): the NLL of every trained token and the top-k alternatives, from a HF causal LM
+    forward."""
     import torch
     out = []
     for e in examples:
@@ -267,13 +299,15 @@ def run_model_state(run_dir, cfg) -> tuple[dict | None, int]:
     path = ck / name if name else None
     if path is None or not (path / 'trainer_state.json').exists(): return None, 0
     from sft_nb.checkpoint import verify_checkpoint
-    step = verify_checkpoint(path)['global_step']  # digests, a DCP .metadata that runs no code, a valid state, as a resume checks
+    # digests, a DCP .metadata that runs no code, a valid state, as a resume checks
+    step = verify_checkpoint(path)['global_step']
     shards = sorted(path.glob('megatron_tp*_pp*.pt'))
     if shards:
         from sft_nb.backends.megatron import load_shard
         from sft_nb.backends.megatron_convert import mcore_to_hf
         from sft_nb.models import model_config
-        parts = {(int(f.stem.split('_tp')[1][:2]), int(f.stem.split('_pp')[1][:2])): load_shard(f)['model'] for f in shards}
+        parts = {(int(f.stem.split('_tp')[1][:2]), int(f.stem.split('_pp')[1][:2])): load_shard(f)['model']
+                 for f in shards}
         return mcore_to_hf(parts, model_config(cfg.model.path)), step
     return path, step  # an FSDP (torch.distributed.checkpoint) folder: read into the model by `RunScorer`
 
@@ -288,16 +322,20 @@ class RunScorer:
         from sft_nb.models import resolve_model_path
         from sft_nb.backends.slices import load_pretrained
         self.run_dir = Path(run_dir)
-        if not (self.run_dir / 'config.yaml').exists(): raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
+        if not (self.run_dir / 'config.yaml').exists():
+            raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
         self.cfg = load_config(str(self.run_dir / 'config.yaml'))
         self.base_path = str(resolve_model_path(self.cfg.model.path))
-        load = lambda p: load_pretrained(AutoModelForCausalLM, p).eval()  # checked as a worker checks it: a whole export, shapes, no folder code
+        # checked as a worker checks it: a whole export, shapes, no folder code
+        load = lambda p: load_pretrained(AutoModelForCausalLM, p).eval()
         self.base, hf = load(self.base_path), self.run_dir / 'hf'
         if (hf / 'config.json').exists(): self.model, self.model_path, self.step = load(str(hf)), str(hf), None
         else:
             state, self.step = run_model_state(self.run_dir, self.cfg)
-            if state is None: raise FileNotFoundError(f"--run: {run_dir} has no exported model (hf/) and no complete checkpoint")
-            if self.cfg.model.lora_r > 0: raise ValueError(f"--run: {run_dir} is a LoRA run without an export; run trainer.export() first")
+            if state is None:
+                raise FileNotFoundError(f"--run: {run_dir} has no exported model (hf/) and no complete checkpoint")
+            if self.cfg.model.lora_r > 0:
+                raise ValueError(f"--run: {run_dir} is a LoRA run without an export; run trainer.export() first")
             self.model, self.model_path = load(self.base_path), self.base_path
             if isinstance(state, dict): self.model.load_state_dict(state)
             else:
@@ -316,5 +354,7 @@ def run_scorer(run_dir) -> tuple[RunScorer, dict]:
     "`sft-nb inspect --run`: the run's scorer and the settings its rows were tokenized with (its tokenizer first)."
     s = RunScorer(run_dir)
     t = s.cfg.tokenize
-    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length, 'truncation': t.truncation, 'rewritten_turns': t.rewritten_turns,
-               'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning, 'train_on_tool_calls': t.train_on_tool_calls}
+    return s, {'model': s.model_path, 'mode': t.mode, 'template': t.chat_template, 'max_length': t.max_length,
+               'truncation': t.truncation, 'rewritten_turns': t.rewritten_turns,
+               'chat_template_kwargs': t.chat_template_kwargs, 'train_on_reasoning': t.train_on_reasoning,
+               'train_on_tool_calls': t.train_on_tool_calls}

@@ -17,20 +17,26 @@ __all__ = ['CHECKS', 'STRATEGY', 'FEATURE_NAMES', 'LINT_CHECKS', 'data_features'
 
 # %% ../nbs/03a_lint.ipynb #767aa4bc
 CHECKS = {
-    'mechanism': 'how assistant spans are found: the template\'s generation tags, prefix rendering, or prefix rendering of a history-rewriting template (see sft_nb.templates.MECHANISMS)',
-    'reads': 'every sample is a conversation sft_nb.formats reads (a row it cannot read is reported, the others are linted)',
+    'mechanism': 'how assistant spans are found: the template\'s generation tags, prefix rendering, or prefix '
+                 'rendering of a history-rewriting template (see sft_nb.templates.MECHANISMS)',
+    'reads': 'every sample is a conversation sft_nb.formats reads (a row it cannot read is reported, the others are '
+             'linted)',
     'renders': 'every sample renders (templates may refuse tool turns, a system message or non-alternating roles)',
-    'unrendered': 'what the samples carry reaches the render: a system turn, tool schemas, tool_calls, tool results, reasoning_content (a template with no place for one drops it silently)',
+    'unrendered': 'what the samples carry reaches the render: a system turn, tool schemas, tool_calls, tool results, '
+                  'reasoning_content (a template with no place for one drops it silently)',
     'rewrites_history': 'adding later turns must not change the text of earlier ones (Qwen3 drops earlier reasoning)',
     'default_system_prompt': 'no system prompt appears that no message asked for (Qwen2.5, SmolLM2 inject one)',
     'date_dependent': 'the text must not depend on the date or time it is rendered (Llama 3.2 inserts today\'s date)',
     'bos_doubled': 'tokenizing the rendered text with the tokenizer\'s defaults must not add a second BOS',
     'eot_not_trained': 'every trained assistant turn must end on a trained end-of-turn token, or the model never stops',
-    'empty_trained_span': 'no assistant turn may train only its end-of-turn (tool calls the template drops, empty content)',
+    'empty_trained_span': 'no assistant turn may train only its end-of-turn (tool calls the template drops, empty '
+                          'content)',
     'gen_prompt_mismatch': 'the generation prompt must equal the assistant header of a full render',
-    'empty_think_gen_prompt': 'the generation prompt carries an empty <think></think> block that earlier turns lack (Qwen3 with enable_thinking=False)',
+    'empty_think_gen_prompt': 'the generation prompt carries an empty <think></think> block that earlier turns lack '
+                              '(Qwen3 with enable_thinking=False)',
     'whitespace_merged': 'no token may span the boundary between an assistant header and its content',
-    'text_after_eot': 'no template text after the end-of-turn token (e.g. ChatML\'s newline: never generated, never trained)',
+    'text_after_eot': 'no template text after the end-of-turn token (e.g. ChatML\'s newline: never generated, never '
+                      'trained)',
 }
 
 # %% ../nbs/03a_lint.ipynb #0a567f53
@@ -43,7 +49,8 @@ def _conversation(sample, i: int) -> dict:
     "A sample (a message list, or a row in any supported format) → `{'messages', 'tools'}`."
     row = {'messages': sample} if isinstance(sample, list) else sample
     if not isinstance(row, dict): raise BadRow(f'sample {i}: expected a list of messages or a row dict', index=i)
-    if BAD_ROW_KEY in row: raise BadRow(f"sample {i}: {row[BAD_ROW_KEY]['reason']}", index=i)  # a line the reader could not read
+    # a line the reader could not read
+    if BAD_ROW_KEY in row: raise BadRow(f"sample {i}: {row[BAD_ROW_KEY]['reason']}", index=i)
     try: return normalize_row(row, detect_format(row.keys()))
     except BadRow as e: raise BadRow(f'sample {i}: {e.reason}', index=i) from None
 
@@ -81,12 +88,14 @@ _S, _U = 'qzxSYSmark', 'qzxUSERmark'
 def _injected_system(tokenizer, template, kw) -> str | None:
     "The system prompt the template adds when none is given ('' = none; None = it refuses system messages)."
     try:
-        rs = render(tokenizer, [{'role': 'system', 'content': _S}, {'role': 'user', 'content': _U}], template=template, **kw)
+        rs = render(tokenizer, [{'role': 'system', 'content': _S}, {'role': 'user', 'content': _U}], template=template,
+                    **kw)
         ru = render(tokenizer, [{'role': 'user', 'content': _U}], template=template, **kw)
     except TemplateError: raise  # past the renderer's bounds or the sandbox: never read as "refuses system messages"
     except Exception: return None
     pre, between, x = rs[:rs.find(_S)], rs[rs.find(_S) + len(_S):rs.find(_U)], ru[:ru.find(_U)]
-    if x.startswith(pre) and x.endswith(between) and len(x) > len(pre) + len(between): return x[len(pre):len(x) - len(between)]
+    if x.startswith(pre) and x.endswith(between) and len(x) > len(pre) + len(between):
+        return x[len(pre):len(x) - len(between)]
     return ''
 
 # %% ../nbs/03a_lint.ipynb #e30c0002
@@ -96,8 +105,9 @@ FEATURE_NAMES = {'system': 'a system turn', 'tools': 'tool schemas', 'tool_calls
 def data_features(conv: dict) -> set[str]:
     "What of `FEATURE_NAMES` one conversation carries."
     ms = conv['messages']
-    return ({'tools'} if conv.get('tools') else set()) | {f for m in ms for f, has in (('system', m['role'] == 'system'),
-            ('tool', m['role'] == 'tool'), ('tool_calls', bool(m.get('tool_calls'))), ('reasoning', bool(m.get('reasoning_content')))) if has}
+    return ({'tools'} if conv.get('tools') else set()) | {f for m in ms for f, has in (
+        ('system', m['role'] == 'system'), ('tool', m['role'] == 'tool'), ('tool_calls', bool(m.get('tool_calls'))),
+        ('reasoning', bool(m.get('reasoning_content')))) if has}
 
 # %% ../nbs/03a_lint.ipynb #10d4bb15
 def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
@@ -108,7 +118,8 @@ def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
     if not missing: return None
     fix = lambda f: ' | '.join(templates_with(f)) or 'none shipped'
     return min(missing.values()), '; '.join(f"{FEATURE_NAMES[f]} (sample {i}): not rendered, never reaches the tokens; "
-                                            f"templates that render it: tokenize.chat_template: {fix(f)}" for f, i in missing.items())
+                                            f"templates that render it: tokenize.chat_template: {fix(f)}"
+                                            for f, i in missing.items())
 
 # %% ../nbs/03a_lint.ipynb #52d77969
 @dataclass
@@ -144,8 +155,8 @@ def _lint_context(tokenizer, samples: list, template, chat_template_kwargs, rewr
     missing = unrendered(tokenizer, convs, template, kw)
     try: info, probe_error = probe_template(tokenizer, template, kw), None
     except TemplateError as e: info, probe_error = None, f'probe conversation: {e}'
-    lt = _Lint(tokenizer, template, kw, kw_tools, rewritten_turns, len(samples), convs, unread, missing, info, probe_error,
-               _injected_system(tokenizer, template, kw))
+    lt = _Lint(tokenizer, template, kw, kw_tools, rewritten_turns, len(samples), convs, unread, missing, info,
+               probe_error, _injected_system(tokenizer, template, kw))
     for i, c in convs.items():
         try: lt.full[i] = lt.render(i, c['messages'])
         except Exception as e: lt.refused.append((i, f'{type(e).__name__}: {e}'))
@@ -205,7 +216,8 @@ def _check_after_eot(lt: _Lint) -> dict:
 
 # %% ../nbs/03a_lint.ipynb #0fc54528
 def _check_prefixes(lt: _Lint) -> dict:
-    "Each prefix ending at an assistant turn must start the full render (`rewrites_history`), its generation prompt too."
+    """Each prefix ending at an assistant turn must start the full render (`rewrites_history`), its generation prompt
+    too."""
     f, r = {}, lt.render
     for i, full in lt.full.items():
         msgs = lt.convs[i]['messages']
@@ -251,7 +263,8 @@ def _check_bos(lt: _Lint) -> dict:
         if tok.bos_token and full.startswith(tok.bos_token):
             naive = list(tok(full)['input_ids'])
             if naive[:2] == [bos, bos]:
-                f.setdefault('bos_doubled', ('fail', i, f'tokenizer(text) starts {tok.convert_ids_to_tokens(naive[:3])}'))
+                f.setdefault('bos_doubled', ('fail', i,
+                                             f'tokenizer(text) starts {tok.convert_ids_to_tokens(naive[:3])}'))
     return f
 
 # %% ../nbs/03a_lint.ipynb #a0957f0b
@@ -264,8 +277,9 @@ def _check_spans(lt: _Lint) -> dict:
     for i in lt.full:
         msgs = lt.convs[i]['messages']
         refused_turns = info.rewrites_history and lt.rewritten_turns == 'error' and msgs[-1]['role'] == 'assistant'
-        try: exs = tokenize_turns(msgs, lt.tokenizer, mode='last_assistant' if refused_turns else 'all_assistant', tools=lt.tools(i),
-                                  chat_template_kwargs=lt.kw, template=lt.template, rewritten_turns=lt.rewritten_turns)
+        try: exs = tokenize_turns(msgs, lt.tokenizer, mode='last_assistant' if refused_turns else 'all_assistant',
+                                  tools=lt.tools(i), chat_template_kwargs=lt.kw, template=lt.template,
+                                  rewritten_turns=lt.rewritten_turns)
         except (BadRow, TemplateError): continue
         for ex, (s, e, m) in ((ex, sp) for ex in exs for sp in ex.spans):
             toks = [j for j, (a, b) in enumerate(ex.offsets) if a < e and b > s]
@@ -287,7 +301,8 @@ def _check_spans(lt: _Lint) -> dict:
 # %% ../nbs/03a_lint.ipynb #df67a36b
 LINT_CHECKS = {'mechanism': _check_mechanism, 'reads': _check_reads, 'renders': _check_renders,
                'unrendered': _check_unrendered, 'rewrites_history': _check_prefixes,
-               'default_system_prompt': _check_default_system, 'date_dependent': _check_date, 'bos_doubled': _check_bos, 'eot_not_trained': _check_spans, 'empty_trained_span': _check_spans,
+               'default_system_prompt': _check_default_system, 'date_dependent': _check_date, 'bos_doubled': _check_bos,
+               'eot_not_trained': _check_spans, 'empty_trained_span': _check_spans,
                'gen_prompt_mismatch': _check_prefixes, 'empty_think_gen_prompt': _check_empty_think,
                'whitespace_merged': _check_spans, 'text_after_eot': _check_after_eot}
 
@@ -298,7 +313,8 @@ def lint_template(tokenizer, # fast HF tokenizer (with the template's special to
                   chat_template_kwargs: dict | None = None, # extra template variables
                   rewritten_turns: str = 'expand', # the all_assistant strategy for a history-rewriting template (TokenizeConfig.rewritten_turns)
                  ) -> pd.DataFrame:
-    "One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."
+    """One row per check in `CHECKS`: status ('pass' | 'info': found, and these settings handle it (the example says
+    how) | 'fail': trains wrong or is refused | 'n/a'), the offending sample and an example."""
     lt, found = _lint_context(tokenizer, sample_conversations, template, chat_template_kwargs, rewritten_turns), {}
     for check in dict.fromkeys(LINT_CHECKS.values()): found.update(check(lt))
     rows = [dict(zip(('check', 'status', 'sample', 'example', 'meaning'),

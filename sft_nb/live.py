@@ -20,18 +20,23 @@ __all__ = ['loss_fig', 'LivePlot', 'route_output', 'PanelLog', 'word_diff', 'dif
 # %% ../nbs/08b_live.ipynb #3b57cc96
 def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> go.Figure:
     "Train loss per step (and eval loss points) as a plotly figure."
-    fig = go.Figure(layout=dict(title=title, xaxis_title='step', yaxis_title='loss', height=320, margin=dict(l=50, r=20, t=40, b=40)))
-    fig.add_scatter(x=list(metrics['step']) if len(metrics) else [], y=list(metrics['loss']) if len(metrics) else [], mode='lines+markers', name='train')
+    fig = go.Figure(layout=dict(title=title, xaxis_title='step', yaxis_title='loss', height=320,
+                                margin=dict(l=50, r=20, t=40, b=40)))
+    fig.add_scatter(x=list(metrics['step']) if len(metrics) else [], y=list(metrics['loss']) if len(metrics) else [],
+                    mode='lines+markers', name='train')
     ev = [e for e in (evals or []) if 'eval_loss' in e]
-    fig.add_scatter(x=[e['step'] for e in ev], y=[e['eval_loss'] for e in ev], mode='markers', name='eval', marker=dict(size=10, symbol='diamond'))
+    fig.add_scatter(x=[e['step'] for e in ev], y=[e['eval_loss'] for e in ev], mode='markers', name='eval',
+                    marker=dict(size=10, symbol='diamond'))
     return fig
 
 # %% ../nbs/08b_live.ipynb #6a9dedac
 class LivePlot(Callback):
     "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s metrics when given one."
     def __init__(self, trainer=None):
-        rows, evals = (getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', [])) if trainer is not None else ([], [])
-        self.fig = go.FigureWidget(loss_fig({'step': [r['step'] for r in rows], 'loss': [r['loss'] for r in rows]}, evals))
+        rows, evals = ((getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', []))
+                       if trainer is not None else ([], []))
+        self.fig = go.FigureWidget(loss_fig({'step': [r['step'] for r in rows], 'loss': [r['loss'] for r in rows]},
+                                            evals))
     def _append(self, trace: int, x, y):
         tr = self.fig.data[trace]
         with self.fig.batch_update(): tr.x, tr.y = tuple(tr.x or ()) + (x,), tuple(tr.y or ()) + (y,)
@@ -41,7 +46,8 @@ class LivePlot(Callback):
 
 # %% ../nbs/08b_live.ipynb #992fb791
 class _Router:
-    "Stands in for sys.stdout/sys.stderr: writes from a thread registered with a sink go to that sink, the rest to the real stream."
+    """Stands in for sys.stdout/sys.stderr: writes from a thread registered with a sink go to that sink, the rest to the
+    real stream."""
     def __init__(self, stream): self.stream, self.sinks = stream, {}
     def write(self, s: str) -> int:
         sink = self.sinks.get(threading.get_ident())
@@ -79,7 +85,8 @@ class PanelLog:
             self._redraw()
 
     def error(self, exc: BaseException):
-        "The exception as the notebook shows it (`sft_nb.errors.error_html`): a short box, the traceback folded for a user's mistake."
+        """The exception as the notebook shows it (`sft_nb.errors.error_html`): a short box, the traceback folded for a
+        user's mistake."""
         head = ''.join(traceback.format_exception_only(type(exc), exc)).strip()
         with self._lock: self.lines.append(['error', head, error_html(exc)]); self._redraw()
 
@@ -92,11 +99,13 @@ class PanelLog:
         for kind, msg, *tb in self.lines:
             if kind == 'error': out.append(tb[0])
             elif msg: out.append(f'<div>{html.escape(msg)}</div>')
-        self.widget.value = '<div class="sft-nb-log-text" style="font-family:monospace;font-size:12px;white-space:pre-wrap">' + ''.join(out) + "</div>"
+        self.widget.value = ('<div class="sft-nb-log-text" style="font-family:monospace;font-size:12px;'
+                             'white-space:pre-wrap">' + ''.join(out) + "</div>")
 
 # %% ../nbs/08b_live.ipynb #1e19c9e4
 def word_diff(old: str | None, new: str) -> list[tuple[str, str]]:
-    "`new` against `old`, word by word: [(op, text)] with op '=' (kept), '+' (inserted) or '-' (removed); no `old`: all kept."
+    """`new` against `old`, word by word: [(op, text)] with op '=' (kept), '+' (inserted) or '-' (removed); no `old`:
+    all kept."""
     import difflib, re
     if old is None: return [('=', new)] if new else []
     a, b = re.split(r'(\s+)', old), re.split(r'(\s+)', new)  # words and the whitespace between them
@@ -104,7 +113,8 @@ def word_diff(old: str | None, new: str) -> list[tuple[str, str]]:
     spans = []  # a change, the blank between words and the next change read as one change: [-a bot.-]{+Quill <3+}
     for k, (op, i1, i2, j1, j2) in enumerate(ops):
         blank = op == 'equal' and not ''.join(a[i1:i2]).strip() and 0 < k < len(ops) - 1
-        if spans and spans[-1][0] != 'equal' and (op != 'equal' or blank): spans[-1] = ('replace', spans[-1][1], i2, spans[-1][3], j2)
+        if spans and spans[-1][0] != 'equal' and (op != 'equal' or blank):
+            spans[-1] = ('replace', spans[-1][1], i2, spans[-1][3], j2)
         else: spans.append((op, i1, i2, j1, j2))
     out = []
     for op, i1, i2, j1, j2 in spans:
@@ -132,23 +142,29 @@ def eval_groups(samples: list[dict]) -> list[list[dict]]:
     return groups
 
 # %% ../nbs/08b_live.ipynb #af6ef28e
-def samples_html(samples: list[dict], max_evals: int = 5, why: str = '') -> str: # why: the reason there are none (`trainer.samples_why`)
+def samples_html(samples: list[dict], max_evals: int = 5,
+                 why: str = '') -> str: # why: the reason there are none (`trainer.samples_why`)
     "The last `max_evals` evaluations' samples, newest first, each answer diffed against the previous one."
-    if not samples: return f'<div class="sft-nb-samples-why" style="font-size:12px;color:#8a5a00">{html.escape(why)}</div>' if why else ''
+    if not samples:
+        return (f'<div class="sft-nb-samples-why" style="font-size:12px;color:#8a5a00">{html.escape(why)}</div>'
+                if why else '')
     out = []
     for g in eval_groups(samples)[::-1][:max_evals]:
         rows = ''.join(
-            f'<tr class="sft-nb-sample"><td style="vertical-align:top;padding:2px 8px 2px 0;color:#555" title="{html.escape(s.get("reference") or "")}">'
+            '<tr class="sft-nb-sample"><td style="vertical-align:top;padding:2px 8px 2px 0;color:#555" '
+            f'title="{html.escape(s.get("reference") or "")}">'
             f'{html.escape(s["prompt"])}</td><td style="vertical-align:top;padding:2px 0;white-space:pre-wrap">'
             f'{diff_html(s.get("previous"), s["answer"]) or "<i>(empty answer)</i>"}</td></tr>' for s in g)
-        out.append(f'<div class="sft-nb-samples-eval"><b>samples at step {g[0]["step"]}</b> <span style="color:#777">({html.escape(str(g[0]["eval"]))}; '
-                   f'marked against the previous evaluation; hover a prompt for the reference answer)</span>'
-                   f'<table style="border-collapse:collapse;font-size:12px;text-align:left">{rows}</table></div>')
+        out.append(f'<div class="sft-nb-samples-eval"><b>samples at step {g[0]["step"]}</b> <span '
+                   f'style="color:#777">({html.escape(str(g[0]["eval"]))}; marked against the previous evaluation; '
+                   'hover a prompt for the reference answer)</span><table '
+                   f'style="border-collapse:collapse;font-size:12px;text-align:left">{rows}</table></div>')
     return '<div style="font-family:monospace;font-size:12px;max-height:320px;overflow:auto">' + ''.join(out) + '</div>'
 
 # %% ../nbs/08b_live.ipynb #170eadb6
 def samples_text(samples: list[dict], max_evals: int | None = None) -> str:
-    "The samples as plain text, oldest evaluation first; changes against the previous answer as [-removed-]{+inserted+}."
+    """The samples as plain text, oldest evaluation first; changes against the previous answer as
+    [-removed-]{+inserted+}."""
     mark = {'=': '{}', '+': '{{+{}+}}', '-': '[-{}-]'}
     out = []
     for g in eval_groups(samples)[-max_evals if max_evals else 0:]:
@@ -171,40 +187,53 @@ def data_html(report) -> str:
 
 # %% ../nbs/08b_live.ipynb #558e4198
 def eval_line(metrics: dict) -> str:
-    "`eval at step N: <set> loss L ppl P · ...` from an `evaluate()` result (its `eval_loss`/`eval_ppl` aliases left out)."
-    sets = [k[:-5] for k in metrics if k.endswith('_loss') and k != 'eval_loss'] or (['eval'] if 'eval_loss' in metrics else [])
+    """`eval at step N: <set> loss L ppl P · ...` from an `evaluate()` result (its `eval_loss`/`eval_ppl` aliases left
+    out)."""
+    sets = ([k[:-5] for k in metrics if k.endswith('_loss') and k != 'eval_loss']
+            or (['eval'] if 'eval_loss' in metrics else []))
     parts = [f"{s} loss {metrics[f'{s}_loss']:.4f} ppl {metrics[f'{s}_ppl']:.2f}" for s in sets]
     return f"eval at step {metrics['step']}: " + (' · '.join(parts) or 'no eval set (samples only)')
 
 # %% ../nbs/08b_live.ipynb #840b1e1a
 class ChatBox:
-    "A text box, Send / Clear, greedy or sampled decoding, and the conversation, its last reply streamed in (`trainer.chat`)."
+    """A text box, Send / Clear, greedy or sampled decoding, and the conversation, its last reply streamed in
+    (`trainer.chat`)."""
     def __init__(self, panel): # the `TrainerPanel` whose trainer answers and whose thread runs the reply
         self.panel, self.messages, self.reply = panel, [], None  # reply: the text streamed so far (None: not replying)
-        self.text = W.Textarea(placeholder='Message the model (Send: the current weights answer)', layout=W.Layout(width='60%', height='60px'))
-        self.send_button, self.clear_button = W.Button(description='Send', icon='paper-plane'), W.Button(description='Clear', icon='eraser')
+        self.text = W.Textarea(placeholder='Message the model (Send: the current weights answer)',
+                               layout=W.Layout(width='60%', height='60px'))
+        self.send_button, self.clear_button = (W.Button(description='Send', icon='paper-plane'),
+                                               W.Button(description='Clear', icon='eraser'))
         self.mode = W.ToggleButtons(options=['greedy', 'sample'], value='greedy', style={'button_width': '70px'})
         F, lay = W.BoundedFloatText, W.Layout(width='150px')
-        self.temperature, self.top_p = F(0.7, min=0.01, max=5, step=0.1, description='temperature', layout=lay), F(0.9, min=0.01, max=1, step=0.05, description='top_p', layout=lay)
+        self.temperature, self.top_p = (F(0.7, min=0.01, max=5, step=0.1, description='temperature', layout=lay),
+                                        F(0.9, min=0.01, max=1, step=0.05, description='top_p', layout=lay))
         self.max_new_tokens = W.BoundedIntText(128, min=1, max=4096, description='tokens', layout=lay)
         self.output = W.HTML()
         self.send_button.on_click(lambda _: self.send()); self.clear_button.on_click(lambda _: self.clear())
         self.widget = W.VBox([self.output, W.HBox([self.text, W.VBox([self.send_button, self.clear_button])]),
                               W.HBox([self.mode, self.temperature, self.top_p, self.max_new_tokens])])
-        for w, c in ((self.widget, 'sft-nb-chat'), (self.output, 'sft-nb-chat-output'), (self.text, 'sft-nb-chat-input'), (self.send_button, 'sft-nb-chat-send')): w.add_class(c)
+        for w, c in ((self.widget, 'sft-nb-chat'), (self.output, 'sft-nb-chat-output'),
+                     (self.text, 'sft-nb-chat-input'), (self.send_button, 'sft-nb-chat-send')):
+            w.add_class(c)
         self.redraw()
 
     def send(self):
         "Send the text box's message; the reply streams into the output area from the panel's thread."
         msg = self.text.value.strip()
         if not msg: return
-        if self.panel.busy: self.panel.log.write(f'chat: the panel is already running {self.panel.thread.name}\n'); return
+        if self.panel.busy:
+            self.panel.log.write(f'chat: the panel is already running {self.panel.thread.name}\n'); return
         self.messages.append({'role': 'user', 'content': msg}); self.text.value, self.reply = '', ''
         sample = self.mode.value == 'sample'
         def reply():
-            try: r = self.panel.trainer.chat(list(self.messages), self.max_new_tokens.value, self.temperature.value if sample else 0.0,
-                                             self.top_p.value if sample else 1.0, seed=len(self.messages), on_text=self.piece)
-            except BaseException: self.messages.pop(); self.text.value = msg; raise  # no half turn; the message is kept to resend
+            try:
+                r = self.panel.trainer.chat(list(self.messages), self.max_new_tokens.value,
+                                            self.temperature.value if sample else 0.0,
+                                            self.top_p.value if sample else 1.0, seed=len(self.messages),
+                                            on_text=self.piece)
+            # no half turn; the message is kept to resend
+            except BaseException: self.messages.pop(); self.text.value = msg; raise
             finally: self.reply = None
             self.messages.append({'role': 'assistant', 'content': r}); self.redraw()
         self.redraw(); self.panel.start('chat', reply)
@@ -215,19 +244,26 @@ class ChatBox:
     def redraw(self):
         "The conversation as HTML, the reply being streamed last (with a cursor)."
         empty = '<i style="color:#777">(an empty reply: only blanks or special tokens)</i>'
-        turn = lambda who, text, cls: f'<div class="{cls}"><b>{who}:</b> {html.escape(text) if text.strip() else empty}</div>'
-        rows = [turn('you' if m['role'] == 'user' else 'model', m['content'], f"sft-nb-chat-{m['role']}") for m in self.messages]
-        if self.reply is not None: rows.append(turn('model', self.reply + '▌', 'sft-nb-chat-assistant sft-nb-chat-streaming'))
-        hint = '<span style="color:#777">chat with the current weights: type below and Send (between steps, or after Stop)</span>'
-        self.output.value = '<div style="font-family:monospace;font-size:12px;white-space:pre-wrap;max-height:240px;overflow:auto">' + (''.join(rows) or hint) + '</div>'
+        turn = lambda who, text, cls: (f'<div class="{cls}"><b>{who}:</b> '
+                                       f'{html.escape(text) if text.strip() else empty}</div>')
+        rows = [turn('you' if m['role'] == 'user' else 'model', m['content'], f"sft-nb-chat-{m['role']}")
+                for m in self.messages]
+        if self.reply is not None:
+            rows.append(turn('model', self.reply + '▌', 'sft-nb-chat-assistant sft-nb-chat-streaming'))
+        hint = ('<span style="color:#777">chat with the current weights: type below and Send (between steps, or '
+                'after Stop)</span>')
+        self.output.value = ('<div style="font-family:monospace;font-size:12px;white-space:pre-wrap;max-height:240px;'
+                             'overflow:auto">' + (''.join(rows) or hint) + '</div>')
 
 
 # %% ../nbs/08b_live.ipynb #21525d35
 class TrainerPanel(Callback):
-    "Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output area for a trainer."
+    """Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output
+    area for a trainer."""
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
         self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
-        self.refreshing = threading.RLock()  # one refresh at a time: an instant action's end must not interleave with its start's
+        # one refresh at a time: an instant action's end must not interleave with its start's
+        self.refreshing = threading.RLock()
         self.plot, self.log = LivePlot(trainer), PanelLog()
         for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
             if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
@@ -235,7 +271,8 @@ class TrainerPanel(Callback):
         self.step_button, self.fit_button = B('Step', 'step-forward'), B('Fit', 'play', button_style='success')
         self.stop_button = B('Stop', 'stop', button_style='danger')
         self.eval_button, self.save_button = B('Evaluate', 'check'), B('Save', 'save')
-        self.dry_button = B('Dry run', 'tachometer', tooltip='one step per rank on the largest micro-batch: fits, or what to change')
+        self.dry_button = B('Dry run', 'tachometer',
+                            tooltip='one step per rank on the largest micro-batch: fits, or what to change')
         self.progress, self.status = W.IntProgress(min=0, max=1, layout=W.Layout(width='300px')), W.HTML()
         self.data_line = W.HTML()  # what the run trains on (set once the trainer is set up)
         self.step_button.on_click(lambda _: self.start('step', self.trainer.step))
@@ -244,11 +281,15 @@ class TrainerPanel(Callback):
         self.save_button.on_click(lambda _: self.start('save', self.trainer.save))
         self.stop_button.on_click(lambda _: self.stop())
         self.dry_button.on_click(lambda _: self.start('dry_run', self.trainer.dry_run))
-        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button, self.dry_button]
+        buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button,
+                   self.dry_button]
         self.chat = ChatBox(self)  # talk to the current weights between steps
         self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig, self.samples, self.chat.widget, self.log.widget])
-        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'), (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')): w.add_class(c)
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig,
+                              self.samples, self.chat.widget, self.log.widget])
+        for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'),
+                     (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')):
+            w.add_class(c)
         self.refresh()
 
 # %% ../nbs/08b_live.ipynb #ce9cb95f
@@ -269,11 +310,14 @@ def refresh(self):
         done = total is not None and t.global_step >= total
         where = ' (from the panel)' if self.busy else ' (from a cell)'
         stopping = bool(running) and t.control.should_stop  # Stop pressed: said at once, not when the step ends
-        state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>' if stopping else f'<b>{running} running{where}</b>') if running \
+        state = (f'<b>{running} stopping after step {t.global_step + 1}{where}</b>'
+                 if stopping else f'<b>{running} running{where}</b>') if running \
                 else ('done: every step ran' if done and self.state == 'idle' else self.state)
         self.status.value = (f"step {t.global_step}/{total if total is not None else '?'}"
-                             + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s" if h else '')
-                             + (f" · eval {t.last_eval['eval_loss']:.4f}" if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
+                             + (f" · loss {h['loss']:.4f} · lr {h['lr']:.2e} · {h['tokens_per_s']:.0f} tok/s"
+                                if h else '')
+                             + (f" · eval {t.last_eval['eval_loss']:.4f}"
+                                if 'eval_loss' in getattr(t, 'last_eval', {}) else '') + f' · {state}')
         for b in (self.step_button, self.fit_button): b.disabled = bool(running) or done
         for b in (self.eval_button, self.save_button, self.dry_button): b.disabled = bool(running)
         self.stop_button.disabled = running not in ('fit', 'train') or stopping
@@ -286,23 +330,29 @@ def refresh(self):
 def stop(self):
     "Stop a running fit after its current step (nothing happens when idle)."
     if self.trainer.request_stop():
-        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
-        self.stopped = True; self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
+        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next
+        # one
+        self.stopped = True
+        self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
     self.refresh()
 
 # %% ../nbs/08b_live.ipynb #95e13d95
 @patch_to(TrainerPanel)
 def on_interrupt(self, signum, frame):
-    "The kernel's interrupt (JupyterLab's ■, Kernel › Interrupt) while no cell runs: this panel's fit stops after its step, as Stop does, and says so."
+    """The kernel's interrupt (JupyterLab's ■, Kernel › Interrupt) while no cell runs: this panel's fit stops after its
+    step, as Stop does, and says so."""
     if self.busy: self.log.write('interrupt: '); self.stop()
 
 # %% ../nbs/08b_live.ipynb #b64d89d5
 @patch_to(TrainerPanel)
 def take_interrupts(self):
-    "Let the kernel's interrupt reach `on_interrupt`: between messages ipykernel ignores SIGINT (its `saved_sigint_handler`, put back after each message), so a fit in this panel's thread would never hear it; a cell that runs still gets KeyboardInterrupt."
+    """Let the kernel's interrupt reach `on_interrupt`: between messages ipykernel ignores SIGINT (its
+    `saved_sigint_handler`, put back after each message), so a fit in this panel's thread would never hear it; a cell
+    that runs still gets KeyboardInterrupt."""
     from IPython import get_ipython
     kernel = getattr(get_ipython(), 'kernel', None)
-    if kernel is not None and hasattr(kernel, 'saved_sigint_handler') and threading.current_thread() is threading.main_thread():
+    if (kernel is not None and hasattr(kernel, 'saved_sigint_handler')
+        and threading.current_thread() is threading.main_thread()):
         kernel.saved_sigint_handler = self.on_interrupt
 
 # %% ../nbs/08b_live.ipynb #2e587708
@@ -317,7 +367,9 @@ def start(self, name: str, fn):
                 if name == 'fit' and self.stopped: self.state = f'stopped at step {self.trainer.global_step}'
                 elif name == 'dry_run': self.state = dry_run_state(r, self.log)
                 else: self.state = 'idle'
-            except Exception as e: self.log.error(e); self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
+            except Exception as e:
+                self.log.error(e)
+                self.state = f'<span style="color:#b00020">{name} failed: {html.escape(type(e).__name__)}</span>'
             finally: self.stopped = False
         self.thread = None; self.refresh()
     self.stopped, self.state = False, 'idle'
@@ -352,7 +404,8 @@ def on_train_end(self, trainer): self.refresh()
 @patch_to(TrainerPanel)
 def on_evaluate(self, trainer, metrics):
     self.log.write(eval_line(metrics) + '\n')
-    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))  # the SamplesCallback ran before the panel
+    # the SamplesCallback ran before the panel
+    self.samples.value = samples_html(getattr(trainer, 'samples', []), why=getattr(trainer, 'samples_why', ''))
     self.refresh()
 
 # %% ../nbs/08b_live.ipynb #325b2c7e
@@ -372,6 +425,7 @@ def dry_run_state(verdict: dict, # what `trainer.dry_run()` returned
     "The status-line word of a dry run's verdict (HTML); its full message written to `log`."
     if log is not None:
         log.write(f"dry run: {verdict['message']}\n" + ''.join(
-            f"  rank {r['rank']}: peak {r['peak'] / 2**30:.2f} GiB of {r['capacity'] / 2**30:.2f} GiB ({r['capacity_from']})\n" for r in verdict['ranks']))
+            f"  rank {r['rank']}: peak {r['peak'] / 2**30:.2f} GiB of {r['capacity'] / 2**30:.2f} GiB "
+            f"({r['capacity_from']})\n" for r in verdict['ranks']))
     colour, word = ('#1b7f1b', 'fits') if verdict['fits'] else ('#b00020', 'does not fit: see the output below')
     return f'<span style="color:{colour}">dry run: {word}</span>'

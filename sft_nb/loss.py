@@ -32,7 +32,7 @@ def weighted_sum(nll: torch.Tensor, # [N] token losses
 
 # %% ../nbs/06c_loss.ipynb #2520c07e
 def token_nll_sum(logits: torch.Tensor, labels: torch.Tensor,
-                  weights: torch.Tensor | None = None, # `loss_weights` of the batch (fractional loss weights), aligned with labels
+                  weights: torch.Tensor | None = None, # `loss_weights` of the batch (fractional), aligned with labels
                  ) -> tuple[torch.Tensor, int | float]:
     "Σ NLL over targets (labels shifted by one) and the number of targets; with `weights`, Σ weight·NLL and Σ weight."
     tgt = labels[:, 1:].reshape(-1)
@@ -62,7 +62,8 @@ def chunk_logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
 
 # %% ../nbs/06c_loss.ipynb #4635f663
 class LinearNLL(torch.autograd.Function):
-    "Σ weight·NLL of `targets` under `h @ weight.T + bias`, `chunk` rows at a time; backward recomputes each chunk's logits."
+    """Σ weight·NLL of `targets` under `h @ weight.T + bias`, `chunk` rows at a time; backward recomputes each chunk's
+    logits."""
     @staticmethod
     def forward(ctx, h, weight, bias, targets, weights, chunk):
         dt = torch.promote_types(h.dtype, torch.float32)
@@ -82,7 +83,8 @@ class LinearNLL(torch.autograd.Function):
         h, weight, bias, targets, weights, lse = ctx.saved_tensors
         need_h, need_w, need_b = ctx.needs_input_grad[:3]
         gh = torch.empty_like(h) if need_h else None
-        acc = torch.promote_types(weight.dtype, torch.float32)  # the weight's gradient sums over chunks in fp32 (bf16 heads)
+        # the weight's gradient sums over chunks in fp32 (bf16 heads)
+        acc = torch.promote_types(weight.dtype, torch.float32)
         gw = torch.zeros(weight.shape, dtype=acc, device=weight.device) if need_w else None
         gb = torch.zeros(bias.shape, dtype=acc, device=bias.device) if need_b else None
         for s in range(0, h.shape[0], ctx.chunk):
@@ -93,7 +95,8 @@ class LinearNLL(torch.autograd.Function):
             if need_h: gh[s:s + ctx.chunk] = d @ weight
             if need_w: gw += (d.t() @ hc).to(acc)
             if need_b: gb += d.to(acc).sum(0)
-        return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype), None, None, None)
+        return (gh, None if gw is None else gw.to(weight.dtype), None if gb is None else gb.to(bias.dtype),
+                None, None, None)
 
 # %% ../nbs/06c_loss.ipynb #63e93d17
 def linear_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
@@ -113,9 +116,11 @@ def chunked_token_nll(h: torch.Tensor, # hidden states [N, H]
                       targets: torch.Tensor, # [N]
                       chunk: int = 2048, # tokens per chunk
                      ) -> torch.Tensor:
-    "Per-token NLL [N], each chunk checkpointed so that only one chunk's logits exist at a time, in forward and in backward."
+    """Per-token NLL [N], each chunk checkpointed so that only one chunk's logits exist at a time, in forward and in
+    backward."""
     chunk = chunk if chunk > 0 else max(1, h.shape[0])
-    parts = [checkpoint(head_nll, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False) for s in range(0, h.shape[0], chunk)]
+    parts = [checkpoint(head_nll, h[s:s + chunk], targets[s:s + chunk], use_reentrant=False)
+             for s in range(0, h.shape[0], chunk)]
     return torch.cat(parts).float() if parts else (h[:, 0] * 0).float()  # no token: still part of the graph
 
 # %% ../nbs/06c_loss.ipynb #ca021b6c
@@ -134,7 +139,8 @@ def chunked_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
 
 # %% ../nbs/06c_loss.ipynb #cc571d70
 class TrainedHead:
-    "Context manager: the LM head sees only trained positions; with `chunk` > 0 it computes their chunked Σ (weight·) NLL (`.loss`) and makes no logits."
+    """Context manager: the LM head sees only trained positions; with `chunk` > 0 it computes their chunked Σ (weight·)
+    NLL (`.loss`) and makes no logits."""
     def __init__(self, head: torch.nn.Module | None, # model.get_output_embeddings()
                  sel: torch.Tensor, # [B, T] bool: positions whose next token is trained (`trained_targets`)
                  targets: torch.Tensor, # [n_trained] next-token ids
@@ -151,7 +157,8 @@ class TrainedHead:
     def _forward(self, h, *args, **kwargs):
         if not self.selected: return self._orig(h, *args, **kwargs)
         self.loss = chunked_nll(h, self.head, self.targets, self.weights, self.chunk, forward=self._orig)
-        self.no_logits = self.loss.reshape(1)[:0]  # the model's `.logits`: no logits, but a (zero-size) view of the loss, in its graph
+        # the model's `.logits`: no logits, but a (zero-size) view of the loss, in its graph
+        self.no_logits = self.loss.reshape(1)[:0]
         return self.no_logits
 
 # %% ../nbs/06c_loss.ipynb #1e62c246
@@ -179,23 +186,27 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
         labels: torch.Tensor, # the micro-batch's labels [B, T]
         loss_weights: torch.Tensor | None = None, # the micro-batch's `loss_weights` [B, T], or None
        ) -> tuple[torch.Tensor, int | float]:
-    "(Σ weight·NLL, Σ weight) of the micro-batch from the model's output (Σ weight = the number of targets without weights)."
+    """(Σ weight·NLL, Σ weight) of the micro-batch from the model's output (Σ weight = the number of targets without
+    weights)."""
     if out.dim() == 3: return token_nll_sum(out, labels, loss_weights)  # the head never saw [B, T, H]
     n = int(self.targets.numel()) if self.weights is None else float(self.weights.sum())
     if self.loss is not None:
         if out is not self.no_logits:
             raise RuntimeError("model.loss_chunk: this model changes the LM head's output before returning it "
                                "(logit soft-capping or scaling?); set model.loss_chunk: 0 for it")
-        return self.loss + out.sum(), n  # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
+        # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
+        return self.loss + out.sum(), n
     return weighted_sum(token_nll(out, self.targets), self.weights), n
 
 # %% ../nbs/06c_loss.ipynb #d4bba257
 def loss_chunk_for(model, # a Hugging Face model
                    chunk: int, # `model.loss_chunk`
                   ) -> int:
-    "`chunk`, or 0 for a model that transforms its logits after the head (soft-capping, logit scale): chunking would skip that."
+    """`chunk`, or 0 for a model that transforms its logits after the head (soft-capping, logit scale): chunking would
+    skip that."""
     cfgs = [model.config, getattr(model.config, 'text_config', None)]
-    if any(getattr(c, k, None) not in (None, 1.0) for c in cfgs if c is not None for k in ('final_logit_softcapping', 'logit_scale')): return 0
+    if any(getattr(c, k, None) not in (None, 1.0) for c in cfgs if c is not None
+           for k in ('final_logit_softcapping', 'logit_scale')): return 0
     return chunk
 
 # %% ../nbs/06c_loss.ipynb #8e975574
@@ -212,14 +223,16 @@ def document_block_mask(position_ids: torch.Tensor, # [B, T] restarting position
     doc = document_ids(position_ids)
     B, T = doc.shape
     def mask_mod(b, h, q, k): return (doc[b, q] == doc[b, k]) & (k <= q)
-    return create_block_mask(mask_mod, B, None, T, T, device=doc.device, _compile=doc.is_cuda if compile is None else compile)
+    return create_block_mask(mask_mod, B, None, T, T, device=doc.device,
+                             _compile=doc.is_cuda if compile is None else compile)
 
 # %% ../nbs/06c_loss.ipynb #0e7c5062
 def resolve_attn_implementation(impl: str, # `model.attn_implementation`
                                 device_type: str, # 'cpu' or 'cuda'
                                 model_cls: type | None = None, # the model's class (its `_supports_sdpa` / `_supports_flex_attn`); None: both
                                ) -> str:
-    "'auto' → 'flex_attention' on CUDA (when this torch and the model class have it), else 'sdpa', else 'eager' (a class with neither on CPU); any other value as given."
+    """'auto' → 'flex_attention' on CUDA (when this torch and the model class have it), else 'sdpa', else 'eager' (a
+    class with neither on CPU); any other value as given."""
     if impl != 'auto': return impl
     has = lambda flag: model_cls is None or bool(getattr(model_cls, flag, True))
     if device_type == 'cuda' and has('_supports_flex_attn'):
@@ -233,7 +246,8 @@ def resolve_attn_implementation(impl: str, # `model.attn_implementation`
 def attention_inputs(batch: dict, # a micro-batch (position_ids on the device for flex_attention)
                      impl: str, # the resolved attention implementation
                     ) -> dict:
-    "The batch with a packed row's dense bool [B, 1, T, T] mask in the form `impl` takes: a document BlockMask for flex_attention, the additive float mask for eager."
+    """The batch with a packed row's dense bool [B, 1, T, T] mask in the form `impl` takes: a document BlockMask for
+    flex_attention, the additive float mask for eager."""
     am = batch.get('attention_mask')
     if am is None or not isinstance(am, torch.Tensor) or am.dim() != 4: return batch
     if impl == 'flex_attention': return {**batch, 'attention_mask': document_block_mask(batch['position_ids'])}
@@ -243,22 +257,26 @@ def attention_inputs(batch: dict, # a micro-batch (position_ids on the device fo
 # %% ../nbs/06c_loss.ipynb #a7a7b112
 def flex_attention_runs_on(device_type: str, # 'cpu' or 'cuda'
                           ) -> bool:
-    "Whether FlexAttention can run compiled on this device: on CPU, only with a vector ISA (torch's capability not DEFAULT)."
+    """Whether FlexAttention can run compiled on this device: on CPU, only with a vector ISA (torch's capability not
+    DEFAULT)."""
     return device_type != 'cpu' or torch.backends.cpu.get_cpu_capability() != 'DEFAULT'
 
 # %% ../nbs/06c_loss.ipynb #8ec85eb3
 def router_aux_coef(model) -> float:
-    "The router load-balancing weight the model's config asks for: `router_aux_loss_coef` when `output_router_logits` is true, else 0."
+    """The router load-balancing weight the model's config asks for: `router_aux_loss_coef` when `output_router_logits`
+    is true, else 0."""
     c = model.config.get_text_config()
     return float(getattr(c, 'router_aux_loss_coef', 0) or 0) if getattr(c, 'output_router_logits', False) else 0.0
 
 # %% ../nbs/06c_loss.ipynb #49188be0
 def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
-    "[B·T] sequence number of each token of a micro-batch (-1: padding, fill rows, empty micro-batches: no trained target) and the number of sequences."
+    """[B·T] sequence number of each token of a micro-batch (-1: padding, fill rows, empty micro-batches: no trained
+    target) and the number of sequences."""
     labels = batch['labels']
     B, T = labels.shape
     pos, am = batch.get('position_ids'), batch.get('attention_mask')
-    doc = document_ids(pos) if pos is not None else torch.ones_like(labels)  # no position_ids (a VLM batch): a row is a sequence
+    # no position_ids (a VLM batch): a row is a sequence
+    doc = document_ids(pos) if pos is not None else torch.ones_like(labels)
     if am is not None and am.dim() == 2: doc = doc * am.long()  # padded rows: padding is no sequence
     key = (torch.arange(B, device=labels.device)[:, None] * (T + 1) + doc).reshape(-1)
     key[doc.reshape(-1) == 0] = -1
@@ -271,12 +289,14 @@ def sequence_index(batch: dict) -> tuple[torch.Tensor, int]:
     return seq, (int(inv.max()) + 1 if inv.numel() else 0)
 
 # %% ../nbs/06c_loss.ipynb #ef0cd88f
-def router_aux_sum(router_logits: list[torch.Tensor], # per MoE layer [B·T, E] (what the model records as `router_logits`)
+# per MoE layer [B·T, E] (what the model records as `router_logits`)
+def router_aux_sum(router_logits: list[torch.Tensor],
                    seq: torch.Tensor, # [B·T] `sequence_index`
                    n_seqs: int, # sequences in the micro-batch
                    top_k: int, # experts per token (`num_experts_per_tok`)
                   ) -> torch.Tensor:
-    "Σ over the sequences of each one's Switch load-balancing loss (transformers' `load_balancing_loss_func` on that sequence alone)."
+    """Σ over the sequences of each one's Switch load-balancing loss (transformers' `load_balancing_loss_func` on that
+    sequence alone)."""
     if n_seqs == 0 or not router_logits: return torch.zeros((), device=seq.device)
     keep = seq >= 0
     s, E = seq[keep], router_logits[0].shape[-1]
@@ -297,9 +317,12 @@ class RouterLogits:
     def __enter__(self):
         if not self.on: return self
         rec = (getattr(self.model, '_can_record_outputs', None) or {}).get('router_logits')
-        if rec is None: raise ValueError(f"model.path: {type(self.model).__name__} asks for a router aux loss but records no router_logits")
+        if rec is None:
+            raise ValueError(f"model.path: {type(self.model).__name__} asks for a router aux loss but records "
+                             "no router_logits")
         for m in self.model.modules():
-            if isinstance(m, rec.target_class): self._hooks.append(m.register_forward_hook(lambda mod, a, out: self.logits.append(out[rec.index])))
+            if isinstance(m, rec.target_class):
+                self._hooks.append(m.register_forward_hook(lambda mod, a, out: self.logits.append(out[rec.index])))
         return self
 
     def __exit__(self, *exc):  # before backward: a checkpointed block's recomputation is not recorded again
@@ -308,11 +331,13 @@ class RouterLogits:
 
 # %% ../nbs/06c_loss.ipynb #70c3a2a1
 def eval_metrics(step: int, results: dict[str, list[dict]]) -> dict:
-    "{'step', '<set>_loss', '<set>_ppl', ..., 'eval_loss', 'eval_ppl'} from each set's per-replica `{'nll_sum', 'weight_sum'}`."
+    """{'step', '<set>_loss', '<set>_ppl', ..., 'eval_loss', 'eval_ppl'} from each set's per-replica `{'nll_sum',
+    'weight_sum'}`."""
     out = {'step': step}
     for name, res in results.items():
         n = sum(r['weight_sum'] for r in res)
         out[f'{name}_loss'] = sum(r['nll_sum'] for r in res) / (n if n > 0 else 1)
         out[f'{name}_ppl'] = math.exp(min(out[f'{name}_loss'], 50.0))
-    if results: out['eval_loss'], out['eval_ppl'] = out[f'{next(iter(results))}_loss'], out[f'{next(iter(results))}_ppl']
+    if results:
+        out['eval_loss'], out['eval_ppl'] = out[f'{next(iter(results))}_loss'], out[f'{next(iter(results))}_ppl']
     return out

@@ -25,7 +25,8 @@ __all__ = ['PARTS', 'ESTIMATE_FIELDS', 'rank_memory', 'reset_peak_memory', 'rank
 def rank_memory(use_gpu: bool = False) -> dict:
     "This process's memory now: {'rss', 'peak'} bytes (host VmRSS/VmHWM on CPU; allocated / max allocated on the GPU)."
     if use_gpu: return {'rss': torch.cuda.memory_allocated(), 'peak': torch.cuda.max_memory_allocated()}
-    kb = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines() if l.startswith(('VmRSS', 'VmHWM'))}
+    kb = {l.split(':')[0]: int(l.split()[1]) * 1024 for l in Path('/proc/self/status').read_text().splitlines()
+          if l.startswith(('VmRSS', 'VmHWM'))}
     return {'rss': kb['VmRSS'], 'peak': kb['VmHWM']}
 
 # %% ../nbs/08e_memory.ipynb #9e9d71df
@@ -36,13 +37,15 @@ def reset_peak_memory(use_gpu: bool = False):
 
 # %% ../nbs/08e_memory.ipynb #d539656d
 def rank_now(worker, reset: bool = False) -> dict:
-    "A worker's `rank_memory` on its own device, a new peak started first with `reset`: on every rank, `backend.run(rank_now, True)`."
+    """A worker's `rank_memory` on its own device, a new peak started first with `reset`: on every rank,
+    `backend.run(rank_now, True)`."""
     if reset: reset_peak_memory(worker.use_gpu)
     return rank_memory(worker.use_gpu)
 
 # %% ../nbs/08e_memory.ipynb #ec4ca417
 def rank_capacity(use_gpu: bool = False, memory_limit: int | None = None) -> tuple[int, str]:
-    "(bytes, where from) this rank may use: `memory_limit` if given; on the GPU its total memory; on CPU the least of RLIMIT_AS, the cgroup limit and MemAvailable + this process's RSS."
+    """(bytes, where from) this rank may use: `memory_limit` if given; on the GPU its total memory; on CPU the least of
+    RLIMIT_AS, the cgroup limit and MemAvailable + this process's RSS."""
     import resource
     if memory_limit: return int(memory_limit), 'memory_limit'
     if use_gpu: return torch.cuda.mem_get_info()[1], 'GPU total'
@@ -56,7 +59,8 @@ def rank_capacity(use_gpu: bool = False, memory_limit: int | None = None) -> tup
 
 # %% ../nbs/08e_memory.ipynb #a3755bea
 def warm_optimizer(opt) -> None:
-    "Give a fresh optimizer the state it holds from a run's second step on: one step on zero gradients (it moves the weights by weight decay; the caller puts them back)."
+    """Give a fresh optimizer the state it holds from a run's second step on: one step on zero gradients (it moves the
+    weights by weight decay; the caller puts them back)."""
     params = [p for g in opt.param_groups for p in g['params'] if p.requires_grad]
     for p in params: p.grad = torch.zeros_like(p)
     opt.step(); opt.zero_grad(set_to_none=True)
@@ -69,17 +73,21 @@ def _local(t):
 # %% ../nbs/08e_memory.ipynb #2b88257a
 def measure_step(worker, # a set-up FSDP worker (`model`, `opt`, `step`, `forward_backward`, `optim_step`), on its rank
                  micro_batch: dict, memory_limit: int | None = None) -> dict:
-    """One forward/backward/optimizer step of `worker` on `micro_batch`: this rank's peak memory and what it has. Weights,
-    optimizer state, step count and RNG streams are put back exactly (the snapshot lives in host memory; on CPU its bytes
-    are taken off the peak, as a real step does not hold it). Runs on each rank through `backend.run(measure_step, ...)`."""
+    """One forward/backward/optimizer step of `worker` on `micro_batch`: this rank's peak memory and what it has.
+    Weights, optimizer state, step count and RNG streams are put back exactly (the snapshot lives in host memory; on CPU
+    its bytes are taken off the peak, as a real step does not hold it). Runs on each rank through
+    `backend.run(measure_step, ...)`."""
     w, gpu = worker, worker.use_gpu
     tensors = [_local(t.detach()) for t in (*w.model.parameters(), *w.model.buffers())]
     with torch.no_grad():
         snap = [t.to('cpu', copy=True) for t in tensors]
-        opt_snap = {p: {k: (_local(v).to('cpu', copy=True) if torch.is_tensor(v) else v) for k, v in s.items()} for p, s in w.opt.state.items()}
-    held = 0 if gpu else sum(t.nbytes for t in snap) + sum(v.nbytes for s in opt_snap.values() for v in s.values() if torch.is_tensor(v))
+        opt_snap = {p: {k: (_local(v).to('cpu', copy=True) if torch.is_tensor(v) else v) for k, v in s.items()}
+                    for p, s in w.opt.state.items()}
+    held = 0 if gpu else (sum(t.nbytes for t in snap)
+                          + sum(v.nbytes for s in opt_snap.values() for v in s.values() if torch.is_tensor(v)))
     step, rng, cuda_rng = w.step, torch.get_rng_state(), (torch.cuda.get_rng_state() if gpu else None)
-    if not w.opt.state: warm_optimizer(w.opt)  # the step measured is a later step's: it holds the optimizer's state throughout
+    # the step measured is a later step's: it holds the optimizer's state throughout
+    if not w.opt.state: warm_optimizer(w.opt)
     if gpu: torch.cuda.synchronize()
     before = rank_memory(gpu)['rss']
     reset_peak_memory(gpu)
@@ -92,7 +100,8 @@ def measure_step(worker, # a set-up FSDP worker (`model`, `opt`, `step`, `forwar
         w.opt.zero_grad(set_to_none=True)
         with torch.no_grad():
             for t, s in zip(tensors, snap): t.copy_(s)
-            for p in list(w.opt.state):  # state the step made (a first step's) goes; state that was there gets its values back
+            # state the step made (a first step's) goes; state that was there gets its values back
+            for p in list(w.opt.state):
                 if p not in opt_snap: del w.opt.state[p]; continue
                 st = w.opt.state[p]
                 for k in [k for k in st if k not in opt_snap[p]]: del st[k]
@@ -102,18 +111,23 @@ def measure_step(worker, # a set-up FSDP worker (`model`, `opt`, `step`, `forwar
         w.step = step
         torch.set_rng_state(rng)
         if cuda_rng is not None: torch.cuda.set_rng_state(cuda_rng)
-    cap, source = rank_capacity(gpu, memory_limit)  # host: ranks on one host share its MemAvailable (the verdict splits it)
-    return {'rank': w.rank, 'peak': int(peak - held), 'before': int(before - held), 'capacity': int(cap), 'capacity_from': source,
-            'rss': rank_memory(gpu)['rss'], 'host': socket.gethostname(), 'device': 'cuda' if gpu else 'cpu'}
+    # host: ranks on one host share its MemAvailable (the verdict splits it)
+    cap, source = rank_capacity(gpu, memory_limit)
+    return {'rank': w.rank, 'peak': int(peak - held), 'before': int(before - held), 'capacity': int(cap),
+            'capacity_from': source, 'rss': rank_memory(gpu)['rss'], 'host': socket.gethostname(),
+            'device': 'cuda' if gpu else 'cpu'}
 
 # %% ../nbs/08e_memory.ipynb #f500e762
 def fsdp_only(cfg: SFTConfig, what: str):
     "NotImplementedError unless `cfg` trains on the fsdp backend, the worker `measure_step` and `step_memory` know."
-    if cfg.placement.backend != 'fsdp': raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no {what} (the 'fsdp' backend has one)")
+    if cfg.placement.backend != 'fsdp':
+        raise NotImplementedError(f"placement.backend: {cfg.placement.backend!r} has no {what} "
+                                  "(the 'fsdp' backend has one)")
 
 # %% ../nbs/08e_memory.ipynb #c2bc21dd
 def largest_micro_batch(d: DataPlan, micro: int) -> dict:
-    "The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run collates them."
+    """The `micro` longest rows (fullest bins when packing) of a planned, map-style `DataPlan`, collated as the run
+    collates them."""
     size = [sum(int(d.lengths[k]) for k in it) for it in d.items] if d.pack_plan is not None else d.lengths.tolist()
     mb = d.collate_items([d.items[j] for j in sorted(range(len(d.items)), key=lambda j: -size[j])[:micro]])
     return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
@@ -121,7 +135,8 @@ def largest_micro_batch(d: DataPlan, micro: int) -> dict:
 # %% ../nbs/08e_memory.ipynb #1184b38d
 def dry_run_batch(cfg: SFTConfig, setup, # `trainer.setup`: called once the backend is known to have a dry run
                   full_length: bool = False) -> dict:
-    "The biggest micro-batch the set-up trainer's plan makes: the `micro_batch_size` longest rows (fullest bins when packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."
+    """The biggest micro-batch the set-up trainer's plan makes: the `micro_batch_size` longest rows (fullest bins when
+    packing); `full_length` (and a streamed plan): rows of `tokenize.max_length` (`packing.capacity`) tokens."""
     fsdp_only(cfg, 'memory dry run')
     t = setup(); d, micro = t.data, max(1, cfg.train.micro_batch_size)
     if full_length or d.streams:
@@ -136,15 +151,21 @@ def _advice(cfg, ranks: list[dict]) -> list[str]:
     "What to change when a rank does not fit, in the config's own keys."
     c, on_gpu = cfg, ranks[0]['device'] == 'cuda'
     out = []
-    if c.train.micro_batch_size > 1: out.append(f"train.micro_batch_size={c.train.micro_batch_size} → smaller (activations scale with it)")
+    if c.train.micro_batch_size > 1:
+        out.append(f"train.micro_batch_size={c.train.micro_batch_size} → smaller (activations scale with it)")
     if c.model.activation_checkpointing != 'full':
-        out.append(f"model.activation_checkpointing={c.model.activation_checkpointing!r} → 'full' (recompute each block in backward)")
+        out.append(f"model.activation_checkpointing={c.model.activation_checkpointing!r} → 'full' (recompute each "
+                   "block in backward)")
     if c.packing.enabled: out.append(f"packing.capacity={c.pack_capacity} → smaller")
     else: out.append(f"tokenize.max_length={c.tokenize.max_length} → smaller (or the longest rows dropped)")
-    out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards weights, gradients and optimizer state over them")
-    if c.placement.backend == 'fsdp':  # a row too long for one worker: its activations spread over the sp ranks that share it
-        out.append(f"placement.sequence_parallel={c.placement.sequence_parallel} → larger (a divisor of the attention heads and of the ranks): each rank holds 1/sp of every row's activations")
-    if on_gpu and not c.model.cpu_offload: out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
+    out.append(f"placement.workers_per_node / num_nodes (now {c.placement.world_size} ranks) → more: FSDP shards "
+               "weights, gradients and optimizer state over them")
+    # a row too long for one worker: its activations spread over the sp ranks that share it
+    if c.placement.backend == 'fsdp':
+        out.append(f"placement.sequence_parallel={c.placement.sequence_parallel} → larger (a divisor of the attention "
+                   "heads and of the ranks): each rank holds 1/sp of every row's activations")
+    if on_gpu and not c.model.cpu_offload:
+        out.append("model.cpu_offload=true (parameters and optimizer state in host memory)")
     return out
 
 # %% ../nbs/08e_memory.ipynb #2038ed0b
@@ -156,7 +177,8 @@ def dry_run_verdict(cfg: SFTConfig, ranks: list[dict], shape: tuple) -> dict:
     on_host = Counter(r['host'] for r in ranks if r['capacity_from'] == 'MemAvailable')
     for r in ranks:  # each gets its part of the host's free memory on top of what it holds
         if r['capacity_from'] == 'MemAvailable' and (n := on_host[r['host']]) > 1:
-            r['capacity'], r['capacity_from'] = r['rss'] + (r['capacity'] - r['rss']) // n, f"MemAvailable / {n} ranks on the host"
+            r['capacity'], r['capacity_from'] = (r['rss'] + (r['capacity'] - r['rss']) // n,
+                                                 f"MemAvailable / {n} ranks on the host")
     worst = max(ranks, key=lambda r: r['peak'] / r['capacity'])
     fits = all(r['peak'] <= r['capacity'] for r in ranks)
     head = (f"rank {worst['rank']} peaks at {worst['peak'] / _GiB:.2f} GiB of {worst['capacity'] / _GiB:.2f} GiB "
@@ -175,27 +197,36 @@ def parts_of(kinds: dict) -> dict:
 
 # %% ../nbs/08e_memory.ipynb #668544fb
 def estimate_data(cfg: SFTConfig) -> DataPlan | None:
-    "`data.train` tokenized and planned as a run plans it (no workers), where it can be: data is named, not streamed, and the model folder has its tokenizer; else None."
+    """`data.train` tokenized and planned as a run plans it (no workers), where it can be: data is named, not streamed,
+    and the model folder has its tokenizer; else None."""
     from sft_nb.models import load_model_inputs, resolve_model_path
     if not cfg.data.train or cfg.data.streaming: return None
     folder = Path(resolve_model_path(cfg.model.path))
-    if not any((folder / f).exists() for f in ('tokenizer.json', 'tokenizer_config.json')): return None  # config.json alone
+    # config.json alone
+    if not any((folder / f).exists() for f in ('tokenizer.json', 'tokenizer_config.json')): return None
     tok, proc = load_model_inputs(cfg.model.path, cfg.tokenize.chat_template)
     d = plan_class(cfg)(cfg, tok, proc); d.prepare(); d.plan()
     return d
 
 # %% ../nbs/08e_memory.ipynb #b5350c64
 def estimate_batch(cfg: SFTConfig, vocab_size: int, data: DataPlan | None = None) -> dict:
-    "The micro-batch an estimate steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run` takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the first trained, collated as the run collates them."
+    """The micro-batch an estimate steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run`
+    takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the
+    first trained, collated as the run collates them."""
     if data is not None: return largest_micro_batch(data, max(1, cfg.train.micro_batch_size))
     n = cfg.pack_capacity if cfg.packing.enabled else cfg.tokenize.max_length
-    rows = [{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']} for r in synthetic_dataset(max(1, cfg.train.micro_batch_size), n, vocab_size, cfg.data.seed)]
+    rows = [{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
+            for r in synthetic_dataset(max(1, cfg.train.micro_batch_size), n, vocab_size, cfg.data.seed)]
     mb = collate_packed([[r] for r in rows], 0, n) if cfg.packing.enabled else collate_padded(rows, 0)
     return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
 
 # %% ../nbs/08e_memory.ipynb #7aba08ee
-def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan | None = None) -> tuple[dict, dict, tuple, int]:
-    "Rank 0's {FSDP2 memory kind: bytes} at the peak of one fake training step of `cfg` on `world` ranks (on `estimate_batch(cfg, vocab, data)`), and kept (weights, gradients, optimizer state after the step; activations at the end of the forward), the micro-batch's shape, and this process's RSS with the model built on `meta`; needs a process without a process group."
+def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
+                data: DataPlan | None = None) -> tuple[dict, dict, tuple, int]:
+    """Rank 0's {FSDP2 memory kind: bytes} at the peak of one fake training step of `cfg` on `world` ranks (on
+    `estimate_batch(cfg, vocab, data)`), and kept (weights, gradients, optimizer state after the step; activations at
+    the end of the forward), the micro-batch's shape, and this process's RSS with the model built on `meta`; needs a
+    process without a process group."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -203,12 +234,16 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.optim import adamw
-    if dist.is_initialized(): raise RuntimeError("estimate: this process already has a process group; estimate in a fresh one (`sft-nb estimate`)")
+    if dist.is_initialized():
+        raise RuntimeError("estimate: this process already has a process group; "
+                           "estimate in a fresh one (`sft-nb estimate`)")
     dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
     try:
         w = FSDPWorker(0, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
-        model = w.build(dtype, meta=True, attn_device='cpu')  # meshes outside fake mode; the attention that runs here (the GPU may pick flex_attention)
-        runtime = rank_memory()['rss']  # this process as a worker is before it loads weights: torch, transformers, the model's code
+        # meshes outside fake mode; the attention that runs here (the GPU may pick flex_attention)
+        model = w.build(dtype, meta=True, attn_device='cpu')
+        # this process as a worker is before it loads weights: torch, transformers, the model's code
+        runtime = rank_memory()['rss']
         mb = w.to_device(estimate_batch(cfg, model.config.get_text_config().vocab_size, data))
         inputs, sel, tgt, wt = w.loss_inputs(mb)
         n_sel = int(sel.sum())
@@ -223,32 +258,44 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32, data: DataPlan 
                 s, _, _ = w.nll(mb, loss_inputs=(inputs, fsel, tgt, wt))
                 (fwd,) = tracker.get_tracker_snapshot('current').values()  # what the forward keeps for backward
                 s.backward(); opt.step()
-                (after,) = tracker.get_tracker_snapshot('current').values()  # sharded weights, gradients, optimizer state: what a run keeps
+                # sharded weights, gradients, optimizer state: what a run keeps
+                (after,) = tracker.get_tracker_snapshot('current').values()
                 opt.zero_grad()
         (peak,) = tracker.get_tracker_snapshot('peak').values()
         named = lambda d: {str(getattr(k, 'value', k)): v for k, v in d.items()}
-        return named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']}, tuple(mb['input_ids'].shape), runtime
+        return (named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']},
+                tuple(mb['input_ids'].shape), runtime)
     finally: dist.destroy_process_group()
 
 # %% ../nbs/08e_memory.ipynb #a1c3e5f8
-ESTIMATE_FIELDS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads')  # the sizes an estimate is of
+# the sizes an estimate is of
+ESTIMATE_FIELDS = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads')
 
 def estimable(cfg: SFTConfig, dtype) -> None:
-    "A `ConfigError` naming the sizes config.json leaves to transformers' defaults; NotImplementedError, naming the key, for a model `estimate` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in float32."
+    """A `ConfigError` naming the sizes config.json leaves to transformers' defaults; NotImplementedError, naming the
+    key, for a model `estimate` cannot trace with fake tensors: a vision-language model, or mixture-of-experts in
+    float32."""
     from sft_nb.models import model_config, resolve_model_path
     mc, f = model_config(cfg.model.path), Path(resolve_model_path(cfg.model.path)) / 'config.json'
     if f.is_file():  # an estimate of transformers' defaults would be another model's: config.json must say the sizes
         raw, tc = json.loads(f.read_text()), mc.get_text_config()
         raw = raw.get('text_config', raw) if tc is not mc else raw
-        said = lambda k: k in raw or any(a in raw for a, t in tc.attribute_map.items() if t == k)  # GPT-2: n_embd for hidden_size
+        # GPT-2: n_embd for hidden_size
+        said = lambda k: k in raw or any(a in raw for a, t in tc.attribute_map.items() if t == k)
         if missing := [k for k in ESTIMATE_FIELDS if hasattr(tc, k) and not said(k)]:
-            raise ConfigError(f"model.path: {f} does not say {', '.join(missing)}; the estimate would take transformers' defaults "
-                              f"({', '.join(f'{k} {getattr(tc, k)}' for k in missing)}), another model's: write them into config.json")
+            raise ConfigError(f"model.path: {f} does not say {', '.join(missing)}; the estimate would take "
+                              f"transformers' defaults ({', '.join(f'{k} {getattr(tc, k)}' for k in missing)}), "
+                              "another model's: write them into config.json")
     if getattr(mc, 'vision_config', None) is not None:
-        raise NotImplementedError(f"model.path: {cfg.model.path!r} is a vision-language model; estimate covers text models (its vision tower sizes tensors from each image's grid, which fake tensors do not hold): measure it with the run's dry_run")
+        raise NotImplementedError(f"model.path: {cfg.model.path!r} is a vision-language model; estimate covers text "
+                                  "models (its vision tower sizes tensors from each image's grid, which fake tensors "
+                                  "do not hold): measure it with the run's dry_run")
     tc = mc.get_text_config()
-    if dtype == torch.float32 and any(getattr(tc, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
-        raise NotImplementedError("model.dtype: a mixture-of-experts model is estimated in bfloat16 on GPUs (model.dtype=bfloat16, device='cuda'): torch's fake grouped_mm, which its experts run through, takes bf16 only")
+    if (dtype == torch.float32
+        and any(getattr(tc, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts'))):
+        raise NotImplementedError("model.dtype: a mixture-of-experts model is estimated in bfloat16 on GPUs "
+                                  "(model.dtype=bfloat16, device='cuda'): torch's fake grouped_mm, which its experts "
+                                  "run through, takes bf16 only")
 
 # %% ../nbs/08e_memory.ipynb #bd616f19
 def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
@@ -258,11 +305,14 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
          device: str = 'cuda', # 'cuda': bf16 if model.dtype asks for it, parts on the GPU; 'cpu': fp32, host memory as a CPU dry run counts it
          data: bool = True, # step on the data's longest rows and say which rows one rank cannot hold, where `estimate_data` can read it
         ) -> dict:
-    "The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's parts, the estimate's own time and, with data, `data` (`data_fit`)."
+    """The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's
+    parts, the estimate's own time and, with data, `data` (`data_fit`)."""
     fsdp_only(cfg, 'memory estimate')
     for name, n in (('gpus', gpus), ('nodes', nodes)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1: raise ConfigError(f"{name}: {n!r}; give a whole number of at least 1 (--{name})")
-    if gpu_memory is not None and not gpu_memory > 0: raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{name}: {n!r}; give a whole number of at least 1 (--{name})")
+    if gpu_memory is not None and not gpu_memory > 0:
+        raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
     if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, world = time.perf_counter(), gpus * nodes
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
@@ -273,9 +323,11 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     base = runtime if device == 'cpu' else 0
     kept, at_peak = parts_of(after), parts_of(peak)
     parts = kept | ({'runtime': base} if base else {})
-    cap, cap_from = (int(gpu_memory * 2**30), f'--gpu-memory {gpu_memory:g} GiB') if device == 'cuda' else rank_capacity()
-    ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap, 'capacity_from': cap_from,
-              'host': f'node{r // gpus}', 'device': device, 'parts': parts, 'at_peak': at_peak} for r in range(world)]
+    cap, cap_from = ((int(gpu_memory * 2**30), f'--gpu-memory {gpu_memory:g} GiB')
+                     if device == 'cuda' else rank_capacity())
+    ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap,
+              'capacity_from': cap_from, 'host': f'node{r // gpus}', 'device': device, 'parts': parts,
+              'at_peak': at_peak} for r in range(world)]
     cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
     cfg.placement.num_nodes, cfg.placement.workers_per_node = nodes, gpus  # the advice names the cluster estimated for
     out = dry_run_verdict(cfg, ranks, shape)
@@ -286,12 +338,15 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
 def estimate_report(p: dict) -> str:
     "A `estimate(...)` result as text: one rank's memory by part in GiB, its peak against its capacity, the verdict."
     r, g = p['ranks'][0], lambda b: f"{b / 2**30:8.2f} GiB"
-    lines = [f"{len(p['ranks'])} ranks ({r['device']}), micro-batch {p['shape']}; each rank (rank 0 holds the largest shards):"]
+    lines = [f"{len(p['ranks'])} ranks ({r['device']}), micro-batch {p['shape']}; each rank (rank 0 holds the largest "
+             "shards):"]
     lines += [f"  {k:<12}{g(v)}" for k, v in r['parts'].items()]
-    lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: " + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
+    lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: "
+              + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
               f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message']]
     if (d := p.get('data')) is not None:
-        sp = f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits'] else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it"
+        sp = (f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits']
+              else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it")
         lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; " + long_rows_line(d) + f" ({sp})")
     lines.append(f"estimated in {p['estimate_s']:.1f} s")
     return '\n'.join(lines)
@@ -303,11 +358,11 @@ def _heads(cfg: SFTConfig) -> int:
 
 # %% ../nbs/08e_memory.ipynb #ebfdac2a
 def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> dict:
-    """Which of `d`'s rows one rank holds within `capacity` bytes (its peak without the runtime), `long_rows`' counts, and
-    `sp_fits`: the least `sequence_parallel` that holds the longest row and divides the attention heads and the ranks (None:
-    none does). The longest row one rank holds (`worker_tokens`) is where a line through two fake steps of one row
-    (`tokenize.max_length` tokens and half that) meets `capacity`: the activations grow linearly in a row's tokens (sdpa,
-    chunked loss); `bytes_per_token` and `fixed` are that line."""
+    """Which of `d`'s rows one rank holds within `capacity` bytes (its peak without the runtime), `long_rows`' counts,
+    and `sp_fits`: the least `sequence_parallel` that holds the longest row and divides the attention heads and the
+    ranks (None: none does). The longest row one rank holds (`worker_tokens`) is where a line through two fake steps of
+    one row (`tokenize.max_length` tokens and half that) meets `capacity`: the activations grow linearly in a row's
+    tokens (sdpa, chunked loss); `bytes_per_token` and `fixed` are that line."""
     one = copy.deepcopy(cfg)
     one.train.micro_batch_size, one.packing.enabled, one.placement.sequence_parallel = 1, False, 1
     n1, n2, at = cfg.tokenize.max_length, max(1, cfg.tokenize.max_length // 2), {}

@@ -14,9 +14,10 @@ def mix_counts(pairs: list[tuple[int, int]], # `(source, example)` pairs, e.g. f
                sizes: list[int], # examples per source
                names: list[str] | None = None,
                weights: list[float] | None = None, # the mixing weights (None: 1 each)
-               reports: list | None = None, # each source's own `DataReport` (rows read and kept); None: one row per example
+               reports: list | None = None, # each source's `DataReport` (rows read and kept); None: one row per example
               ) -> list[dict]:
-    "Per source: `weight`, `share` of draws, `n_rows` read, `n_kept`, `n_examples`, `n_used` drawn, `n_cut` never drawn, `n_drawn`, `repeat`."
+    """Per source: `weight`, `share` of draws, `n_rows` read, `n_kept`, `n_examples`, `n_used` drawn, `n_cut` never
+    drawn, `n_drawn`, `repeat`."""
     import numpy as np
     a, weights = np.asarray(pairs, np.int64).reshape(-1, 2), weights or [1.0] * len(sizes)
     total = sum(w for w, n in zip(weights, sizes) if n) or 1.0  # a source without examples has no share
@@ -24,16 +25,20 @@ def mix_counts(pairs: list[tuple[int, int]], # `(source, example)` pairs, e.g. f
     for s, n in enumerate(sizes):
         drawn, rep = a[a[:, 0] == s, 1], reports[s] if reports else None
         used = len(np.unique(drawn))
-        out.append({'source': names[s] if names else s, 'weight': float(weights[s]), 'share': weights[s] / total if n else 0.0,
+        out.append({'source': names[s] if names else s, 'weight': float(weights[s]),
+                    'share': weights[s] / total if n else 0.0,
                     'n_rows': rep.n_rows if rep else n, 'n_kept': rep.n_kept if rep else n, 'n_examples': n,
-                    'n_used': used, 'n_cut': n - used, 'n_drawn': len(drawn), 'repeat': round(len(drawn) / max(1, n), 2)})
+                    'n_used': used, 'n_cut': n - used, 'n_drawn': len(drawn),
+                    'repeat': round(len(drawn) / max(1, n), 2)})
     return out
 
 # %% ../nbs/01c_mix.ipynb #7f49f7c0
 def mix_line(s: dict) -> str:
-    "One train source of a mix in words (`mix_counts`, or a stream's report): weight, share, rows read and kept, examples, draws."
+    """One train source of a mix in words (`mix_counts`, or a stream's report): weight, share, rows read and kept,
+    examples, draws."""
     ex = f", {s['n_examples']} examples" if s['n_examples'] != s['n_kept'] else ''
-    out = f"{s['source']}: weight {s['weight']:g} ({s['share']:.0%} of draws), {s['n_rows']} rows, {s['n_kept']} kept{ex}"
+    out = (f"{s['source']}: weight {s['weight']:g} ({s['share']:.0%} of draws), {s['n_rows']} rows, "
+           f"{s['n_kept']} kept{ex}")
     if 'n_drawn' in s:  # map-style: one epoch's draws are known
         out += f", {s['n_drawn']} draws an epoch" + (f" (×{s['repeat']:g})" if s['repeat'] > 1 else '')
         out += f" ({s['n_cut']} examples cut)" if s['n_cut'] else ''
@@ -41,13 +46,15 @@ def mix_line(s: dict) -> str:
 
 # %% ../nbs/01c_mix.ipynb #a1d0e010
 def _mix_draws(n, p, seed: int, stop: str):
-    "Source of each draw: `rng.choice` in blocks of 1000 (the RNG stream of `datasets.interleave_datasets`), cut where `stop` says."
+    """Source of each draw: `rng.choice` in blocks of 1000 (the RNG stream of `datasets.interleave_datasets`), cut where
+    `stop` says."""
     import numpy as np
     rng, blocks, counts = np.random.default_rng(seed), [], np.zeros(len(n), np.int64)
     while not ((counts >= n).all() if stop == 'all_exhausted' else (counts >= n).any()):
         blocks.append(rng.choice(len(n), size=1000, p=p)); counts += np.bincount(blocks[-1], minlength=len(n))
     draws = np.concatenate(blocks)
-    ends = [np.flatnonzero(draws == k)[n[k] - 1] for k in range(len(n)) if counts[k] >= n[k]]  # draw that exhausts source k
+    # draw that exhausts source k
+    ends = [np.flatnonzero(draws == k)[n[k] - 1] for k in range(len(n)) if counts[k] >= n[k]]
     return draws[:(max(ends) if stop == 'all_exhausted' else min(ends)) + 1]
 
 # %% ../nbs/01c_mix.ipynb #61bd36df
@@ -59,7 +66,8 @@ def mix_indices(sizes: list[int], # examples per source
                 stop: str = 'all_exhausted', # 'all_exhausted' (small sources repeat) | 'first_exhausted' (large ones are cut, with a warning)
                 names: list[str] | None = None, # source names for the warnings
                ) -> list[tuple[int, int]]:
-    "Interleave sources by weight: `(source, row)` pairs, as `datasets.interleave_datasets(probabilities, seed, stopping_strategy=stop)`."
+    """Interleave sources by weight: `(source, row)` pairs, as `datasets.interleave_datasets(probabilities, seed,
+    stopping_strategy=stop)`."""
     import numpy as np
     if stop not in MIX_STOPS: raise ValueError(f"stop: {stop!r} is not allowed; use one of {', '.join(MIX_STOPS)}")
     names = names or [f"source {s}" for s in range(len(sizes))]
@@ -68,7 +76,8 @@ def mix_indices(sizes: list[int], # examples per source
     live = [s for s, n in enumerate(sizes) if n > 0]
     if live and len(live) < len(sizes):  # say what is mixed: the others, or the one source left
         rest = 'mixing the others' if len(live) > 1 else f"training on {names[live[0]]} alone"
-        warnings.warn(f"mix: {', '.join(names[s] for s in range(len(sizes)) if s not in live)} has no rows; {rest}", stacklevel=2)
+        warnings.warn(f"mix: {', '.join(names[s] for s in range(len(sizes)) if s not in live)} has no rows; {rest}",
+                      stacklevel=2)
     if len(live) <= 1: return [(s, i) for s in live for i in range(sizes[s])]
     n, p = np.asarray([sizes[s] for s in live]), np.asarray([weights[s] for s in live], float)
     draws = _mix_draws(n, p / p.sum(), seed, stop)
@@ -77,7 +86,9 @@ def mix_indices(sizes: list[int], # examples per source
         pos = np.flatnonzero(draws == k); rows[pos] = np.arange(len(pos)) % n[k]
     out = [(live[k], r) for k, r in zip(draws.tolist(), rows.tolist())]
     cut = [(names[s], c['n_cut'], c['n_examples']) for s, c in enumerate(mix_counts(out, sizes)) if c['n_cut']]
-    if cut: warnings.warn(f"mix_indices(stop={stop!r}): " + '; '.join(f"{nm} cut: {k} of {t} examples unused" for nm, k, t in cut)
-                          + " (another source ran out first); stop='all_exhausted' (data.mix_stop) uses every example", stacklevel=2)
+    if cut: warnings.warn(f"mix_indices(stop={stop!r}): " + '; '.join(f"{nm} cut: {k} of {t} examples unused"
+                                                                      for nm, k, t in cut)
+                          + " (another source ran out first); stop='all_exhausted' (data.mix_stop) uses every example",
+                          stacklevel=2)
     return out
 

@@ -8,7 +8,8 @@ import importlib.util, os, random
 from pathlib import Path
 from .paths import sft_nb_home, atomic_build
 from .templates import CHAT_TEMPLATES, FAMILY_SPECIALS, add_family_specials
-from .vlm_models import QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor
+from .vlm_models import (
+    QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor)
 
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'SAFETENSORS_DTYPES', 'EXPORT_PARTIAL', 'TOKENIZER_FILES',
@@ -60,7 +61,8 @@ def _tokenizer_corpus(n: int = 2000, seed: int = 0) -> list[str]:
              'what who how why when where which this that these those and or not no yes hello thanks please '
              'weather recipe number time date city temperature price convert search find get send email').split()
     texts = [' '.join(m['content'] for m in r['messages']) for r in identity_rows(seed=seed)['train']]
-    texts += [' '.join(rng.choice(words) for _ in range(rng.randint(5, 20))).capitalize() + rng.choice('.?!') for _ in range(n)]
+    texts += [' '.join(rng.choice(words) for _ in range(rng.randint(5, 20))).capitalize() + rng.choice('.?!')
+              for _ in range(n)]
     texts += ['{"name": "get_weather", "arguments": {"city": "Paris", "unit": "celsius"}} 0123456789 []{}:,"\'']
     return texts
 
@@ -83,7 +85,8 @@ def build_tiny_tokenizer(vocab_size: int = 1024, # BPE vocabulary size including
 
 # %% ../nbs/06_models.ipynb #20ab456a
 def tiny_model_config(vocab_size: int, # tokenizer length
-                      hidden_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2, intermediate: int = 384):
+                      hidden_size: int = 128, layers: int = 2, heads: int = 4, kv_heads: int = 2,
+                      intermediate: int = 384):
     "A ~0.5M-parameter Qwen2 config (grouped-query attention, tied embeddings)."
     from transformers import Qwen2Config
     return Qwen2Config(vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate,
@@ -102,7 +105,8 @@ def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the s
         tok = build_tiny_tokenizer()
         cfg = tiny_model_config(len(tok))
         cfg.eos_token_id, cfg.pad_token_id = tok.eos_token_id, tok.pad_token_id
-        return seeded_model(seed, lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tok.eos_token_id, tok.pad_token_id), tok
+        return seeded_model(seed, lambda: AutoModelForCausalLM.from_config(cfg, dtype=torch.float32), tok.eos_token_id,
+                            tok.pad_token_id), tok
     return save_built(dir, f'tiny-chatml-v{TINY_VERSION}-s{seed}', make)
 
 # %% ../nbs/06_models.ipynb #18f50c31
@@ -126,7 +130,8 @@ def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared c
     def make():
         proc = build_tiny_processor()
         eos = proc.tokenizer.eos_token_id
-        model = seeded_model(seed, lambda: Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float(), eos, eos)
+        model = seeded_model(seed, lambda: Qwen2VLForConditionalGeneration(tiny_vlm_config(proc.tokenizer)).float(),
+                             eos, eos)
         return model, proc.tokenizer, proc.image_processor
     return save_built(dir, f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', make)
 
@@ -173,15 +178,17 @@ def resolve_model_path(path: str) -> str:
 # %% ../nbs/06_models.ipynb #5014487b
 def _dtypes():
     import torch
-    return {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16, 'F8_E4M3': torch.float8_e4m3fn,
-            'F8_E5M2': torch.float8_e5m2, 'I64': torch.int64, 'I32': torch.int32, 'I16': torch.int16, 'I8': torch.int8,
-            'U64': torch.uint64, 'U32': torch.uint32, 'U16': torch.uint16, 'U8': torch.uint8, 'BOOL': torch.bool}
+    return {'F64': torch.float64, 'F32': torch.float32, 'F16': torch.float16, 'BF16': torch.bfloat16,
+            'F8_E4M3': torch.float8_e4m3fn, 'F8_E5M2': torch.float8_e5m2, 'I64': torch.int64, 'I32': torch.int32,
+            'I16': torch.int16, 'I8': torch.int8, 'U64': torch.uint64, 'U32': torch.uint32, 'U16': torch.uint16,
+            'U8': torch.uint8, 'BOOL': torch.bool}
 
 SAFETENSORS_DTYPES = _dtypes()  # a safetensors dtype name → the torch dtype its bytes are
 
 # %% ../nbs/06_models.ipynb #dbfe913b
 def safetensors_header(f: str | Path) -> tuple[dict, int]:
-    "({key: {'dtype', 'shape', 'data_offsets'}}, the byte where the data starts) of safetensors file `f`, every entry checked against the file: a `ConfigError` naming the file and tensor otherwise."
+    """({key: {'dtype', 'shape', 'data_offsets'}}, the byte where the data starts) of safetensors file `f`, every entry
+    checked against the file: a `ConfigError` naming the file and tensor otherwise."""
     import json, math
     from sft_nb.config import ConfigError
     f = Path(f)
@@ -197,57 +204,72 @@ def safetensors_header(f: str | Path) -> tuple[dict, int]:
     if not isinstance(head, dict): raise bad("its header is not a JSON object")
     head.pop('__metadata__', None)
     for k, e in head.items():
-        dt, shape, offs = (e.get('dtype'), e.get('shape'), e.get('data_offsets')) if isinstance(e, dict) else (None, None, None)
-        if dt not in SAFETENSORS_DTYPES: raise bad(f"tensor {k}: dtype {dt!r} is none of {', '.join(SAFETENSORS_DTYPES)}")
-        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)): raise bad(f"tensor {k}: shape {shape!r} is not a list of sizes")
-        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs) and 0 <= offs[0] <= offs[1]):
+        dt, shape, offs = ((e.get('dtype'), e.get('shape'), e.get('data_offsets')) if isinstance(e, dict)
+                           else (None, None, None))
+        if dt not in SAFETENSORS_DTYPES:
+            raise bad(f"tensor {k}: dtype {dt!r} is none of {', '.join(SAFETENSORS_DTYPES)}")
+        if not (isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape)):
+            raise bad(f"tensor {k}: shape {shape!r} is not a list of sizes")
+        if not (isinstance(offs, list) and len(offs) == 2 and all(type(o) is int for o in offs)
+                and 0 <= offs[0] <= offs[1]):
             raise bad(f"tensor {k}: data_offsets {offs!r} is not [start, end]")
         if offs[1] - offs[0] != math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize:
-            raise bad(f"tensor {k}: {dt} {shape} is {math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize:,} bytes, its data_offsets span {offs[1] - offs[0]:,}")
-        if 8 + n + offs[1] > size: raise bad(f"tensor {k} ends at byte {8 + n + offs[1]:,}, the file has {size:,} (truncated)")
+            raise bad(f"tensor {k}: {dt} {shape} is {math.prod(shape) * SAFETENSORS_DTYPES[dt].itemsize:,} bytes, its "
+                      f"data_offsets span {offs[1] - offs[0]:,}")
+        if 8 + n + offs[1] > size:
+            raise bad(f"tensor {k} ends at byte {8 + n + offs[1]:,}, the file has {size:,} (truncated)")
     return head, 8 + n
 
 # %% ../nbs/06_models.ipynb #20ad2e64
 def check_no_remote_code(folder: Path) -> None:
-    "A `ConfigError` naming the folder and its `auto_map` when its config.json needs the folder's own code: sft_nb never runs it (every load passes trust_remote_code=False)."
+    """A `ConfigError` naming the folder and its `auto_map` when its config.json needs the folder's own code: sft_nb
+    never runs it (every load passes trust_remote_code=False)."""
     import json
     from transformers import CONFIG_MAPPING
     from sft_nb.config import ConfigError
     try: cfg = json.loads((folder / 'config.json').read_text())
     except ValueError as e: raise ConfigError(f"model.path: {folder / 'config.json'} is not valid JSON ({e})") from None
     if isinstance(cfg, dict) and cfg.get('auto_map') and cfg.get('model_type') not in CONFIG_MAPPING:
-        raise ConfigError(f"model.path: {folder} needs its own Python code to load (config.json: model_type {cfg.get('model_type')!r}, which "
-                          f"transformers does not ship, and auto_map {json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. "
-                          "Use a model of an architecture transformers ships, or convert this one to one")
+        raise ConfigError(f"model.path: {folder} needs its own Python code to load (config.json: model_type "
+                          f"{cfg.get('model_type')!r}, which transformers does not ship, and auto_map "
+                          f"{json.dumps(cfg['auto_map'])}); sft_nb never runs a model folder's code. Use a model of an "
+                          "architecture transformers ships, or convert this one to one")
 
 # %% ../nbs/06_models.ipynb #90c5b976
-EXPORT_PARTIAL = '.sft_nb_export_incomplete'  # in an export folder while `save_hf_folder` writes it; gone once the export is whole
+# in an export folder while `save_hf_folder` writes it; gone once the export is whole
+EXPORT_PARTIAL = '.sft_nb_export_incomplete'
 
 # %% ../nbs/06_models.ipynb #933f3543
 def check_whole(folder: Path) -> None:
     "A `ConfigError` naming `folder` when it is an sft_nb export that did not finish (it still holds `EXPORT_PARTIAL`)."
     from sft_nb.config import ConfigError
     if (folder / EXPORT_PARTIAL).exists():
-        raise ConfigError(f"model.path: {folder} is an export that did not finish (it still holds {EXPORT_PARTIAL}): export again "
-                          "(trainer.export()) or continue from the run's checkpoint")
+        raise ConfigError(f"model.path: {folder} is an export that did not finish (it still holds "
+                          f"{EXPORT_PARTIAL}): export again (trainer.export()) or continue from the run's checkpoint")
 
 # %% ../nbs/06_models.ipynb #d23f3c8f
 def model_config(path: str | Path):
-    "The transformers config of model folder or hub id `path` (after `resolve_model_path`): the one way sft_nb reads one, never running the folder's code (`check_no_remote_code`, trust_remote_code=False); a `ConfigError` naming the folder when transformers cannot read it or builds no causal LM from it."
+    """The transformers config of model folder or hub id `path` (after `resolve_model_path`): the one way sft_nb reads
+    one, never running the folder's code (`check_no_remote_code`, trust_remote_code=False); a `ConfigError` naming the
+    folder when transformers cannot read it or builds no causal LM from it."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from sft_nb.config import ConfigError
     p = resolve_model_path(str(path))
     if (folder := Path(p).expanduser()).is_dir(): check_whole(folder); check_no_remote_code(folder)
     try: cfg = AutoConfig.from_pretrained(p, trust_remote_code=False)
-    except ValueError as e: raise ConfigError(f"model.path: transformers cannot read the config of {p} ({str(e).splitlines()[0]})") from None
+    except ValueError as e:
+        raise ConfigError(f"model.path: transformers cannot read the config of {p} "
+                          f"({str(e).splitlines()[0]})") from None
     if not any(type(cfg) in auto._model_mapping for auto in (AutoModelForCausalLM, AutoModelForImageTextToText)):
-        raise ConfigError(f"model.path: {p} is a {cfg.model_type!r} model ({type(cfg).__name__}), which transformers builds no causal language "
-                          "model of; sft_nb fine-tunes decoder-only language models (and vision-language models): pick one of those")
+        raise ConfigError(f"model.path: {p} is a {cfg.model_type!r} model ({type(cfg).__name__}), which transformers "
+                          "builds no causal language model of; sft_nb fine-tunes decoder-only language models (and "
+                          "vision-language models): pick one of those")
     return cfg
 
 # %% ../nbs/06_models.ipynb #16131dc6
 def check_weights(folder: Path) -> None:
-    "A `ConfigError` naming the file, the tensor and what is wrong when a `*.safetensors` file's header does not fit the file (`safetensors_header`)."
+    """A `ConfigError` naming the file, the tensor and what is wrong when a `*.safetensors` file's header does not fit
+    the file (`safetensors_header`)."""
     for f in sorted(folder.glob('*.safetensors')): safetensors_header(f)
 
 # %% ../nbs/06_models.ipynb #98b344f8
@@ -255,56 +277,71 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model',
 
 # %% ../nbs/06_models.ipynb #8451006c
 def check_model_path(path: str) -> str:
-    "`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks local but does not exist."
+    """`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks
+    local but does not exist."""
     from sft_nb.config import ConfigError
     out = resolve_model_path(path)
     p = Path(out).expanduser()
     if p.is_dir():
         check_whole(p)  # first: a half-written export lacks its tokenizer too
-        if not (p / 'config.json').exists(): raise ConfigError(f"model.path: {path!r} is a folder without config.json (not a Hugging Face model folder)")
-        if not any((p / f).exists() for f in TOKENIZER_FILES):  # else transformers' error speaks of a missing chat template
-            raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer ({', '.join(TOKENIZER_FILES[:2])}, ...); "
-                              "save the tokenizer of the model it came from into the folder (tokenizer.save_pretrained)")
+        if not (p / 'config.json').exists():
+            raise ConfigError(f"model.path: {path!r} is a folder without config.json (not a Hugging Face model folder)")
+        # else transformers' error speaks of a missing chat template
+        if not any((p / f).exists() for f in TOKENIZER_FILES):
+            raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer "
+                              f"({', '.join(TOKENIZER_FILES[:2])}, ...); save the tokenizer of the model it came from "
+                              "into the folder (tokenizer.save_pretrained)")
         check_no_remote_code(p); check_weights(p)
-    elif p.exists(): raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a hub id 'org/name'")
+    elif p.exists():
+        raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a "
+                          "hub id 'org/name'")
     elif out.startswith(('/', '.', '~')) or out.count('/') > 1 or os.sep != '/' and os.sep in out:
         raise ConfigError(f"model.path: {path!r} does not exist (and is not a hub id 'org/name')")
     return out
 
 # %% ../nbs/06_models.ipynb #def63a01
 def context_limit(model_path) -> tuple[int, str] | None:
-    "(positions the model covers, where that number is from): `max_position_embeddings` (GPT-2: `n_positions`), or its RoPE scaling's `factor` × `original_max_position_embeddings` when that is larger; None when config.json says neither."
+    """(positions the model covers, where that number is from): `max_position_embeddings` (GPT-2: `n_positions`), or its
+    RoPE scaling's `factor` × `original_max_position_embeddings` when that is larger; None when config.json says
+    neither."""
     import json
     f = Path(model_path) / 'config.json'
     if not f.is_file(): return None
     cfg = json.loads(f.read_text())
-    if 'max_position_embeddings' not in cfg and isinstance(cfg.get('text_config'), dict): cfg = cfg['text_config']  # vision-language
+    # vision-language
+    if 'max_position_embeddings' not in cfg and isinstance(cfg.get('text_config'), dict): cfg = cfg['text_config']
     mpe, rs = cfg.get('max_position_embeddings', cfg.get('n_positions')), cfg.get('rope_scaling') or {}
-    if isinstance(rs, dict) and isinstance(rs.get('factor'), (int, float)) and isinstance(rs.get('original_max_position_embeddings'), int):
+    if (isinstance(rs, dict) and isinstance(rs.get('factor'), (int, float))
+        and isinstance(rs.get('original_max_position_embeddings'), int)):
         scaled = int(rs['factor'] * rs['original_max_position_embeddings'])
         if not isinstance(mpe, int) or scaled > mpe:
-            return scaled, f"rope_scaling factor {rs['factor']} × original_max_position_embeddings {rs['original_max_position_embeddings']}"
+            return (scaled, f"rope_scaling factor {rs['factor']} × original_max_position_embeddings "
+                            f"{rs['original_max_position_embeddings']}")
     return (mpe, 'max_position_embeddings') if isinstance(mpe, int) and not isinstance(mpe, bool) else None
 
 # %% ../nbs/06_models.ipynb #360c7e50
 def check_context(model_path, # the resolved model folder
                   spec) -> None: # the run's `TokenizeConfig` (max_length, extend_context)
-    "A `ConfigError` naming both numbers when `tokenize.max_length` is beyond the positions the model covers, unless `tokenize.extend_context`."
+    """A `ConfigError` naming both numbers when `tokenize.max_length` is beyond the positions the model covers, unless
+    `tokenize.extend_context`."""
     from sft_nb.config import ConfigError
     lim = context_limit(model_path)
     if lim is None or spec.max_length is None or spec.max_length <= lim[0] or spec.extend_context: return
-    raise ConfigError(f"tokenize.max_length: {spec.max_length} is beyond the {lim[0]} positions the model covers ({lim[1]} in "
-                      f"{Path(model_path) / 'config.json'}): rows that long would train positions it never learned. Set "
-                      f"tokenize.max_length to at most {lim[0]}, or tokenize.extend_context=true if you extend its context on purpose")
+    raise ConfigError(f"tokenize.max_length: {spec.max_length} is beyond the {lim[0]} positions the model "
+                      f"covers ({lim[1]} in {Path(model_path) / 'config.json'}): rows that long would train positions "
+                      f"it never learned. Set tokenize.max_length to at most {lim[0]}, or tokenize.extend_context=true "
+                      "if you extend its context on purpose")
 
 # %% ../nbs/06_models.ipynb #a7c0e3d2
 def add_template_specials(tokenizer, # a Hugging Face tokenizer, changed in place
                           template: str | None, # a shipped template's name, a .jinja path, inline Jinja or None
                           family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`); None: the template's own
                          ) -> list[str]:
-    "Add the special tokens of `template`'s family (a shipped name or a file named after a family) or of `family`; returns the tokens new to the vocabulary."
+    """Add the special tokens of `template`'s family (a shipped name or a file named after a family) or of `family`;
+    returns the tokens new to the vocabulary."""
     if family is None and template in CHAT_TEMPLATES: family = CHAT_TEMPLATES[template][0]  # a shipped template's name
-    if family is None and template and '{' not in template and Path(template).stem in FAMILY_SPECIALS: family = Path(template).stem
+    if family is None and template and '{' not in template and Path(template).stem in FAMILY_SPECIALS:
+        family = Path(template).stem
     if not family: return []
     before = set(tokenizer.get_vocab())
     add_family_specials(tokenizer, family)
@@ -315,7 +352,8 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
                    template: str | None = None, # the chat template it will render (name, .jinja path or text): its family's special tokens are added
                    family: str | None = None, # add this template family's special tokens (see `FAMILY_SPECIALS`)
                   ):
-    "The tokenizer of `model` with the special tokens of `template`'s family (or of `family`); a vision-language model gives its processor."
+    """The tokenizer of `model` with the special tokens of `template`'s family (or of `family`); a vision-language model
+    gives its processor."""
     from transformers import AutoTokenizer
     path = check_model_path(model)
     if is_vlm(path): return load_processor(path)
@@ -327,22 +365,27 @@ def load_tokenizer(model: str = 'tiny', # 'tiny', 'smollm2', a local folder or h
 def load_model_inputs(path: str, # model.path
                       template: str | None = None, # tokenize.chat_template: its family's special tokens are added (`add_template_specials`)
                      ) -> tuple:
-    "(tokenizer, processor or None) of `model.path`, checked by `check_model_path`; a template's special tokens must fit the model's embedding."
+    """(tokenizer, processor or None) of `model.path`, checked by `check_model_path`; a template's special tokens must
+    fit the model's embedding."""
     from transformers import AutoTokenizer
     from sft_nb.config import ConfigError
     p = check_model_path(path)
     try:
         processor = load_processor(p) if is_vlm(p) else None  # vision-language: rows go through the processor
-        tokenizer = processor.tokenizer if processor is not None else AutoTokenizer.from_pretrained(p, trust_remote_code=False)
+        tokenizer = (processor.tokenizer if processor is not None
+                     else AutoTokenizer.from_pretrained(p, trust_remote_code=False))
     except (OSError, ValueError) as e:
         raise ConfigError(f"model.path: cannot load {path!r}: {str(e).strip().splitlines()[0]}") from e
     vocab = set(tokenizer.get_vocab())
     new = add_template_specials(tokenizer, template) if processor is None else []
     rows = getattr(model_config(p), 'vocab_size', None) if new else None
     if rows is not None and max(tokenizer.convert_tokens_to_ids(new)) >= rows:
-        fits = [n for n, (fam, _) in CHAT_TEMPLATES.items() if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
-        raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks ({', '.join(new)}); "
-                          f"its embedding has {rows} rows and is not resized: use a template whose tokens it has ({', '.join(fits) or 'none shipped'}, "
-                          "or its own: chat_template None), or save the model with `resize_token_embeddings(len(tokenizer))` and that tokenizer and train from that folder")
+        fits = [n for n, (fam, _) in CHAT_TEMPLATES.items()
+                if all(t in vocab for t in [*FAMILY_SPECIALS[fam][0].values(), *FAMILY_SPECIALS[fam][1]])]
+        raise ConfigError(f"tokenize.chat_template: {template!r} needs special tokens the model {path!r} lacks "
+                          f"({', '.join(new)}); its embedding has {rows} rows and is not resized: use a template whose "
+                          f"tokens it has ({', '.join(fits) or 'none shipped'}, or its own: chat_template None), or "
+                          "save the model with `resize_token_embeddings(len(tokenizer))` and that tokenizer and train "
+                          "from that folder")
     if tokenizer.pad_token_id is None: tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, processor

@@ -42,7 +42,8 @@ def _gaps(got, ref, where: str, scale: float | None = None):
 
 # %% ../nbs/00b_numerics.ipynb #7a580adf
 def rel_gap(got, ref, scale: float | None = None) -> float:
-    "max |got - ref| / magnitude(ref); for a dict or list of tensors, the worst of its tensors, each against its own magnitude."
+    """max |got - ref| / magnitude(ref); for a dict or list of tensors, the worst of its tensors, each against its own
+    magnitude."""
     return max((g[0] for g in _gaps(got, ref, 'value', scale)), default=0.0)
 
 def assert_rel_close(got, ref, rtol: float, # the bound, as a fraction of magnitude(ref)
@@ -51,4 +52,5 @@ def assert_rel_close(got, ref, rtol: float, # the bound, as a fraction of magnit
     "Assert `rel_gap(got, ref, scale) <= rtol`, naming the worst tensor and by how much it missed."
     worst = max(_gaps(got, ref, what, scale), default=(0.0, what, 0.0, 0.0))
     if not worst[0] <= rtol:
-        raise AssertionError(f'{worst[1]}: off by {worst[2]:.3g}, {worst[0]:.3g} of its magnitude {worst[3]:.4g} (bound {rtol:g})')
+        raise AssertionError(f'{worst[1]}: off by {worst[2]:.3g}, {worst[0]:.3g} of its magnitude {worst[3]:.4g} '
+                             f'(bound {rtol:g})')

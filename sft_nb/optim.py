@@ -19,7 +19,8 @@ def lr_at(step: int, # optimizer steps already taken (0 for the first step)
          ) -> float:
     "Learning rate for optimizer step `step`."
     if total_steps < 1: raise ValueError(f"total_steps: must be >= 1, got {total_steps}")
-    if schedule not in ('constant', 'linear', 'cosine'): raise ValueError(f"schedule: {schedule!r} is not one of constant, linear, cosine")
+    if schedule not in ('constant', 'linear', 'cosine'):
+        raise ValueError(f"schedule: {schedule!r} is not one of constant, linear, cosine")
     if step < warmup_steps: return lr * (step + 1) / warmup_steps
     if schedule == 'constant': return lr
     decay = max(1, total_steps - warmup_steps - 1)
@@ -33,7 +34,8 @@ def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimC
               skip: bool = False, # drop the gradients, no update (the driver's non-finite loss)
               clip=None, # () -> None: scale the gradients before the update (when the backend did not clip already)
              ) -> dict:
-    "Set this step's LR, update unless `skip` or the norm is not finite, drop the gradients, count the step; {'grad_norm', 'lr', 'skipped'}."
+    """Set this step's LR, update unless `skip` or the norm is not finite, drop the gradients, count the step;
+    {'grad_norm', 'lr', 'skipped'}."""
     o = worker.ocfg
     lr = lr_at(worker.step, o.lr, worker.total_steps, o.schedule, o.warmup_steps, o.min_lr_ratio)
     for g in worker.opt.param_groups: g['lr'] = lr

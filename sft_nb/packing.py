@@ -22,7 +22,8 @@ def clip_lengths(lengths: Sequence[int], # tokens per row
                 ) -> tuple[np.ndarray, list[int]]:
     "Validated lengths cut to `capacity`, and the rows that were cut."
     if int(capacity) < 1: raise ValueError(f"capacity must be >= 1, got {capacity}")
-    if truncation not in ('error', 'truncate'): raise ValueError(f"truncation must be 'error' or 'truncate', got {truncation!r}")
+    if truncation not in ('error', 'truncate'):
+        raise ValueError(f"truncation must be 'error' or 'truncate', got {truncation!r}")
     lens = np.asarray(lengths, dtype=np.int64).reshape(-1)
     if len(bad := np.flatnonzero(lens < 1)):
         raise ValueError(f"row {bad[0]} has length {lens[bad[0]]}: every row needs at least one token "
@@ -30,7 +31,8 @@ def clip_lengths(lengths: Sequence[int], # tokens per row
     long = np.flatnonzero(lens > capacity)
     if len(long) and truncation == 'error':
         raise ValueError(f"row {long[0]} has {lens[long[0]]} tokens > capacity {capacity} ({len(long)} rows too long: "
-                         f"{long[:10].tolist()}{' ...' if len(long) > 10 else ''}); use truncation='truncate' or a larger capacity")
+                         f"{long[:10].tolist()}{' ...' if len(long) > 10 else ''}); use truncation='truncate' or a "
+                         "larger capacity")
     return np.minimum(lens, capacity), long.tolist()
 
 # %% ../nbs/04_packing.ipynb #b174955f
@@ -266,7 +268,8 @@ class PackPlan:
     steps: list[int] | None = None  # first bin of each global batch, when planned per global batch
 
     def __post_init__(self):
-        if len(self.tokens) != len(self.bins): raise ValueError(f"tokens: {len(self.tokens)} values for {len(self.bins)} bins")
+        if len(self.tokens) != len(self.bins):
+            raise ValueError(f"tokens: {len(self.tokens)} values for {len(self.bins)} bins")
     def __len__(self): return len(self.bins)
     @property
     def n_real(self) -> int: return sum(self.tokens)
@@ -291,18 +294,22 @@ def deal(items: list, dp: int) -> list[list]:
 # %% ../nbs/04_packing.ipynb #d742cdbf
 @patch
 def rank_tokens(self: PackPlan, dp: int | None = None) -> list[int]:
-    "Tokens per rank over the whole plan: `deal` per step is `deal` of all bins, since every step is a multiple of dp bins."
+    """Tokens per rank over the whole plan: `deal` per step is `deal` of all bins, since every step is a multiple of dp
+    bins."""
     dp = dp or self.dp
-    if len(self.bins) % dp: raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
+    if len(self.bins) % dp:
+        raise ValueError(f"dp: {len(self.bins)} bins do not split over {dp} ranks; plan with dp={dp}")
     return [sum(t) for t in deal(self.tokens, dp)]
 
 # %% ../nbs/04_packing.ipynb #0d03deee
 @patch
-def global_batches(self: PackPlan, bins_per_step: int | None = None, # bins per optimizer step (multiple of dp); None for per-batch plans
+def global_batches(self: PackPlan,
+                   bins_per_step: int | None = None, # bins per optimizer step (multiple of dp); None: per-batch plans
                   ) -> list[list[list[int]]]:
     "Bins grouped into global batches (optimizer steps); the last one may be shorter."
     if self.steps is not None:
-        if bins_per_step is not None: raise ValueError("bins_per_step: this plan was made per global batch; its steps are fixed")
+        if bins_per_step is not None:
+            raise ValueError("bins_per_step: this plan was made per global batch; its steps are fixed")
         cuts = self.steps + [len(self.bins)]
     else:
         if not bins_per_step or bins_per_step % self.dp:
@@ -313,7 +320,8 @@ def global_batches(self: PackPlan, bins_per_step: int | None = None, # bins per 
 # %% ../nbs/04_packing.ipynb #1bd6ded6
 @contextmanager
 def _gc_paused():
-    "Pause the cycle collector: a plan is ~10⁶ small lists without cycles, and building them next to other big objects triggers full collections that made planning 4× slower."
+    """Pause the cycle collector: a plan is ~10⁶ small lists without cycles, and building them next to other big objects
+    triggers full collections that made planning 4× slower."""
     was = gc.isenabled(); gc.disable()
     try: yield
     finally:
@@ -331,7 +339,8 @@ def pack(lengths: Sequence[int], # tokens per row (e.g. the `length` column of a
     "Plan the whole dataset (or each global batch) into bins of at most `capacity` tokens."
     planner(strategy)
     if int(dp) < 1: raise ValueError(f"dp must be >= 1, got {dp}")
-    if rows_per_step is not None and int(rows_per_step) < 1: raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
+    if rows_per_step is not None and int(rows_per_step) < 1:
+        raise ValueError(f"rows_per_step must be >= 1, got {rows_per_step}")
     lens, truncated = clip_lengths(lengths, capacity, truncation)
     rng = np.random.default_rng(seed)
     step = int(rows_per_step or max(len(lens), 1))
@@ -357,5 +366,6 @@ def bin_examples(bins: Sequence[Sequence[int]], # bins of row indices
     def row(i):
         r = rows[int(i)]
         ids, mask = r['input_ids'], r['loss_mask']
-        return {'input_ids': ids[:capacity], 'loss_mask': mask[:capacity]} if capacity else {'input_ids': ids, 'loss_mask': mask}
+        return ({'input_ids': ids[:capacity], 'loss_mask': mask[:capacity]} if capacity
+                else {'input_ids': ids, 'loss_mask': mask})
     return [[row(i) for i in b] for b in bins]

@@ -30,25 +30,29 @@ def simulate(lengths: Sequence[int], # tokens per row
              batch_size: int = 8, # rows per padded batch (the baseline)
              truncation: str = 'truncate', # rows longer than capacity
             ):
-    "One row per planner (plus the padded baseline): bins, bound, efficiency (tokens kept ÷ (area + tokens cut): padding and cut tokens are both lost), padding, padding saved, rows and tokens cut, plan time."
+    """One row per planner (plus the padded baseline): bins, bound, efficiency (tokens kept ÷ (area + tokens cut):
+    padding and cut tokens are both lost), padding, padding saved, rows and tokens cut, plan time."""
     import pandas as pd
     lens, truncated = clip_lengths(lengths, capacity, truncation)
     cut = int(np.asarray(lengths, dtype=np.int64).sum() - lens.sum())
     if strategies is None: strategies = [s for s in STRATEGIES if s != 'min_slack' or len(lens) <= MIN_SLACK_MAX_ROWS]
     n_tok, lb = int(lens.sum()), lower_bound(lens, capacity)
     pad_area = padded_area(lens, batch_size)
-    rows = [dict(strategy='padded', bins=len(lens), lower_bound=lb, efficiency=n_tok / (pad_area + cut) if pad_area else 0.0,
+    rows = [dict(strategy='padded', bins=len(lens), lower_bound=lb,
+                 efficiency=n_tok / (pad_area + cut) if pad_area else 0.0,
                  pad_tokens=pad_area - n_tok, pad_saved=0, truncated=len(truncated), cut_tokens=cut, plan_s=0.0)]
     for s in strategies:
         t = time.perf_counter(); p = pack(lens, capacity, s, dp=dp); dt = time.perf_counter() - t
         pad = len(p) * capacity - n_tok
-        rows.append(dict(strategy=s, bins=len(p), lower_bound=lb, efficiency=n_tok / (len(p) * capacity + cut), pad_tokens=pad,
-                         pad_saved=pad_area - n_tok - pad, truncated=len(truncated), cut_tokens=cut, plan_s=dt))
+        rows.append(dict(strategy=s, bins=len(p), lower_bound=lb, efficiency=n_tok / (len(p) * capacity + cut),
+                         pad_tokens=pad, pad_saved=pad_area - n_tok - pad, truncated=len(truncated), cut_tokens=cut,
+                         plan_s=dt))
     return pd.DataFrame(rows)
 
 # %% ../nbs/04a_packsim.ipynb #914e96b8
 def plan_headline(plan: PackPlan, lengths: Sequence[int]) -> str:
-    "'bfd: 12 bins, efficiency 71.3%, 35 of 39 rows cut': the efficiency counts the tokens truncation cut as lost, like padding."
+    """'bfd: 12 bins, efficiency 71.3%, 35 of 39 rows cut': the efficiency counts the tokens truncation cut as lost,
+    like padding."""
     cut = int(np.asarray(lengths, dtype=np.int64).sum()) - plan.n_real
     eff = plan.n_real / (len(plan) * plan.capacity + cut) if plan.bins else 0.0
     rows = f', {len(plan.truncated)} of {len(lengths)} rows cut ({cut:,} tokens lost)' if plan.truncated else ''
@@ -71,7 +75,8 @@ def plan_fig(plan: PackPlan, # the plan to draw
         xs = [i for i, b in enumerate(shown) if len(b) > k]
         rows = [shown[i][k] for i in xs]
         fig.add_trace(go.Bar(x=xs, y=lens[rows].tolist(), customdata=rows, name=f'row {k + 1} in bin',
-                             marker_color=PALETTE[k % len(PALETTE)], hovertemplate='bin %{x}: row %{customdata}, %{y} tokens<extra></extra>'))
+                             marker_color=PALETTE[k % len(PALETTE)], hovertemplate='bin %{x}: row %{customdata}, %{y} '
+                                                                                   'tokens<extra></extra>'))
     fig.add_hline(y=plan.capacity, line_dash='dash', line_color='grey')
     more = f' (first {len(shown)} shown)' if len(shown) < len(plan) else ''
     fig.update_layout(barmode='stack', showlegend=False, height=320, margin=dict(l=50, r=20, t=40, b=40), bargap=0.1,
@@ -85,7 +90,8 @@ def plan_text(plan: PackPlan, lengths: Sequence[int], width: int = 64, max_bins:
     lens = np.minimum(np.asarray(lengths, dtype=np.int64), plan.capacity)
     lines = [plan_headline(plan, lengths)]
     for i, b in enumerate(plan.bins[:max_bins]):
-        cells = ''.join('abcdefghijklmnopqrstuvwxyz'[k % 26] * max(1, round(lens[r] * width / plan.capacity)) for k, r in enumerate(b))
+        cells = ''.join('abcdefghijklmnopqrstuvwxyz'[k % 26] * max(1, round(lens[r] * width / plan.capacity))
+                        for k, r in enumerate(b))
         lines.append(f'{i:>4} {cells[:width]:.<{width}} {plan.tokens[i]}')
     if len(plan) > max_bins: lines.append(f'     ... {len(plan) - max_bins} more bins')
     return '\n'.join(lines)
@@ -105,8 +111,11 @@ class PackingSimulator:
         longest = int(self.lengths.max(initial=1))
         cap = capacity or 1 << (longest - 1).bit_length()
         self.dp, self.batch_size, self.max_bins = dp, batch_size, max_bins
-        self.capacity = W.IntSlider(value=cap, min=1, max=max(2 * cap, 2 * longest), description='capacity', continuous_update=False)
-        self.strategy = W.Dropdown(options=[s for s in STRATEGIES if s != 'min_slack' or len(self.lengths) <= MIN_SLACK_MAX_ROWS], value=strategy, description='strategy')
+        self.capacity = W.IntSlider(value=cap, min=1, max=max(2 * cap, 2 * longest), description='capacity',
+                                    continuous_update=False)
+        self.strategy = W.Dropdown(options=[s for s in STRATEGIES
+                                            if s != 'min_slack' or len(self.lengths) <= MIN_SLACK_MAX_ROWS],
+                                   value=strategy, description='strategy')
         self.summary, self.view = W.HTML(), go.FigureWidget()
         self.widget = W.VBox([W.HBox([self.capacity, self.strategy]), self.summary, self.view])
         for w in (self.capacity, self.strategy): w.observe(lambda _: self.update(), names='value')
@@ -130,29 +139,34 @@ class PackingSimulator:
 
 # %% ../nbs/04a_packsim.ipynb #9cd2839d
 def pack_main(argv: list[str] | None = None,
-              tokenizer_loader=None, # (model, template) → tokenizer; `sft-nb pack` passes `sft_nb.models.load_tokenizer`
+              tokenizer_loader=None, # (model, template) → tokenizer; `sft-nb pack` gives `sft_nb.models.load_tokenizer`
              ) -> int:
     "CLI entry (`sft-nb pack`): tokenize a dataset, print each planner's bins/efficiency/padding and the chosen plan."
     import argparse
     from pathlib import Path
-    p = argparse.ArgumentParser(prog='sft-nb pack', description='Simulate packing of a dataset: bins, efficiency and padding per planner.')
+    p = argparse.ArgumentParser(prog='sft-nb pack', description='Simulate packing of a dataset: bins, efficiency and '
+                                                                'padding per planner.')
     p.add_argument('data', help='dataset: .json/.jsonl/.parquet/.arrow file, save_to_disk folder or hub name')
     p.add_argument('--model', default='tiny', help="tokenizer: 'tiny', 'smollm2', a local folder or a hub id")
     p.add_argument('--template', default=None, help="chat template (.jinja path) replacing the tokenizer's")
-    p.add_argument('--mode', default='all_assistant', help='masking mode (decides nothing about lengths but the cache key)')
-    p.add_argument('--capacity', type=int, nargs='+', default=[2048], help='tokens per packed row; several values give one table each')
+    p.add_argument('--mode', default='all_assistant',
+                   help='masking mode (decides nothing about lengths but the cache key)')
+    p.add_argument('--capacity', type=int, nargs='+', default=[2048],
+                   help='tokens per packed row; several values give one table each')
     p.add_argument('--strategy', default='bfd', choices=STRATEGIES, help='planner whose bins are printed')
     p.add_argument('--dp', type=int, default=1, help='data-parallel size')
     p.add_argument('--batch-size', type=int, default=8, help='rows per padded batch in the baseline')
     p.add_argument('--bins', type=int, default=10, help='bins printed')
     p.add_argument('--plan-out', default=None, help='write the plan (last capacity) as JSON here')
     a = p.parse_args(argv)
-    for flag, vals, lo in (('--capacity', a.capacity, 2), ('--dp', [a.dp], 1), ('--batch-size', [a.batch_size], 1), ('--bins', [a.bins], 0)):
+    for flag, vals, lo in (('--capacity', a.capacity, 2), ('--dp', [a.dp], 1), ('--batch-size', [a.batch_size], 1),
+                           ('--bins', [a.bins], 0)):
         if min(vals) < lo: p.error(f"{flag}: must be >= {lo}, got {min(vals)}")  # before any tokenization
     import json
     from sft_nb.config import TokenizeConfig
     from sft_nb.tokenize import tokenize_dataset
-    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb pack` (sft_nb.cli), or tokenizer_loader=sft_nb.models.load_tokenizer")
+    if tokenizer_loader is None: raise ValueError("--model: loading a model needs `sft-nb pack` (sft_nb.cli), or "
+                                                  "tokenizer_loader=sft_nb.models.load_tokenizer")
     tok = tokenizer_loader(a.model, a.template)
     src = Path(a.data) if Path(a.data).exists() else a.data
     ds, report = tokenize_dataset(src, tok, TokenizeConfig(mode=a.mode, max_length=None, chat_template=a.template))
@@ -160,7 +174,8 @@ def pack_main(argv: list[str] | None = None,
     print(f'{a.data}: {report}')
     for cap in a.capacity:
         table = simulate(lengths, cap, dp=a.dp, batch_size=a.batch_size)
-        print(f'\ncapacity {cap}\n' + table.to_string(index=False, formatters={'efficiency': '{:.2%}'.format, 'plan_s': '{:.3f}'.format}))
+        print(f'\ncapacity {cap}\n'
+              + table.to_string(index=False, formatters={'efficiency': '{:.2%}'.format, 'plan_s': '{:.3f}'.format}))
         plan = pack(lengths, cap, a.strategy, dp=a.dp, truncation='truncate')
         print(plan_text(plan, lengths, max_bins=a.bins))
     if a.plan_out: Path(a.plan_out).write_text(json.dumps(plan.to_dict()))

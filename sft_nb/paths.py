@@ -38,7 +38,8 @@ def atomic_build(dst: Path, # the final folder
 # %% ../nbs/00a_paths.ipynb #e23508bc
 @contextmanager
 def live_tmp(root: Path, prefix: str):
-    "A new temp folder under `root`, locked as live while the block runs (`.owner` flock'ed); removed after unless renamed away."
+    """A new temp folder under `root`, locked as live while the block runs (`.owner` flock'ed); removed after unless
+    renamed away."""
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=prefix))
     fd = os.open(tmp / '.owner.new', os.O_CREAT | os.O_WRONLY, 0o644)
     try:
@@ -70,7 +71,8 @@ def clean_stale_tmp(root: Path, pattern: str, # glob of the temp folders, e.g. '
 
 # %% ../nbs/00a_paths.ipynb #6044298c
 def new_digest(algo: str = 'sha256'):
-    "A streaming hasher: 'sha256' (what the tokenization cache keys use) or 'xxh3' (xxhash's 128-bit xxh3, much faster)."
+    """A streaming hasher: 'sha256' (what the tokenization cache keys use) or 'xxh3' (xxhash's 128-bit xxh3, much
+    faster)."""
     if algo == 'sha256':
         import hashlib
         return hashlib.sha256()

@@ -9,8 +9,10 @@ from dataclasses import dataclass, field
 import numpy as np
 from .config import TokenizeConfig
 from .formats import FORMATS, BadRow, normalize_row
-from .templates import CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features, template_info
-from .spans import REWRITTEN_TURNS, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer, token_ranges, trained_parts
+from .templates import (CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features,
+                              template_info)
+from .spans import (REWRITTEN_TURNS, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer,
+                          token_ranges, trained_parts)
 
 # %% auto #0
 __all__ = ['Example', 'labels_for', 'encode_texts', 'finish_tokens', 'lost_fields', 'tokenize_conversation', 'tokenize_turns',
@@ -25,12 +27,18 @@ class Example:
     truncated: bool = False
     text: str | None = None  # the rendered text (chat rows)
     offsets: list[tuple[int, int]] | None = None  # character span of each token in `text`
-    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (char start, char end, message index) of trained spans
-    segments: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, role) of every message located in `text`
+    # (char start, char end, message index) of trained spans
+    spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # (start, end, message index, role) of every message located in `text`
+    segments: list[tuple[int, int, int, str]] = field(default_factory=list)
     eot: str = ''  # the template's trained end-of-turn text
-    masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)  # (start, end, message index, 'reasoning'|'tool_calls'|'weight 0') kept out of training
-    loss_weights: list[float] | None = None  # per-token loss weight (0 where untrained) when a trained message has a fractional loss_weight; None: loss_mask is the weight
-    lost: list[tuple[int, str]] = field(default_factory=list)  # (message index, 'reasoning'|'tool_calls') of trained turns whose field the template does not render
+    # (start, end, message index, 'reasoning'|'tool_calls'|'weight 0') kept out of training
+    masked_parts: list[tuple[int, int, int, str]] = field(default_factory=list)
+    # per-token loss weight (0 where untrained) when a trained message has a fractional loss_weight; None: loss_mask is
+    # the weight
+    loss_weights: list[float] | None = None
+    # (message index, 'reasoning'|'tool_calls') of trained turns whose field the template does not render
+    lost: list[tuple[int, str]] = field(default_factory=list)
     @property
     def n_trained(self) -> int: return int(sum(self.loss_mask))
     @property
@@ -71,46 +79,54 @@ def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[in
     if max_length is not None and len(ids) > max_length:
         if truncation == 'drop': raise BadRow(f"{len(ids)} tokens > max_length {max_length}", kind='too_long')
         ids, mask, truncated = ids[:max_length], mask[:max_length], True
-    if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''), kind='empty_mask')
+    if not any(mask): raise BadRow("no trained token left" + (" after truncation" if truncated else ''),
+                                   kind='empty_mask')
     return ids, mask, truncated
 
 # %% ../nbs/02e_renderers.ipynb #f2ce589a
 def _token_weights(enc, offsets, spans, messages, mask, n_text: int) -> list[float] | None:
-    "Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is the weight)."
+    """Per-token loss weights when a trained message carries a fractional `loss_weight`, else None (then `loss_mask` is
+    the weight)."""
     ws = {sp[2]: messages[sp[2]]['loss_weight'] for sp in spans if sp[2] >= 0 and 'loss_weight' in messages[sp[2]]}
     if not ws: return None
     out = np.asarray(mask, dtype=np.float32)
     for w in set(ws.values()):
-        m = mask_from_ranges(len(out), token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))  # the mask's token rule
+        # the mask's token rule
+        m = mask_from_ranges(len(out), token_ranges(enc, offsets, [sp for sp in spans if ws.get(sp[2]) == w], n_text))
         out[np.asarray(m, dtype=bool) & (out > 0)] = w
     return out.tolist()
 
 # %% ../nbs/02e_renderers.ipynb #c91bfa36
 def lost_fields(text: str, messages: list[dict], turns, tools: list | None = None) -> list[tuple[int, str]]:
-    "(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out of `text`; (-1, 'tools'): tool schemas it left out."
+    """(message, 'reasoning' | 'tool_calls') of the trained `turns` whose reasoning or tool calls the template left out
+    of `text`; (-1, 'tools'): tool schemas it left out."""
     out = [(-1, 'tools')] if tools and any(t['function']['name'] not in text for t in tools) else []
     for m in sorted(turns):
         r = (messages[m].get('reasoning_content') or '').strip()
         if r and r not in text: out.append((m, 'reasoning'))
-        if any(c['function']['name'] not in text for c in messages[m].get('tool_calls') or []): out.append((m, 'tool_calls'))
+        if any(c['function']['name'] not in text for c in messages[m].get('tool_calls') or []):
+            out.append((m, 'tool_calls'))
     return out
 
 # %% ../nbs/02e_renderers.ipynb #f4405501
 def _untrained_parts(text: str, spans, messages: list[dict]) -> list[tuple[int, int, int]]:
-    "(start, end, message) in `text` of the weight-0 content parts of trained messages: the message's content located inside its own trained span."
+    """(start, end, message) in `text` of the weight-0 content parts of trained messages: the message's content located
+    inside its own trained span."""
     out = []
     for i in sorted({sp[2] for sp in spans if sp[2] >= 0 and messages[sp[2]].get('untrained_parts')}):
         s, e = min(a for a, _, j in spans if j == i), max(b for _, b, j in spans if j == i)
         k = text.find(messages[i]['content'], s, e)
-        if k < 0: raise BadRow(f"message {i}: the template does not render its content as written, so its weight-0 content parts "
-                               "cannot be located", kind='template_error')
+        if k < 0: raise BadRow(f"message {i}: the template does not render its content as written, so its weight-0 "
+                               "content parts cannot be located", kind='template_error')
         out += [(k + a, k + b, i) for a, b in messages[i]['untrained_parts']]
     return out
 
 # %% ../nbs/02e_renderers.ipynb #5e91f623
 def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length, truncation, keep_offsets: bool = True,
-                  train_on_reasoning: bool = True, train_on_tool_calls: bool = True, tools: list | None = None) -> Example:
-    "`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every row passes `check_turns`."
+                  train_on_reasoning: bool = True, train_on_tool_calls: bool = True,
+                  tools: list | None = None) -> Example:
+    """`enc` is a Rust Encoding (fast path) or an (ids, offsets) pair; `spans` and `own` come from `render_turns`; every
+    row passes `check_turns`."""
     ids, offsets = (enc.ids, None) if hasattr(enc, 'char_to_token') else enc
     masked = []
     if mode == 'all': spans, mask = [(0, len(text), -1)], [1] * len(ids)
@@ -119,14 +135,16 @@ def _chat_example(text, enc, messages, info, mode, spans, segs, own, max_length,
         ranges = token_ranges(enc, offsets, spans, len(text))
         check_turns(text, spans, ranges, own, messages, enc.token_to_chars if offsets is None else offsets.__getitem__)
         mask = mask_from_ranges(len(ids), ranges)
-        if holes := _untrained_parts(text, spans, messages):  # a token holding any character of a weight-0 part is not trained (Axolotl's rule)
+        if holes := _untrained_parts(text, spans, messages):
+            # a token holding any character of a weight-0 part is not trained (Axolotl's rule)
             for a, z in token_ranges(enc, offsets, holes, len(text)): mask[a:z] = [0] * (z - a)
             masked += [(a, b, i, 'weight 0') for a, b, i in holes]
     weights = _token_weights(enc, offsets, spans, messages, mask, len(text)) if mode != 'all' else None
     ids, mask, truncated = finish_tokens(ids if isinstance(ids, list) else list(ids), mask, max_length, truncation)
     if keep_offsets and offsets is None: offsets = enc.offsets
     offs = [tuple(o) for o in offsets[:len(ids)]] if keep_offsets else None
-    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked, weights[:len(ids)] if weights else None,
+    return Example(ids, mask, truncated, text, offs, spans, segs, info.eot, masked,
+                   weights[:len(ids)] if weights else None,
                    lost_fields(text, messages, {sp[2] for sp in spans if sp[2] >= 0}, tools))
 
 # %% ../nbs/02e_renderers.ipynb #638d339d
@@ -135,7 +153,8 @@ def _bad_text(texts: list[str]) -> dict[int, str]:
     out = {}
     for k, t in enumerate(texts):
         try: t.encode('utf-8')
-        except UnicodeEncodeError as e: out[k] = f"holds {t[e.start:e.end]!r} at char {e.start}, which is not UTF-8 text (a lone surrogate)"
+        except UnicodeEncodeError as e:
+            out[k] = f"holds {t[e.start:e.end]!r} at char {e.start}, which is not UTF-8 text (a lone surrogate)"
     return out
 
 # %% ../nbs/02e_renderers.ipynb #0071cce6
@@ -143,18 +162,21 @@ def _surrogate_row(messages, tools, reason: str) -> BadRow:
     "The BadRow naming the message (or tools) that holds text a tokenizer cannot take."
     for j, m in enumerate(messages):
         if _bad_text([json.dumps(m, ensure_ascii=False)]): return BadRow(f"message {j}: {reason}", kind='bad_format')
-    return BadRow(f"tools: {reason}" if tools and _bad_text([json.dumps(tools, ensure_ascii=False)]) else reason, kind='bad_format')
+    return BadRow(f"tools: {reason}" if tools and _bad_text([json.dumps(tools, ensure_ascii=False)]) else reason,
+                  kind='bad_format')
 
 # %% ../nbs/02e_renderers.ipynb #d33747de
 def _completion_example(row, tokenizer, max_length, truncation, mode: str = 'completion_only') -> Example:
-    "Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained (`mode='all'`: every token)."
+    """Plain prompt/completion text: the tokenizer's own special tokens, EOS appended, the completion trained
+    (`mode='all'`: every token)."""
     p, c = row['prompt'], row['completion']
     text = p + c
     enc = tokenizer(text, add_special_tokens=True, return_offsets_mapping=True)
     ids, offsets = list(enc['input_ids']), [tuple(o) for o in enc['offset_mapping']]
     if tokenizer.eos_token_id is not None and (not ids or ids[-1] != tokenizer.eos_token_id):
         ids.append(tokenizer.eos_token_id); offsets.append((len(text), len(text)))
-    if mode == 'all': spans, mask = [(0, len(text) + 1, -1)], [1] * len(ids)  # as for messages rows: the prompt is trained too
+    # as for messages rows: the prompt is trained too
+    if mode == 'all': spans, mask = [(0, len(text) + 1, -1)], [1] * len(ids)
     else:
         spans = [(len(p), len(text) + 1, 1)]
         mask = [int(e > len(p) or (s == e == len(text))) for s, e in offsets]
@@ -174,15 +196,18 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
                           train_on_reasoning: bool = True, # train the `<think>…</think>` block of a trained turn
                           train_on_tool_calls: bool = True, # train the tool-call part of a trained turn
                          ) -> Example:
-    "Render `messages` (and the prompt before each trained turn), tokenize the full render once, and mark the trained tokens."
+    """Render `messages` (and the prompt before each trained turn), tokenize the full render once, and mark the trained
+    tokens."""
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'], info, mode, rewritten_turns, segments=True)
+    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'],
+                                          info, mode, rewritten_turns, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
-    return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'], info, mode,
-                         spans, segs, own, max_length, truncation, True, train_on_reasoning, train_on_tool_calls, conv['tools'])
+    return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'],
+                         info, mode, spans, segs, own, max_length, truncation, True, train_on_reasoning,
+                         train_on_tool_calls, conv['tools'])
 
 # %% ../nbs/02e_renderers.ipynb #2b8d3625
 def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistant', tools: list[dict] | None = None,
@@ -191,12 +216,16 @@ def tokenize_turns(messages: list[dict], tokenizer, *, mode: str = 'all_assistan
                    train_on_reasoning: bool = True, train_on_tool_calls: bool = True, truncation: str = 'keep_start',
                   ) -> list[Example]:
     "The examples one conversation gives (one, except `rewritten_turns='expand'` on a template that rewrites history)."
-    if rewritten_turns not in REWRITTEN_TURNS: raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: {', '.join(REWRITTEN_TURNS)}")
+    if rewritten_turns not in REWRITTEN_TURNS:
+        raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: "
+                         f"{', '.join(REWRITTEN_TURNS)}")
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, chat_template_kwargs or {})
-    kw = dict(tools=conv['tools'], max_length=max_length, chat_template_kwargs=chat_template_kwargs, truncation=truncation,
-              template=template, rewritten_turns=rewritten_turns, train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
-    return [tokenize_conversation(m, tokenizer, mode=md, **kw) for m, md in expand_turns(conv['messages'], info, mode, rewritten_turns)]
+    kw = dict(tools=conv['tools'], max_length=max_length, chat_template_kwargs=chat_template_kwargs,
+              truncation=truncation, template=template, rewritten_turns=rewritten_turns,
+              train_on_reasoning=train_on_reasoning, train_on_tool_calls=train_on_tool_calls)
+    return [tokenize_conversation(m, tokenizer, mode=md, **kw)
+            for m, md in expand_turns(conv['messages'], info, mode, rewritten_turns)]
 
 # %% ../nbs/02e_renderers.ipynb #d4e1f0a2
 def row_features(conv: dict) -> set:
@@ -210,11 +239,13 @@ def template_error(e: Exception, # what the template raised
                    conv: dict | None, # the normalized row (None: it did not normalize)
                    features, # () -> the template's `template_features`
                   ) -> str:
-    "The reason of a row the template raised on: its error, and what of the row it renders nothing of, with the shipped templates that do."
+    """The reason of a row the template raised on: its error, and what of the row it renders nothing of, with the
+    shipped templates that do."""
     missing = sorted(row_features(conv) - features()) if conv else []
     fix = [n for n, (_, fs) in CHAT_TEMPLATES.items() if set(missing) <= fs]
-    return f"chat template error: {e}" + (f" (the row has {', '.join(missing)}, which this template renders nothing of; "
-                                          f"a template that does: tokenize.chat_template: {' | '.join(fix)})" if missing and fix else '')
+    return f"chat template error: {e}" + (f" (the row has {', '.join(missing)}, which this template renders nothing "
+                                          f"of; a template that does: tokenize.chat_template: {' | '.join(fix)})"
+                                          if missing and fix else '')
 
 # %% ../nbs/02e_renderers.ipynb #b1a70d78
 def _tokenized(fmt: str) -> bool:
@@ -223,15 +254,18 @@ def _tokenized(fmt: str) -> bool:
 
 # %% ../nbs/02e_renderers.ipynb #c4644e1e
 def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, indices: list[int] | None = None,
-                  keep_offsets: bool = True, # keep per-token character offsets (views need them; the dataset path doesn't)
+                  keep_offsets: bool = True, # keep per-token char offsets (views need them; the dataset path doesn't)
                  ):
     "Raw rows → (`[(index, Example)]`, `[(index, kind, reason)]`)."
     indices = list(range(len(rows))) if indices is None else indices
-    if spec.chat_template is not None and '{' not in spec.chat_template: spec = dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
+    if spec.chat_template is not None and '{' not in spec.chat_template:
+        spec = dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
     info = template_info(tokenizer, spec.chat_template, spec.chat_template_kwargs) if not _tokenized(fmt) else None
-    renderer = span_renderer(tokenizer, spec.chat_template, spec.chat_template_kwargs, info) if info is not None else None
+    renderer = (span_renderer(tokenizer, spec.chat_template, spec.chat_template_kwargs, info) if info is not None
+                else None)
     good, bad, chats = [], [], []
-    features = functools.cache(lambda: template_features(tokenizer, spec.chat_template, spec.chat_template_kwargs))  # probed on a first error
+    # probed on a first error
+    features = functools.cache(lambda: template_features(tokenizer, spec.chat_template, spec.chat_template_kwargs))
     for idx, row in zip(indices, rows):
         conv = None
         try:
@@ -239,36 +273,47 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
             if 'input_ids' in conv:
                 if (top := max(conv['input_ids'])) >= len(tokenizer) or min(conv['input_ids']) < 0:
                     bad_id = top if top >= len(tokenizer) else min(conv['input_ids'])
-                    raise BadRow(f"input_ids: id {bad_id} at position {conv['input_ids'].index(bad_id)} is outside the tokenizer's "
-                                 f"{len(tokenizer)} ids (0..{len(tokenizer) - 1}): the row was tokenized for another model", kind='bad_format')
-                good.append((idx, Example(*finish_tokens(conv['input_ids'], conv['loss_mask'], spec.max_length, spec.truncation))))
+                    raise BadRow(f"input_ids: id {bad_id} at position {conv['input_ids'].index(bad_id)} is outside the "
+                                 f"tokenizer's {len(tokenizer)} ids (0..{len(tokenizer) - 1}): the row was tokenized "
+                                 "for another model", kind='bad_format')
+                good.append((idx, Example(*finish_tokens(conv['input_ids'], conv['loss_mask'], spec.max_length,
+                                                         spec.truncation))))
             elif 'prompt' in conv:
                 good.append((idx, _completion_example(conv, tokenizer, spec.max_length, spec.truncation, spec.mode)))
             else:
-                if big := next(((i, len(m['content'])) for i, m in enumerate(conv['messages']) if isinstance(m.get('content'), str)
-                                and len(m['content']) > MAX_TEMPLATE_VALUE), None):  # the template's size guard would blame the template
-                    raise BadRow(f"message {big[0]} is {big[1]:,} characters, over the {MAX_TEMPLATE_VALUE:,} a chat template renders "
-                                 "(far past any model's context): split or drop this row", kind='bad_format')
-                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.rewritten_turns, segments=keep_offsets))
+                if big := next(((i, len(m['content']))
+                                for i, m in enumerate(conv['messages']) if isinstance(m.get('content'), str)
+                                # the template's size guard would blame the template
+                                and len(m['content']) > MAX_TEMPLATE_VALUE), None):
+                    raise BadRow(f"message {big[0]} is {big[1]:,} characters, over the {MAX_TEMPLATE_VALUE:,} a chat "
+                                 "template renders (far past any model's context): split or drop this row",
+                                 kind='bad_format')
+                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.rewritten_turns,
+                                                    segments=keep_offsets))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.rewritten_turns)]
                 chats += [(idx, conv['tools'], *t) for t in turns]
-        except BadRow as e: bad.append((idx, e.kind, template_error(e.__cause__, conv, features) if e.kind == 'template_error' and e.__cause__ else e.reason))
+        except BadRow as e:
+            bad.append((idx, e.kind, (template_error(e.__cause__, conv, features)
+                                      if e.kind == 'template_error' and e.__cause__ else e.reason)))
         except TemplateError: raise
         except Exception as e: bad.append((idx, 'template_error', template_error(e, conv, features)))
     try: encs = _encodings(tokenizer, [c[4] for c in chats])
-    except (TypeError, ValueError):  # a text the tokenizer cannot take (a lone surrogate) fails the whole batch: name its row
+    except (TypeError, ValueError):
+        # a text the tokenizer cannot take (a lone surrogate) fails the whole batch: name its row
         odd = _bad_text([c[4] for c in chats])
         for k in sorted(odd, reverse=True):
             idx, tools, msgs = chats[k][:3]
-            if all(b[0] != idx for b in bad): e = _surrogate_row(msgs, tools, odd[k]); bad.append((idx, e.kind, e.reason))
+            if all(b[0] != idx for b in bad):
+                e = _surrogate_row(msgs, tools, odd[k]); bad.append((idx, e.kind, e.reason))
         chats = [c for c in chats if all(b[0] != c[0] for b in bad)]
         encs = _encodings(tokenizer, [c[4] for c in chats])
     if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
     failed = set()
     for (idx, tools, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
         if idx in failed: continue
-        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length, spec.truncation, keep_offsets,
-                                             spec.train_on_reasoning, spec.train_on_tool_calls, tools)))
+        try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length,
+                                             spec.truncation, keep_offsets, spec.train_on_reasoning,
+                                             spec.train_on_tool_calls, tools)))
         except BadRow as e: bad.append((idx, e.kind, e.reason)); failed.add(idx)
     if failed: good = [g for g in good if g[0] not in failed]  # a row is kept whole or dropped whole
     good.sort(key=lambda g: g[0])
@@ -303,7 +348,8 @@ class Renderer:
 
 # %% ../nbs/02e_renderers.ipynb #44518e59
 class ChatRenderer(Renderer):
-    "Text rows through a tokenizer's chat template (or `spec.chat_template`): `tokenize_rows`, one Rust encode per batch."
+    """Text rows through a tokenizer's chat template (or `spec.chat_template`): `tokenize_rows`, one Rust encode per
+    batch."""
     def __init__(self, tokenizer, spec: TokenizeConfig, base_dir=None):
         self.tokenizer, self.spec, self.template = tokenizer, spec, spec.chat_template
     @classmethod

@@ -38,7 +38,8 @@ class DataReport:
         self.dropped[kind] = self.dropped.get(kind, 0) + 1
         if len(self.bad_rows) < 1000: self.bad_rows.append((index, kind, msg))
     def lose(self, index: int, kind: str):
-        "Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens, or tool schemas ('tools') that do not."
+        """Row `index` has a trained turn whose `kind` ('reasoning' | 'tool_calls') never reaches the tokens, or tool
+        schemas ('tools') that do not."""
         self.lost[kind] = self.lost.get(kind, 0) + 1
         if len(self.lost_rows) < 1000 and index not in self.lost_rows[-1:]: self.lost_rows.append(index)
     @property
@@ -46,9 +47,9 @@ class DataReport:
     def to_dict(self):
         return {'n_rows': self.n_rows, 'n_kept': self.n_kept, 'dropped': dict(self.dropped), 'n_real': self.n_real,
                 'n_trained': self.n_trained, 'max_length': self.max_length, 'eot_only_turns': self.eot_only_turns,
-                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows], 'eot_only_rows': list(self.eot_only_rows),
-                'sources': [dict(s) for s in self.sources], 'lost': dict(self.lost), 'lost_rows': list(self.lost_rows),
-                'keeps': dict(self.keeps)}
+                'n_examples': self.n_examples, 'bad_rows': [list(b) for b in self.bad_rows],
+                'eot_only_rows': list(self.eot_only_rows), 'sources': [dict(s) for s in self.sources],
+                'lost': dict(self.lost), 'lost_rows': list(self.lost_rows), 'keeps': dict(self.keeps)}
     @classmethod
     def from_dict(cls, d, where: str) -> 'DataReport': # where: the file `d` was read from, for the message
         "The report `to_dict` wrote; a field of another type is a `ValueError` naming `where` and the field."
@@ -57,60 +58,81 @@ class DataReport:
         is_int = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
         for k in ('n_rows', 'n_kept', 'n_real', 'n_trained', 'max_length', 'eot_only_turns', 'n_examples'):
             if not is_int(d.get(k, 0)): bad(k, 'a non-negative integer')
-        if not (isinstance(d.get('dropped', {}), dict) and all(isinstance(k, str) and is_int(v) for k, v in d.get('dropped', {}).items())): bad('dropped', 'a {reason: count} object')
-        if not (isinstance(d.get('bad_rows', []), list) and all(isinstance(b, list) and len(b) == 3 and is_int(b[0]) for b in d.get('bad_rows', []))): bad('bad_rows', 'a list of [row, kind, message]')
-        if not (isinstance(d.get('eot_only_rows', []), list) and all(map(is_int, d.get('eot_only_rows', [])))): bad('eot_only_rows', 'a list of row indices')
-        if not (isinstance(d.get('sources', []), list) and all(isinstance(s, dict) for s in d.get('sources', []))): bad('sources', 'a list of objects')
+        if not (isinstance(d.get('dropped', {}), dict) and all(isinstance(k, str) and is_int(v)
+                                                               for k, v in d.get('dropped', {}).items())):
+            bad('dropped', 'a {reason: count} object')
+        if not (isinstance(d.get('bad_rows', []), list) and all(isinstance(b, list) and len(b) == 3 and is_int(b[0])
+                                                                for b in d.get('bad_rows', []))):
+            bad('bad_rows', 'a list of [row, kind, message]')
+        if not (isinstance(d.get('eot_only_rows', []), list) and all(map(is_int, d.get('eot_only_rows', [])))):
+            bad('eot_only_rows', 'a list of row indices')
+        if not (isinstance(d.get('sources', []), list) and all(isinstance(s, dict) for s in d.get('sources', []))):
+            bad('sources', 'a list of objects')
         return cls(**{**d, 'bad_rows': [tuple(b) for b in d.get('bad_rows', [])]})
     def __add__(self, o: 'DataReport'):
         d = {k: self.dropped.get(k, 0) + o.dropped.get(k, 0) for k in {**self.dropped, **o.dropped}}
         return DataReport(self.n_rows + o.n_rows, self.n_kept + o.n_kept, d, (self.bad_rows + o.bad_rows)[:1000],
                           self.n_real + o.n_real, self.n_trained + o.n_trained, max(self.max_length, o.max_length),
-                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples, (self.eot_only_rows + o.eot_only_rows)[:1000],
-                          self.sources + o.sources, {k: self.lost.get(k, 0) + o.lost.get(k, 0) for k in {**self.lost, **o.lost}},
+                          self.eot_only_turns + o.eot_only_turns, self.n_examples + o.n_examples,
+                          (self.eot_only_rows + o.eot_only_rows)[:1000], self.sources + o.sources,
+                          {k: self.lost.get(k, 0) + o.lost.get(k, 0) for k in {**self.lost, **o.lost}},
                           (self.lost_rows + o.lost_rows)[:1000], {**self.keeps, **o.keeps})
-    def __str__(self):
-        drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
-        # a template that drops a turn's tool calls or reasoning shows in `lost`; with nothing lost, the content itself is empty
-        why = ("their content is empty, or the template drops their " + ' and '.join(sorted(self.lost)) + " (below); lint_template's "
-               "empty_trained_span says which") if self.lost else "their content is empty: each teaches the model to end its turn at once"
-        warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token ({why})"
-                + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')) if self.eot_only_turns else ''
-        warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
-        if fix := self.too_long_fix(): warn += f"; to keep the too-long rows: {fix}"
-        ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
-        mix = ('; mixed: ' + '; '.join(map(mix_line, self.sources))) if len(self.sources) > 1 else ''
-        warn += ''.join(f"; WARNING: {s['source']} repeats each example ×{s['repeat']:g} an epoch: a source's share of draws is its "
-                        "weight (data.train[k].weight, default 1), not its size" for s in self.sources if s.get('repeat', 0) >= 2)
-        return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
-                f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
-    def _lost_line(self, kind: str) -> str:
-        field = 'reasoning_content' if kind == 'reasoning' else kind
-        fix = f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}" if self.keeps.get(kind) else ''
-        if kind == 'tools': return (f"{self.lost[kind]} examples come with tool schemas (tools) the chat template does not render: "
-                                    f"the model never sees them ({_first(self.lost_rows)}){fix}")
-        return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never reaches "
-                f"the tokens ({_first(self.lost_rows)}){fix}")
-
 
 # %% ../nbs/01d_report.ipynb #d7a11f0e
 @patch
 def too_long_fix(self: DataReport) -> str | None:
-    "For rows dropped as too long: the settings that keep them, and how many rows each keeps (None: no row was too long)."
+    """For rows dropped as too long: the settings that keep them, and how many rows each keeps (None: no row was too
+    long)."""
     # tokenize's finish_tokens words a too-long row 'N tokens > max_length M'; bad_rows lists the first 1000
     long = sorted(int(m.split(' ', 1)[0]) for _, kind, m in self.bad_rows if kind == 'too_long')
     if not long: return None
     n, half = len(long), long[(len(long) - 1) // 2]
-    keeps = f"tokenize.max_length={long[-1]} keeps all {n}" + (f", {half} keeps {sum(x <= half for x in long)}" if half < long[-1] else '')
+    keeps = f"tokenize.max_length={long[-1]} keeps all {n}" + (f", {half} keeps {sum(x <= half for x in long)}"
+                                                               if half < long[-1] else '')
     return (f"{keeps}; tokenize.truncation='keep_start' keeps all {n}, cut to max_length; with packing, "
             f"packing.capacity (default: tokenize.max_length) must hold the rows too")
+
+# %% ../nbs/01d_report.ipynb #0614e79d
+@patch
+def __str__(self: DataReport):
+    "One line: rows kept and dropped (by reason), tokens, and a WARNING for what needs a look."
+    drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
+    # a template that drops a turn's tool calls or reasoning shows in `lost`; with nothing lost, the content itself
+    # is empty
+    why = (("their content is empty, or the template drops their " + ' and '.join(sorted(self.lost))
+            + " (below); lint_template's empty_trained_span says which") if self.lost
+           else "their content is empty: each teaches the model to end its turn at once")
+    warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token ({why})"
+            + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')) if self.eot_only_turns else ''
+    warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
+    if fix := self.too_long_fix(): warn += f"; to keep the too-long rows: {fix}"
+    ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
+    mix = ('; mixed: ' + '; '.join(map(mix_line, self.sources))) if len(self.sources) > 1 else ''
+    warn += ''.join(f"; WARNING: {s['source']} repeats each example ×{s['repeat']:g} an epoch: a source's share of "
+                    "draws is its weight (data.train[k].weight, default 1), not its size" for s in self.sources
+                    if s.get('repeat', 0) >= 2)
+    return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
+            f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
+
+@patch
+def _lost_line(self: DataReport, kind: str) -> str:
+    field = 'reasoning_content' if kind == 'reasoning' else kind
+    fix = (f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}"
+           if self.keeps.get(kind) else '')
+    if kind == 'tools':
+        return (f"{self.lost[kind]} examples come with tool schemas (tools) the chat template does not render: "
+                f"the model never sees them ({_first(self.lost_rows)}){fix}")
+    return (f"{self.lost[kind]} trained assistant turns carry {field} the chat template does not render: it never "
+            f"reaches the tokens ({_first(self.lost_rows)}){fix}")
 
 # %% ../nbs/01d_report.ipynb #a1d0e01a
 @patch
 def bad_rows_summary(self: DataReport, n: int = 5) -> str:
-    "Dropped rows per reason: count, first `n` indices, and the first message, e.g. `bad_json: 2 (rows 1, 4; row 1: f.jsonl: line 2 …)`."
+    """Dropped rows per reason: count, first `n` indices, and the first message, e.g. `bad_json: 2 (rows 1, 4; row 1:
+    f.jsonl: line 2 …)`."""
     out = []
     for kind, count in sorted(self.dropped.items()):
         rows = [b for b in self.bad_rows if b[1] == kind]
-        out.append(f"{kind}: {count} ({_first([b[0] for b in rows], n)}; row {rows[0][0]}: {rows[0][2]})" if rows else f"{kind}: {count}")
+        out.append(f"{kind}: {count} ({_first([b[0] for b in rows], n)}; row {rows[0][0]}: {rows[0][2]})" if rows
+                   else f"{kind}: {count}")
     return '; '.join(out) or 'no bad rows'

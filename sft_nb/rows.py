@@ -16,11 +16,13 @@ __all__ = ['SourceFallback', 'JsonlRows', 'stream_source', 'source_slice']
 
 # %% ../nbs/02f_rows.ipynb #57bcc675
 class SourceFallback(Exception):
-    "A line the fast path does not read (over `MAX_ROW_BYTES`, or only whitespace): the source goes through `sft_nb.data.load_source` instead."
+    """A line the fast path does not read (over `MAX_ROW_BYTES`, or only whitespace): the source goes through
+    `sft_nb.data.load_source` instead."""
 
 class JsonlRows:
     """A local JSONL file as rows without loading it: start/end bytes and line number of its non-blank lines (24 bytes a
-    row); each batch read once and parsed by `sft_nb.jsonl.json_line`, the one JSONL rule (also `load_source`'s and the stream's)."""
+    row); each batch read once and parsed by `sft_nb.jsonl.json_line`, the one JSONL rule (also `load_source`'s and the
+    stream's)."""
     def __init__(self, path, max_rows: int | None = None):
         self.path, nl, pos = str(path), [], 0
         with open(path, 'rb') as f:
@@ -32,12 +34,15 @@ class JsonlRows:
         with open(path, 'rb') as f:  # short lines may be blank ('\r', spaces): look at them (rare, cheap)
             for k in np.flatnonzero(keep & (ends - starts <= 16)):
                 f.seek(starts[k]); keep[k] = bool(f.read(int(ends[k] - starts[k])).strip())
-        self.starts, self.ends, self.line_nos, self.size = starts[keep][:max_rows], ends[keep][:max_rows], (np.flatnonzero(keep) + 1)[:max_rows], pos
+        self.starts, self.ends, self.line_nos, self.size = (starts[keep][:max_rows], ends[keep][:max_rows],
+                                                            (np.flatnonzero(keep) + 1)[:max_rows], pos)
     def __len__(self): return len(self.starts)
     def shard(self, s: int, e: int) -> 'JsonlRows':
-        "Rows s:e as a JsonlRows of their own (the path, the file's size, their line offsets and numbers): what a Ray task reads itself."
+        """Rows s:e as a JsonlRows of their own (the path, the file's size, their line offsets and numbers): what a Ray
+        task reads itself."""
         out = object.__new__(JsonlRows)
-        out.path, out.size, out.starts, out.ends, out.line_nos = self.path, self.size, self.starts[s:e], self.ends[s:e], self.line_nos[s:e]
+        out.path, out.size, out.starts, out.ends, out.line_nos = (self.path, self.size, self.starts[s:e],
+                                                                  self.ends[s:e], self.line_nos[s:e])
         return out
     def readable(self) -> bool:
         "Does this machine see the file (at the same path, with the same size)?"
@@ -50,13 +55,16 @@ class JsonlRows:
         base = int(self.starts[s])
         return [buf[a - base:b - base] for a, b in zip(self.starts[s:e].tolist(), self.ends[s:e].tolist())]
     def rows(self, s: int, e: int) -> list[dict]:
-        "Rows s:e as dicts; a line the JSONL rule refuses (not UTF-8, not JSON, a key twice, not an object) is that row's bad-row marker, as `load_source` stores it."
-        if e > s and int((self.ends[s:e] - self.starts[s:e]).max()) > MAX_ROW_BYTES:  # never read whole: the data stage's reader names it
+        """Rows s:e as dicts; a line the JSONL rule refuses (not UTF-8, not JSON, a key twice, not an object) is that
+        row's bad-row marker, as `load_source` stores it."""
+        # never read whole: the data stage's reader names it
+        if e > s and int((self.ends[s:e] - self.starts[s:e]).max()) > MAX_ROW_BYTES:
             raise SourceFallback(f"a line of {self.path} is over {MAX_ROW_BYTES >> 20} MiB")
         out = []
         for raw, n in zip(self.lines(s, e), self.line_nos[s:e].tolist()):
             rec = json_line(raw, self.path, n)
-            if rec is None: raise SourceFallback(f"{self.path}: line {n} holds only whitespace")  # `load_source` skips it: its row numbers then
+            # `load_source` skips it: its row numbers then
+            if rec is None: raise SourceFallback(f"{self.path}: line {n} holds only whitespace")
             out.append(rec[1] if rec[0] is not None else bad_row_marker(rec[1], n))
         return out
     def __iter__(self):
@@ -66,17 +74,21 @@ class JsonlRows:
 def stream_source(source) -> JsonlRows | None:
     "A local .jsonl source as `JsonlRows` (read in batches, never whole); None for anything else (then `load_source`)."
     path = source_path(source)
-    if path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl') or not Path(path).expanduser().is_file(): return None
+    if (path is None or path.startswith('sft_nb:') or not path.lower().endswith('.jsonl')
+            or not Path(path).expanduser().is_file()):
+        return None
     if getattr(source, 'null_content', None) == 'empty': return None  # `load_source` fills null assistant content
     rows = JsonlRows(Path(path).expanduser(), source.max_rows if isinstance(source, SourceConfig) else None)
     return rows if len(rows) else None  # an empty file: the data stage names it
 
 # %% ../nbs/02f_rows.ipynb #33c22784
 def source_slice(raw, start: int, stop: int) -> list[dict]:
-    "Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts; JSON-stored rows parsed once."
+    """Rows `start:stop` of a source (a Dataset without an indices mapping, or an Arrow table) as plain dicts;
+    JSON-stored rows parsed once."""
     import pyarrow as pa
     if isinstance(raw, JsonlRows): return raw.rows(start, stop)
     table = raw if isinstance(raw, pa.Table) else raw.data.table
     part = table.slice(start, stop - start)
-    if part.column_names == ['_json']: return [row_dict({'_json': s}) for s in part.column('_json').to_pylist()]  # no struct → dict conversion
+    # no struct → dict conversion
+    if part.column_names == ['_json']: return [row_dict({'_json': s}) for s in part.column('_json').to_pylist()]
     return [row_dict(r) for r in part.to_pylist()]

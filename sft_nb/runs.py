@@ -17,35 +17,43 @@ __all__ = ['read_run', 'config_diff', 'final_metrics', 'compare_fig', 'Compariso
 
 # %% ../nbs/08d_runs.ipynb #c366dfd7
 def read_run(run_dir: str | Path) -> dict:
-    "One run folder: {'path', 'config' (nested dict), 'metrics' (DataFrame of metrics.jsonl), 'summary' (dict, {} if none)}."
+    """One run folder: {'path', 'config' (nested dict), 'metrics' (DataFrame of metrics.jsonl), 'summary' (dict, {} if
+    none)}."""
     p = Path(run_dir)
     if not p.is_dir(): raise FileNotFoundError(f"{p}: no such run folder")
     if not (p / 'config.yaml').exists():
-        raise FileNotFoundError(f"{p}: no config.yaml, so not a sft_nb run folder (SFTTrainer.setup() writes one into checkpoint.run_dir)")
+        raise FileNotFoundError(f"{p}: no config.yaml, so not a sft_nb run folder (SFTTrainer.setup() writes one into "
+                                "checkpoint.run_dir)")
     if not (p / 'metrics.jsonl').exists():
-        raise FileNotFoundError(f"{p}: no metrics.jsonl, so no curves to compare: the run's logging.trackers lacked 'jsonl'")
+        raise FileNotFoundError(f"{p}: no metrics.jsonl, so no curves to compare: the run's logging.trackers lacked "
+                                "'jsonl'")
     recs, lines = [], (p / 'metrics.jsonl').read_text(errors='replace').splitlines()
     for n, line in enumerate(lines, 1):
         if not line.strip(): continue
         try: recs.append(json.loads(line))
         except json.JSONDecodeError as e:
             if n < len(lines): raise ValueError(f"{p / 'metrics.jsonl'}: line {n} is not JSON ({e.msg})") from None
-            warnings.warn(f"{p / 'metrics.jsonl'}: its last line {n} is cut short (the run was killed while writing it); dropped")
+            warnings.warn(f"{p / 'metrics.jsonl'}: its last line {n} is cut short (the run was killed while writing "
+                          "it); dropped")
     try: summary = json.loads((p / 'summary.json').read_text()) if (p / 'summary.json').exists() else {}
-    except ValueError as e: raise ValueError(f"{p / 'summary.json'}: not valid JSON ({e}); the file is truncated or damaged") from None
-    return {'path': p, 'config': yaml.safe_load((p / 'config.yaml').read_text()) or {}, 'metrics': pd.DataFrame(recs), 'summary': summary}
+    except ValueError as e:
+        raise ValueError(f"{p / 'summary.json'}: not valid JSON ({e}); the file is truncated or damaged") from None
+    return {'path': p, 'config': yaml.safe_load((p / 'config.yaml').read_text()) or {}, 'metrics': pd.DataFrame(recs),
+            'summary': summary}
 
 # %% ../nbs/08d_runs.ipynb #700c41fc
 def config_diff(configs: dict[str, dict]) -> pd.DataFrame:
     "Keys whose values differ between the configs ({run name: nested config}): one row per key, one column per run."
     flat = {n: flatten(c) for n, c in configs.items()}
     keys = list(dict.fromkeys(k for f in flat.values() for k in f))
-    diff = [k for k in keys if k != 'checkpoint.run_dir' and len({json.dumps(f.get(k), default=str) for f in flat.values()}) > 1]
+    diff = [k for k in keys if k != 'checkpoint.run_dir' and len({json.dumps(f.get(k), default=str)
+                                                                  for f in flat.values()}) > 1]
     return pd.DataFrame({n: [f.get(k) for k in diff] for n, f in flat.items()}, index=pd.Index(diff, dtype=object))
 
 # %% ../nbs/08d_runs.ipynb #af64253e
 def final_metrics(run: dict) -> dict:
-    "Steps, last train loss, last and best eval loss, mean tokens/s and (when summary.json has it) the wall time of one run."
+    """Steps, last train loss, last and best eval loss, mean tokens/s and (when summary.json has it) the wall time of
+    one run."""
     m = run['metrics']
     tr = m[m.kind == 'train'] if len(m) else m
     ev = m[(m.kind == 'eval') & m['eval_loss'].notna()] if len(m) and 'eval_loss' in m else m.iloc[:0]
@@ -62,13 +70,15 @@ def compare_fig(runs: dict[str, dict], title: str = 'loss') -> go.Figure:
     "Train (line) and eval (dashed, diamonds) loss of each run ({name: read_run(...)}), one colour per run."
     import plotly.colors
     pal = plotly.colors.qualitative.Plotly
-    fig = go.Figure(layout=dict(title=title, xaxis_title='step', yaxis_title='loss', height=380, margin=dict(l=50, r=20, t=40, b=40)))
+    fig = go.Figure(layout=dict(title=title, xaxis_title='step', yaxis_title='loss', height=380,
+                                margin=dict(l=50, r=20, t=40, b=40)))
     for k, (name, r) in enumerate(runs.items()):
         m, col = r['metrics'], pal[k % len(pal)]
         tr = m[m.kind == 'train'] if len(m) else m
         fig.add_scatter(x=tr.step.tolist() if len(tr) else [], y=tr.loss.tolist() if len(tr) else [], mode='lines',
                         name=f'{name} train', line=dict(color=col), legendgroup=name)
-        if not (len(m) and 'eval_loss' in m and m['eval_loss'].notna().any()): continue  # a run without evaluations: no eval curve
+        # a run without evaluations: no eval curve
+        if not (len(m) and 'eval_loss' in m and m['eval_loss'].notna().any()): continue
         ev = m[(m.kind == 'eval') & m['eval_loss'].notna()]
         fig.add_scatter(x=ev.step.tolist(), y=ev.eval_loss.tolist(), mode='lines+markers', name=f'{name} eval',
                         line=dict(color=col, dash='dash'), marker=dict(symbol='diamond', size=9), legendgroup=name)
@@ -102,7 +112,8 @@ def _ipython_display_(self: Comparison):
 
 # %% ../nbs/08d_runs.ipynb #613566ec
 def compare(run_dirs: list[str | Path] | str | Path) -> Comparison:
-    "Read run folders (see `read_run`) into overlaid loss curves and a table of differing config keys and final metrics."
+    """Read run folders (see `read_run`) into overlaid loss curves and a table of differing config keys and final
+    metrics."""
     dirs = [Path(d) for d in ([run_dirs] if isinstance(run_dirs, (str, Path)) else run_dirs)]
     if not dirs: raise ValueError("compare: no run folders given")
     names = [d.name for d in dirs]

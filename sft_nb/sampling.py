@@ -15,10 +15,12 @@ def next_token(logits, # the last position's logits, shape (vocab,)
                generator=None) -> int: # a torch.Generator (CPU) for the draw
     "The next token id: greedy at `temperature=0`, else nucleus sampling."
     import torch
-    if temperature < 0 or not 0 < top_p <= 1: raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
+    if temperature < 0 or not 0 < top_p <= 1:
+        raise ValueError(f"temperature must be >= 0 and top_p in (0, 1], got {temperature}, {top_p}")
     logits = logits.detach().float().cpu()
     if temperature == 0: return int(logits.argmax())
     p, order = torch.sort(torch.softmax(logits / temperature, -1), descending=True)
-    keep = (p.cumsum(-1) - p) < top_p  # a token stays while the ones before it sum to less than top_p (the first always stays)
+    # a token stays while the ones before it sum to less than top_p (the first always stays)
+    keep = (p.cumsum(-1) - p) < top_p
     p = p * keep
     return int(order[torch.multinomial(p / p.sum(), 1, generator=generator)])

@@ -22,7 +22,8 @@ REWRITTEN_TURNS = ('expand', 'final', 'error')  # all_assistant on a template th
 def content_text(message: dict, image: str = '') -> str:
     "A message's content as text: a string, or its parts' text with each image part written as `image`."
     c = message.get('content') or ''
-    return c if isinstance(c, str) else ''.join(p.get('text', '') if p.get('type', 'text') == 'text' else image for p in c)
+    return c if isinstance(c, str) else ''.join(p.get('text', '') if p.get('type', 'text') == 'text' else image
+                                                for p in c)
 
 # %% ../nbs/02d_spans.ipynb #988bd5e7
 def _snap(text: str, k: int, specials) -> int:
@@ -34,7 +35,8 @@ def _snap(text: str, k: int, specials) -> int:
 
 # %% ../nbs/02d_spans.ipynb #24e07cc7
 def _anchor(prompt: str, text: str, k: int, min_len: int) -> int:
-    "End in `text` of the longest tail of `prompt` (at least `min_len` chars: it holds the previous message) that ends after `k`; -1 if none."
+    """End in `text` of the longest tail of `prompt` (at least `min_len` chars: it holds the previous message) that ends
+    after `k`; -1 if none."""
     k = min(k, len(prompt))
     at = lambda n: text.find(prompt[len(prompt) - n:], max(0, k - n))
     lo, hi = 0, len(prompt)
@@ -62,50 +64,62 @@ def _only_specials(text: str, specials) -> bool:
 
 # %% ../nbs/02d_spans.ipynb #db85e137
 def _turn_end(text: str, s: int, e: int, info: TemplateInfo, last: bool) -> int:
-    "End of the trained part of `text[s:e]`: the end of turn kept, template text after it dropped, a missing end token taken from what follows."
+    """End of the trained part of `text[s:e]`: the end of turn kept, template text after it dropped, a missing end token
+    taken from what follows."""
     if info.after_eot and info.eot and text.endswith(info.eot + info.after_eot, s, e): e -= len(info.after_eot)
     body = text[s:e].rstrip()
-    if not info.eot or body.endswith(info.specials): e = s + len(body)  # whitespace after the end token is template text (ChatML's newline)
+    # whitespace after the end token is template text (ChatML's newline)
+    if not info.eot or body.endswith(info.specials): e = s + len(body)
     if not last and not text.endswith(info.specials, s, e):
-        nxt = next((t for t in info.specials if text.startswith(t, e)), None)  # an end token only what follows writes (GPT-OSS, GLM-4)
+        # an end token only what follows writes (GPT-OSS, GLM-4)
+        nxt = next((t for t in info.specials if text.startswith(t, e)), None)
         if nxt is not None: e += len(nxt)
     return e
 
 # %% ../nbs/02d_spans.ipynb #13058ec8
-def span_renderer(tokenizer, template: str | None, chat_template_kwargs: dict | None, info: TemplateInfo) -> TemplateRenderer:
-    "What rows render through: the template's tagged twin when it has one (the same bytes, and spans from its tags in one render), else the template."
+def span_renderer(tokenizer, template: str | None, chat_template_kwargs: dict | None,
+                  info: TemplateInfo) -> TemplateRenderer:
+    """What rows render through: the template's tagged twin when it has one (the same bytes, and spans from its tags in
+    one render), else the template."""
     return TemplateRenderer(tokenizer, shipped_template(info.twin) if info.twin else template, chat_template_kwargs)
 
 # %% ../nbs/02d_spans.ipynb #26e4e1f3
 def _tag_spans(renderer, messages, tools, info, turns) -> tuple[str, dict, dict]:
-    "The `{% generation %}` blocks of the one full render, grouped by assistant message; a turn's own rendering is what lies between its neighbours' blocks (the tags are the truth: no prefix renders)."
+    """The `{% generation %}` blocks of the one full render, grouped by assistant message; a turn's own rendering is
+    what lies between its neighbours' blocks (the tags are the truth: no prefix renders)."""
     text, idx = renderer(messages, tools, tags=True)
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     blocks = [(s, _turn_end(text, s, e, info, False)) for s, e in idx]  # an end token right after a block is the turn's
-    groups = [[b] for b in blocks] if len(blocks) == len(asst) else _group_blocks(renderer, messages, tools, text, idx, blocks, asst)
-    own = {i: (groups[k - 1][-1][1] if k else 0, groups[k + 1][0][0] if k + 1 < len(groups) else len(text)) for k, i in enumerate(asst) if i in turns}
+    groups = ([[b] for b in blocks] if len(blocks) == len(asst)
+              else _group_blocks(renderer, messages, tools, text, idx, blocks, asst))
+    own = {i: (groups[k - 1][-1][1] if k else 0, groups[k + 1][0][0] if k + 1 < len(groups) else len(text))
+           for k, i in enumerate(asst) if i in turns}
     return text, dict(zip(asst, groups)), own
 
 # %% ../nbs/02d_spans.ipynb #2ab49df3
 def _group_blocks(renderer, messages, tools, text, idx, blocks, asst) -> list[list[tuple[int, int]]]:
-    """The blocks of each assistant message, for a template that marks several blocks in one message (its content trained,
-    its tool call not): the tagged render through message i holds exactly the blocks of the messages up to i."""
+    """The blocks of each assistant message, for a template that marks several blocks in one message (its content
+    trained, its tool call not): the tagged render through message i holds exactly the blocks of the messages up to
+    i."""
     groups, k = [], 0
     for i in asst:
         t, part = renderer(messages[:i + 1], tools, tags=True)
         n = len(part)
         if [tuple(x) for x in part] != [tuple(x) for x in idx[:n]] or (n and not text.startswith(t[:part[-1][1]])):
-            raise BadRow(f"message {i}: the template's {{% generation %}} blocks move once later messages follow", kind='template_error')
-        if n <= k: raise BadRow(f"message {i}: the template's {{% generation %}} blocks mark nothing of this assistant message", kind='template_error')
+            raise BadRow(f"message {i}: the template's {{% generation %}} blocks move once later messages follow",
+                         kind='template_error')
+        if n <= k: raise BadRow(f"message {i}: the template's {{% generation %}} blocks mark nothing of this assistant "
+                                "message", kind='template_error')
         groups.append(blocks[k:n]); k = n
-    if k < len(blocks): raise BadRow(f"the template's {{% generation %}} blocks mark {len(blocks) - k} spans after the last assistant message", kind='template_error')
+    if k < len(blocks): raise BadRow(f"the template's {{% generation %}} blocks mark {len(blocks) - k} spans after the "
+                                     "last assistant message", kind='template_error')
     return groups
 
 # %% ../nbs/02d_spans.ipynb #7a0e1f9b
 def _role_header(info: TemplateInfo) -> str:
     """The role header every assistant turn starts with: the generation prompt without an opened think block (QwQ, Qwen3
-    nothink, Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own '<think></think>'),
-    else what all the probe's headers share."""
+    nothink, Nemotron, DeepSeek-R1 put '<think>…' in it; a turn without reasoning starts with its own
+    '<think></think>'), else what all the probe's headers share."""
     gen, hs = info.gen_prompt, info.headers or (info.gen_prompt,)
     return gen[:gen.index('<think>')] if '<think>' in gen else hs[0][:min(common_prefix(hs[0], x) for x in hs)]
 
@@ -116,97 +130,120 @@ def _start_in_prefix(P: str, F: str, info: TemplateInfo, header: str) -> tuple[i
     the text P has before the turn (the template changes it once this turn follows)."""
     gen = info.gen_prompt
     if F.startswith(P): s, lo = len(P), len(P) - len(gen) if gen and P.endswith(gen) else len(P)
-    else:  # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared header is
+    else:
+        # the generation prompt is not how this turn starts (QwQ's '<think>\n', Qwen3's empty think block): the shared
+        # header is
         lo = len(P) - len(gen) if P.endswith(gen) else _snap(F, common_prefix(P, F), info.specials)
         s = lo + len(header) if F.startswith(header, lo) else lo
         if not F.startswith(P[:lo]): s = -1
-    if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)  # no generation-prompt branch: the header is prompt
+    # no generation-prompt branch: the header is prompt
+    if s >= 0 and info.asst_header and F.startswith(info.asst_header, s): s += len(info.asst_header)
     return s, lo
 
 # %% ../nbs/02d_spans.ipynb #08b7e8c3
 def _start_in_full(T: str, P: str, before: dict, info: TemplateInfo, header: str, where: str) -> tuple[int, int]:
-    """rewritten_turns='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T, right after
-    the end of its prompt P found in T (anchored on the text of `before`, the message before the turn)."""
+    """rewritten_turns='final', for a turn whose prompt the full render T shows differently: (s, lo) of the turn in T,
+    right after the end of its prompt P found in T (anchored on the text of `before`, the message before the turn)."""
     gen = info.gen_prompt
-    a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T, _snap(T, common_prefix(P, T), info.specials),
+    a = _anchor(P[:len(P) - len(gen)] if gen and P.endswith(gen) else P, T,
+                _snap(T, common_prefix(P, T), info.specials),
                 len(content_text(before).strip()) + 1)
     if a < 0 or not (T.startswith(gen, a) or T.startswith(header, a)):
         raise BadRow(f"{where}: the prompt before this turn is not found in the full render", kind='template_error')
     return a + (len(gen) if T.startswith(gen, a) else len(header)), a
 
 # %% ../nbs/02d_spans.ipynb #1efedf90
-def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, rewritten_turns: str, where: str) -> tuple[int, int]:
-    """(e, nxt): where the turn's text ends in the full render T, and where the next message starts in T (-1: T writes this
-    turn's end itself). A turn T shows differently than F is refused, or, with rewritten_turns='final', ends at the first end-of-turn token after s."""
+def _end_in_full(T: str, F: str, s: int, last: bool, moved: bool, info: TemplateInfo, rewritten_turns: str,
+                 where: str) -> tuple[int, int]:
+    """(e, nxt): where the turn's text ends in the full render T, and where the next message starts in T (-1: T writes
+    this turn's end itself). A turn T shows differently than F is refused, or, with rewritten_turns='final', ends at the
+    first end-of-turn token after s."""
     if last: return len(T), len(T)
     if not moved and T.startswith(F): return len(F), len(F)
     e = _snap(T, _snap(F, common_prefix(F, T), info.specials), info.specials)
     if not moved and _only_specials(F[e:], info.specials): return e, -1
     if rewritten_turns != 'final':  # the turn's own text changes once later messages follow
         raise BadRow(f"{where}: this turn renders differently once later messages follow ({F[e:e + 30]!r} becomes "
-                     f"{T[e:e + 30]!r}); the template rewrites history: use rewritten_turns='expand' (one example per turn), "
-                     "rewritten_turns='final' or mode='last_assistant'", kind='template_error')
+                     f"{T[e:e + 30]!r}); the template rewrites history: use rewritten_turns='expand' (one example per "
+                     "turn), rewritten_turns='final' or mode='last_assistant'", kind='template_error')
     # the first token after s that ends an assistant turn of this template (the probe's earlier and final end tokens,
     # and the one this turn ends with on its own: GPT-OSS <|call|>)
     ends = {x for x in (*info.ends, _last_special(F, info.specials)) if x}
     hits = [(j, -len(x), x) for x in ends if (j := T.find(x, s)) >= 0]
-    if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render", kind='template_error')
+    if not hits: raise BadRow(f"{where}: no end-of-turn {sorted(ends)!r} after the turn in the full render",
+                              kind='template_error')
     j, _, x = min(hits)  # the first, and the longest there (Cohere's two end tokens)
     return j + len(x), -1
 
 # %% ../nbs/02d_spans.ipynb #c7f1ee81
 def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: TemplateInfo,
                turns, # the assistant message indices to locate
-               rewritten_turns: str = 'error', # 'final': an earlier turn the template rewrites is trained as the full render shows it
+               rewritten_turns: str = 'error', # 'final': a rewritten earlier turn trains as the full render shows it
                text: str | None = None, # the full render, when the caller has it
               ) -> tuple[str, dict[int, list[tuple[int, int]]], dict[int, tuple[int, int]]]:
-    "(full render, {message index: [(start, end)] trained spans of the turn (one, or a template's several generation blocks)}, {message index: its own rendering}): from tags or prefix renders, never a text search."
-    # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `rewritten_turns` asks for
+    """(full render, {message index: [(start, end)] trained spans of the turn (one, or a template's several generation
+    blocks)}, {message index: its own rendering}): from tags or prefix renders, never a text search."""
+    # a tagged twin stands in for a history-rewriting template only where the tags' answer is the one `rewritten_turns`
+    # asks for
     if info.mechanism == 'tags' and not (info.twin and info.rewrites_history and rewritten_turns == 'error'):
         return _tag_spans(renderer, messages, tools, info, turns)
     T = text if text is not None else renderer(messages, tools)
     n, header, out, own, prev = len(messages), _role_header(info), {}, {}, 0
     for i in sorted(turns):
         where, last = f"message {i}", i == n - 1
-        try: P = renderer(messages[:i], tools, gen=True)  # 1. the prompt: the messages before the turn, then the generation prompt
-        except Exception as e:  # an assistant message first (SkyRL's encode case): its prompt is the template's render of no message
+        # 1. the prompt: the messages before the turn, then the generation prompt
+        try: P = renderer(messages[:i], tools, gen=True)
+        except Exception as e:
+            # an assistant message first (SkyRL's encode case): its prompt is the template's render of no message
             if i: raise
-            raise BadRow(f"{where}: an assistant message first, and the template cannot render the prompt before it ({e})", kind='template_error') from e
+            raise BadRow(f"{where}: an assistant message first, and the template cannot render the prompt before it "
+                         f"({e})", kind='template_error') from e
         F = T if last else renderer(messages[:i + 1], tools)  # 2. the render through the turn
         s, lo = _start_in_prefix(P, F, info, header)  # 3. where the turn starts in F
-        moved = s < 0 or (F is not T and not T.startswith(F[:s]))  # 4. does the full render show the text before it differently?
-        if moved:  # (Qwen3 drops reasoning once a new user turn comes): refused, or 'final': as the full render shows it
+        # 4. does the full render show the text before it differently?
+        moved = s < 0 or (F is not T and not T.startswith(F[:s]))
+        if moved:
+            # (Qwen3 drops reasoning once a new user turn comes): refused, or 'final': as the full render shows it
             if rewritten_turns != 'final' or i == 0:
-                raise BadRow(f"{where}: the conversation before this turn renders differently once later messages follow "
-                             "(the template rewrites history); use rewritten_turns='expand', rewritten_turns='final' or mode='last_assistant'", kind='template_error')
+                raise BadRow(f"{where}: the conversation before this turn renders differently once later messages "
+                             "follow (the template rewrites history); use rewritten_turns='expand', "
+                             "rewritten_turns='final' or mode='last_assistant'", kind='template_error')
             s, lo = _start_in_full(T, P, messages[i - 1], info, header, where)
         if s < prev: raise BadRow(f"{where}: this turn would start inside the previous one", kind='template_error')
-        e, nxt = _end_in_full(T, F, s, last, moved, info, rewritten_turns, where)  # 5. where its text ends in the full render
+        # 5. where its text ends in the full render
+        e, nxt = _end_in_full(T, F, s, last, moved, info, rewritten_turns, where)
         e = _turn_end(T, s, e, info, last)  # 6. through its end of turn, not the template text after it
-        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt  # 7. its own rendering: to the next message (a stop token the next message opens with, GLM-4, is this turn's)
+        # 7. its own rendering: to the next message (a stop token the next message opens with, GLM-4, is this turn's)
+        hi = e if nxt < 0 or T[nxt:e] in info.specials else nxt
         if info.eot.endswith(info.specials) and not T.endswith(info.specials, s, e) and e > s:
-            raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends {T[max(s, e - 20):e]!r})", kind='template_error')
+            raise BadRow(f"{where}: the template renders this turn without an end-of-turn token (it ends "
+                         f"{T[max(s, e - 20):e]!r})", kind='template_error')
         out[i], own[i], prev = [(s, e)], (lo, hi), e
     return T, out, own
 
 # %% ../nbs/02d_spans.ipynb #5e7a0002
 def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten_turns: str = 'error') -> set[int]:
-    "Indices of the assistant messages `mode` trains (a history-rewriting template refuses all_assistant with rewritten_turns='error')."
+    """Indices of the assistant messages `mode` trains (a history-rewriting template refuses all_assistant with
+    rewritten_turns='error')."""
     if mode not in MODES: raise ValueError(f"mode: {mode!r} is not allowed; allowed values: {', '.join(MODES)}")
     asst = [i for i, m in enumerate(messages) if m['role'] == 'assistant']
     if not asst: raise BadRow("no assistant message to train")
     if mode == 'all': return set()
     if mode in ('last_assistant', 'completion_only'):
         if messages[-1]['role'] != 'assistant':
-            raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final assistant turn")
+            raise BadRow(f"conversation ends with a {messages[-1]['role']!r} message; mode {mode!r} needs a final "
+                         "assistant turn")
         trained = {asst[-1]}
     else:
-        if rewritten_turns not in REWRITTEN_TURNS: raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: {', '.join(REWRITTEN_TURNS)}")
+        if rewritten_turns not in REWRITTEN_TURNS:
+            raise ValueError(f"rewritten_turns: {rewritten_turns!r} is not allowed; allowed values: "
+                             f"{', '.join(REWRITTEN_TURNS)}")
         if info.rewrites_history and len(asst) > 1 and rewritten_turns == 'error':
             raise TemplateError("this chat template rewrites earlier turns when later turns are added (e.g. drops the "
-                                "reasoning of earlier assistant turns), so one render cannot train every assistant turn "
-                                "as the model would produce it; use rewritten_turns='expand' (tokenize_turns: one example per turn), "
-                                "rewritten_turns='final' (the full render as it is) or mode='last_assistant'")
+                                "reasoning of earlier assistant turns), so one render cannot train every assistant "
+                                "turn as the model would produce it; use rewritten_turns='expand' (tokenize_turns: one "
+                                "example per turn), rewritten_turns='final' (the full render as it is) or "
+                                "mode='last_assistant'")
         trained = set(asst)
     return {i for i in trained if messages[i].get('train', True) is not False}
 
@@ -214,10 +251,12 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten
 def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo,
                      image: str = '', # the text an image part renders as (image rows: the processor's placeholder)
                     ) -> list[tuple[int, int, int, str]]:
-    "(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render adds (content only for non-assistant messages)."
+    """(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render
+    adds (content only for non-assistant messages)."""
     def end(j):
         try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
-        except Exception: return None  # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
+        # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
+        except Exception: return None
     ends = [end(j) for j in range(len(messages) - 1)] + [len(text)]
     for j in range(len(ends) - 2, -1, -1):
         if ends[j] is None: ends[j] = ends[j + 1]
@@ -232,8 +271,10 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
     return segs
 
 # %% ../nbs/02d_spans.ipynb #4e6730e4
-def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, rewritten_turns: str = 'error', segments: bool = False):
-    "(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of one normalized conversation."
+def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, rewritten_turns: str = 'error',
+                 segments: bool = False):
+    """(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of
+    one normalized conversation."""
     trained = trained_turns(messages, info, mode, rewritten_turns)
     try:
         if mode == 'all': text, spans, own = renderer(messages, tools), {}, {}
@@ -245,13 +286,15 @@ def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, rewri
 
 # %% ../nbs/02d_spans.ipynb #71036f25
 def turn_parts(text: str, start: int, end: int, message: dict, eot: str) -> dict[str, tuple[int, int]]:
-    "Split one assistant span of `text` into reasoning / answer / tool_calls / eot character ranges (empty ones have start == end)."
+    """Split one assistant span of `text` into reasoning / answer / tool_calls / eot character ranges (empty ones have
+    start == end)."""
     body = end - len(eot) if eot and text.endswith(eot, start, end) else end
     r = text.find('</think>', start, body)
     if r < 0: r = start
     else:
         r += len('</think>')
-        while r < body and text[r] == '\n': r += 1  # the newlines a template puts after </think>; the answer keeps its own spaces
+        # the newlines a template puts after </think>; the answer keeps its own spaces
+        while r < body and text[r] == '\n': r += 1
     t = body
     if message.get('tool_calls'):
         ans = content_text(message).split('</think>')[-1].strip()
@@ -275,7 +318,8 @@ def trained_parts(text, spans, messages, eot, train_on_reasoning: bool = True, t
 
 # %% ../nbs/02d_spans.ipynb #baab0825
 def token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
-    "[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points; `offsets` when given or a char is unmapped)."
+    """[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points;
+    `offsets` when given or a char is unmapped)."""
     if offsets is None:
         n, out = len(enc), []
         for s, e, *_ in spans:
@@ -303,25 +347,32 @@ def mask_from_ranges(n: int, ranges) -> list[int]:
 def check_turns(text: str, spans, ranges, own: dict, messages: list[dict],
                 chars, # token index → (start, end) character offsets
                ) -> None:
-    "Raise `BadRow(kind='mask_check')` naming the message unless every trained token lies in its own turn's rendering `own[i]` and no two turns share one."
+    """Raise `BadRow(kind='mask_check')` naming the message unless every trained token lies in its own turn's rendering
+    `own[i]` and no two turns share one."""
     prev, z0 = None, 0
     for (_, _, i), (a, z) in zip(spans, ranges):
         if z <= a: continue
         (lo, hi), (ta, _), (_, tz) = own[i], chars(a), chars(z - 1)
         if prev is not None and prev != i and a < z0:
-            raise BadRow(f"message {i} (assistant): its trained token {text[ta:chars(a)[1]]!r} is also trained for message {prev}", kind='mask_check')
+            raise BadRow(f"message {i} (assistant): its trained token {text[ta:chars(a)[1]]!r} is also trained for "
+                         f"message {prev}", kind='mask_check')
         if ta < lo:
-            raise BadRow(f"message {i} (assistant): trained token {text[ta:chars(a)[1]]!r} starts at char {ta}, inside the text of the "
-                         f"messages before this turn (they end at char {lo}; " + (f"the last is message {i - 1}, {messages[i - 1]['role']})" if i else "the template's own text before the first message)"), kind='mask_check')
+            raise BadRow(f"message {i} (assistant): trained token {text[ta:chars(a)[1]]!r} starts at char {ta}, inside "
+                         f"the text of the messages before this turn (they end at char {lo}; "
+                         + (f"the last is message {i - 1}, {messages[i - 1]['role']})" if i
+                            else "the template's own text before the first message)"), kind='mask_check')
         if tz > hi:
             j = i + 1
-            raise BadRow(f"message {i} (assistant): trained token {text[chars(z - 1)[0]:tz]!r} ends at char {tz}, past this turn's own "
-                         f"rendering (it ends at char {hi}; message {j}, {messages[j]['role'] if j < len(messages) else '?'}, follows)", kind='mask_check')
+            raise BadRow(f"message {i} (assistant): trained token {text[chars(z - 1)[0]:tz]!r} ends at char {tz}, past "
+                         f"this turn's own rendering (it ends at char {hi}; message {j}, "
+                         f"{messages[j]['role'] if j < len(messages) else '?'}, follows)", kind='mask_check')
         prev, z0 = i, z
 
 # %% ../nbs/02d_spans.ipynb #44b1d088
-def expand_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten_turns: str) -> list[tuple[list[dict], str]]:
-    "(messages, mode) of each example a row gives: one per trained assistant turn for `expand` on a history-rewriting template."
+def expand_turns(messages: list[dict], info: TemplateInfo, mode: str,
+                 rewritten_turns: str) -> list[tuple[list[dict], str]]:
+    """(messages, mode) of each example a row gives: one per trained assistant turn for `expand` on a history-rewriting
+    template."""
     if mode != 'all_assistant' or rewritten_turns != 'expand' or not info.rewrites_history: return [(messages, mode)]
     turns = [i for i, m in enumerate(messages) if m['role'] == 'assistant' and m.get('train', True) is not False]
     return [(messages[:i + 1], 'last_assistant') for i in turns] or [(messages, mode)]

@@ -31,7 +31,8 @@ def _json_rows(path: Path, start: int):
 
 # %% ../nbs/05b_stream.ipynb #36ca0ab4
 def _jsonl_rows(p: Path, start: int, cursor: list | None = None):
-    "`(index, row, cursor)` of a JSONL file; `cursor` = [byte offset, line] after the row: a resume seeks there instead of re-reading."
+    """`(index, row, cursor)` of a JSONL file; `cursor` = [byte offset, line] after the row: a resume seeks there
+    instead of re-reading."""
     off, n = cursor or (0, 0)
     i = start if cursor else 0
     with open(p, 'rb') as f:
@@ -55,7 +56,8 @@ def stream_rows(src, # a SourceConfig, a path or hub name, a list of dicts, a Da
                 start: int = 0, # first row index to yield (a resumed stream skips the rows before it)
                 cursor: list | None = None, # a JSONL file: the cursor yielded with row `start - 1` (seek, not re-read)
                ):
-    "`(row index, row dict, cursor)` of a train source, read lazily from row `start`; unreadable JSON lines come as marked bad rows."
+    """`(row index, row dict, cursor)` of a train source, read lazily from row `start`; unreadable JSON lines come as
+    marked bad rows."""
     import datasets
     if isinstance(src, (datasets.IterableDataset, datasets.Dataset)): return _hf_rows(src, start)
     if isinstance(src, list) or type(src).__name__ == 'DataFrame': return _hf_rows(load_source(src), start)
@@ -74,16 +76,18 @@ def check_stream(cfg: SFTConfig):
     "Refuse, naming the parameter, what a streamed run cannot do."
     t = cfg.train
     if t.num_steps is None:
-        raise ConfigError("train.num_steps: required with data.streaming=true: a stream has no known length, so the number of "
-                          "steps (and the LR schedule) cannot be derived from epochs" + (f"; train.num_epochs={t.num_epochs} cannot be used" if t.num_epochs else ''))
+        raise ConfigError("train.num_steps: required with data.streaming=true: a stream has no known length, "
+                          "so the number of steps (and the LR schedule) cannot be derived from epochs"
+                          + (f"; train.num_epochs={t.num_epochs} cannot be used" if t.num_epochs else ''))
     if t.sampler not in ('random', 'sequential'):
-        raise ConfigError(f"train.sampler: {t.sampler!r} orders a whole epoch, which a stream never holds; with data.streaming=true "
-                          "use 'random' (shuffled within data.stream_buffer) or 'sequential'")
+        raise ConfigError(f"train.sampler: {t.sampler!r} orders a whole epoch, which a stream never holds; with "
+                          "data.streaming=true use 'random' (shuffled within data.stream_buffer) or 'sequential'")
     cfg.data.check_streaming()
 
 # %% ../nbs/05b_stream.ipynb #c125bf2d
 class StreamPlan(DataPlan):
-    "A `DataPlan` over a stream: rows read lazily, tokenized a few at a time into a window of `data.stream_buffer` examples, each step drawn (or packed) from it."
+    """A `DataPlan` over a stream: rows read lazily, tokenized a few at a time into a window of `data.stream_buffer`
+    examples, each step drawn (or packed) from it."""
     tokenize_batch = 64  # rows rendered per tokenizer call
     streams = True
     keep = 3  # steps whose batch and state stay at hand (the trainer draws one step ahead)
@@ -92,56 +96,25 @@ class StreamPlan(DataPlan):
         super().__init__(cfg, tokenizer, processor, train_data, eval_data)
         self.sources = [train_data] if train_data is not None else list(cfg.data.train)
         n, self.weights = len(self.sources), [s.weight if isinstance(s, SourceConfig) else 1.0 for s in self.sources]
-        self.names, self.probs = [source_name(s, k) for k, s in enumerate(self.sources)], np.array(self.weights) / max(sum(self.weights), 1e-300)
+        self.names, self.probs = ([source_name(s, k) for k, s in enumerate(self.sources)],
+                                  np.array(self.weights) / max(sum(self.weights), 1e-300))
         self.source_names = self.names  # as `DataPlan.check_resume` names them
-        self.passes, self.pos, self.cursor, self.fmts, self.reports = [0] * n, [0] * n, [None] * n, [None] * n, [DataReport() for _ in range(n)]
+        self.passes, self.pos, self.cursor, self.fmts, self.reports = ([0] * n, [0] * n, [None] * n, [None] * n,
+                                                                       [DataReport() for _ in range(n)])
         self.buffer, self.carry, self.next_step, self.peak = [], [], 0, 0
         self.rng, self._readers, self._snaps, self._drawn = np.random.default_rng(cfg.data.seed), [None] * n, {}, {}
 
     @property
     def epoch(self) -> int: return min(self.passes, default=0)  # passes every source has completed
 
-    def prepare(self) -> StreamPlan:
-        "Detect each source's format, tokenize the eval sets (as `DataPlan`), and fill the window."
-        c = self.cfg
-        if self.processor is not None: raise ConfigError("data.streaming: image rows (a vision-language processor) cannot be streamed yet; set data.streaming=false")
-        if not self.sources: raise ConfigError("data.train: no train source given")
-        self.data_report, self.fmts = self.report(), [self.detect(s) for s in range(len(self.sources))]
-        tpl = load_template(c.tokenize.chat_template)  # a template file's text (as tokenize_dataset reads it)
-        self.renderer = make_renderer(self.tokenizer, replace(c.tokenize, chat_template=tpl))
-        for fmt in set(self.fmts): self.renderer.check(fmt)
-        evals = self.eval_data if self.eval_data is not None else c.data.eval
-        self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
-        self.fill()
-        return self
-
-    def plan(self) -> StreamPlan:
-        "A stream's steps are `train.num_steps` (the trainer's 'epoch' is the whole run); packing plans each step from the window."
-        c = self.cfg
-        self.capacity = c.pack_capacity if c.packing.enabled else None
-        self.total_steps = self.steps_per_epoch = c.train.num_steps
-        self.pack_plan, self.items, self.sampler = None, [], None
-        return self
-
-    def global_batch(self, step: int) -> list:
-        "Items of optimizer step `step` (examples, or bins of examples when packing); steps are drawn in order."
-        if step in self._drawn: return self._drawn[step]
-        if step < self.next_step:
-            raise RuntimeError(f"step {step}: a stream cannot go back (its next step is {self.next_step}); resume from a checkpoint of that step")
-        while self.next_step <= step:
-            self._snaps[self.next_step] = self.snapshot()
-            self._drawn[self.next_step] = self.draw()
-            self.next_step += 1
-            for d in (self._snaps, self._drawn):
-                for k in [k for k in d if k < self.next_step - self.keep]: del d[k]
-        return self._drawn[step]
-
     def identity(self) -> dict:
-        "`DataPlan.identity` with each source's file content (xxh3 of its bytes; None for a hub dataset or rows in memory) and weight: a stream's examples are not known ahead."
+        """`DataPlan.identity` with each source's file content (xxh3 of its bytes; None for a hub dataset or rows in
+        memory) and weight: a stream's examples are not known ahead."""
         if self._identity is None:
             out = super().identity()
             for k, s in enumerate(self.sources):
-                out |= {f'data.train[{k}].content': file_fingerprint(s), f'data.train[{k}].weight': s.weight if isinstance(s, SourceConfig) else 1.0}
+                out |= {f'data.train[{k}].content': file_fingerprint(s),
+                        f'data.train[{k}].weight': s.weight if isinstance(s, SourceConfig) else 1.0}
         return self._identity
 
     def ckpt_state(self, step: int) -> dict:
@@ -157,7 +130,8 @@ class StreamPlan(DataPlan):
         "Collate micro-batch `mb` of examples (or bins of examples when packing); [] is the empty micro-batch."
         if not mb: return self.empty_batch()
         if not self.cfg.packing.enabled: return self.collate(mb)
-        b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity)  # bool mask: the worker makes it the kernel's form
+        # bool mask: the worker makes it the kernel's form
+        b = collate_packed(mb, self.tokenizer.pad_token_id, self.capacity)
         b.pop('seq_lens'); b.pop('cu_seqlens')
         return b
 
@@ -189,7 +163,8 @@ def read(self: StreamPlan, n: int) -> list:
 # %% ../nbs/05b_stream.ipynb #7d2e0630
 def example_row(source: int, index: int, ex) -> dict:
     "A tokenized `Example` as the collator's input (plain ints: it goes into checkpoints as JSON)."
-    out = {'input_ids': [int(x) for x in ex.input_ids], 'loss_mask': [int(x) for x in ex.loss_mask], 'source': source, 'index': int(index)}
+    out = {'input_ids': [int(x) for x in ex.input_ids], 'loss_mask': [int(x) for x in ex.loss_mask], 'source': source,
+           'index': int(index)}
     if ex.loss_weights: out['loss_weights'] = [float(w) for w in ex.loss_weights]
     return out
 
@@ -215,8 +190,9 @@ def report(self: StreamPlan) -> DataReport:
     "The data report: the sources' first passes summed, with per-source counts when there are several."
     rep = sum(self.reports, DataReport())
     if len(self.sources) > 1:
-        rep.sources = [{'source': self.names[s], 'weight': self.weights[s], 'share': float(self.probs[s]), 'n_rows': r.n_rows,
-                        'n_kept': r.n_kept, 'n_examples': r.n_examples, 'passes': self.passes[s]} for s, r in enumerate(self.reports)]
+        rep.sources = [{'source': self.names[s], 'weight': self.weights[s], 'share': float(self.probs[s]),
+                        'n_rows': r.n_rows, 'n_kept': r.n_kept, 'n_examples': r.n_examples, 'passes': self.passes[s]}
+                       for s, r in enumerate(self.reports)]
     return rep
 
 # %% ../nbs/05b_stream.ipynb #2d193324
@@ -238,12 +214,14 @@ def examples(self: StreamPlan, rows: list) -> list[dict]:
         at = [k for k, r in enumerate(rows) if r[0] == s]
         good, bad = self.renderer.examples([rows[k][3] for k in at], at, self.fmts[s])  # labelled by position: unique
         first = {k for k in at if rows[k][1] == 0}
-        self.count(s, len(first), [(rows[k][2], e) for k, e in good if k in first], [(rows[k][2], kd, m) for k, kd, m in bad if k in first])
+        self.count(s, len(first), [(rows[k][2], e) for k, e in good if k in first],
+                   [(rows[k][2], kd, m) for k, kd, m in bad if k in first])
         done += [(k, s, e) for k, e in good]
     self.data_report = self.report()  # before any refusal: the report says per row why
     for s, r in enumerate(self.reports):
         if self.passes[s] and not r.n_examples:
-            raise ConfigError(f"data.train: no usable rows in one pass over {self.names[s]} ({r}); first bad rows: {r.bad_rows[:3]}")
+            raise ConfigError(f"data.train: no usable rows in one pass over {self.names[s]} ({r}); first bad rows: "
+                              f"{r.bad_rows[:3]}")
     return [example_row(s, rows[k][2], e) for k, s, e in sorted(done, key=lambda d: d[0])]
 
 # %% ../nbs/05b_stream.ipynb #5b6eb0dd
@@ -257,6 +235,34 @@ def fill(self: StreamPlan):
         k = cap - len(self.buffer)
         self.buffer, self.carry = self.buffer + self.carry[:k], self.carry[k:]
 
+# %% ../nbs/05b_stream.ipynb #0fbea5f8
+@patch
+def prepare(self: StreamPlan) -> StreamPlan:
+    "Detect each source's format, tokenize the eval sets (as `DataPlan`), and fill the window."
+    c = self.cfg
+    if self.processor is not None:
+        raise ConfigError("data.streaming: image rows (a vision-language processor) cannot be streamed yet; set "
+                          "data.streaming=false")
+    if not self.sources: raise ConfigError("data.train: no train source given")
+    self.data_report, self.fmts = self.report(), [self.detect(s) for s in range(len(self.sources))]
+    tpl = load_template(c.tokenize.chat_template)  # a template file's text (as tokenize_dataset reads it)
+    self.renderer = make_renderer(self.tokenizer, replace(c.tokenize, chat_template=tpl))
+    for fmt in set(self.fmts): self.renderer.check(fmt)
+    evals = self.eval_data if self.eval_data is not None else c.data.eval
+    self.eval_sets = {name: self.tokenize(s)[0] for name, s in evals.items()}
+    self.fill()
+    return self
+
+@patch
+def plan(self: StreamPlan) -> StreamPlan:
+    """A stream's steps are `train.num_steps` (the trainer's 'epoch' is the whole run); packing plans each step from
+    the window."""
+    c = self.cfg
+    self.capacity = c.pack_capacity if c.packing.enabled else None
+    self.total_steps = self.steps_per_epoch = c.train.num_steps
+    self.pack_plan, self.items, self.sampler = None, [], None
+    return self
+
 # %% ../nbs/05b_stream.ipynb #5c64f955
 @patch
 def draw(self: StreamPlan) -> list:
@@ -266,7 +272,8 @@ def draw(self: StreamPlan) -> list:
     c, buf = self.cfg, self.buffer
     gbs = min(c.train.global_batch_size, len(buf))
     if c.packing.enabled:
-        plan = pack([len(e['input_ids']) for e in buf], self.capacity, strategy=c.packing.strategy, seed=int(self.rng.integers(2**31)))
+        plan = pack([len(e['input_ids']) for e in buf], self.capacity, strategy=c.packing.strategy,
+                    seed=int(self.rng.integers(2**31)))
         groups = [list(b) for b in plan.bins[:c.train.global_batch_size]]
     elif c.train.sampler == 'sequential': groups = [[k] for k in range(gbs)]
     else: groups = [[k] for k in self.rng.choice(len(buf), gbs, replace=False).tolist()]
@@ -278,30 +285,51 @@ def draw(self: StreamPlan) -> list:
 @patch
 def snapshot(self: StreamPlan) -> dict:
     "The stream's state now (JSON-serializable; the window's examples are shared, not copied)."
-    return {'step': self.next_step, 'passes': list(self.passes), 'pos': list(self.pos), 'cursor': list(self.cursor), 'fmts': list(self.fmts),
-            'buffer': list(self.buffer), 'carry': list(self.carry), 'rng': self.rng.bit_generator.state,
-            'reports': [r.to_dict() for r in self.reports]}
+    return {'step': self.next_step, 'passes': list(self.passes), 'pos': list(self.pos), 'cursor': list(self.cursor),
+            'fmts': list(self.fmts), 'buffer': list(self.buffer), 'carry': list(self.carry),
+            'rng': self.rng.bit_generator.state, 'reports': [r.to_dict() for r in self.reports]}
 
 # %% ../nbs/05b_stream.ipynb #2d69aea5
 @patch
 def state_dict(self: StreamPlan, step: int | None = None) -> dict:
-    "The stream's state before step `step` is drawn (default: the next one): what a checkpoint taken after `step` steps stores."
+    """The stream's state before step `step` is drawn (default: the next one): what a checkpoint taken after `step`
+    steps stores."""
     step = self.next_step if step is None else step
     if step == self.next_step: return self.snapshot()
     if step in self._snaps: return self._snaps[step]
-    raise ValueError(f"step {step}: the stream's state is kept for steps {sorted(self._snaps)} and {self.next_step} only")
+    raise ValueError(f"step {step}: the stream's state is kept for steps {sorted(self._snaps)} and "
+                     f"{self.next_step} only")
 
 # %% ../nbs/05b_stream.ipynb #0161b5b4
 @patch
 def load_state_dict(self: StreamPlan, d: dict):
     "Continue the stream from a `state_dict`: the next `global_batch` is the one an uninterrupted run draws."
     if len(d['pos']) != len(self.sources):
-        raise ConfigError(f"data.train: the checkpoint's run streamed {len(d['pos'])} train sources, this config {len(self.sources)}")
-    self.next_step, self.passes, self.pos, self.cursor, self.fmts = d['step'], list(d['passes']), list(d['pos']), list(d['cursor']), list(d['fmts'])
-    self.buffer, self.carry, self._readers, self._snaps, self._drawn = list(d['buffer']), list(d['carry']), [None] * len(self.sources), {}, {}
+        raise ConfigError(f"data.train: the checkpoint's run streamed {len(d['pos'])} train sources, this config "
+                          f"{len(self.sources)}")
+    self.next_step, self.passes, self.pos, self.cursor, self.fmts = (d['step'], list(d['passes']), list(d['pos']),
+                                                                     list(d['cursor']), list(d['fmts']))
+    self.buffer, self.carry, self._readers, self._snaps, self._drawn = (list(d['buffer']), list(d['carry']),
+                                                                        [None] * len(self.sources), {}, {})
     self.rng = np.random.default_rng(); self.rng.bit_generator.state = d['rng']
     self.reports = [DataReport(**{**r, 'bad_rows': [tuple(b) for b in r['bad_rows']]}) for r in d['reports']]
     self.data_report = self.report()
+
+# %% ../nbs/05b_stream.ipynb #7bf20028
+@patch
+def global_batch(self: StreamPlan, step: int) -> list:
+    "Items of optimizer step `step` (examples, or bins of examples when packing); steps are drawn in order."
+    if step in self._drawn: return self._drawn[step]
+    if step < self.next_step:
+        raise RuntimeError(f"step {step}: a stream cannot go back (its next step is {self.next_step}); resume from "
+                           "a checkpoint of that step")
+    while self.next_step <= step:
+        self._snaps[self.next_step] = self.snapshot()
+        self._drawn[self.next_step] = self.draw()
+        self.next_step += 1
+        for d in (self._snaps, self._drawn):
+            for k in [k for k in d if k < self.next_step - self.keep]: del d[k]
+    return self._drawn[step]
 
 # %% ../nbs/05b_stream.ipynb #1d34969e
 def plan_class(cfg: SFTConfig) -> type:

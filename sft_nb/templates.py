@@ -17,7 +17,8 @@ __all__ = ['CHAT_TEMPLATES', 'REASONING_FIELDS', 'MAX_TEMPLATE_VALUE', 'MAX_TEMP
            'collapse_template', 'add_family_specials', 'template_features']
 
 # %% ../nbs/02a_templates.ipynb #e30b0002
-CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
+# name → (family whose special tokens it uses, see FAMILY_SPECIALS; what it renders beyond user/assistant text)
+CHAT_TEMPLATES = {
     'chatml': ('chatml', frozenset({'system'})),
     'llama3': ('llama-3-instruct', frozenset({'system'})),
     'mistral': ('mistral-instruct', frozenset({'system'})),
@@ -25,7 +26,8 @@ CHAT_TEMPLATES = {  # name → (family whose special tokens it uses, see FAMILY_
     'phi3': ('phi-3', frozenset({'system'})),
     'qwen2.5': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool'})),
     'qwen3': ('qwen2.5-instruct', frozenset({'system', 'tools', 'tool_calls', 'tool', 'reasoning'})),
-    'smollm2': ('smollm2', frozenset({'system', 'tool'})),  # SmolLM2-Instruct's own template (its default system prompt too), tagged
+    # SmolLM2-Instruct's own template (its default system prompt too), tagged
+    'smollm2': ('smollm2', frozenset({'system', 'tool'})),
 }
 
 # %% ../nbs/02a_templates.ipynb #421a8abb
@@ -45,32 +47,40 @@ class TemplateError(UserError, ValueError):
 
 # %% ../nbs/02a_templates.ipynb #93e96945
 def load_template(template: str | None) -> str | None:
-    "Template text from inline Jinja, a shipped template's name (`CHAT_TEMPLATES`) or a file path (`~` expanded); anything else is an error, not template text."
+    """Template text from inline Jinja, a shipped template's name (`CHAT_TEMPLATES`) or a file path (`~` expanded);
+    anything else is an error, not template text."""
     if template is None or '{' in template: return template
     if template in CHAT_TEMPLATES: return shipped_template(template)
     p = Path(template).expanduser()
     if p.is_file(): return p.read_text()
     import difflib
     near = difflib.get_close_matches(template, CHAT_TEMPLATES, n=1)
-    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template ({', '.join(CHAT_TEMPLATES)})",
-                        fix=(f"did you mean {near[0]!r}? " if near else '') + "give a shipped name, a .jinja file that exists, "
-                            "inline Jinja (it has {% or {{), or nothing for the model's own template")
+    raise TemplateError(f"tokenize.chat_template: {template!r} names no file and no shipped template "
+                        f"({', '.join(CHAT_TEMPLATES)})",
+                        fix=(f"did you mean {near[0]!r}? " if near else '')
+                            + "give a shipped name, a .jinja file that exists, "
+                              "inline Jinja (it has {% or {{), or nothing for the model's own template")
 
 # %% ../nbs/02a_templates.ipynb #560033e8
-REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')  # names a message's reasoning comes under; templates read the first (or `thinking`)
+# names a message's reasoning comes under; templates read the first (or `thinking`)
+REASONING_FIELDS = ('reasoning_content', 'thinking', 'reasoning')
 
 def plain_data(value):
-    """`value` rebuilt from JSON's types alone, what a template's sandbox may see: subclasses of str/int/float (enums, numpy
-    scalars) as their base type, dataclasses and pydantic models as dicts, anything else as an inert '<TypeName>'."""
+    """`value` rebuilt from JSON's types alone, what a template's sandbox may see: subclasses of str/int/float (enums,
+    numpy scalars) as their base type, dataclasses and pydantic models as dicts, anything else as an inert
+    '<TypeName>'."""
     import dataclasses
     from collections.abc import Mapping
     if value is None or type(value) in (str, int, float, bool): return value
-    for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):  # the value itself, not the subclass's str()
+    for base, plain in ((str, str.__str__), (int, int.__int__), (float, float.__float__)):
+        # the value itself, not the subclass's str()
         if isinstance(value, base): return plain(value)
     if isinstance(value, Mapping): return {plain_data(k): plain_data(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)): return type(value)(plain_data(v) for v in value)
-    if hasattr(value, 'item') and getattr(value, 'shape', None) == (): return plain_data(value.item())  # a numpy or torch scalar
-    if dataclasses.is_dataclass(value) and not isinstance(value, type): return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    # a numpy or torch scalar
+    if hasattr(value, 'item') and getattr(value, 'shape', None) == (): return plain_data(value.item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain_data(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if callable(getattr(value, 'model_dump', None)): return plain_data(value.model_dump())
     return f'<{type(value).__name__}>'
 
@@ -86,14 +96,16 @@ def template_name(tokenizer, template: str | None = None) -> str:
     "How errors name a chat template: the tokenizer's, a shipped one, or the start of the text given."
     if template is None: return f"of {getattr(tokenizer, 'name_or_path', '') or type(tokenizer).__name__!r}"
     shipped = next((n for n in CHAT_TEMPLATES if shipped_template(n) == template), None)
-    return repr(shipped) if shipped else f"given in tokenize.chat_template ({template[:40]!r}{'…' if len(template) > 40 else ''})"
+    return (repr(shipped) if shipped
+            else f"given in tokenize.chat_template ({template[:40]!r}{'…' if len(template) > 40 else ''})")
 
 # %% ../nbs/02a_templates.ipynb #cfdbdc00
 MAX_TEMPLATE_VALUE = 1 << 24  # 16M characters: ~100x the longest conversation a model takes, far below an out-of-memory
 
 MAX_TEMPLATE_STEPS = 2_000_000  # loop iterations + calls in one render: ~50x a 1000-turn conversation's
 
-MAX_TEMPLATE_SECONDS = 5.0  # one render's time (a macro call costs ~10x a loop iteration); real renders take milliseconds
+# one render's time (a macro call costs ~10x a loop iteration); real renders take milliseconds
+MAX_TEMPLATE_SECONDS = 5.0
 
 def _refuse(env, what: str, n: int, limit: int = MAX_TEMPLATE_VALUE, unit: str = 'characters or items'):
     raise TemplateError(f"chat template {env.template_name}: {what} would make {n:,} {unit} (limit {limit:,}); "
@@ -103,13 +115,15 @@ def _refuse(env, what: str, n: int, limit: int = MAX_TEMPLATE_VALUE, unit: str =
 def _size(x) -> int: return len(x) if isinstance(x, (str, list, tuple)) else 0
 
 # %% ../nbs/02a_templates.ipynb #367ae66f
-def _widths(fmt) -> int: return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0) if isinstance(fmt, str) else 0
+def _widths(fmt) -> int:
+    return max((int(w) for w in re.findall(r'(\d+)', fmt)), default=0) if isinstance(fmt, str) else 0
 
 # %% ../nbs/02a_templates.ipynb #79478e9b
 def _made(name: str, args: tuple, kwargs: dict) -> int:
     "An upper bound (before it is made) on the size of what the filter or str method `name` makes of `args`."
     vals = (*args, *kwargs.values())
-    n = max((abs(a) for a in vals if isinstance(a, int) and not isinstance(a, bool)), default=0)  # a width, a count, an indent
+    # a width, a count, an indent
+    n = max((abs(a) for a in vals if isinstance(a, int) and not isinstance(a, bool)), default=0)
     if name in ('format', 'format_map'): n = max(n, _widths(args[0] if args else ''))
     if name == 'replace' and len(args) >= 3 and all(isinstance(a, str) for a in args[:3]):
         s, old, new = args[:3]
@@ -138,16 +152,19 @@ def _step(env, context):
     ec = context.eval_ctx  # one per render, shared by the contexts loops and blocks derive from it
     ec.steps = getattr(ec, 'steps', 0) + 1
     if ec.steps == 1: ec.t0 = time.monotonic()
-    if ec.steps > MAX_TEMPLATE_STEPS: _refuse(env, 'a render', ec.steps, MAX_TEMPLATE_STEPS, 'loop iterations and calls')
+    if ec.steps > MAX_TEMPLATE_STEPS: _refuse(env, 'a render', ec.steps, MAX_TEMPLATE_STEPS,
+                                              'loop iterations and calls')
     if ec.steps % 1024 == 0 and (t := time.monotonic() - ec.t0) > MAX_TEMPLATE_SECONDS:
-        raise TemplateError(f"chat template {env.template_name}: a render ran {t:.1f} s after {ec.steps:,} loop iterations and calls "
-                            f"(limit {MAX_TEMPLATE_SECONDS} s); a chat template renders conversations in milliseconds: fix the template")
+        raise TemplateError(f"chat template {env.template_name}: a render ran {t:.1f} s after {ec.steps:,} loop "
+                            f"iterations and calls (limit {MAX_TEMPLATE_SECONDS} s); a chat template renders "
+                            "conversations in milliseconds: fix the template")
 
 # %% ../nbs/02a_templates.ipynb #8613462b
 @functools.lru_cache(maxsize=64)
 def bounded_template(text: str, name: str = '(given inline)'):
-    """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by `MAX_TEMPLATE_VALUE`,
-    each render by `MAX_TEMPLATE_STEPS`, and unsafe attributes an error (Jinja renders them as ''); `name` names it in errors."""
+    """`text` compiled in transformers' chat-template sandbox with every value it builds bounded by
+    `MAX_TEMPLATE_VALUE`, each render by `MAX_TEMPLATE_STEPS`, and unsafe attributes an error (Jinja renders them as
+    ''); `name` names it in errors."""
     import jinja2
     from jinja2 import nodes
     from jinja2.compiler import CodeGenerator
@@ -160,15 +177,19 @@ def bounded_template(text: str, name: str = '(given inline)'):
     env.globals = {**env.globals, 'lipsum': _checked(env, 'lipsum', env.globals['lipsum'])}
     def call_binop(context, op, a, b):
         n = b if isinstance(a, (str, list, tuple)) else a if isinstance(b, (str, list, tuple)) else None
-        if op == '*' and isinstance(n, int) and n * max(_size(a), _size(b)) > MAX_TEMPLATE_VALUE: _refuse(env, f"'{op}'", n * max(_size(a), _size(b)))
-        if op == '**' and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 1000: _refuse(env, "'**'", b, 1000, 'as exponent')
-        if op == '%' and isinstance(a, str) and (n := max(_widths(a), _made('%', b if isinstance(b, tuple) else (b,), {}))) > MAX_TEMPLATE_VALUE:
+        if op == '*' and isinstance(n, int) and n * max(_size(a), _size(b)) > MAX_TEMPLATE_VALUE:
+            _refuse(env, f"'{op}'", n * max(_size(a), _size(b)))
+        if op == '**' and isinstance(a, int) and isinstance(b, int) and abs(a) > 1 and b > 1000:
+            _refuse(env, "'**'", b, 1000, 'as exponent')
+        if (op == '%' and isinstance(a, str)
+            and (n := max(_widths(a), _made('%', b if isinstance(b, tuple) else (b,), {}))) > MAX_TEMPLATE_VALUE):
             _refuse(env, "'%' formatting", n)
         if op == '+' and _size(a) + _size(b) > MAX_TEMPLATE_VALUE: _refuse(env, "'+'", _size(a) + _size(b))
         return SandboxedEnvironment.call_binop(env, context, op, a, b)
     def call(context, obj, *args, **kwargs):  # every call a template makes: a macro, a global, a method
         _step(env, context)
-        if isinstance(getattr(obj, '__self__', None), str) and (n := _made(obj.__name__, (obj.__self__, *args), kwargs)) > MAX_TEMPLATE_VALUE:
+        if (isinstance(getattr(obj, '__self__', None), str)
+            and (n := _made(obj.__name__, (obj.__self__, *args), kwargs)) > MAX_TEMPLATE_VALUE):
             _refuse(env, f'{obj.__name__}()', n)
         out = SandboxedEnvironment.call(env, context, obj, *args, **kwargs)
         if _size(out) > MAX_TEMPLATE_VALUE: _refuse(env, f'{getattr(obj, "__name__", "a call")}()', _size(out))
@@ -184,23 +205,29 @@ def bounded_template(text: str, name: str = '(given inline)'):
             out.append(p)
         return ''.join(out)
     def no_other_template(other):  # Jinja's own error ("no loader for this environment specified") names nothing
-        raise TemplateError(f"chat template {name}: it includes, imports or extends {other!r}; a chat template is one text: put that part in it")
+        raise TemplateError(f"chat template {name}: it includes, imports or extends {other!r}; a chat template is one "
+                            "text: put that part in it")
     env.loader = jinja2.FunctionLoader(no_other_template)
     def unsafe(obj, attribute):
         raise SecurityError(f"access to attribute {attribute!r} of a {type(obj).__name__!r} object is unsafe")
     tracker = next(x for x in env.extensions.values() if 'generation' in x.tags)  # transformers' AssistantTracker
     class GenerationMarks(jinja2.ext.Extension):
-        "`{% generation %}` at the top level (not inside a macro, call, filter or set block): a mark before and after the body, no macro call."
-        tags, priority = {'generation'}, 200  # parsed instead of the tracker's (it keeps the nested blocks, whose output is buffered)
+        """`{% generation %}` at the top level (not inside a macro, call, filter or set block): a mark before and after
+        the body, no macro call."""
+        # parsed instead of the tracker's (it keeps the nested blocks, whose output is buffered)
+        tags, priority = {'generation'}, 200
         def parse(self, parser):
-            if set(parser._tag_stack[:-1]) & {'macro', 'call', 'filter', 'set', 'generation'}: return tracker.parse(parser)
+            if set(parser._tag_stack[:-1]) & {'macro', 'call', 'filter', 'set', 'generation'}:
+                return tracker.parse(parser)
             lineno = next(parser.stream).lineno
             body = parser.parse_statements(['name:endgeneration'], drop_needle=True)
-            mark = lambda: nodes.Output([nodes.ExtensionAttribute(self.identifier, 'mark')]).set_lineno(lineno)  # no call: a property read
+            # no call: a property read
+            mark = lambda: nodes.Output([nodes.ExtensionAttribute(self.identifier, 'mark')]).set_lineno(lineno)
             return [mark(), *body, mark()]
         @property
         def mark(self) -> str:
-            if (at := _MARKS.get()) is not None: at[1].append(at[0][0])  # the length rendered so far: the consumer counts it
+            # the length rendered so far: the consumer counts it
+            if (at := _MARKS.get()) is not None: at[1].append(at[0][0])
             return ''
     env.add_extension(GenerationMarks)
     class Codegen(CodeGenerator):
@@ -210,14 +237,17 @@ def bounded_template(text: str, name: str = '(given inline)'):
             node.iter = nodes.Call(nodes.EnvironmentAttribute('loop_over'), [node.iter], [], None, None)
             super().visit_For(node, frame)
     env.intercepted_binops = frozenset({'*', '**', '+', '%'})
-    env.call_binop, env.call, env.concat, env.loop_over, env.unsafe_undefined, env.code_generator_class = call_binop, call, join, loop_over, unsafe, Codegen
+    (env.call_binop, env.call, env.concat, env.loop_over, env.unsafe_undefined,
+     env.code_generator_class) = call_binop, call, join, loop_over, unsafe, Codegen
     return env.from_string(text)
 
 # %% ../nbs/02a_templates.ipynb #83b0e843
-_MARKS = contextvars.ContextVar('generation_marks', default=None)  # ([characters rendered so far], [mark positions]) of the render in progress
+# ([characters rendered so far], [mark positions]) of the render in progress
+_MARKS = contextvars.ContextVar('generation_marks', default=None)
 
 def _render_with_spans(compiled, variables: dict) -> tuple[str, list[tuple[int, int]]]:
-    "Render through `generate` counting characters as they come: the `{% generation %}` marks and the tracker's nested blocks → (text, spans in order)."
+    """Render through `generate` counting characters as they come: the `{% generation %}` marks and the tracker's nested
+    blocks → (text, spans in order)."""
     pos, marks, blocks, nested = [0], [], [], []
     token = _MARKS.set((pos, marks))
     try:
@@ -228,15 +258,17 @@ def _render_with_spans(compiled, variables: dict) -> tuple[str, list[tuple[int, 
 
 # %% ../nbs/02a_templates.ipynb #9d87de84
 class TemplateRenderer:
-    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.formats.normalize_row` made (plain
-    dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the tokenizer's
-    special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning aliased as
-    transformers does), so the text is byte-identical; every render of a chat template goes through it (the span finder,
-    `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character spans. A template
-    that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a `TemplateError` naming it."""
+    """`render` without `apply_chat_template`'s per-call set-up, for conversations `sft_nb.formats.normalize_row` made
+    (plain dicts, lists and strings): the same template text, compiled by `bounded_template`, the same variables (the
+    tokenizer's special tokens, then the template kwargs), the same message clean-up (None values dropped, reasoning
+    aliased as transformers does), so the text is byte-identical; every render of a chat template goes through it (the
+    span finder, `render`, `chat_ids`, the lint, vision). `tags=True` also returns the `{% generation %}` character
+    spans. A template that exceeds the bounds, reaches for an unsafe attribute or recurses without end is a
+    `TemplateError` naming it."""
     def __init__(self, tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None):
         kw = dict(chat_template_kwargs or {})
-        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)  # kwargs' tools: those of rows without their own
+        # kwargs' tools: those of rows without their own
+        self.tokenizer, self.template, self.tools = tokenizer, template, kw.pop('tools', None)
         self.variables = plain_data({**tokenizer.special_tokens_map, **kw})
         self.name, self._text, self._compiled = template_name(tokenizer, template), {}, {}
     def text(self, tools=None) -> str:
@@ -255,27 +287,35 @@ class TemplateRenderer:
             m = {k: v for k, v in m.items() if v is not None}
             r = next((m[k] for k in REASONING_FIELDS if m.get(k) is not None), None)
             msgs.append({'thinking': r, **m, 'reasoning_content': r} if r is not None else m)
-        args = dict(messages=msgs, tools=plain_data(tools) if tools is not None else None, documents=None, add_generation_prompt=gen)
+        args = dict(messages=msgs, tools=plain_data(tools) if tools is not None else None, documents=None,
+                    add_generation_prompt=gen)
         try:
             if key not in self._compiled: self._compiled[key] = bounded_template(self.text(tools), self.name)
             if not tags: return self._compiled[key].render(**args, **self.variables)
             return _render_with_spans(self._compiled[key], {**args, **self.variables})
-        except SecurityError as e: raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
-        except jinja2.TemplateSyntaxError as e: raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
-        except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise  # the template's own refusal: per row
+        except SecurityError as e:
+            raise TemplateError(f"chat template {self.name}: the sandbox refused it: {e}") from None
+        except jinja2.TemplateSyntaxError as e:
+            raise TemplateError(f"chat template {self.name}: line {e.lineno}: {e.message}") from None
+        # the template's own refusal: per row
+        except jinja2.TemplateError as e: e.args = (f"chat template {self.name}: {e.message}",); raise
         except (RecursionError, MemoryError, OverflowError) as e:
             raise TemplateError(f"chat template {self.name}: {type(e).__name__}: {e} (a recursion, range or value no "
                                 "conversation needs): fix the template") from None
 
 # %% ../nbs/02a_templates.ipynb #a98bdbcb
-def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False, **kwargs) -> str:
-    "The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through `TemplateRenderer`."
-    return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))), tools, gen=add_generation_prompt)
+def render(tokenizer, messages, tools=None, *, template: str | None = None, add_generation_prompt: bool = False,
+           **kwargs) -> str:
+    """The conversation as the template renders it (one string): `apply_chat_template(..., tokenize=False)`, through
+    `TemplateRenderer`."""
+    return TemplateRenderer(tokenizer, template, kwargs)(plain_data(list(getattr(messages, 'messages', messages))),
+                                                         tools, gen=add_generation_prompt)
 
 # %% ../nbs/02a_templates.ipynb #8d0a8273
 def chat_ids(tokenizer, messages, tools=None, *, template: str | None = None, **kwargs) -> list[int]:
     "`apply_chat_template(..., tokenize=True)` ids as a plain list: `render`, tokenized without special tokens added."
-    return list(tokenizer(render(tokenizer, messages, tools, template=template, **kwargs), add_special_tokens=False)['input_ids'])
+    return list(tokenizer(render(tokenizer, messages, tools, template=template, **kwargs),
+                          add_special_tokens=False)['input_ids'])
 
 # %% ../nbs/02a_templates.ipynb #2afbea8d
 @dataclass(frozen=True)
@@ -287,13 +327,16 @@ class TemplateInfo:
     after_eot: str  # template text after the end-of-turn (trained never)
     rewrites_history: bool  # rendering more turns changes the text of earlier ones
     full_render_matches_gen_prompt: bool  # a full render contains the generation prompt as the assistant header
-    headers: tuple = ()  # assistant headers (generation prompt, final turn, earlier turn) when they differ; () = one header
-    asst_header: str = ''  # the assistant header of a template with no generation-prompt branch ('' otherwise): never trained
+    # assistant headers (generation prompt, final turn, earlier turn) when they differ; () = one header
+    headers: tuple = ()
+    # the assistant header of a template with no generation-prompt branch ('' otherwise): never trained
+    asst_header: str = ''
     mechanism: str = 'prefix'  # how turn spans are found: a key of MECHANISMS
     why: str = ''  # what in the template decided `mechanism`
     specials: tuple = ()  # the tokenizer's special-token strings, longest first
     ends: tuple = ()  # the end-of-turn texts of a final and of an earlier assistant turn (GPT-OSS: <|return|>, <|end|>)
-    twin: str = ''  # the shipped tagged template (a key of CHAT_TEMPLATES) that renders this one byte for byte: rows render through it
+    # the shipped tagged template (a key of CHAT_TEMPLATES) that renders this one byte for byte: rows render through it
+    twin: str = ''
     @property
     def stability(self) -> str: return 'rewrites history' if self.rewrites_history else 'prefix-stable'
     @property
@@ -304,14 +347,16 @@ MECHANISMS = {'tags': 'the template marks assistant output with {% generation %}
               'prefix': 'no generation tags; each assistant turn is what rendering it adds after '
                         'render(messages[:i], add_generation_prompt=True), checked to extend that prompt',
               'history-rewriting': 'adding later turns changes the text of earlier ones: each turn is found by prefix '
-                                   'rendering, and all_assistant on multi-turn rows goes through `rewritten_turns` (expand / final / error)'}
+                                   'rendering, and all_assistant on multi-turn rows goes through `rewritten_turns` '
+                                   '(expand / final / error)'}
 
 # %% ../nbs/02a_templates.ipynb #ec5a90fd
 _U1, _A1, _U2, _A2, _R1, _R2 = 'qzxUone', 'qzxAone', 'qzxUtwo', 'qzxAtwo', 'qzxRone', 'qzxRtwo'
 
 def _special_strings(tokenizer) -> list[str]:
     specials = set(tokenizer.all_special_tokens)
-    specials |= {t.content for t in getattr(tokenizer, 'added_tokens_decoder', {}).values() if getattr(t, 'special', False)}
+    specials |= {t.content for t in getattr(tokenizer, 'added_tokens_decoder', {}).values()
+                 if getattr(t, 'special', False)}
     return sorted((s for s in specials if s), key=len, reverse=True)
 
 # %% ../nbs/02a_templates.ipynb #beda2c49
@@ -328,7 +373,8 @@ def _split_eot(footer: str, specials: list[str]) -> tuple[str, str]:
 
 # %% ../nbs/02a_templates.ipynb #d056b2a9
 def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
-    "Assistant headers of the probe's earlier and final turn and the generation prompt, when they are not all one string."
+    """Assistant headers of the probe's earlier and final turn and the generation prompt, when they are not all one
+    string."""
     def between(before, marker):
         a = r4.find(before) + len(before)
         a += len(user_footer) if user_footer and r4.startswith(user_footer, a) else 0
@@ -337,7 +383,8 @@ def _headers(r4: str, user_footer: str, gen_prompt: str) -> tuple:
     return hs if len(hs) > 1 else ()
 
 # %% ../nbs/02a_templates.ipynb #7d1e0a02
-_TWIN_TOOL = {'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}
+_TWIN_TOOL = {'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd',
+                                               'parameters': {'type': 'object', 'properties': {}}}}
 
 _TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders, and the edges where templates differ
     ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}], None),
@@ -346,7 +393,8 @@ _TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders,
     ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}, {'role': 'user', 'content': _U2}], None),
     ([{'role': 'user', 'content': f' {_U1} \n'}, {'role': 'assistant', 'content': f'\n {_A1}  '}], None),
     ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': '', 'tool_calls': [
-      {'type': 'function', 'function': {'name': 'qzxTOOL', 'arguments': {'x': 1}}}]}, {'role': 'tool', 'content': 'qzxRES'},
+      {'type': 'function', 'function': {'name': 'qzxTOOL', 'arguments': {'x': 1}}}]},
+      {'role': 'tool', 'content': 'qzxRES'},
       {'role': 'assistant', 'content': _A2}], [_TWIN_TOOL]),
     ([{'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1, 'reasoning_content': _R1},
       {'role': 'user', 'content': _U2}, {'role': 'assistant', 'content': _A2, 'reasoning_content': _R2}], None),
@@ -357,7 +405,8 @@ _TWIN_PROBES = [  # (messages, tools): every feature a shipped template renders,
 
 # %% ../nbs/02a_templates.ipynb #74984edc
 def _twin_renders(renderer: TemplateRenderer) -> list:
-    "What `renderer` makes of every twin probe, with and without the generation prompt (an error counts as its type: a twin refuses what the template refuses)."
+    """What `renderer` makes of every twin probe, with and without the generation prompt (an error counts as its type: a
+    twin refuses what the template refuses)."""
     out = []
     for msgs, tools in _TWIN_PROBES:
         for gen in (False, True):
@@ -368,7 +417,8 @@ def _twin_renders(renderer: TemplateRenderer) -> list:
 # %% ../nbs/02a_templates.ipynb #cccb35ee
 def _tags_follow_prompt(renderer: TemplateRenderer) -> bool:
     """Whether the twin's first `{% generation %}` block starts where the generation prompt ends: kwargs that move text
-    into the prompt (Qwen3's `enable_thinking=False` puts the empty think block there) make the tags train prompt text."""
+    into the prompt (Qwen3's `enable_thinking=False` puts the empty think block there) make the tags train prompt
+    text."""
     msgs = _TWIN_PROBES[0][0]
     _, spans = renderer(msgs, tags=True)
     return bool(spans) and spans[0][0] >= len(renderer(msgs[:-1], gen=True))
@@ -394,12 +444,14 @@ def common_prefix(a: str, b: str) -> int:
 
 # %% ../nbs/02a_templates.ipynb #e407747e
 def probe_template(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
-    "Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot mask."
+    """Probe `template` (default: the tokenizer's) with marker conversations; raise `TemplateError` on layouts we cannot
+    mask."""
     renderer = TemplateRenderer(tokenizer, template, chat_template_kwargs)  # the bounded sandbox (bounded_template)
     def r(msgs, gen=False):
         try: return renderer(msgs, gen=gen)
         except TemplateError: raise
-        except Exception as e: raise TemplateError(f"chat template failed on a plain user/assistant conversation: {e}") from e
+        except Exception as e:
+            raise TemplateError(f"chat template failed on a plain user/assistant conversation: {e}") from e
     u1, a1 = {'role': 'user', 'content': _U1}, {'role': 'assistant', 'content': _A1}
     u2, a2 = {'role': 'user', 'content': _U2}, {'role': 'assistant', 'content': _A2}
     ru, ru_gen, r2, r4 = r([u1]), r([u1], True), r([u1, a1]), r([u1, a1, u2, a2])
@@ -407,15 +459,19 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
         if marker not in txt: raise TemplateError(f"chat template does not render {name} content verbatim")
     if not r2.startswith(ru[:common_prefix(ru, ru_gen)]) or common_prefix(ru, ru_gen) < ru.rfind(_U1) + len(_U1):
         raise TemplateError("add_generation_prompt rewrites the conversation instead of appending an assistant header")
-    gen_prompt = ru_gen[common_prefix(ru, ru_gen):]  # Phi-3: the EOS a render without generation prompt appends is not shared
+    # Phi-3: the EOS a render without generation prompt appends is not shared
+    gen_prompt = ru_gen[common_prefix(ru, ru_gen):]
     user_footer = ru[ru.rfind(_U1) + len(_U1):]
     specials = _special_strings(tokenizer)
     eot, after = _split_eot(r2[r2.rfind(_A1) + len(_A1):], specials)
-    asst_header = '' if ru_gen != ru else r2[common_prefix(ru, r2):r2.rfind(_A1)]  # no generation-prompt branch: the header a turn brings
+    # no generation-prompt branch: the header a turn brings
+    asst_header = '' if ru_gen != ru else r2[common_prefix(ru, r2):r2.rfind(_A1)]
     if not asst_header.strip(): asst_header = ''  # Mistral's ' ' before the answer: the model writes it after '[/INST]'
-    rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1)])  # the end token may differ by position (GPT-OSS <|return|> / <|end|>)
+    # the end token may differ by position (GPT-OSS <|return|> / <|end|>)
+    rewrites = not r4.startswith(r2[:r2.rfind(_A1) + len(_A1)])
     think = lambda a, x: {**a, 'content': f'<think>\n{x}\n</think>\n\n' + a['content']}
-    for f in (lambda a, x: {**a, 'reasoning_content': x}, think):  # reasoning kept on the last turn only (Qwen3, QwQ) is a rewrite too
+    for f in (lambda a, x: {**a, 'reasoning_content': x}, think):
+        # reasoning kept on the last turn only (Qwen3, QwQ) is a rewrite too
         try:
             one, two = r([u1, f(a1, _R1)]), r([u1, f(a1, _R1), u2, f(a2, _R2)])
             rewrites = rewrites or not two.startswith(one[:one.rfind(_A1) + len(_A1)])
@@ -423,16 +479,22 @@ def probe_template(tokenizer, template: str | None = None, chat_template_kwargs:
     text = tokenizer.get_chat_template(template, None)
     twin = '' if has_generation_tags(text) else tagged_twin(tokenizer, template, chat_template_kwargs)
     if has_generation_tags(text): mech, why = 'tags', 'the template has {% generation %} blocks'
-    elif twin: mech, why = 'tags', f'masks from the tagged twin of {twin}: the template renders byte-identically to the shipped {twin!r} on every twin probe'
-    elif rewrites: mech, why = 'history-rewriting', 'a turn renders differently once a later turn follows it (probe: reasoning or content of an earlier turn changes)'
+    elif twin:
+        mech, why = 'tags', (f'masks from the tagged twin of {twin}: the template renders byte-identically to the '
+                             f'shipped {twin!r} on every twin probe')
+    elif rewrites:
+        mech, why = 'history-rewriting', ('a turn renders differently once a later turn follows it (probe: reasoning '
+                                          'or content of an earlier turn changes)')
     else:
         mech = 'prefix'
         why = ('no generation tags; the template has no add_generation_prompt branch, so the assistant header '
                f'{asst_header!r} each turn brings is kept out of training') if asst_header else \
               f'no generation tags; the generation prompt {gen_prompt!r} ends the prompt of every assistant turn'
-    earlier = next((t for t in specials if r4.startswith(t, r4.find(_A1) + len(_A1))), '')  # the first end token of an earlier turn
-    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen), _headers(r4, user_footer, gen_prompt),
-                        asst_header, mech, why, tuple(specials), tuple(dict.fromkeys(x for x in (eot, earlier) if x)), twin)
+    # the first end token of an earlier turn
+    earlier = next((t for t in specials if r4.startswith(t, r4.find(_A1) + len(_A1))), '')
+    return TemplateInfo(gen_prompt, user_footer, eot, after, rewrites, r2.startswith(ru_gen),
+                        _headers(r4, user_footer, gen_prompt), asst_header, mech, why, tuple(specials),
+                        tuple(dict.fromkeys(x for x in (eot, earlier) if x)), twin)
 
 # %% ../nbs/02a_templates.ipynb #405fc376
 def template_key(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> str:
@@ -452,7 +514,8 @@ _FAST: dict[tuple, TemplateInfo] = {}
 def template_info(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> TemplateInfo:
     "Cached `probe_template`: a cheap identity key first (hot path: every batch), the full content hash on a miss."
     fast = (id(tokenizer), len(tokenizer), getattr(tokenizer, 'name_or_path', ''), tokenizer.chat_template, template,
-            json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str), json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
+            json.dumps(chat_template_kwargs or {}, sort_keys=True, default=str),
+            json.dumps(tokenizer.special_tokens_map, sort_keys=True, default=str))
     if fast not in _FAST:
         k = template_key(tokenizer, template, chat_template_kwargs)
         if k not in _PROBES: _PROBES[k] = probe_template(tokenizer, template, chat_template_kwargs)
@@ -467,7 +530,8 @@ def collapse_template(text: str) -> str:
 # %% ../nbs/02a_templates.ipynb #6118b407
 FAMILY_SPECIALS = {  # family → (named special tokens, extra special tokens) its template refers to
     'chatml': ({}, ['<|im_start|>', '<|im_end|>']),
-    'llama-3-instruct': ({'bos_token': '<|begin_of_text|>', 'eos_token': '<|eot_id|>'}, ['<|start_header_id|>', '<|end_header_id|>']),
+    'llama-3-instruct': ({'bos_token': '<|begin_of_text|>', 'eos_token': '<|eot_id|>'},
+                         ['<|start_header_id|>', '<|end_header_id|>']),
     'mistral-instruct': ({'bos_token': '<s>', 'eos_token': '</s>'}, []),
     'gemma-it': ({'bos_token': '<bos>', 'eos_token': '<eos>'}, ['<start_of_turn>', '<end_of_turn>']),
     'phi-3': ({'eos_token': '<|endoftext|>'}, ['<|end|>', '<|assistant|>', '<|user|>', '<|system|>']),
@@ -476,29 +540,35 @@ FAMILY_SPECIALS = {  # family → (named special tokens, extra special tokens) i
 
 # %% ../nbs/02a_templates.ipynb #bbb6551f
 def add_family_specials(tokenizer, family: str):
-    "Add the special tokens of a template family to `tokenizer` (in place), so its template can be tested with any tokenizer."
+    """Add the special tokens of a template family to `tokenizer` (in place), so its template can be tested with any
+    tokenizer."""
     named, extra = FAMILY_SPECIALS[family]
     tokenizer.add_special_tokens({**named, 'additional_special_tokens': extra})
     return tokenizer
 
 # %% ../nbs/02a_templates.ipynb #e30b0005
 _FEATURE_PROBES = {  # feature → (messages, tools, the marker that must reach the text)
-    'system': ([{'role': 'system', 'content': 'qzxSYS'}, {'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}], None, 'qzxSYS'),
+    'system': ([{'role': 'system', 'content': 'qzxSYS'}, {'role': 'user', 'content': 'u'},
+                {'role': 'assistant', 'content': 'a'}], None, 'qzxSYS'),
     'tools': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a'}],
-              [{'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd', 'parameters': {'type': 'object', 'properties': {}}}}], 'qzxTOOL'),
+              [{'type': 'function', 'function': {'name': 'qzxTOOL', 'description': 'd',
+                                                 'parameters': {'type': 'object', 'properties': {}}}}], 'qzxTOOL'),
     'tool_calls': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
                    {'type': 'function', 'function': {'name': 'qzxCALL', 'arguments': {'x': 1}}}]}], None, 'qzxCALL'),
     'tool': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': '', 'tool_calls': [
               {'type': 'function', 'function': {'name': 'f', 'arguments': {}}}]}, {'role': 'tool', 'content': 'qzxRES'},
               {'role': 'assistant', 'content': 'a'}], None, 'qzxRES'),
-    'reasoning': ([{'role': 'user', 'content': 'u'}, {'role': 'assistant', 'content': 'a', 'reasoning_content': 'qzxTHINK'}], None, 'qzxTHINK'),
+    'reasoning': ([{'role': 'user', 'content': 'u'},
+                   {'role': 'assistant', 'content': 'a', 'reasoning_content': 'qzxTHINK'}], None, 'qzxTHINK'),
 }
 
 def template_features(tokenizer, template: str | None = None, chat_template_kwargs: dict | None = None) -> frozenset:
-    "What of `_FEATURE_PROBES` a template (text, path or shipped name) renders (a feature it refuses or drops is absent)."
+    """What of `_FEATURE_PROBES` a template (text, path or shipped name) renders (a feature it refuses or drops is
+    absent)."""
     template = load_template(template)
     def shows(msgs, tools, marker):
-        try: return marker in render(tokenizer, msgs, tools, template=template, **{k: v for k, v in (chat_template_kwargs or {}).items() if k != 'tools'})
+        try: return marker in render(tokenizer, msgs, tools, template=template,
+                                     **{k: v for k, v in (chat_template_kwargs or {}).items() if k != 'tools'})
         except TemplateError: raise  # past the renderer's bounds or the sandbox: not a feature it drops
         except Exception: return False
     return frozenset(f for f, probe in _FEATURE_PROBES.items() if shows(*probe))

@@ -26,7 +26,8 @@ __all__ = ['PROGRESS_ROWS', 'make_renderer', 'example_features', 'example_batch'
 def make_renderer(obj, # a tokenizer, a vision-language processor or a Renderer
                   spec: TokenizeConfig | None = None, base_dir=None, # folder relative image paths resolve against
                  ) -> Renderer:
-    "The renderer for `obj`: itself when it is one, else the first of `ProcessorRenderer`, `ChatRenderer` that accepts it."
+    """The renderer for `obj`: itself when it is one, else the first of `ProcessorRenderer`, `ChatRenderer` that accepts
+    it."""
     if isinstance(obj, Renderer): return obj
     spec = spec or TokenizeConfig()
     for cls in (ProcessorRenderer, ChatRenderer):
@@ -39,12 +40,14 @@ def example_features(renderer: Renderer):
     "The stored schema: the base columns every row has, then the renderer's extra columns."
     import datasets
     L, V = datasets.List, datasets.Value
-    return datasets.Features({'input_ids': L(V('int32')), 'loss_mask': L(V('int8')), 'length': V('int32'), 'n_trained': V('int32'),
+    return datasets.Features({'input_ids': L(V('int32')), 'loss_mask': L(V('int8')), 'length': V('int32'),
+                              'n_trained': V('int32'),
                               'index': V('int64'), 'loss_weights': L(V('float32')), **renderer.features()})
 
 # %% ../nbs/02_tokenize.ipynb #e5533de2
 def _flat_list(seqs: list, dtype, n: int):
-    "A list<dtype> Arrow array from Python/numpy sequences (one flat buffer + offsets, no per-element Python objects) → (array, offsets, flat)."
+    """A list<dtype> Arrow array from Python/numpy sequences (one flat buffer + offsets, no per-element Python objects)
+    → (array, offsets, flat)."""
     import pyarrow as pa
     from itertools import chain
     offs = np.zeros(n + 1, np.int64)
@@ -70,25 +73,30 @@ def example_batch(good: list, renderer: Renderer, schema):
 # %% ../nbs/02_tokenize.ipynb #a787bdc5
 def tokenize_part(raw, # the source (a Dataset without an indices mapping) or a list of row dicts
                   start: int, stop: int, renderer: Renderer, fmt: str, batch_size: int,
-                  path: str | Path | None = None, # write the part here (an Arrow stream file); None: return it as a Table
+                  path: str | Path | None = None, # write the part here (an Arrow stream file); None: return a Table
                   offset: int = 0, # source index of row 0 of `raw` (a shard sent to a Ray task)
                   progress=None, # called with each batch's row count (a progress bar's `update`)
                  ):
     "Render rows `start:stop` batch by batch into Arrow → (stats dict, Table or None). Memory: one batch."
     import pyarrow as pa
     schema = example_features(renderer).arrow_schema
-    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_real': 0, 'n_trained': 0, 'max_length': 0, 'lost': []}
+    st = {'bad': [], 'eot_only': 0, 'n_examples': 0, 'n_kept': 0, 'n_real': 0, 'n_trained': 0, 'max_length': 0,
+          'lost': []}
     sink = pa.OSFile(str(path), 'wb') if path is not None else pa.BufferOutputStream()
     w, gc_on = pa.ipc.new_stream(sink, schema), gc.isenabled()
     try:
         for s in range(start, stop, batch_size):
-            gc.disable()  # a batch makes ~10^5 short-lived lists and no cycles worth chasing: collector passes cost ~8% (bench/tokenize.py)
+            # a batch makes ~10^5 short-lived lists and no cycles worth chasing: collector passes cost ~8%
+            # (bench/tokenize.py)
+            gc.disable()
             e = min(stop, s + batch_size)
             rows = raw[s:e] if isinstance(raw, list) else source_slice(raw, s, e)
             good, bad = renderer.examples(rows, list(range(offset + s, offset + e)), fmt)
             b = example_batch(good, renderer, schema)
             st['bad'] += sorted(bad, key=lambda b: b[0])
-            st['eot_only'] += sum(x.eot_only_turns for _, x in good); st['n_examples'] += len(good); st['n_kept'] += len({i for i, _ in good})
+            st['eot_only'] += sum(x.eot_only_turns for _, x in good)
+            st['n_examples'] += len(good)
+            st['n_kept'] += len({i for i, _ in good})
             st['lost'] += [(i, kind) for i, x in good for _, kind in x.lost]
             lens = b.column('length').to_numpy()
             st['n_real'] += int(lens.sum()); st['n_trained'] += int(b.column('n_trained').to_numpy().sum())
@@ -112,26 +120,30 @@ _FORKED = None  # (raw, renderer, fmt, batch_size, bounds, folder) handed to for
 
 def _forked_part(k: int):
     raw, renderer, fmt, batch_size, bounds, folder = _FORKED
-    return k, tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size, Path(folder) / part_name(k, len(bounds) - 1))[0]
+    return k, tokenize_part(raw, bounds[k], bounds[k + 1], renderer, fmt, batch_size,
+                            Path(folder) / part_name(k, len(bounds) - 1))[0]
 
 # %% ../nbs/02_tokenize.ipynb #de450902
 PROGRESS_ROWS = 5000  # a source this long shows a progress bar while it is tokenized (~2 s and more on one core)
 
 # %% ../nbs/02_tokenize.ipynb #e82102dc
 def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_size: int = 256) -> list[dict]:
-    "Tokenize the whole source into `folder/data-*.arrow`: one contiguous shard per process (forked: the source is shared, not copied)."
+    """Tokenize the whole source into `folder/data-*.arrow`: one contiguous shard per process (forked: the source is
+    shared, not copied)."""
     global _FORKED
     from tqdm.auto import tqdm
     n = len(raw)
     bounds = np.linspace(0, n, max(1, min(num_proc, n)) + 1).astype(int).tolist()
     with tqdm(total=n, desc='tokenize', unit='row', disable=n < PROGRESS_ROWS, dynamic_ncols=True) as bar:
-        if len(bounds) == 2: return [tokenize_part(raw, 0, n, renderer, fmt, batch_size, folder / part_name(0, 1), progress=bar.update)[0]]
+        if len(bounds) == 2: return [tokenize_part(raw, 0, n, renderer, fmt, batch_size, folder / part_name(0, 1),
+                                                   progress=bar.update)[0]]
         import multiprocessing as mp
         _FORKED = (raw, renderer, fmt, batch_size, bounds, str(folder))
         try:
             with mp.get_context('fork').Pool(len(bounds) - 1) as pool:
                 out = {}
-                for k, st in pool.imap_unordered(_forked_part, range(len(bounds) - 1)):  # a part's rows counted as it ends
+                for k, st in pool.imap_unordered(_forked_part, range(len(bounds) - 1)):
+                    # a part's rows counted as it ends
                     out[k] = st; bar.update(bounds[k + 1] - bounds[k])
                 return [out[k] for k in sorted(out)]
         finally: _FORKED = None
@@ -140,11 +152,14 @@ def write_parts(raw, renderer, fmt: str, folder: Path, num_proc: int = 1, batch_
 def ray_part(rows, start: int, renderer, fmt: str, batch_size: int,
              folder: str | None = None, name: str = '', # where the part goes when this node sees `folder`
             ):
-    "One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to write; (None, None) when `rows` is a slice of a file this node cannot read."
-    if isinstance(rows, JsonlRows):  # a slice of a local JSONL file: the task reads its own lines (nothing passes through the driver)
+    """One Ray task → (stats, None) when it wrote `folder/name` itself, else (stats, Arrow table) for the driver to
+    write; (None, None) when `rows` is a slice of a file this node cannot read."""
+    if isinstance(rows, JsonlRows):
+        # a slice of a local JSONL file: the task reads its own lines (nothing passes through the driver)
         if not rows.readable(): return None, None
         rows = rows.rows(0, len(rows))
-    if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, Path(folder) / name, offset=start)
+    if folder and Path(folder).is_dir(): return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size,
+                                                              Path(folder) / name, offset=start)
     return tokenize_part(rows, 0, len(rows), renderer, fmt, batch_size, offset=start)
 
 # %% ../nbs/02_tokenize.ipynb #2ad95d44
@@ -152,11 +167,13 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
     "Fan tokenization out over the connected Ray cluster's CPUs as `n_shards` tasks; parts keep the shard order."
     import ray, pyarrow as pa
     from tqdm.auto import tqdm
-    if not ray.is_initialized(): raise RuntimeError("ray_shards > 0 needs a connected Ray cluster (sft_nb.workers.init_ray)")
+    if not ray.is_initialized(): raise RuntimeError("ray_shards > 0 needs a connected Ray cluster "
+                                                    "(sft_nb.workers.init_ray)")
     task, r_ref = ray.remote(num_cpus=1)(ray_part), ray.put(renderer)
     bounds = np.linspace(0, len(raw), n_shards + 1).astype(int)
     shards = [(int(a), int(b)) for a, b in zip(bounds, bounds[1:]) if b > a]
-    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else raw.shard(a, b) if isinstance(raw, JsonlRows)  # a JSONL file: offsets only
+    # a JSONL file: offsets only
+    rows = lambda a, b: (raw[a:b] if isinstance(raw, list) else raw.shard(a, b) if isinstance(raw, JsonlRows)
                          else raw.data.table.slice(a, b - a))
     refs = [task.remote(rows(a, b), a, r_ref, fmt, batch_size,
                         str(folder), part_name(k, len(shards))) for k, (a, b) in enumerate(shards)]
@@ -165,9 +182,11 @@ def ray_parts(raw, renderer, fmt: str, folder: Path, n_shards: int, batch_size: 
         st, table = ray.get(ref)
         if st is None:  # that node cannot read the source file: it gets the shard's lines instead
             a, b = shards[k]
-            st, table = ray.get(task.remote(raw.rows(a, b), a, r_ref, fmt, batch_size, str(folder), part_name(k, len(shards))))
+            st, table = ray.get(task.remote(raw.rows(a, b), a, r_ref, fmt, batch_size, str(folder),
+                                            part_name(k, len(shards))))
         if table is not None:  # that node could not see the folder
-            with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w: w.write_table(table)
+            with pa.OSFile(str(folder / part_name(k, len(refs))), 'wb') as f, pa.ipc.new_stream(f, table.schema) as w:
+                w.write_table(table)
         stats.append(st)
     return stats
 
@@ -177,7 +196,9 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
     for st in stats:
         for idx, kind, msg in st['bad']: rep.drop(idx, kind, msg)
         rep.n_kept += st['n_kept']; rep.n_examples += st['n_examples']; rep.n_real += st['n_real']
-        rep.n_trained += st['n_trained']; rep.eot_only_turns += st['eot_only']; rep.max_length = max(rep.max_length, st['max_length'])
+        rep.n_trained += st['n_trained']
+        rep.eot_only_turns += st['eot_only']
+        rep.max_length = max(rep.max_length, st['max_length'])
         for idx, kind in st.get('lost', ()): rep.lose(idx, kind)
     rep.keeps = {k: templates_with(k) for k in rep.lost}
     return rep
@@ -185,12 +206,14 @@ def _report(n_rows: int, stats: list[dict]) -> DataReport:
 # %% ../nbs/02_tokenize.ipynb #c2c212dd
 def _prepare(source, spec: TokenizeConfig | None) -> TokenizeConfig:
     spec = spec or TokenizeConfig()
-    spec = dataclasses.replace(spec, format=source_format(source, spec.format))  # a source's own format wins, as in training
+    # a source's own format wins, as in training
+    spec = dataclasses.replace(spec, format=source_format(source, spec.format))
     return dataclasses.replace(spec, chat_template=load_template(spec.chat_template))
 
 # %% ../nbs/02_tokenize.ipynb #07d463c2
 def image_base_dir(source) -> Path | None:
-    "The folder relative image paths of a local source resolve against: a folder source itself, a file's folder; None for anything else."
+    """The folder relative image paths of a local source resolve against: a folder source itself, a file's folder; None
+    for anything else."""
     path = source_path(source)
     if not path or path.startswith('sft_nb:') or not (p := Path(path).expanduser()).exists(): return None
     return p if p.is_dir() else p.parent
@@ -230,26 +253,31 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
                      cache_dir: str | None = None, # cache root; None: spec.cache_dir, else ~/.cache/sft_nb/tokenized
                      use_cache: bool = True,
                      batch_size: int = 256,
-                     ray_shards: int | None = None, # > 0: fan out over the connected Ray cluster in this many tasks (None: spec.ray_shards)
+                     ray_shards: int | None = None, # > 0: fan out into this many Ray tasks (None: spec.ray_shards)
                     ):
-    "Tokenize a whole source → (memory-mapped Dataset of input_ids/loss_mask/length/n_trained/index[/loss_weights][/extras], DataReport)."
+    """Tokenize a whole source → (memory-mapped Dataset of
+    input_ids/loss_mask/length/n_trained/index[/loss_weights][/extras], DataReport)."""
     import tempfile
     spec = _prepare(source, spec)
     num_proc, ray_shards = num_proc or spec.num_proc, spec.ray_shards if ray_shards is None else ray_shards
     renderer = make_renderer(tokenizer, spec, image_base_dir(source))
-    in_memory = isinstance(source, list)  # rows may hold objects Arrow cannot store (PIL images): tokenized from the list itself
+    # rows may hold objects Arrow cannot store (PIL images): tokenized from the list itself
+    in_memory = isinstance(source, list)
     raw, fp = (source, _rows_fingerprint(source)) if in_memory else (None, file_fingerprint(source))
-    if raw is None and (fp is None or renderer.needs_rows_for_key): raw = load_source(source)  # a local file's cache hit parses nothing
+    # a local file's cache hit parses nothing
+    if raw is None and (fp is None or renderer.needs_rows_for_key): raw = load_source(source)
     if fp is None: fp, use_cache = (source_fingerprint(source, raw), use_cache) if not in_memory else ('', False)
     if renderer.needs_rows_for_key and use_cache: fp += renderer.source_fingerprint(raw)
-    key = cache_key(fp + renderer.fingerprint(), renderer.tokenizer, dataclasses.replace(spec, chat_template=renderer.template), spec.format)
+    key = cache_key(fp + renderer.fingerprint(), renderer.tokenizer,
+                    dataclasses.replace(spec, chat_template=renderer.template), spec.format)
     folder = cache_root(cache_dir or spec.cache_dir) / key
     hit = load_entry(folder) if use_cache else None
     if hit is not None: return _raise_first(*hit, on_bad_row)
     if raw is None: raw = stream_source(source) or load_source(source)
     if getattr(raw, '_indices', None) is not None: raw = raw.flatten_indices()
     try: fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
-    except SourceFallback: raw = load_source(source); fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
+    except SourceFallback:
+        raw = load_source(source); fmt = spec.format if spec.format != 'auto' else detect_format(_columns(raw))
     renderer.check(fmt)
     root = folder.parent if use_cache else Path(tempfile.gettempdir())
     root.mkdir(parents=True, exist_ok=True)
@@ -259,7 +287,8 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
             (tmp / 'data').mkdir()
             run = ray_parts if ray_shards > 0 else write_parts
             try: stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
-            except SourceFallback:  # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
+            except SourceFallback:
+                # a line JSON cannot read: the data stage's reader decides (raises, or reports bad rows)
                 raw = load_source(source)
                 for f in (tmp / 'data').iterdir(): f.unlink()
                 stats = run(raw, renderer, fmt, tmp / 'data', ray_shards if ray_shards > 0 else num_proc, batch_size)
@@ -268,8 +297,10 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
             if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
             commit_entry(tmp, folder, report)
     except OSError as e:
-        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and 'No space left' not in str(e): raise  # Arrow's writer says it in words
+        # Arrow's writer says it in words
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT) and 'No space left' not in str(e): raise
         moves = 'tokenize.cache_dir (the cache_dir parameter)' if use_cache else 'the TMPDIR environment variable'
-        raise ConfigError(f"tokenize.cache_dir: no space left in {root} while writing the tokenized data ({e.strerror}); nothing was cached. "
-                          f"Free space there, or point {moves} at a folder on a larger disk") from None
+        raise ConfigError(f"tokenize.cache_dir: no space left in {root} while writing the tokenized data "
+                          f"({e.strerror}); nothing was cached. Free space there, or point {moves} at a folder on a "
+                          "larger disk") from None
     return _raise_first(*load_entry(folder, verify=False), on_bad_row)

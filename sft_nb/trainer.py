@@ -38,8 +38,9 @@ class Exclusive:
         me = threading.get_ident()
         with self._lock:
             if self._owner not in (None, me):
-                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.action}() is running in another thread "
-                                  "(e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() / the panel's Stop.")
+                raise TrainerBusy(f"SFTTrainer.{action}() refused: trainer.{self.action}() is running in another "
+                                  "thread (e.g. the panel's Fit). Wait for it, or stop it with trainer.request_stop() "
+                                  "/ the panel's Stop.")
             outer = self._owner is None
             if outer: self._owner, self.action = me, action
         try: yield
@@ -49,7 +50,8 @@ class Exclusive:
 
 # %% ../nbs/08_trainer.ipynb #5f891630
 def action(name: str, setup: bool = True):
-    "Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()` (unless `setup=False`)."
+    """Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()`
+    (unless `setup=False`)."""
     def wrap(f):
         @functools.wraps(f)
         def run(self, *args, **kwargs):
@@ -62,10 +64,12 @@ def action(name: str, setup: bool = True):
 # %% ../nbs/08_trainer.ipynb #0a871643
 @contextmanager
 def hold_interrupts(what: str): # what the block does, for the message ("step 3")
-    """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt` once
-    the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs as is,
-    and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary itself)."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+    """A first SIGINT inside the block (Ctrl-C, Jupyter's "Interrupt kernel") is held and raised as `KeyboardInterrupt`
+    once the block is done; a second one raises at once. Only the main thread receives signals: elsewhere the block runs
+    as is, and so it does under a SIGINT handler other than Python's default (`sft-nb train` stops at a step boundary
+    itself)."""
+    if (threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
         yield; return
     held = []
     def hold(signum, frame):
@@ -90,7 +94,8 @@ class SFTTrainer:
         if overrides and isinstance(cfg, SFTConfig): self.cfg = load_config(asdict(cfg), overrides)
         self.user_callbacks, self.train_data, self.eval_data = list(callbacks), train_data, eval_data
         self.control, self.global_step, self.step_metrics, self.callbacks = Control(), 0, [], []
-        self.eval_metrics, self.last_eval = [], {}  # every evaluate() result, in order (a panel opened later draws them)
+        # every evaluate() result, in order (a panel opened later draws them)
+        self.eval_metrics, self.last_eval = [], {}
         self.tokenizer, self.processor, self.model_info, self.profile_dir = None, None, None, None
         self.group, self.backend = None, None  # the WorkerGroup and its typed view (BackendGroup)
         self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
@@ -166,7 +171,8 @@ def rank_rows(self: SFTTrainer, split: str = 'train', **kw) -> pd.DataFrame:
 # %% ../nbs/08_trainer.ipynb #226b0e83
 @patch
 def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
-    "Build everything (safe to call twice; a dead worker group raises, saying how to recover). `resuming`: `load` continues run_dir's run."
+    """Build everything (safe to call twice; a dead worker group raises, saying how to recover). `resuming`: `load`
+    continues run_dir's run."""
     if self.group is not None: self.group.check_alive(); return self  # every action passes here first
     with self._exclusive('setup'):
         if self.group is not None: return self
@@ -184,10 +190,14 @@ def _prepare_data(self: SFTTrainer) -> DataPlan:
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
 def unsaved_run(run_dir: Path, save_every: int) -> str:
-    "What of a run in `run_dir` no checkpoint holds and its save policy never meant to save ('' when nothing): a `best/` or `hf/` export, or more steps logged than `save_every` (a run killed in its first save logged no more than that; it restarts at step 0)."
+    """What of a run in `run_dir` no checkpoint holds and its save policy never meant to save ('' when nothing): a
+    `best/` or `hf/` export, or more steps logged than `save_every` (a run killed in its first save logged no more
+    than that; it restarts at step 0)."""
     f = run_dir / 'metrics.jsonl'
-    steps = sum(json.loads(l).get('kind') == 'train' for l in f.read_text().splitlines() if l.strip()) if f.exists() else 0
-    kept = [n for n in ('best', 'hf') if (run_dir / n).exists()] + ([f'{steps} steps in metrics.jsonl'] if steps > (save_every or 0) else [])
+    steps = (sum(json.loads(l).get('kind') == 'train' for l in f.read_text().splitlines() if l.strip())
+             if f.exists() else 0)
+    kept = ([n for n in ('best', 'hf') if (run_dir / n).exists()]
+            + ([f'{steps} steps in metrics.jsonl'] if steps > (save_every or 0) else []))
     return ', '.join(kept)
 
 # %% ../nbs/08_trainer.ipynb #bd8647cb
@@ -200,16 +210,22 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume) if c.checkpoint.resume else None
-    if resume is None and c.checkpoint.resume == 'latest' and (kept := unsaved_run(self.run_dir, c.checkpoint.save_every)):
-        raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({kept}) but no checkpoint: its steps cannot be continued, and "
-                          "starting at step 0 would write over them. Save the trainer that ran it first (trainer.save(), the panel's Save), "
-                          "or start over with checkpoint.overwrite=true")
-    if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)  # another data stream: refused before Ray starts
+    if (resume is None and c.checkpoint.resume == 'latest'
+        and (kept := unsaved_run(self.run_dir, c.checkpoint.save_every))):
+        raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({kept}) but no checkpoint: its steps "
+                          "cannot be continued, and starting at step 0 would write over them. Save the trainer that "
+                          "ran it first (trainer.save(), the panel's Save), or start over with "
+                          "checkpoint.overwrite=true")
+    # another data stream: refused before Ray starts
+    if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)
     if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
-    self.callbacks = builtin_callbacks(c) + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c)) + self.user_callbacks
+    self.callbacks = (builtin_callbacks(c)
+                      + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c))
+                      + self.user_callbacks)
     self.backend = start_workers(c, self.total_steps)
     self.group, self.model_info = self.backend.group, self.backend.setup()[0]
-    self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)  # what a checkpoint must fit
+    # what a checkpoint must fit
+    self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)
     self.data.check_packable(self.model_info)  # packing needs layers that attention masks separate
     self.write_config()
     if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
@@ -225,24 +241,30 @@ def step(self: SFTTrainer) -> dict:
     if step % spe == 0: self._emit('on_epoch_start', step // spe)
     self._emit('on_step_start', step + 1)  # the step's number, as its metrics['step'] will say
     t0 = time.perf_counter()
-    batches, weight_sum, n_trained, n_real = self.data.batches(step)  # the next step's is collated in a thread meanwhile
-    # An interrupt (Ctrl-C, Jupyter's "Interrupt kernel") between forward_backward and optim_step would leave the workers'
-    # gradients accumulated, or the workers a step ahead of the driver: the step is finished first, then it is raised.
+    # the next step's is collated in a thread meanwhile
+    batches, weight_sum, n_trained, n_real = self.data.batches(step)
+    # An interrupt (Ctrl-C, Jupyter's "Interrupt kernel") between forward_backward and optim_step would leave the
+    # workers' gradients accumulated, or the workers a step ahead of the driver: the step is finished first, then it is
+    # raised.
     try:
         with hold_interrupts(f'step {step + 1}'):
             fb = self.backend.forward_backward(batches, weight_sum)
             loss = sum(r['nll_sum'] for r in fb) / (weight_sum if weight_sum > 0 else 1)
             om = self.backend.optim_step(not math.isfinite(loss))[0]  # True: the workers drop the gradients, no update
             dt, self.global_step = time.perf_counter() - t0, step + 1
-            m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'], 'n_trained': n_trained,
-                 'weight_sum': weight_sum, 'n_real': n_real, 'tokens_per_s': n_real / dt, 'epoch': step / spe, 'step_time': dt}
-            if 'aux_sum' in fb[0]: m['aux_loss'] = sum(r['aux_sum'] for r in fb) / max(1, sum(r['n_seqs'] for r in fb))  # MoE router loss, apart from the NLL
+            m = {'step': self.global_step, 'loss': loss, 'grad_norm': om['grad_norm'], 'lr': om['lr'],
+                 'n_trained': n_trained, 'weight_sum': weight_sum, 'n_real': n_real, 'tokens_per_s': n_real / dt,
+                 'epoch': step / spe, 'step_time': dt}
+            # MoE router loss, apart from the NLL
+            if 'aux_sum' in fb[0]: m['aux_loss'] = sum(r['aux_sum'] for r in fb) / max(1, sum(r['n_seqs'] for r in fb))
             self.step_metrics.append(m)
     except KeyboardInterrupt:  # a second interrupt aborted the step midway: the workers' state is unknown
-        if self.global_step == step: self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")
+        if self.global_step == step:
+            self.group.mark_dead(f"step {step + 1} was aborted by a second interrupt while the workers ran it")
         raise
     self._emit('on_step_end', m)  # NonFiniteGuard raises here under train.on_nonfinite: stop
-    if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps: self._emit('on_log', m)
+    if self.global_step % self.cfg.logging.log_every == 0 or self.global_step == self.total_steps:
+        self._emit('on_log', m)
     if self.global_step % spe == 0: self._emit('on_epoch_end', step // spe)
     return m
 
@@ -250,8 +272,10 @@ def step(self: SFTTrainer) -> dict:
 @patch
 @action('fit')
 def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
-    "Run `n_steps` more steps (default: to the end; a finished run continues `n_steps` more), honouring stop/save/evaluate flags after each step."
-    if n_steps and self.global_step >= self.total_steps: self._continue(self.global_step + n_steps)  # done: more steps asked for
+    """Run `n_steps` more steps (default: to the end; a finished run continues `n_steps` more), honouring
+    stop/save/evaluate flags after each step."""
+    # done: more steps asked for
+    if n_steps and self.global_step >= self.total_steps: self._continue(self.global_step + n_steps)
     end = self.total_steps if n_steps is None else min(self.total_steps, self.global_step + n_steps)
     self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
     self._emit('on_train_start')
@@ -270,7 +294,8 @@ def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
 def train(self: SFTTrainer) -> pd.DataFrame:
     "Fit to the end, evaluate, save a checkpoint and (if configured) export the HF model."
     h = self.fit()
-    if (self.data.eval_sets or self.data.heldout) and self.last_eval.get('step') != self.global_step: self.evaluate()  # not twice
+    # not twice
+    if (self.data.eval_sets or self.data.heldout) and self.last_eval.get('step') != self.global_step: self.evaluate()
     self.save()
     if self.cfg.checkpoint.export_hf: self.export()
     return h
@@ -279,12 +304,15 @@ def train(self: SFTTrainer) -> pd.DataFrame:
 @patch
 @action('evaluate')
 def evaluate(self: SFTTrainer) -> dict:
-    "Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss', '<name>_ppl', ...}."
+    """Token-mean loss and perplexity on every eval set: {'eval_loss', 'eval_ppl' (first set), '<name>_loss',
+    '<name>_ppl', ...}."""
     if self.eval_metrics and self.last_eval.get('step') == self.global_step:  # no step since: the same weights
         loss = f" (eval_loss {self.last_eval['eval_loss']:.4f})" if 'eval_loss' in self.last_eval else ''
-        print(f"no step since the evaluation at step {self.global_step}: the same weights, its result stands{loss}; nothing counted again")
+        print(f"no step since the evaluation at step {self.global_step}: the same weights, its result stands{loss}; "
+              "nothing counted again")
         return self.last_eval
-    self.last_eval = eval_metrics(self.global_step, {name: self.backend.eval_loss(b) for name, b in self.data.eval_batches()})
+    self.last_eval = eval_metrics(self.global_step, {name: self.backend.eval_loss(b)
+                                                     for name, b in self.data.eval_batches()})
     self.eval_metrics.append(self.last_eval)
     self._emit('on_evaluate', self.last_eval)
     return self.last_eval
@@ -295,8 +323,8 @@ def evaluate(self: SFTTrainer) -> dict:
 def save(self: SFTTrainer) -> Path:
     "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
-    state = {'global_step': self.global_step, 'step_metrics': self.step_metrics, 'eval_metrics': self.eval_metrics, 'model': self.model_fingerprint,
-             **self.data.ckpt_state(self.global_step)}
+    state = {'global_step': self.global_step, 'step_metrics': self.step_metrics, 'eval_metrics': self.eval_metrics,
+             'model': self.model_fingerprint, **self.data.ckpt_state(self.global_step)}
     final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
     return final
@@ -305,7 +333,8 @@ def save(self: SFTTrainer) -> Path:
 @patch
 @action('load', setup=False)
 def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
-    "Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the newest complete one (none → fresh start)."
+    """Resume from a checkpoint folder, or 'latest' (alias 'auto') = the one run_dir/checkpoints/latest names, else the
+    newest complete one (none → fresh start)."""
     if self.group is None: self.setup(resuming=True)  # (setup itself loads when checkpoint.resume is set)
     path = self.ckpt.resolve(path)
     if path is None:  # 'latest' before any checkpoint: a fresh start, which rewrites the metrics from step 1
@@ -317,7 +346,8 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
     self.data.restore(state, path)  # refuses a checkpoint of a streamed run in a map-style one, and the reverse
     self.backend.load(str(path))
     self.global_step, self.step_metrics = state['global_step'], state['step_metrics']
-    self.eval_metrics = [e for e in state.get('eval_metrics', []) if e['step'] <= self.global_step]  # the chart's eval points up to here
+    # the chart's eval points up to here
+    self.eval_metrics = [e for e in state.get('eval_metrics', []) if e['step'] <= self.global_step]
     self._emit('on_load', self.global_step)  # the trackers cut their records back to this step
     self.ckpt.drop_after(self.global_step)  # the future of the resumed step is rewritten, like the metrics
     self.record_resume(path, changed)
@@ -326,23 +356,29 @@ def load(self: SFTTrainer, path: str | Path = 'latest') -> int:
 # %% ../nbs/08_trainer.ipynb #56397099
 @patch
 def write_config(self: SFTTrainer):
-    "`run_dir/config.yaml`: this segment's config, then a comment per resume (from `events.jsonl`) naming the keys that changed."
+    """`run_dir/config.yaml`: this segment's config, then a comment per resume (from `events.jsonl`) naming the keys
+    that changed."""
     save_config(self.cfg, self.run_dir / 'config.yaml')
     f = self.run_dir / 'events.jsonl'
     events = [json.loads(l) for l in f.read_text().splitlines() if l.strip()] if f.exists() else []
-    how = lambda e: f"resumed at step {e['step']} from {e['checkpoint']}" if e['event'] == 'resume' else f"continued at step {e['step']}"
+    how = (lambda e: f"resumed at step {e['step']} from {e['checkpoint']}"
+           if e['event'] == 'resume' else f"continued at step {e['step']}")
     notes = [f"# {how(e)}: " + (', '.join(f"{k} {a!r} -> {b!r}" for k, (a, b) in e['changed'].items()) or 'no change')
-             + (f" ({e['lr_schedule']})" if 'lr_schedule' in e else '') for e in events if e.get('event') in ('resume', 'continue')]
+             + (f" ({e['lr_schedule']})" if 'lr_schedule' in e else '') for e in events
+             if e.get('event') in ('resume', 'continue')]
     if notes:
-        with open(self.run_dir / 'config.yaml', 'a') as out: out.write('# segments (run_dir/events.jsonl); the config above is the last one\n' + '\n'.join(notes) + '\n')
+        with open(self.run_dir / 'config.yaml', 'a') as out:
+            out.write('# segments (run_dir/events.jsonl); the config above is the last one\n' + '\n'.join(notes) + '\n')
 
 # %% ../nbs/08_trainer.ipynb #6c281500
-LR_RULE = ("the LR schedule follows the run's current train.num_steps: steps already trained kept their LR; the steps after "
-           "this resume take the LR the schedule of the new length gives them, as a run planned that long from the start would")
+LR_RULE = ("the LR schedule follows the run's current train.num_steps: steps already trained kept their LR; the steps "
+           "after this resume take the LR the schedule of the new length gives them, as a run planned that long from "
+           "the start would")
 
 @patch
 def record_resume(self: SFTTrainer, path, changed: dict):
-    "Append the resume from checkpoint `path` (at `global_step`) with its `changed` config keys to `run_dir/events.jsonl`; rewrite config.yaml."
+    """Append the resume from checkpoint `path` (at `global_step`) with its `changed` config keys to
+    `run_dir/events.jsonl`; rewrite config.yaml."""
     ev = {'event': 'resume', 'step': self.global_step, 'checkpoint': Path(path).name, 'changed': changed}
     if 'train.num_steps' in changed or 'train.num_epochs' in changed: ev['lr_schedule'] = LR_RULE
     with open(self.run_dir / 'events.jsonl', 'a') as f: f.write(json.dumps(ev) + '\n')
@@ -351,14 +387,17 @@ def record_resume(self: SFTTrainer, path, changed: dict):
 # %% ../nbs/08_trainer.ipynb #38487df9
 @patch
 def _continue(self: SFTTrainer, total: int):
-    "Make a finished run `total` steps long, in place (workers, data plan, config): `LR_RULE`; recorded in events.jsonl and config.yaml, and said."
+    """Make a finished run `total` steps long, in place (workers, data plan, config): `LR_RULE`; recorded in
+    events.jsonl and config.yaml, and said."""
     if isinstance(self.data, StreamPlan):
-        raise ConfigError(f"trainer.fit: a streamed run cannot be made longer in place; resume it with train.num_steps={total}")
+        raise ConfigError("trainer.fit: a streamed run cannot be made longer in place; resume it with "
+                          f"train.num_steps={total}")
     old = self.total_steps
     self.backend.set_total_steps(total)
     self.cfg.train.num_steps, self.data.total_steps = total, total
     with open(self.run_dir / 'events.jsonl', 'a') as f:
-        f.write(json.dumps({'event': 'continue', 'step': self.global_step, 'changed': {'train.num_steps': [old, total]}, 'lr_schedule': LR_RULE}) + '\n')
+        f.write(json.dumps({'event': 'continue', 'step': self.global_step, 'changed': {'train.num_steps': [old, total]},
+                            'lr_schedule': LR_RULE}) + '\n')
     self.write_config()
     print(f"the run continues: {old} -> {total} steps ({LR_RULE})", file=sys.stderr)
 
@@ -386,17 +425,20 @@ def export(self: SFTTrainer, path: str | Path | None = None,
 # %% ../nbs/08_trainer.ipynb #ca52a215
 @patch
 def prompt_ids(self: SFTTrainer, messages: list[dict], tools: list | None = None) -> list[int]:
-    "A conversation as the ids the model answers: the run's chat template (`tokenize.chat_template` and its kwargs) and the generation prompt."
+    """A conversation as the ids the model answers: the run's chat template (`tokenize.chat_template` and its kwargs)
+    and the generation prompt."""
     tk = self.cfg.tokenize
-    return chat_ids(self.tokenizer, messages, tools, template=load_template(tk.chat_template), add_generation_prompt=True, **tk.chat_template_kwargs)
+    return chat_ids(self.tokenizer, messages, tools, template=load_template(tk.chat_template),
+                    add_generation_prompt=True, **tk.chat_template_kwargs)
 
 # %% ../nbs/08_trainer.ipynb #e1c8d19f
 @patch
 @action('generate')
 def generate(self: SFTTrainer, messages_list: list[list[dict]], max_new_tokens: int = 32,
-             tools_list: list[list | None] | None = None) -> list[str]: # each conversation's tool schemas (None: no tools)
+             tools_list: list[list | None] | None = None) -> list[str]: # each conversation's tool schemas (None: none)
     "Greedy answers of the current model to chat prompts."
-    prompts = [self.prompt_ids(msgs, tools) for msgs, tools in zip(messages_list, tools_list or [None] * len(messages_list))]
+    prompts = [self.prompt_ids(msgs, tools)
+               for msgs, tools in zip(messages_list, tools_list or [None] * len(messages_list))]
     outs = self.backend.generate(prompts, max_new_tokens, self.tokenizer.eos_token_id)[0]
     return [self.tokenizer.decode(o, skip_special_tokens=True).strip() for o in outs]
 
@@ -425,7 +467,8 @@ def chat(self: SFTTrainer, messages: str | list[dict], # a user message, or a co
 @patch
 @action('shutdown', setup=False)
 def shutdown(self: SFTTrainer):
-    "Stop the workers: with `placement.keep_warm` they wait, warm, for the next trainer of this placement, and Ray stays up; otherwise they end, and Ray if this trainer started it. The trainer can be set up again."
+    """Stop the workers: with `placement.keep_warm` they wait, warm, for the next trainer of this placement, and Ray
+    stays up; otherwise they end, and Ray if this trainer started it. The trainer can be set up again."""
     for cb in self.callbacks: cb.close()
     self.data.close()
     warm = self.cfg.placement.keep_warm
@@ -436,7 +479,8 @@ def shutdown(self: SFTTrainer):
 # %% ../nbs/08_trainer.ipynb #d84bdafb
 def retire(old, # what the notebook's `trainer` held before (anything else is left alone)
            timeout: float = 600) -> None:
-    "Stop an `SFTTrainer` a notebook is about to replace: its running fit at the next step boundary, then its workers and the Ray it started."
+    """Stop an `SFTTrainer` a notebook is about to replace: its running fit at the next step boundary, then its workers
+    and the Ray it started."""
     if not isinstance(old, SFTTrainer): return
     if old.request_stop():
         end = time.monotonic() + timeout
@@ -446,7 +490,8 @@ def retire(old, # what the notebook's `trainer` held before (anything else is le
 # %% ../nbs/08_trainer.ipynb #ef328302
 @patch
 def restart_workers(self: SFTTrainer) -> int:
-    "New workers in place of a dead (or live) group, resumed from run_dir's last good checkpoint (none: step 0); the step resumed at."
+    """New workers in place of a dead (or live) group, resumed from run_dir's last good checkpoint (none: step 0); the
+    step resumed at."""
     with self._exclusive('restart_workers'):
         if self.group is None: return self.setup().global_step
         self.group.kill()
@@ -464,6 +509,7 @@ from .memory import dry_run_batch, dry_run_verdict, measure_step
 @patch
 @action('dry_run', setup=False)
 def dry_run(self: SFTTrainer, memory_limit: int | None = None, full_length: bool = False) -> dict:
-    "One step per rank on `dry_run_batch`, weights left as they were: {'fits', 'message' (what to change), 'ranks', 'shape'}; `memory_limit`: bytes a rank may use."
+    """One step per rank on `dry_run_batch`, weights left as they were: {'fits', 'message' (what to change), 'ranks',
+    'shape'}; `memory_limit`: bytes a rank may use."""
     mb = dry_run_batch(self.cfg, self.setup, full_length)
     return dry_run_verdict(self.cfg, self.backend.run(measure_step, mb, memory_limit), tuple(mb['input_ids'].shape))

@@ -13,7 +13,8 @@ from .formats import FORMATS, BadRow, normalize_message, normalize_tools, SHAREG
 from .data import row_dict
 from .config import TokenizeConfig
 from .templates import TemplateError, TemplateRenderer, template_info, load_template
-from .spans import render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges, check_turns
+from .spans import (render_turns, span_renderer, message_segments, trained_parts, token_ranges, mask_from_ranges,
+                          check_turns)
 from .renderers import Example, Renderer, encode_texts, finish_tokens
 
 # %% auto #0
@@ -49,7 +50,8 @@ def load_image(ref, # path | data URI | PIL image | {'bytes'|'path'} dict
         img.load()
         return img.convert('RGB')
     except BadRow: raise
-    except Exception as e: raise BadRow(f"image {_short(ref)!r}: cannot be read ({type(e).__name__}: {e})", kind='bad_image') from None
+    except Exception as e: raise BadRow(f"image {_short(ref)!r}: cannot be read ({type(e).__name__}: {e})",
+                                        kind='bad_image') from None
 
 # %% ../nbs/02c_vision.ipynb #eb73ee38
 def _parts(content, where: str, images: list, pending: list) -> list[dict] | str:
@@ -73,7 +75,8 @@ def _parts(content, where: str, images: list, pending: list) -> list[dict] | str
         elif t in ('image', 'image_url'):
             ref = p.get('image', p.get('image_url'))
             if ref is None:
-                if not pending: raise BadRow(f"{where}: an image part without an image and no images left in the images column")
+                if not pending: raise BadRow(f"{where}: an image part without an image and no images left in the "
+                                             "images column")
                 ref = pending.pop(0)
             images.append(ref); out.append({'type': 'image'})
         else: raise BadRow(f"{where}: content part type {t!r} is not supported (text, image)")
@@ -86,19 +89,24 @@ def vision_conversation(row: dict, # a raw row: messages (or ShareGPT conversati
     "Raw row → `{'messages', 'images', 'tools'}` (PIL, RGB) with image parts in the messages; bad rows raise `BadRow`."
     turns = row.get('messages')
     if turns is None and isinstance(row.get('conversations'), list):
-        turns = [{'role': SHAREGPT_ROLES.get(t.get('from'), t.get('from')), 'content': t.get('value')} for t in row['conversations']]
+        turns = [{'role': SHAREGPT_ROLES.get(t.get('from'), t.get('from')), 'content': t.get('value')}
+                 for t in row['conversations']]
     if not isinstance(turns, list) or not turns: raise BadRow("messages: expected a non-empty list")
     pending, refs, msgs = list(row.get('images') or []), [], []
     for i, m in enumerate(turns):
         parts = _parts(m.get('content') if isinstance(m, dict) else None, f"message {i}", refs, pending)
         text = ''.join(p.get('text', '') for p in parts) if isinstance(parts, list) else parts
-        msg = normalize_message({**m, 'content': text} if isinstance(m, dict) else m, i)  # roles, tool calls, train flags
-        if 'loss_weight' in msg: raise BadRow(f"message {i}: a fractional loss_weight ({msg['loss_weight']}) is not supported in image rows (0 or 1)")
+        # roles, tool calls, train flags
+        msg = normalize_message({**m, 'content': text} if isinstance(m, dict) else m, i)
+        if 'loss_weight' in msg: raise BadRow(f"message {i}: a fractional loss_weight ({msg['loss_weight']}) is not "
+                                              "supported in image rows (0 or 1)")
         if isinstance(parts, list): msg['content'] = parts
         msgs.append(msg)
     if pending: raise BadRow(f"the images column has {len(pending)} image(s) more than the messages reference")
-    if row.get('system') and msgs[0]['role'] != 'system': msgs.insert(0, {'role': 'system', 'content': str(row['system'])})
-    return {'messages': msgs, 'images': [load_image(r, base_dir) for r in refs], 'tools': normalize_tools(row.get('tools'))}
+    if row.get('system') and msgs[0]['role'] != 'system':
+        msgs.insert(0, {'role': 'system', 'content': str(row['system'])})
+    return {'messages': msgs, 'images': [load_image(r, base_dir) for r in refs],
+            'tools': normalize_tools(row.get('tools'))}
 
 # %% ../nbs/02c_vision.ipynb #f8fe2436
 @dataclass
@@ -106,22 +114,27 @@ class VisionExample(Example):
     "A tokenized row with its images: flat float32 `pixel_values`, `image_grid_thw`, and token ranges of each image."
     pixel_values: np.ndarray | None = None  # [Σ patches, patch_dim]
     image_grid_thw: list[list[int]] = field(default_factory=list)
-    image_tokens: list[tuple[int, int]] = field(default_factory=list)  # [start, end) token range of each image's placeholder
+    # [start, end) token range of each image's placeholder
+    image_tokens: list[tuple[int, int]] = field(default_factory=list)
     images: list = field(default_factory=list)  # the PIL images (for views)
 
 # %% ../nbs/02c_vision.ipynb #a8e2d49f
 def image_placeholder(processor, template: str | None = None) -> str:
     "The text the processor's template renders for one image part (e.g. `<|vision_start|><|image_pad|><|vision_end|>`)."
     a, b = 'qzxBEFORE', 'qzxAFTER'
-    t = TemplateRenderer(processor.tokenizer, template or processor.chat_template)(  # the bounded render, as every render
+    # the bounded render, as every render
+    t = TemplateRenderer(processor.tokenizer, template or processor.chat_template)(
         [{'role': 'user', 'content': [{'type': 'text', 'text': a}, {'type': 'image'}, {'type': 'text', 'text': b}]}])
     return t[t.index(a) + len(a):t.index(b)]
 
 # %% ../nbs/02c_vision.ipynb #940d6784
-def expand_placeholders(text: str, token: str, counts: list[int], spans: list[tuple]) -> tuple[str, list[tuple], list[tuple[int, int]]]:
-    "Repeat the k-th `token` in `text` `counts[k]` times; shift `spans`' end points; return (text', spans', char range of each image)."
+def expand_placeholders(text: str, token: str, counts: list[int],
+                        spans: list[tuple]) -> tuple[str, list[tuple], list[tuple[int, int]]]:
+    """Repeat the k-th `token` in `text` `counts[k]` times; shift `spans`' end points; return (text', spans', char range
+    of each image)."""
     starts = [m.start() for m in re.finditer(re.escape(token), text)]
-    if len(starts) != len(counts): raise BadRow(f"{len(starts)} image placeholders in the rendered text, {len(counts)} images")
+    if len(starts) != len(counts): raise BadRow(f"{len(starts)} image placeholders in the rendered text, {len(counts)} "
+                                                "images")
     L = len(token)
     def shift(x): return x + sum((n - 1) * L for s, n in zip(starts, counts) if s < x)
     out, prev = [], 0
@@ -135,18 +148,24 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
                     *, mode: str = 'all_assistant', max_length: int | None = None, truncation: str = 'keep_start',
                     chat_template_kwargs: dict | None = None,
                     template: str | None = None, # a chat template replacing the processor's (text, not a path)
-                    train_on_reasoning: bool = True, train_on_tool_calls: bool = True, # as for text rows (see `trained_parts`)
+                    train_on_reasoning: bool = True, # as for text rows (see `trained_parts`)
+                    train_on_tool_calls: bool = True, # as for text rows (see `trained_parts`)
                     rewritten_turns: str = 'error', # 'final': train every turn as the full render shows it, on a history-rewriting template
                    ) -> VisionExample:
-    "Render once, expand image placeholders, tokenize once: ids equal `processor.apply_chat_template(..., tokenize=True)`."
-    kw, tok, msgs, images, tools = chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images'], conv.get('tools')
+    """Render once, expand image placeholders, tokenize once: ids equal `processor.apply_chat_template(...,
+    tokenize=True)`."""
+    kw, tok, msgs, images, tools = (chat_template_kwargs or {}, processor.tokenizer, conv['messages'], conv['images'],
+                                    conv.get('tools'))
     template = template or processor.chat_template
     ph, info = image_placeholder(processor, template), template_info(tok, template, kw)
     # the span finder of text rows (generation tags, else prefix renders), on the messages with their image parts
     renderer = span_renderer(tok, template, kw, info)
     text, spans, _, own = render_turns(renderer, msgs, tools, info, mode, rewritten_turns)
-    segs = message_segments(renderer, msgs, tools, text, {i: [(s, e) for s, e, j in spans if j == i] for *_, i in spans}, info, image=ph)  # the views' labels, images in their message
-    spans, masked = ([(0, len(text), -1)], []) if mode == 'all' else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls)
+    # the views' labels, images in their message
+    segs = message_segments(renderer, msgs, tools, text,
+                            {i: [(s, e) for s, e, j in spans if j == i] for *_, i in spans}, info, image=ph)
+    spans, masked = (([(0, len(text), -1)], []) if mode == 'all'
+                     else trained_parts(text, spans, msgs, info.eot, train_on_reasoning, train_on_tool_calls))
     pv, grid = None, []
     if images:
         out = processor.image_processor(images=images, return_tensors='np')
@@ -159,7 +178,8 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
     _, masked_x, _ = expand_placeholders(text, processor.image_token, counts, masked)
     tr = token_ranges(None, offsets, spans_x, len(text_x))
     if mode != 'all':  # the self-check of text rows, on the expanded text
-        own_x = {i: (lo, hi) for lo, hi, i in expand_placeholders(text, processor.image_token, counts, [(lo, hi, i) for i, (lo, hi) in own.items()])[1]}
+        own_x = {i: (lo, hi) for lo, hi, i in expand_placeholders(text, processor.image_token, counts,
+                                                                  [(lo, hi, i) for i, (lo, hi) in own.items()])[1]}
         check_turns(text_x, spans_x, tr, own_x, msgs, offsets.__getitem__)
     mask = np.asarray(mask_from_ranges(len(ids), tr), dtype=np.int8)
     img_tok = []
@@ -170,18 +190,24 @@ def tokenize_vision(conv: dict, # {'messages', 'images'[, 'tools']} from `vision
         img_tok.append((int(inside.min()), int(inside.max()) + 1))
     if max_length is not None and len(ids) > max_length and truncation != 'drop':
         cut = [k for k, (s, e) in enumerate(img_tok) if e > max_length]
-        if cut: raise BadRow(f"{len(ids)} tokens > max_length {max_length}: truncating would cut through image {cut[0]}", kind='truncated_image')
+        if cut:
+            raise BadRow(f"{len(ids)} tokens > max_length {max_length}: truncating would cut through image {cut[0]}",
+                         kind='truncated_image')
     ids, mask, truncated = finish_tokens(list(ids), mask.tolist(), max_length, truncation)
-    return VisionExample(ids, mask, truncated, text_x, [tuple(o) for o in offsets[:len(ids)]], spans_x, segs_x, info.eot, masked_x,
+    return VisionExample(ids, mask, truncated, text_x, [tuple(o) for o in offsets[:len(ids)]], spans_x, segs_x,
+                         info.eot, masked_x,
                          pixel_values=pv, image_grid_thw=grid, image_tokens=img_tok, images=list(images))
 
 # %% ../nbs/02c_vision.ipynb #d60795fe
-def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeConfig, base_dir=None, indices: list[int] | None = None):
+def tokenize_vision_rows(rows: list[dict], processor, spec: TokenizeConfig, base_dir=None,
+                         indices: list[int] | None = None):
     "Raw rows (text or image) → (`[(index, VisionExample)]`, `[(index, kind, reason)]`)."
     good, bad = [], []
-    kw = dict(mode=spec.mode, max_length=spec.max_length, truncation=spec.truncation, chat_template_kwargs=spec.chat_template_kwargs,
+    kw = dict(mode=spec.mode, max_length=spec.max_length, truncation=spec.truncation,
+              chat_template_kwargs=spec.chat_template_kwargs,
               template=load_template(spec.chat_template), train_on_reasoning=spec.train_on_reasoning,
-              train_on_tool_calls=spec.train_on_tool_calls, rewritten_turns='final' if spec.rewritten_turns == 'final' else 'error')
+              train_on_tool_calls=spec.train_on_tool_calls,
+              rewritten_turns='final' if spec.rewritten_turns == 'final' else 'error')
     for idx, row in zip(range(len(rows)) if indices is None else indices, rows):
         try: good.append((idx, tokenize_vision(vision_conversation(row, base_dir), processor, **kw)))
         except BadRow as e: bad.append((idx, e.kind, e.reason))
@@ -193,7 +219,8 @@ def _image_fingerprint(rows, base_dir) -> str:
     h = hashlib.sha256()
     for r in rows:
         for ref in list(r.get('images') or []) + [p.get('image') for m in r.get('messages') or [] if isinstance(m, dict)
-                                                  for p in (m.get('content') if isinstance(m.get('content'), list) else []) if isinstance(p, dict)]:
+                                                  for p in (m.get('content') if isinstance(m.get('content'), list)
+                                                            else []) if isinstance(p, dict)]:
             p = Path(base_dir or '.') / ref if isinstance(ref, str) and not ref.startswith('data:') else None
             h.update(p.read_bytes() if p is not None and p.is_file() else str(ref).encode())
     return h.hexdigest()
@@ -209,22 +236,27 @@ class ProcessorRenderer(Renderer):
     def accepts(cls, obj) -> bool: return hasattr(obj, 'image_processor') and hasattr(obj, 'tokenizer')
     def check(self, fmt: str):
         if fmt not in FORMATS or not FORMATS[fmt].images:
-            raise BadRow(f"image rows need the {' or '.join(n for n, f in FORMATS.items() if f.images)} format, not {fmt!r}")
+            raise BadRow(f"image rows need the {' or '.join(n for n, f in FORMATS.items() if f.images)} format, not "
+                         f"{fmt!r}")
         template_info(self.tokenizer, self.template, self.spec.chat_template_kwargs)
-    def examples(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir, indices)
+    def examples(self, rows, indices, fmt): return tokenize_vision_rows(rows, self.processor, self.spec, self.base_dir,
+                                                                        indices)
     def features(self) -> dict:
         import datasets
-        return {'pixel_values': datasets.List(datasets.Value('float32')), 'image_grid_thw': datasets.List(datasets.List(datasets.Value('int32')))}
+        return {'pixel_values': datasets.List(datasets.Value('float32')),
+                'image_grid_thw': datasets.List(datasets.List(datasets.Value('int32')))}
     def columns(self, examples) -> dict:
         import pyarrow as pa
         pv = [e.pixel_values.reshape(-1) if e.pixel_values is not None else np.zeros(0, np.float32) for e in examples]
         offs = np.concatenate([[0], np.cumsum([len(p) for p in pv])]).astype(np.int32)
         flat = np.concatenate(pv) if pv else np.zeros(0, np.float32)
-        return {'pixel_values': pa.ListArray.from_arrays(pa.array(offs), pa.array(flat)), 'image_grid_thw': [e.image_grid_thw for e in examples]}
+        return {'pixel_values': pa.ListArray.from_arrays(pa.array(offs), pa.array(flat)),
+                'image_grid_thw': [e.image_grid_thw for e in examples]}
     def fingerprint(self) -> str:
         ip = json.dumps(self.processor.image_processor.to_dict(), sort_keys=True, default=str)
         return 'vision:' + hashlib.sha256(ip.encode()).hexdigest()
-    def source_fingerprint(self, raw) -> str: return _image_fingerprint([row_dict(r) for r in raw] if not isinstance(raw, list) else raw, self.base_dir)
+    def source_fingerprint(self, raw) -> str:
+        return _image_fingerprint([row_dict(r) for r in raw] if not isinstance(raw, list) else raw, self.base_dir)
 
 # %% ../nbs/02c_vision.ipynb #d6740f28
 @patch
@@ -236,7 +268,8 @@ def patch_dim(self: ProcessorRenderer) -> int:
 # %% ../nbs/02c_vision.ipynb #112266b0
 @patch
 def fill_row(self: ProcessorRenderer) -> dict:
-    "An untrained row holding the smallest image the image processor makes, its placeholder rendered and expanded by the processor."
+    """An untrained row holding the smallest image the image processor makes, its placeholder rendered and expanded by
+    the processor."""
     from PIL import Image
     ip = self.processor.image_processor
     side = ip.patch_size * ip.merge_size
@@ -246,17 +279,21 @@ def fill_row(self: ProcessorRenderer) -> dict:
     text, _, _ = expand_placeholders(ph, self.processor.image_token, [int(np.prod(grid[0])) // ip.merge_size ** 2], [])
     ids = encode_texts(self.tokenizer, [text])[0][0]
     return {'input_ids': list(ids), 'loss_mask': [0] * len(ids),
-            'pixel_values': np.asarray(out['pixel_values'], dtype=np.float32).reshape(-1).tolist(), 'image_grid_thw': grid}
+            'pixel_values': np.asarray(out['pixel_values'], dtype=np.float32).reshape(-1).tolist(),
+            'image_grid_thw': grid}
 
 # %% ../nbs/02c_vision.ipynb #9f283ebc
 @patch
 def collate(self: ProcessorRenderer, examples: list, batch: dict) -> dict:
-    "A padded batch + the image columns: mm_token_type_ids, concatenated pixel_values [Σ patches, patch_dim], image_grid_thw; no position_ids (the model computes its multimodal ones)."
+    """A padded batch + the image columns: mm_token_type_ids, concatenated pixel_values [Σ patches, patch_dim],
+    image_grid_thw; no position_ids (the model computes its multimodal ones)."""
     import torch
     batch = {k: v for k, v in batch.items() if k != 'position_ids'}
     batch['mm_token_type_ids'] = (batch['input_ids'] == self.processor.image_token_id).long()
-    pv = [torch.as_tensor(np.asarray(e['pixel_values'], dtype=np.float32)) for e in examples if len(e.get('image_grid_thw') or [])]
+    pv = [torch.as_tensor(np.asarray(e['pixel_values'], dtype=np.float32))
+          for e in examples if len(e.get('image_grid_thw') or [])]
     if pv:
         batch['pixel_values'] = torch.cat([p.reshape(-1, self.patch_dim()) for p in pv])
-        batch['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])], dtype=torch.long)
+        batch['image_grid_thw'] = torch.as_tensor([g for e in examples for g in (e.get('image_grid_thw') or [])],
+                                                  dtype=torch.long)
     return batch

@@ -14,12 +14,13 @@ __all__ = ['QWEN2_VL_TEMPLATE', 'VISION_SPECIAL', 'TINY_VLM_VERSION', 'processor
 # %% ../nbs/06b_vlm_models.ipynb #4552d4c0
 QWEN2_VL_TEMPLATE = (  # Qwen2-VL-Instruct's chat template (images only), default system prompt included
     "{% set image_count = namespace(value=0) %}{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}<|im_end|>\n"
-    "{% else %}{% for content in message['content'] %}"
+    "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}{{ message['content'] }}"
+    "<|im_end|>\n{% else %}{% for content in message['content'] %}"
     "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
+    "{% set image_count.value = image_count.value + 1 %}"
+    "{% if add_vision_id %}Picture {{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}"
     "{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 VISION_SPECIAL = ['<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>']
@@ -62,14 +63,17 @@ def tiny_vlm_config(tok, # the processor's tokenizer
                     vision_dim: int = 64, vision_depth: int = 2):
     "A small Qwen2VLConfig whose special-token ids match `tok`."
     from transformers import Qwen2VLConfig
-    ids = {n: tok.convert_tokens_to_ids(t) for n, t in (('image_token_id', '<|image_pad|>'), ('video_token_id', '<|video_pad|>'),
-                                                         ('vision_start_token_id', '<|vision_start|>'), ('vision_end_token_id', '<|vision_end|>'))}
+    ids = {n: tok.convert_tokens_to_ids(t) for n, t in (('image_token_id', '<|image_pad|>'),
+                                                         ('video_token_id', '<|video_pad|>'),
+                                                         ('vision_start_token_id', '<|vision_start|>'),
+                                                         ('vision_end_token_id', '<|vision_end|>'))}
     head_dim = hidden_size // heads
     q = head_dim // 2 // 4  # rotary frequencies split t:h:w = 2:1:1 as in Qwen2-VL (16:24:24 of 64)
     text = dict(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate, num_hidden_layers=layers,
-                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096, rms_norm_eps=1e-6,
-                rope_scaling={'type': 'mrope', 'mrope_section': [head_dim // 2 - 2 * q, q, q]}, tie_word_embeddings=True,
-                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2, patch_size=14,
-                  spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
+                num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=4096,
+                rms_norm_eps=1e-6, rope_scaling={'type': 'mrope', 'mrope_section': [head_dim // 2 - 2 * q, q, q]},
+                tie_word_embeddings=True, bos_token_id=None, eos_token_id=tok.eos_token_id,
+                pad_token_id=tok.pad_token_id)
+    vision = dict(depth=vision_depth, embed_dim=vision_dim, hidden_size=hidden_size, num_heads=2, mlp_ratio=2,
+                  patch_size=14, spatial_merge_size=2, temporal_patch_size=2, in_chans=3)
     return Qwen2VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=True, **ids)

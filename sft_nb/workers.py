@@ -17,10 +17,12 @@ __all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemal
            'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
-JEMALLOC_CONF = 'background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0'  # freed pages go back to the OS after ~1 s
+# freed pages go back to the OS after ~1 s
+JEMALLOC_CONF = 'background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0'
 
 def jemalloc_env() -> dict:
-    "The environment that makes a process start on the jemalloc in Ray's wheel ({} without one, or where `LD_PRELOAD` is the user's)."
+    """The environment that makes a process start on the jemalloc in Ray's wheel ({} without one, or where `LD_PRELOAD`
+    is the user's)."""
     import ray
     lib = Path(ray.__file__).parent / 'core' / 'libjemalloc.so'
     if 'LD_PRELOAD' in os.environ or not lib.exists(): return {}
@@ -53,8 +55,10 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     for k, v in RAY_ENV.items(): os.environ.setdefault(k, v)
     import ray
     if ray.is_initialized(): return False
-    # no progress bars in the workers: their stderr reaches the notebook as a red box over the cell ("Loading weights 0/272")
-    env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0'), 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
+    # no progress bars in the workers: their stderr reaches the notebook as a red box over the cell
+    # ("Loading weights 0/272")
+    env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0'),
+           'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
     if address: ray.init(address=address, runtime_env={'env_vars': env}, log_to_driver=True); return True
     env.update(jemalloc_env())  # a local node's processes allocate with jemalloc (`jemalloc_env`)
     # A local cluster's processes inherit the environment they start in: the workers get `env` without a runtime env,
@@ -65,13 +69,16 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
         for attempt in (1, 2):  # Ray gives its raylet a fixed 30 s to register: a loaded machine can miss that once
             mine = child_pids()
             try:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
-                ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory, include_dashboard=False, log_to_driver=True)
+                ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory,
+                         include_dashboard=False, log_to_driver=True)
                 break
             except Exception as e:
                 if attempt == 2 or 'timed out during startup' not in str(e): raise
-                for pid in set(child_pids()) - set(mine): os.kill(pid, signal.SIGKILL)  # the half-started node's GCS and raylet
+                # the half-started node's GCS and raylet
+                for pid in set(child_pids()) - set(mine): os.kill(pid, signal.SIGKILL)
                 ray.shutdown()
-                warnings.warn("Ray's local node did not register within Ray's 30 s (a loaded machine?): starting it once more")
+                warnings.warn("Ray's local node did not register within Ray's 30 s (a loaded machine?): "
+                              "starting it once more")
     finally:
         for k, v in before.items():
             if v is None: os.environ.pop(k, None)
@@ -85,7 +92,8 @@ def free_port() -> int:
 
 # %% ../nbs/07_workers.ipynb #50a92df6
 def stop_ray(started: bool) -> bool:
-    "Shut down Ray when `started` (what `init_ray` returned: this process started or connected it); False, the new `started`."
+    """Shut down Ray when `started` (what `init_ray` returned: this process started or connected it); False, the new
+    `started`."""
     if started:
         import ray
         release_parked()
@@ -94,22 +102,28 @@ def stop_ray(started: bool) -> bool:
 
 # %% ../nbs/07_workers.ipynb #5bd6d928
 def write_error(e: BaseException) -> dict | None:
-    "The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'}; None for any other failure."
+    """The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'};
+    None for any other failure."""
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen: continue
         seen.add(id(x))
-        if isinstance(x, OSError) and x.errno: return {'errno': x.errno, 'what': (x.strerror or str(x)) + (f" ({x.filename})" if x.filename else '')}
+        if isinstance(x, OSError) and x.errno:
+            return {'errno': x.errno, 'what': (x.strerror or str(x)) + (f" ({x.filename})" if x.filename else '')}
         if 'No space left' in str(x) or 'unexpected pos' in str(x):  # torch's zip writer on a full disk
             return {'errno': errno.ENOSPC, 'what': os.strerror(errno.ENOSPC)}
-        if 'file write failed' in str(x): return {'errno': errno.EIO, 'what': 'torch could not write a file (file write failed)'}  # its zip writer: no errno
-        todo += [x.__cause__, x.__context__] + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()]
+        # its zip writer: no errno
+        if 'file write failed' in str(x):
+            return {'errno': errno.EIO, 'what': 'torch could not write a file (file write failed)'}
+        todo += ([x.__cause__, x.__context__]
+                 + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()])
     return None
 
 # %% ../nbs/07_workers.ipynb #a0f06c76
 def compact_malloc(threshold: int = 2**20) -> bool:
-    "Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False (nothing done) without glibc, under jemalloc, or where `MALLOC_MMAP_THRESHOLD_` is set."
+    """Fix glibc's mmap threshold at `threshold` bytes, so freed blocks from that size up go back to the OS; False
+    (nothing done) without glibc, under jemalloc, or where `MALLOC_MMAP_THRESHOLD_` is set."""
     import ctypes
     if 'MALLOC_MMAP_THRESHOLD_' in os.environ or on_jemalloc(): return False
     try: mallopt = ctypes.CDLL('libc.so.6').mallopt
@@ -137,7 +151,8 @@ def node_id(self: DistWorker) -> str:
 
 # %% ../nbs/07_workers.ipynb #e472ce29
 @patch
-def init_dist(self: DistWorker, master_addr: str, master_port: int, use_gpu: bool = False, threads: int = 1, timeout_s: int = 120):
+def init_dist(self: DistWorker, master_addr: str, master_port: int, use_gpu: bool = False, threads: int = 1,
+              timeout_s: int = 120):
     import torch, torch.distributed as dist
     os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
                       WORLD_SIZE=str(self.world_size), LOCAL_RANK='0')
@@ -169,7 +184,8 @@ def shutdown(self: DistWorker):
 # %% ../nbs/07_workers.ipynb #5a2bafe4
 @patch
 def profile(self: DistWorker, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool:
-    "torch.profiler window on the listed ranks: 'start' it, or 'stop' it and write `rank{r}.json` (Chrome trace) and `rank{r}.txt` (top ops) under `path`."
+    """torch.profiler window on the listed ranks: 'start' it, or 'stop' it and write `rank{r}.json` (Chrome trace) and
+    `rank{r}.txt` (top ops) under `path`."""
     import torch
     from torch.profiler import profile, ProfilerActivity
     if self.rank not in ranks: return False
@@ -189,7 +205,8 @@ def profile(self: DistWorker, action: str, path: str | None = None, ranks: list[
 # %% ../nbs/07_workers.ipynb #4038100c
 @patch
 def release(self: DistWorker) -> bool:
-    "Let go of all a run built (process group, model, optimizer, data), keep the imported libraries: the process waits warm (`park`)."
+    """Let go of all a run built (process group, model, optimizer, data), keep the imported libraries: the process waits
+    warm (`park`)."""
     import gc, ctypes, torch
     self.shutdown()
     for k in [k for k in vars(self) if k not in ('rank', 'world_size')]: delattr(self, k)
@@ -210,9 +227,9 @@ def reinit(self: DistWorker, kwargs: dict) -> bool:
 # %% ../nbs/07_workers.ipynb #928b6502
 @patch
 def write_checkpoint(self: DistWorker, path: str) -> dict | None:
-    """`save(path)`; a write that fails (disk full, I/O or permission error) comes back as `write_error`'s dict instead of
-    raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result and
-    fails on all of them together, so no rank is left waiting in a collective."""
+    """`save(path)`; a write that fails (disk full, I/O or permission error) comes back as `write_error`'s dict instead
+    of raising, so the group stays alive with the trained state in memory. torch DCP gathers every rank's write result
+    and fails on all of them together, so no rank is left waiting in a collective."""
     try: self.save(path); return None
     except BaseException as e:  # torch DCP's CheckpointException is a BaseException
         if (err := write_error(e)) is None: raise
@@ -221,7 +238,8 @@ def write_checkpoint(self: DistWorker, path: str) -> dict | None:
 # %% ../nbs/07_workers.ipynb #f6bfd651
 @patch
 def run(self: DistWorker, fn, *args, **kwargs):
-    "`fn(this worker, *args, **kwargs)` on this rank: a module-level function of a later stage that works on the rank's state (`sft_nb.memory.measure_step`)."
+    """`fn(this worker, *args, **kwargs)` on this rank: a module-level function of a later stage that works on the
+    rank's state (`sft_nb.memory.measure_step`)."""
     return fn(self, *args, **kwargs)
 
 # %% ../nbs/07_workers.ipynb #792316bd
@@ -231,10 +249,12 @@ def save_rng(path, rank: int, use_gpu: bool = False):
     from safetensors.torch import save_file
     ver, mt, gauss = random.getstate()
     name, keys, pos, has_gauss, cached = np.random.get_state()
-    t = {'torch': torch.get_rng_state(), 'python': torch.tensor(mt, dtype=torch.int64), 'numpy': torch.from_numpy(keys.astype(np.int64))}
+    t = {'torch': torch.get_rng_state(), 'python': torch.tensor(mt, dtype=torch.int64),
+         'numpy': torch.from_numpy(keys.astype(np.int64))}
     if use_gpu: t['cuda'] = torch.cuda.get_rng_state()
     save_file(t, str(Path(path, f'rng_rank{rank}.safetensors')))
-    Path(path, f'rng_rank{rank}.json').write_text(json.dumps({'python': [ver, gauss], 'numpy': [name, int(pos), int(has_gauss), float(cached)]}))
+    Path(path, f'rng_rank{rank}.json').write_text(
+        json.dumps({'python': [ver, gauss], 'numpy': [name, int(pos), int(has_gauss), float(cached)]}))
 
 # %% ../nbs/07_workers.ipynb #9dd0c8b4
 def load_rng(path, rank: int, use_gpu: bool = False) -> bool:
@@ -257,12 +277,14 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
                    source: str, # the model folder the run started from (processor config, default tokenizer)
                    tokenizer_path: str | None = None, # a tokenizer folder other than `source`
                   ) -> None:
-    "`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json` goes along; `EXPORT_PARTIAL` marks the folder until it is whole."
+    """`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json`
+    goes along; `EXPORT_PARTIAL` marks the folder until it is whole."""
     import shutil
     from transformers import AutoTokenizer
     from sft_nb.models import EXPORT_PARTIAL
     Path(path).mkdir(parents=True, exist_ok=True)
-    (partial := Path(path, EXPORT_PARTIAL)).write_text('sft_nb is writing this export; loaders refuse the folder until this file is gone\n')
+    (partial := Path(path, EXPORT_PARTIAL)).write_text('sft_nb is writing this export; loaders refuse the folder until '
+                                                       'this file is gone\n')
     model.save_pretrained(path)
     AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(path)
     if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
@@ -270,9 +292,10 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
 
 # %% ../nbs/07_workers.ipynb #4a628511
 class TrainWorker(DistWorker):
-    "What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig` and `PlacementConfig`, its steps and seed) and how it exports."
-    def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int, seed: int = 0,
-                 use_gpu: bool = False, placement: PlacementConfig | None = None):
+    """What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig` and `PlacementConfig`, its
+    steps and seed) and how it exports."""
+    def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int,
+                 seed: int = 0, use_gpu: bool = False, placement: PlacementConfig | None = None):
         super().__init__(rank, world_size)
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
         self.placement, self.step = placement or PlacementConfig(), 0  # step: optimizer steps taken
@@ -287,7 +310,8 @@ def set_total_steps(self: TrainWorker, total_steps: int) -> bool:
 # %% ../nbs/07_workers.ipynb #a8ce711e
 @patch
 def export_hf(self: TrainWorker, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
-    "`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank takes part in gathering."
+    """`save_hf_folder` the model the backend's `hf_model` builds from the gathered `full_state`, on rank 0; every rank
+    takes part in gathering."""
     state = self.full_state()
     if self.rank == 0: save_hf_folder(self.hf_model(state, lora_export), path, self.path, tokenizer_path)
     return True
@@ -296,26 +320,32 @@ def export_hf(self: TrainWorker, path: str, tokenizer_path: str | None = None, l
 class WorkerError(RuntimeError):
     "A worker failed or died; the message names the rank."
 
-RESTART_HINT = "call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() and set up again)"
+RESTART_HINT = ("call trainer.restart_workers() to start new workers from the last good checkpoint (or shutdown() "
+                "and set up again)")
 
 # %% ../nbs/07_workers.ipynb #f760d1e1
-_MEMORY = re.compile(r'out of memory|low on memory|memory pressure|OUT_OF_MEMORY|OutOfMemory', re.I)  # Ray's memory monitor killed it
+# Ray's memory monitor killed it
+_MEMORY = re.compile(r'out of memory|low on memory|memory pressure|OUT_OF_MEMORY|OutOfMemory', re.I)
 
-_MAYBE_MEMORY = re.compile(r'\bOOM\b')  # a worker that exited without a word: Ray lists the kernel's OOM killer among the causes
+# a worker that exited without a word: Ray lists the kernel's OOM killer among the causes
+_MAYBE_MEMORY = re.compile(r'\bOOM\b')
 
-_MEMORY_FIX = "give its node more memory, set fewer placement.workers_per_node, or a smaller model, train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)"
+_MEMORY_FIX = ("give its node more memory, set fewer placement.workers_per_node, or a smaller model, "
+               "train.micro_batch_size, tokenize.max_length (or model.lora_r > 0)")
 
 def death_message(rank: int, what: str, e: BaseException) -> str:
-    "Why rank `rank` stopped during `what`; a kill for memory (Ray's memory monitor, the kernel's OOM killer) says so and what to change."
+    """Why rank `rank` stopped during `what`; a kill for memory (Ray's memory monitor, the kernel's OOM killer) says so
+    and what to change."""
     text = f"{type(e).__name__}: {e}"
     if _MEMORY.search(text):
         why = next((l.strip() for l in text.splitlines() if _MEMORY.search(l)), text.splitlines()[0])
         return f"worker rank {rank} was killed for lack of memory during {what} ({why[:300]}); {_MEMORY_FIX}"
     if _MAYBE_MEMORY.search(text):
-        return (f"worker rank {rank} died during {what} without an error of its own ({text.splitlines()[0]}). From here sft_nb cannot tell "
-                "which of these it was: the kernel's OOM killer (`dmesg` on its node says so), a signal sent to it (`kill`, a job scheduler, "
-                "`ray stop`), a crash in native code (a segfault: the worker's log under /tmp/ray/session_latest/logs), or its node going "
-                f"away. If memory is short, {_MEMORY_FIX}")
+        return (f"worker rank {rank} died during {what} without an error of its own ({text.splitlines()[0]}). From "
+                "here sft_nb cannot tell which of these it was: the kernel's OOM killer (`dmesg` on its node says so), "
+                "a signal sent to it (`kill`, a job scheduler, `ray stop`), a crash in native code (a segfault: the "
+                "worker's log under /tmp/ray/session_latest/logs), or its node going away. If memory is "
+                f"short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
 # %% ../nbs/07_workers.ipynb #345c5ba5
@@ -326,8 +356,10 @@ class WorkerGroup:
                  cpus_per_worker: float = 1, init_kwargs: dict | None = None, timeout_s: float = 60):
         import ray
         self.world_size, self.dead = num_nodes * workers_per_node, None  # dead: why this group can no longer act
-        ctx = ray.get_runtime_context()  # the cluster (a restarted one numbers its jobs from 1 again) and this driver's job in it
-        self.shape = (worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, ctx.get_node_id(), ctx.get_job_id())
+        # the cluster (a restarted one numbers its jobs from 1 again) and this driver's job in it
+        ctx = ray.get_runtime_context()
+        self.shape = (worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker, ctx.get_node_id(),
+                      ctx.get_job_id())
         kwargs = [dict(rank=r, world_size=self.world_size, **(init_kwargs or {})) for r in range(self.world_size)]
         if not self.unpark(kwargs): self._place(kwargs, timeout_s)
         addr, port = self.call_rank(0, 'address')
@@ -391,16 +423,19 @@ def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
     return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
 
 # %% ../nbs/07_workers.ipynb #3ecc1d8d
-_PARKED: list = []  # at most one WorkerGroup a trainer let go of: its workers released, waiting warm for the next group of its shape
+# at most one WorkerGroup a trainer let go of: its workers released, waiting warm for the next group of its shape
+_PARKED: list = []
 
 @patch
 def park(self: WorkerGroup) -> bool:
-    "Release every rank's run (`DistWorker.release`) and keep the actors and their placement for the next group of this shape in this process (another parked group is killed). False when a rank fails (the group is then dead)."
+    """Release every rank's run (`DistWorker.release`) and keep the actors and their placement for the next group of
+    this shape in this process (another parked group is killed). False when a rank fails (the group is then dead)."""
     try: self.call('release')
     except WorkerError: return False
     release_parked()
     warm = WorkerGroup.__new__(WorkerGroup)
-    warm.shape, warm.world_size, warm.actors, warm.pg, warm.dead = self.shape, self.world_size, self.actors, self.pg, None
+    warm.shape, warm.world_size, warm.actors, warm.pg, warm.dead = (self.shape, self.world_size, self.actors,
+                                                                    self.pg, None)
     _PARKED.append(warm)
     self.actors, self.pg, self.dead = [], None, 'its workers were released'
     return True
@@ -413,13 +448,15 @@ def release_parked():
 # %% ../nbs/07_workers.ipynb #f2a3ee16
 @patch
 def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
-    "Take over the parked group when its shape is this group's: rank r becomes `worker_cls(**kwargs[r])` in its warm process. A parked group of another shape is killed (its resources may be needed)."
+    """Take over the parked group when its shape is this group's: rank r becomes `worker_cls(**kwargs[r])` in its warm
+    process. A parked group of another shape is killed (its resources may be needed)."""
     warm = next((g for g in _PARKED if g.shape == self.shape), None)
     if warm is not None: _PARKED.remove(warm)
     release_parked()
     if warm is None: return False
     try: warm.call_per_rank('reinit', [(k,) for k in kwargs])
-    except Exception: warm.kill(); return False  # a parked worker died meanwhile, or its cluster is gone: new ones are placed
+    # a parked worker died meanwhile, or its cluster is gone: new ones are placed
+    except Exception: warm.kill(); return False
     self.actors, self.pg = warm.actors, warm.pg
     return True
 
@@ -444,9 +481,11 @@ def _wait(self: WorkerGroup, refs: list, what: str, ranks: list[int] | None = No
         for ref in done:
             i = pending.pop(ref); r = ranks[i] if ranks else i
             try: out[i] = ray.get(ref)
-            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e: self._fail(death_message(r, what, e), e)
+            except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
+                self._fail(death_message(r, what, e), e)
             except ray.exceptions.RayTaskError as e:
-                self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause)) else f"worker rank {r} failed in {what}: {e.cause!r}", e)
+                self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause))
+                           else f"worker rank {r} failed in {what}: {e.cause!r}", e)
     return out
 
 # %% ../nbs/07_workers.ipynb #cbfb3e08
@@ -467,5 +506,6 @@ def _place(self: WorkerGroup, kwargs: list[dict], timeout_s: float):
                           f"{ray.cluster_resources()} in total, {ray.available_resources()} free") from None
     cls = ray.remote(worker_cls)
     self.actors = [cls.options(num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
-                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=r),
+                               scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg,
+                                                                                    placement_group_bundle_index=r),
                                ).remote(**kwargs[r]) for r in range(self.world_size)]

@@ -16,11 +16,14 @@ BACKENDS = {'fsdp': 'sft_nb.backends.fsdp:FSDPWorker', 'megatron': 'sft_nb.backe
 
 def get_backend(name: str):
     "The worker class registered as `name` (imported lazily: megatron-core is never imported by the driver otherwise)."
-    if name not in BACKENDS: raise ValueError(f"placement.backend: {name!r} is not allowed; allowed values: {', '.join(BACKENDS)}")
+    if name not in BACKENDS:
+        raise ValueError(f"placement.backend: {name!r} is not allowed; allowed values: {', '.join(BACKENDS)}")
     mod, cls = BACKENDS[name].split(':')
     try: return getattr(importlib.import_module(mod), cls)
     except ModuleNotFoundError as e:
-        if e.name == mod: raise NotImplementedError(f"placement.backend: {name!r} is not available in this version of sft_nb") from None
+        if e.name == mod:
+            raise NotImplementedError(f"placement.backend: {name!r} is not available in this version of "
+                                      "sft_nb") from None
         raise
 
 # %% ../../nbs/07_backends.ipynb #33a60694
@@ -33,19 +36,25 @@ class Backend(Protocol):
     def eval_loss(self, micro_batches: list[dict]) -> dict: "No-grad {'nll_sum', 'weight_sum'}."
     def token_losses(self, micro_batches: list[dict], k: int = 3) -> list[dict] | None:
         "Per micro-batch, at its trained targets: {'nll', 'top_ids', 'top_p'} (None on ranks without the logits)."
-    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int = 32,
+                 eos_token_id: int | None = None) -> list[list[int]]:
         "Greedy continuations of token-id prompts."
-    def stream_tokens(self, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                      eos_token_id: int | None = None) -> list[int]:
-        "Up to `n` next tokens of one continuation (`next_token` picks each; every rank returns the same): a `prompt` starts one, None goes on with it; the last is `eos_token_id` when it ended."
+    def stream_tokens(self, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                      seed: int = 0, eos_token_id: int | None = None) -> list[int]:
+        """Up to `n` next tokens of one continuation (`next_token` picks each; every rank returns the same): a `prompt`
+        starts one, None goes on with it; the last is `eos_token_id` when it ended."""
     def full_state(self) -> dict: "The full (unsharded) model state dict."
     def save(self, path: str) -> bool: "Write this rank's shard of a checkpoint into folder `path`."
     def load(self, path: str) -> int: "Load this rank's shard of checkpoint `path`."
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> bool:
         "save_pretrained the model (rank 0 writes; `TrainWorker.export_hf` does it from the backend's `hf_model`)."
-    def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool: "Start/stop the torch profiler."
-    def set_total_steps(self, total_steps: int) -> bool: "The run's new length (a finished run continued): the LR schedule's from the next step on."
-    def run(self, fn, *args, **kwargs): "`fn(worker, *args, **kwargs)` on this rank (`DistWorker.run`): what a later stage runs where the rank's state is."
+    def profile(self, action: str, path: str | None = None, ranks: list[int] = (0,)) -> bool:
+        "Start/stop the torch profiler."
+    def set_total_steps(self, total_steps: int) -> bool:
+        "The run's new length (a finished run continued): the LR schedule's from the next step on."
+    def run(self, fn, *args, **kwargs):
+        """`fn(worker, *args, **kwargs)` on this rank (`DistWorker.run`): what a later stage runs where the rank's
+        state is."""
     def shutdown(self): "Leave the process group."
 
 # %% ../../nbs/07_backends.ipynb #6a2168af
@@ -55,7 +64,8 @@ class BackendGroup:
                  worker_cls, placement): # the backend class; the run's `PlacementConfig`
         p, f = placement, getattr(worker_cls, 'dp_index', None)  # megatron: tp/cp/pp ranks share a replica
         self.group = group  # without dp_index: the `sequence_parallel` adjacent ranks of a replica share its rows
-        self.dp_of_rank = [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel, p.context_parallel) if f else r // p.sequence_parallel for r in range(p.world_size)]
+        self.dp_of_rank = [f(r, p.world_size, p.tensor_parallel, p.pipeline_parallel, p.context_parallel) if f
+                           else r // p.sequence_parallel for r in range(p.world_size)]
 
     def _per_replica(self, method: str, batches: list, *args) -> list:
         res = self.group.call_per_rank(method, [(batches[d], *args) for d in self.dp_of_rank])
@@ -65,26 +75,31 @@ class BackendGroup:
         return self._per_replica('forward_backward', batches, weight_sum_global)
     def eval_loss(self, batches: list[list[dict]]) -> list[dict]: return self._per_replica('eval_loss', batches)
     def token_losses(self, batches: list[list[dict]], k: int = 3) -> list[list[dict]]:
-        "Per replica, per micro-batch target statistics; the replica's ranks that hold the logits answer (megatron: last stage)."
+        """Per replica, per micro-batch target statistics; the replica's ranks that hold the logits answer (megatron:
+        last stage)."""
         res, by_dp = self.group.call_per_rank('token_losses', [(batches[d], k) for d in self.dp_of_rank]), {}
         for d, r in zip(self.dp_of_rank, res):
             if r is not None: by_dp.setdefault(d, r)
         return [by_dp[d] for d in range(len(batches))]
     def setup(self) -> list[dict]: return self.group.call('setup')
     def optim_step(self, skip: bool = False) -> list[dict]: return self.group.call('optim_step', skip)
-    def generate(self, prompts, max_new_tokens=32, eos_token_id=None) -> list: return self.group.call('generate', prompts, max_new_tokens, eos_token_id)
+    def generate(self, prompts, max_new_tokens=32, eos_token_id=None) -> list:
+        return self.group.call('generate', prompts, max_new_tokens, eos_token_id)
     def stream_tokens(self, prompt, n=1, temperature=0.0, top_p=1.0, seed=0, eos_token_id=None) -> list[int]:
-        return self.group.call('stream_tokens', prompt, n, temperature, top_p, seed, eos_token_id)[0]  # ranks agree (rank 0 picks)
+        # ranks agree (rank 0 picks)
+        return self.group.call('stream_tokens', prompt, n, temperature, top_p, seed, eos_token_id)[0]
     def full_state(self) -> list[dict]: return self.group.call('full_state')
     def save(self, path: str) -> list:
-        "Every rank writes its shard of a checkpoint into `path`; a failed write raises `OSError` (the workers and their state stay)."
+        """Every rank writes its shard of a checkpoint into `path`; a failed write raises `OSError` (the workers and
+        their state stay)."""
         errs = [e for e in self.group.call('write_checkpoint', path) if e]
         if errs: raise OSError(errs[0]['errno'], errs[0]['what'])
         return [True] * len(self.group.actors)
     def load(self, path: str) -> list: return self.group.call('load', path)
     def export_hf(self, path: str, tokenizer_path: str | None = None, lora_export: str = 'merged') -> list:
         return self.group.call('export_hf', path, tokenizer_path, lora_export)
-    def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list: return self.group.call('profile', action, path, ranks)
+    def profile(self, action: str, path: str | None = None, ranks=(0,)) -> list:
+        return self.group.call('profile', action, path, ranks)
     def set_total_steps(self, total_steps: int) -> list: return self.group.call('set_total_steps', total_steps)
 
 # %% ../../nbs/07_backends.ipynb #0fed937b

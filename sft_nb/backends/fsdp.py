@@ -29,7 +29,8 @@ def _model_cls(path):
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #7c6b00bb
 def _arch_cls(path):
-    "The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers does not map its config."
+    """The class `_model_cls(path)` builds for this checkpoint (what attention kernels it has); None when transformers
+    does not map its config."""
     from sft_nb.models import model_config
     try: return _model_cls(path)._model_mapping[type(model_config(path))]
     except (KeyError, ValueError): return None
@@ -47,26 +48,34 @@ class FSDPWorker(TrainWorker):
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #6c166df5
 def fsdp_units(model) -> list[list]:
-    "The module groups FSDP2 shards as units: each `_no_split_modules` block, then the embeddings and the LM head (together when tied)."
+    """The module groups FSDP2 shards as units: each `_no_split_modules` block, then the embeddings and the LM head
+    (together when tied)."""
     names = set(getattr(model, '_no_split_modules', None) or ())
     outer = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, '_checkpoint_wrapped_module')}
-    blocks = [[outer.get(id(m), m)] for m in model.modules() if type(m).__name__ in names]  # a checkpointed block: its wrapper
-    if not blocks: raise ValueError(f"model.path: {type(model).__name__} names no `_no_split_modules` found in it; FSDP cannot shard it per block")
+    # a checkpointed block: its wrapper
+    blocks = [[outer.get(id(m), m)] for m in model.modules() if type(m).__name__ in names]
+    if not blocks:
+        raise ValueError(f"model.path: {type(model).__name__} names no `_no_split_modules` found in it; FSDP cannot "
+                         "shard it per block")
     emb, head = model.get_input_embeddings(), model.get_output_embeddings()
     if head is None: return blocks + [[emb]]
     return blocks + ([[emb, head]] if head.weight is emb.weight else [[emb], [head]])
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #83c7ec48
 def rebuild_buffers(model, device) -> list[str]:
-    "Recompute the non-persistent buffers (rotary `inv_freq`: not in a checkpoint, garbage after `to_empty`) in fp32 from each module's config; their names."
+    """Recompute the non-persistent buffers (rotary `inv_freq`: not in a checkpoint, garbage after `to_empty`) in fp32
+    from each module's config; their names."""
     import torch
     done = []
     for name, m in model.named_modules():
         keys = [k for k in m._buffers if k in m._non_persistent_buffers_set]
         if not keys: continue
-        if not hasattr(m, 'config'): raise ValueError(f"{name or type(m).__name__}: non-persistent buffers {keys} and no config to rebuild them from")
+        if not hasattr(m, 'config'):
+            raise ValueError(f"{name or type(m).__name__}: non-persistent buffers {keys} and no config to "
+                             "rebuild them from")
         with torch.device('cpu'): fresh = type(m)(m.config)
-        for k in keys: m._buffers[k] = fresh._buffers[k].to(device=device, dtype=torch.float32); done.append(f'{name}.{k}')
+        for k in keys:
+            m._buffers[k] = fresh._buffers[k].to(device=device, dtype=torch.float32); done.append(f'{name}.{k}')
     return done
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #841ccf98
@@ -80,19 +89,23 @@ def _selective_policy(ctx, op, *args, **kwargs):
     if _SAVE_OPS is None:
         a = torch.ops.aten
         _SAVE_OPS = {a.mm.default, a.addmm.default, a.bmm.default, a._scaled_dot_product_flash_attention.default,
-                     a._scaled_dot_product_efficient_attention.default, a._scaled_dot_product_flash_attention_for_cpu.default}
+                     a._scaled_dot_product_efficient_attention.default,
+                     a._scaled_dot_product_flash_attention_for_cpu.default}
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8abe59b9
 def checkpoint_blocks(model, mode: str = 'none'):
-    "Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation; `none` leaves the model as it is."
+    """Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation;
+    `none` leaves the model as it is."""
     if mode == 'none': return model
     from functools import partial
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing, checkpoint_wrapper
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (apply_activation_checkpointing,
+                                                                             checkpoint_wrapper)
     from torch.utils.checkpoint import create_selective_checkpoint_contexts
     names = set(getattr(model, '_no_split_modules', None) or ())
     kw = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)} if mode == 'selective' else {}
-    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw), check_fn=lambda m: type(m).__name__ in names)
+    apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw),
+                                   check_fn=lambda m: type(m).__name__ in names)
     for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
     return model
@@ -104,12 +117,14 @@ def _build_model(self: FSDPWorker, device: str = 'cpu'):
     from sft_nb.models import model_config
     cls = _model_cls(self.path)
     with torch.device(device):
-        if device == 'meta': model = cls.from_config(model_config(self.path), dtype=torch.float32, attn_implementation=self.attn)
+        if device == 'meta':
+            model = cls.from_config(model_config(self.path), dtype=torch.float32, attn_implementation=self.attn)
         else: model = load_pretrained(cls, self.path, attn_implementation=self.attn)
         if self.mcfg.lora_r > 0:
             from peft import LoraConfig, get_peft_model
             model = get_peft_model(model, LoraConfig(r=self.mcfg.lora_r, lora_alpha=self.mcfg.lora_alpha,
-                                                     lora_dropout=self.mcfg.lora_dropout, target_modules=self.mcfg.lora_target_modules))
+                                                     lora_dropout=self.mcfg.lora_dropout,
+                                                     target_modules=self.mcfg.lora_target_modules))
     return model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #986bf121
@@ -130,7 +145,8 @@ def _shard(self: FSDPWorker, model, dtype):
 # %% ../../nbs/07a_backends.fsdp.ipynb #31931ea8
 @patch
 def _load_sharded(self: FSDPWorker, dtype):
-    "Every rank builds on `meta`, shards, allocates its shards and reads their rows from the checkpoint's safetensors files."
+    """Every rank builds on `meta`, shards, allocates its shards and reads their rows from the checkpoint's safetensors
+    files."""
     import torch
     rng = torch.get_rng_state()  # where PEFT draws the adapters when it wraps a loaded model
     meta = self._build_model('meta')
@@ -148,12 +164,14 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
           meta: bool = False, # shapes only, sharded as on `world_size` ranks: the memory plan's model (`sft_nb.memory`)
           attn_device: str | None = None, # the device whose attention kernel to pick (default: this rank's)
          ):
-    "The rank's model as a run trains it: built (loaded whole, read in slices, or on `meta`), checkpointed, sharded, behind Ulysses when sp > 1; sets `model`, `path`, `attn`, `sharded`, `loss_chunk`."
+    """The rank's model as a run trains it: built (loaded whole, read in slices, or on `meta`), checkpointed, sharded,
+    behind Ulysses when sp > 1; sets `model`, `path`, `attn`, `sharded`, `loss_chunk`."""
     import torch
     from sft_nb.models import resolve_model_path
     self.path = resolve_model_path(self.mcfg.path)
     # auto: sdpa on CPU, flex on CUDA, eager for a model class without them (Gemma 2 has no sdpa)
-    self.attn = resolve_attn_implementation(self.mcfg.attn_implementation, attn_device or self.device.type, _arch_cls(self.path))
+    self.attn = resolve_attn_implementation(self.mcfg.attn_implementation, attn_device or self.device.type,
+                                            _arch_cls(self.path))
     # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
     # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
     self.sharded = meta or self.world_size > 1 or dtype != torch.float32
@@ -161,7 +179,8 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     if meta: model = self._shard(checkpoint_blocks(self._build_model('meta'), ac), dtype)
     elif not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
     elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
-    else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)  # every rank reads it all; fully_shard moves each unit to the device
+    # every rank reads it all; fully_shard moves each unit to the device
+    else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)
     if self.sp > 1: self._setup_sp(model)
     self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
     return model
@@ -171,15 +190,18 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
 def setup(self: FSDPWorker):
     import torch
     if self.mcfg.cpu_offload and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
-        raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in host memory already")
+        raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in "
+                         "host memory already")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     model = self.build(dtype)
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
-    self.aux_coef, self.top_k = router_aux_coef(model), getattr(model.config.get_text_config(), 'num_experts_per_tok', 0)
+    self.aux_coef, self.top_k = (router_aux_coef(model),
+                                 getattr(model.config.get_text_config(), 'num_experts_per_tok', 0))
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        if getattr(c, 'output_router_logits', False): c.output_router_logits = False  # the worker computes it per sequence (`nll`)
+        # the worker computes it per sequence (`nll`)
+        if getattr(c, 'output_router_logits', False): c.output_router_logits = False
     params = [p for p in model.parameters() if p.requires_grad]
     self.opt = adamw(params, self.ocfg)
     # sharded parameters are DTensors, whose numel() is already the whole tensor's
@@ -189,17 +211,24 @@ def setup(self: FSDPWorker):
 # %% ../../nbs/07a_backends.fsdp.ipynb #7df57442
 @patch
 def _setup_sp(self: FSDPWorker, model):
-    "The (dp, sp) device mesh, this rank's sp group and place in it, and the model's attention behind the head all-to-all."
+    """The (dp, sp) device mesh, this rank's sp group and place in it, and the model's attention behind the head
+    all-to-all."""
     from torch.distributed.device_mesh import init_device_mesh
     from sft_nb.config import ConfigError
-    if self.world_size % self.sp: raise ConfigError(f"placement.sequence_parallel: {self.sp} does not divide world size {self.world_size}")
+    if self.world_size % self.sp:
+        raise ConfigError(f"placement.sequence_parallel: {self.sp} does not divide world size {self.world_size}")
     check_heads(model.config, self.sp)
     if self.attn not in ('sdpa', 'eager', 'flex_attention'):
-        raise ConfigError(f"model.attn_implementation: {self.attn!r} with placement.sequence_parallel > 1; use sdpa, eager or flex_attention")
-    if model.get_output_embeddings() is None: raise ConfigError("placement.sequence_parallel: this model has no output embeddings to select trained positions")
-    if (coef := router_aux_coef(model)) > 0:  # refused before the first step: each rank routes only 1/sp of every sequence's tokens
-        raise ConfigError(f"placement.sequence_parallel: {self.sp} with the MoE router aux loss the model's config asks for (output_router_logits, "
-                          f"router_aux_loss_coef={coef}) is not supported; use sequence_parallel=1 or output_router_logits=false in the model's config")
+        raise ConfigError(f"model.attn_implementation: {self.attn!r} with placement.sequence_parallel > 1; use sdpa, "
+                          "eager or flex_attention")
+    if model.get_output_embeddings() is None:
+        raise ConfigError("placement.sequence_parallel: this model has no output embeddings to select "
+                          "trained positions")
+    # refused before the first step: each rank routes only 1/sp of every sequence's tokens
+    if (coef := router_aux_coef(model)) > 0:
+        raise ConfigError(f"placement.sequence_parallel: {self.sp} with the MoE router aux loss the model's config "
+                          f"asks for (output_router_logits, router_aux_loss_coef={coef}) is not supported; use "
+                          "sequence_parallel=1 or output_router_logits=false in the model's config")
     mesh = init_device_mesh(self.device.type, (self.world_size // self.sp, self.sp), mesh_dim_names=('dp', 'sp'))
     self.sp_group, self.sp_rank = mesh.get_group('sp'), mesh.get_local_rank('sp')
     model.set_attn_implementation(register_ulysses(self.attn))
@@ -217,7 +246,8 @@ def _sp_sum(self: FSDPWorker, nll: float, n: int | float) -> tuple:
 # %% ../../nbs/07a_backends.fsdp.ipynb #c441d919
 @patch
 def _sp_gather(self: FSDPWorker, stats: dict, sel) -> dict | None:
-    "Per-target arrays of the sp group in the whole row's order (row by row, rank by rank) on sp rank 0; others get None."
+    """Per-target arrays of the sp group in the whole row's order (row by row, rank by rank) on sp rank 0; others get
+    None."""
     if self.sp == 1: return stats
     import torch.distributed as dist
     got = [None] * self.sp
@@ -240,7 +270,8 @@ def to_device(self: FSDPWorker, mb):
 # %% ../../nbs/07a_backends.fsdp.ipynb #8a530891
 @patch
 def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
-    "(model inputs, [B, T] positions whose next token is trained, those tokens, their weights or None) of this rank's part of `mb`."
+    """(model inputs, [B, T] positions whose next token is trained, those tokens, their weights or None) of this rank's
+    part of `mb`."""
     if self.sp > 1:  # this rank's 1/sp of every row; targets shifted on the whole row first
         sh = sp_shard(mb, self.sp, self.sp_rank, self.attn)
         inputs = {k: sh[k] for k in ('input_ids', 'position_ids', 'attention_mask')} | {'sp_group': self.sp_group}
@@ -252,11 +283,13 @@ def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
 # %% ../../nbs/07a_backends.fsdp.ipynb #594f8d08
 @patch
 def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
-    """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one micro-batch;
-    the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time. `loss_inputs`: `loss_inputs(mb)` made
-    beforehand (the memory plan makes them from real tensors, then runs the model on fake ones)."""
+    """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one
+    micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time.
+    `loss_inputs`: `loss_inputs(mb)` made beforehand (the memory plan makes them from real tensors, then runs the model
+    on fake ones)."""
     inputs, sel, tgt, wt = loss_inputs or self.loss_inputs(mb)
-    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
+    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt,
+                     self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
     return s, k, (router_aux_sum(router.logits, *sequence_index(mb), self.top_k) if aux else None)
@@ -276,7 +309,8 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #c22e32f7
 @patch
-def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+def generate(self: FSDPWorker, prompts: list[list[int]], max_new_tokens: int = 32,
+             eos_token_id: int | None = None) -> list[list[int]]:
     "Greedy continuations (all ranks run it: sharded weights are gathered layer by layer)."
     import torch
     self.model.eval()
@@ -302,7 +336,8 @@ def _sum_over_ranks(self: FSDPWorker, n: int) -> int:
 # %% ../../nbs/07a_backends.fsdp.ipynb #db2a1f0c
 @patch
 def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
-    "Accumulate gradients of Σ weight·NLL / weight_sum_global (each target weighs 1 without loss weights), plus coef · mean router aux loss over the global batch's sequences (MoE)."
+    """Accumulate gradients of Σ weight·NLL / weight_sum_global (each target weighs 1 without loss weights), plus coef ·
+    mean router aux loss over the global batch's sequences (MoE)."""
     self.model.train()
     ranks = self.world_size if self.sharded else 1  # FSDP averages gradients over ranks
     scale, aux = ranks / (weight_sum_global if weight_sum_global > 0 else 1), self.aux_coef > 0
@@ -320,11 +355,13 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_glo
 # %% ../../nbs/07a_backends.fsdp.ipynb #6826645a
 @patch
 def optim_step(self: FSDPWorker, skip: bool = False) -> dict:
-    "Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients instead."
+    """Clip, step with this step's LR, zero grads; a step with `skip` or a non-finite gradient norm drops its gradients
+    instead."""
     import torch
     params, max_norm = [p for p in self.model.parameters() if p.requires_grad], self.ocfg.max_grad_norm
     gn = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float('inf'))  # clips in place
-    return take_step(self, float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn), skip)  # the global norm: every rank decides alike
+    # the global norm: every rank decides alike
+    return take_step(self, float(gn.full_tensor() if hasattr(gn, 'full_tensor') else gn), skip)
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #ae800246
 @patch
@@ -337,7 +374,8 @@ def full_state(self: FSDPWorker) -> dict:
 # %% ../../nbs/07a_backends.fsdp.ipynb #d1b229dc
 @patch
 def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
-    "A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."
+    """A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself
+    with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."""
     model = self._build_model('cpu')
     model.load_state_dict(state, strict=False)
     return model.merge_and_unload() if self.mcfg.lora_r > 0 and lora_export != 'adapter' else model
@@ -364,7 +402,8 @@ def load(self: FSDPWorker, path: str) -> int:
     dcp.load(state, checkpoint_id=path)
     set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
     self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']
-    load_rng(path, self.rank, self.use_gpu)  # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
+    # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
+    load_rng(path, self.rank, self.use_gpu)
     return self.step
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #89db8a12
@@ -383,7 +422,8 @@ from fastcore.basics import patch
 
 @patch
 def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
-    "Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered; with sp, rank 0 of each sp group answers)."
+    """Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered;
+    with sp, rank 0 of each sp group answers)."""
     import torch
     self.model.eval()
     out = []
@@ -391,7 +431,8 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
         for mb in micro_batches:
             mb = self.to_device(mb)
             inputs, sel, tgt, _ = self.loss_inputs(mb)
-            with TrainedHead(self.model.get_output_embeddings(), sel, tgt):  # the head sees only trained positions: [n_trained, V]
+            # the head sees only trained positions: [n_trained, V]
+            with TrainedHead(self.model.get_output_embeddings(), sel, tgt):
                 logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
             out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
@@ -399,14 +440,17 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #044be94a
 @patch
-def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  eos_token_id: int | None = None) -> list[int]:
-    "Up to `n` next tokens of the continuation `prompt` starts (None: the current one), the KV cache kept between calls."
+def stream_tokens(self: FSDPWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0,
+                  seed: int = 0, eos_token_id: int | None = None) -> list[int]:
+    """Up to `n` next tokens of the continuation `prompt` starts (None: the current one), the KV cache kept between
+    calls."""
     import inspect, torch, torch.distributed as dist
     from sft_nb.sampling import next_token
-    kv = 'cache' if 'cache' in inspect.signature(self.model.forward).parameters else 'past_key_values'  # transformers renamed it in 5.x
-    if prompt is not None: self._stream = {'ids': torch.tensor([prompt], device=self.device), 'past': None, 'done': False,
-                                           'gen': torch.Generator().manual_seed(seed)}
+    # transformers renamed it in 5.x
+    kv = 'cache' if 'cache' in inspect.signature(self.model.forward).parameters else 'past_key_values'
+    if prompt is not None:
+        self._stream = {'ids': torch.tensor([prompt], device=self.device), 'past': None, 'done': False,
+                        'gen': torch.Generator().manual_seed(seed)}
     st, out = getattr(self, '_stream', None), []
     if st is None: raise RuntimeError("stream_tokens: no continuation was started (pass a prompt first)")
     self.model.eval()

@@ -23,37 +23,41 @@ __all__ = ['transformer_config', 'build_gpt_model', 'te_name', 'te_names', 'thd_
 def transformer_config(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1):
     "A megatron `TransformerConfig` equivalent to a Llama-family HF config (dense models only)."
     if any(getattr(hf_cfg, k, None) for k in ('num_experts', 'num_local_experts', 'n_routed_experts')):
-        raise ConfigError(f"model.path: {hf_cfg.model_type} is a mixture-of-experts model; the megatron backend builds dense "
-                          "models only (no experts, no router load-balancing loss): use placement.backend=fsdp")
+        raise ConfigError(f"model.path: {hf_cfg.model_type} is a mixture-of-experts model; the megatron "
+                          "backend builds dense models only (no experts, no router load-balancing loss): use "
+                          "placement.backend=fsdp")
     import torch, torch.nn.functional as F
     from megatron.core.transformer.transformer_config import TransformerConfig
     rope = getattr(hf_cfg, 'rope_parameters', None) or getattr(hf_cfg, 'rope_scaling', None) or {}
     if rope.get('rope_type', 'default') != 'default':
         raise ConfigError(f"model.path: rope type {rope['rope_type']!r} is not supported by the megatron backend")
-    if getattr(hf_cfg, 'hidden_act', 'silu') != 'silu': raise ConfigError(f"model.path: activation {hf_cfg.hidden_act!r} is not SwiGLU")
+    if getattr(hf_cfg, 'hidden_act', 'silu') != 'silu':
+        raise ConfigError(f"model.path: activation {hf_cfg.hidden_act!r} is not SwiGLU")
     heads = hf_cfg.num_attention_heads
     return TransformerConfig(
         num_layers=hf_cfg.num_hidden_layers, hidden_size=hf_cfg.hidden_size, num_attention_heads=heads,
         num_query_groups=hf_cfg.num_key_value_heads or heads, ffn_hidden_size=hf_cfg.intermediate_size,
         kv_channels=getattr(hf_cfg, 'head_dim', None) or hf_cfg.hidden_size // heads,
         normalization='RMSNorm', layernorm_epsilon=hf_cfg.rms_norm_eps, gated_linear_unit=True, activation_func=F.silu,
-        add_bias_linear=False, add_qkv_bias=bool(getattr(hf_cfg, 'attention_bias', False) or hf_cfg.model_type == 'qwen2'),
+        add_bias_linear=False,
+        add_qkv_bias=bool(getattr(hf_cfg, 'attention_bias', False) or hf_cfg.model_type == 'qwen2'),
         qk_layernorm=hf_cfg.model_type == 'qwen3', hidden_dropout=0.0, attention_dropout=0.0,
         bias_activation_fusion=False, masked_softmax_fusion=False, persist_layer_norm=False, bias_dropout_fusion=False,
-        apply_rope_fusion=False, gradient_accumulation_fusion=False, use_cpu_initialization=True, perform_initialization=False,
-        params_dtype=torch.float32, pipeline_dtype=torch.float32, tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        context_parallel_size=cp,
+        apply_rope_fusion=False, gradient_accumulation_fusion=False, use_cpu_initialization=True,
+        perform_initialization=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, context_parallel_size=cp,
         batch_p2p_comm=False,  # batched p2p calls torch.cuda.synchronize; plain isend/irecv works on gloo and nccl
         enable_autocast=bf16_autocast, autocast_dtype=torch.bfloat16 if bf16_autocast else None)
 
 # %% ../../nbs/07b_backends.megatron.ipynb #057c6452
 def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = False, cp: int = 1,
-                    te: bool = False, # TransformerEngine's layers (what PackedSeqParams and context parallelism need) instead of the local ones
+                    te: bool = False, # TE layers, not the local ones (needed by PackedSeqParams, context parallelism)
                    ):
     "This rank's `GPTModel` stage (needs `parallel_state` initialized), weights left for `load_state_dict`."
     from megatron.core import parallel_state as ps
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+    from megatron.core.models.gpt.gpt_layer_specs import (get_gpt_layer_local_spec,
+                                                          get_gpt_layer_with_transformer_engine_spec)
     rope = getattr(hf_cfg, 'rope_parameters', None) or {}
     cfg = transformer_config(hf_cfg, tp, pp, bf16_autocast, cp)
     spec = get_gpt_layer_with_transformer_engine_spec(qk_layernorm=cfg.qk_layernorm) if te else \
@@ -61,15 +65,18 @@ def build_gpt_model(hf_cfg, tp: int = 1, pp: int = 1, bf16_autocast: bool = Fals
     return GPTModel(cfg, spec,
                     vocab_size=hf_cfg.vocab_size, max_sequence_length=hf_cfg.max_position_embeddings,
                     pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
-                    share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings), position_embedding_type='rope',
+                    share_embeddings_and_output_weights=bool(hf_cfg.tie_word_embeddings),
+                    position_embedding_type='rope',
                     rotary_base=int(rope.get('rope_theta', getattr(hf_cfg, 'rope_theta', 10000))))
 
 # %% ../../nbs/07b_backends.megatron.ipynb #193949a5
-_TE_NORMS = {'input_layernorm.weight': 'self_attention.linear_qkv.layer_norm_weight',  # TE fuses the norm into the next linear
+# TE fuses the norm into the next linear
+_TE_NORMS = {'input_layernorm.weight': 'self_attention.linear_qkv.layer_norm_weight',
              'pre_mlp_layernorm.weight': 'mlp.linear_fc1.layer_norm_weight'}
 
 def te_name(key: str, back: bool = False) -> str:
-    "A local-spec megatron state key under TransformerEngine's name (`back`: the other way); every other key is the same."
+    """A local-spec megatron state key under TransformerEngine's name (`back`: the other way); every other key is the
+    same."""
     pairs = [(b, a) for a, b in _TE_NORMS.items()] if back else list(_TE_NORMS.items())
     return next((key[:-len(a)] + b for a, b in pairs if key.endswith('.' + a)), key)
 
@@ -80,7 +87,8 @@ def te_names(state: dict, back: bool = False) -> dict:
 
 # %% ../../nbs/07b_backends.megatron.ipynb #219ecb9a
 def thd_available(use_gpu: bool, dtype: str) -> bool:
-    "True where TransformerEngine's THD attention runs: CUDA, `transformer_engine` installed, bf16 compute (its THD kernels are 16-bit)."
+    """True where TransformerEngine's THD attention runs: CUDA, `transformer_engine` installed, bf16 compute (its THD
+    kernels are 16-bit)."""
     import importlib.util
     return bool(use_gpu) and dtype == 'bfloat16' and importlib.util.find_spec('transformer_engine') is not None
 
@@ -95,7 +103,8 @@ def mcore_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
     if am.dim() == 4: allowed = am if am.dtype == torch.bool else am == 0
     else:
         real = am.bool()
-        allowed = torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :] & real[:, None, :, None]
+        allowed = (torch.ones(T, T, dtype=torch.bool).tril()[None, None] & real[:, None, None, :]
+                   & real[:, None, :, None])
         allowed = allowed | torch.eye(T, dtype=torch.bool)  # padding attends to itself
     target = torch.cat([labels[:, 1:], torch.full((B, 1), -100, dtype=labels.dtype)], 1)
     w = mb.get('loss_weights')  # fractional loss weights (0 where untrained), shifted like the labels
@@ -116,7 +125,8 @@ def thd_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
               multiple: int = 1, # pad every segment to a multiple of this (2 · context_parallel)
               total: int | None = None, # pad the whole to this many tokens (one more untrained segment)
              ) -> dict:
-    "Megatron THD inputs [1, N]: the rows end to end, a segment per row, document and padding run; `mcore_batch`'s targets."
+    """Megatron THD inputs [1, N]: the rows end to end, a segment per row, document and padding run; `mcore_batch`'s
+    targets."""
     import torch
     d = mcore_batch(mb)  # targets and loss_mask shifted within each row, as on the dense path
     B, T = mb['input_ids'].shape
@@ -137,16 +147,18 @@ def thd_batch(mb: dict, # a micro-batch from collate_padded / collate_packed
         x = torch.full((size,), fill, dtype=d[k].dtype); x[to] = d[k].flatten(); out[k] = x[None]
     p = torch.zeros(size, dtype=torch.long); p[to] = torch.arange(B * T) - cu[seg]; out['position_ids'] = p[None]
     if total is not None and total > N:  # the tail: one untrained segment
-        lens, padded = torch.cat([lens, lens.new_tensor([total - N])]), torch.cat([padded, padded.new_tensor([total - N])])
+        lens, padded = (torch.cat([lens, lens.new_tensor([total - N])]),
+                        torch.cat([padded, padded.new_tensor([total - N])]))
         cu, cu_p = torch.cat([cu, cu.new_tensor([cu[-1] + total - N])]), torch.cat([cu_p, cu_p.new_tensor([total])])
     return out | {'cu_seqlens': cu.int(), 'cu_seqlens_padded': cu_p.int(), 'max_seqlen': int(padded.max())}
 
 # %% ../../nbs/07b_backends.megatron.ipynb #494c886a
 def megatron_dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
-    "Data-parallel replica of `rank` in megatron's default order (tp-cp-dp-pp): the cp ranks of a replica share its rows."
+    """Data-parallel replica of `rank` in megatron's default order (tp-cp-dp-pp): the cp ranks of a replica share its
+    rows."""
     if world_size % (tp * pp * cp):
-        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel, placement.context_parallel: TP×PP×CP={tp * pp * cp} "
-                          f"must divide world size {world_size}")
+        raise ConfigError("placement.tensor_parallel, placement.pipeline_parallel, placement.context_parallel: "
+                          f"TP×PP×CP={tp * pp * cp} must divide world size {world_size}")
     return (rank // (tp * cp)) % (world_size // (tp * pp * cp))
 
 # %% ../../nbs/07b_backends.megatron.ipynb #0a45a185
@@ -155,15 +167,18 @@ def load_shard(f, device='cpu') -> dict:
     import pickle, torch
     try: return torch.load(f, map_location=device, weights_only=True)
     except pickle.UnpicklingError as e:
-        raise ValueError(f"checkpoint.resume: {f} holds more than tensors and plain data; refused (loading it could run code): "
-                         f"{str(e).splitlines()[0]}") from None
+        raise ValueError(f"checkpoint.resume: {f} holds more than tensors and plain data; refused (loading it "
+                         f"could run code): {str(e).splitlines()[0]}") from None
 
 # %% ../../nbs/07b_backends.megatron.ipynb #08e65c24
 class DeferredHead:
-    "Context manager: megatron's output layer returns its input hidden states, so the last stage's `GPTModel` returns [B, S, H]."
-    def __init__(self, model): self.layer = getattr(model, 'output_layer', None) if getattr(model, 'post_process', False) else None
+    """Context manager: megatron's output layer returns its input hidden states, so the last stage's `GPTModel` returns
+    [B, S, H]."""
+    def __init__(self, model):
+        self.layer = getattr(model, 'output_layer', None) if getattr(model, 'post_process', False) else None
     def __enter__(self):
-        if self.layer is not None: self.layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
+        if self.layer is not None:
+            self.layer.forward = lambda hidden, weight=None, runtime_gather_output=None: (hidden, None)
         return self
     def __exit__(self, *exc):
         if self.layer is not None: del self.layer.forward
@@ -178,7 +193,8 @@ class MegatronWorker(TrainWorker):
         megatron_dp_index(self.rank, self.world_size, self.tp, self.pp, self.cp)  # validates TP×PP×CP | world
 
     @staticmethod
-    def dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int: return megatron_dp_index(rank, world_size, tp, pp, cp)
+    def dp_index(rank: int, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1) -> int:
+        return megatron_dp_index(rank, world_size, tp, pp, cp)
 
     @property
     def device(self):
@@ -236,7 +252,8 @@ def _reduce_grads(self: MegatronWorker):
         if p.grad is None: p.grad = torch.zeros_like(p)
     if self.pp > 1 and self.hf_cfg.tie_word_embeddings and ps.is_rank_in_embedding_group():
         self._all_reduce_grads([self.model.shared_embedding_or_output_weight()], ps.get_embedding_group())
-    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:  # the cp ranks of a replica hold gradients of parts of the same loss
+    # the cp ranks of a replica hold gradients of parts of the same loss
+    if ps.get_data_parallel_world_size(with_context_parallel=True) > 1:
         self._all_reduce_grads(self.params, ps.get_data_parallel_group(with_context_parallel=True))
 
 # %% ../../nbs/07b_backends.megatron.ipynb #68e379c6
@@ -246,14 +263,17 @@ def setup(self: MegatronWorker) -> dict:
     from megatron.core import parallel_state as ps
     from sft_nb.models import resolve_model_path, model_config
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
-    if self.mcfg.lora_r > 0: raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
+    if self.mcfg.lora_r > 0:
+        raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
     self.path = str(resolve_model_path(self.mcfg.path))
     self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
-    self.thd = thd_available(self.use_gpu, self.mcfg.dtype)  # rows as THD segments: only TransformerEngine's attention takes them
+    # rows as THD segments: only TransformerEngine's attention takes them
+    self.thd = thd_available(self.use_gpu, self.mcfg.dtype)
     if self.cp > 1 and not self.thd:
-        raise ConfigError(f"placement.context_parallel: {self.cp} needs TransformerEngine's attention on CUDA in bf16 (megatron-core's local "
-                          "attention asserts context_parallel_size == 1): transformer_engine on the GPU workers and model.dtype=bfloat16, or context_parallel=1")
+        raise ConfigError(f"placement.context_parallel: {self.cp} needs TransformerEngine's attention on CUDA in bf16 "
+                          "(megatron-core's local attention asserts context_parallel_size == 1): transformer_engine on "
+                          "the GPU workers and model.dtype=bfloat16, or context_parallel=1")
     if not self.use_gpu:
         from sft_nb.backends.megatron_compat import apply_cpu_compat
         apply_cpu_compat()
@@ -265,23 +285,29 @@ def setup(self: MegatronWorker) -> dict:
     else:
         from sft_nb.backends.megatron_compat import seed_model_parallel_rng
         seed_model_parallel_rng(self.seed, self.tp_rank)
-    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp, bf16_autocast=self.use_gpu and self.mcfg.dtype == 'bfloat16', cp=self.cp, te=self.thd)
+    self.model = build_gpt_model(self.hf_cfg, self.tp, self.pp,
+                                 bf16_autocast=self.use_gpu and self.mcfg.dtype == 'bfloat16', cp=self.cp, te=self.thd)
     self.loss_chunk = self.mcfg.loss_chunk
     own, seen = self.model.state_dict(keep_vars=True), set()
-    with Rows(checkpoint_files(self.path)) as rd, torch.no_grad():  # this rank's rows and columns of each tensor, one tensor at a time
+    # this rank's rows and columns of each tensor, one tensor at a time
+    with Rows(checkpoint_files(self.path)) as rd, torch.no_grad():
         for k, t in hf_to_mcore(rd, self.hf_cfg, self.tp, self.pp, self.tp_rank, self.pp_rank):
             k = te_name(k) if self.thd else k
             if k in own:
-                if t.shape != own[k].shape: raise RuntimeError(f"HF→megatron mapping mismatch: {k} is {list(t.shape)}, the model's {list(own[k].shape)}")
+                if t.shape != own[k].shape:
+                    raise RuntimeError(f"HF→megatron mapping mismatch: {k} is {list(t.shape)}, the model's "
+                                       f"{list(own[k].shape)}")
                 own[k].copy_(t)
             seen.add(k)
     missing = [k for k in own if k not in seen and not k.endswith('_extra_state')]
     unexpected = [k for k in seen if k not in own]
-    if missing or unexpected: raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
+    if missing or unexpected:
+        raise RuntimeError(f"HF→megatron mapping mismatch: missing {missing[:3]}, unexpected {unexpected[:3]}")
     self.model.to(self.device)
     self.params = list(self.model.parameters())
     # norms are the only TP-replicated parameters (megatron tags sharded ones only when it initializes them)
-    self._replicated = {id(p) for k, p in self.model.named_parameters() if k.endswith(('layernorm.weight', 'layer_norm_weight'))}
+    self._replicated = {id(p) for k, p in self.model.named_parameters()
+                        if k.endswith(('layernorm.weight', 'layer_norm_weight'))}
     self.opt = adamw(self.params, self.ocfg)
     n = self._mp_sum(sum(p.numel() for p in self.params if self._counted(p)))
     return {'n_params': int(n), 'n_trainable': int(n), 'packable': True, 'thd': self.thd}
@@ -293,11 +319,13 @@ def vocab_parallel_token_nll(model, # the last stage's GPTModel
                              keep, # [B, S] bool: positions with a non-zero loss weight
                              chunk: int, # tokens per chunk
                             ):
-    "Per-token NLL [B, S] (0 where not kept): the output layer + vocab-parallel cross-entropy, `chunk` kept tokens at a time."
+    """Per-token NLL [B, S] (0 where not kept): the output layer + vocab-parallel cross-entropy, `chunk` kept tokens at
+    a time."""
     import torch
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
     weight = model.shared_embedding_or_output_weight() if model.share_embeddings_and_output_weights else None
-    def head_nll(hc, tc):  # [C, H] → megatron's [s, b, h] layout with b = 1; `token_nll` over the TP shards of the logits
+    # [C, H] → megatron's [s, b, h] layout with b = 1; `token_nll` over the TP shards of the logits
+    def head_nll(hc, tc):
         logits, _ = model.output_layer(hc[:, None], weight=weight)
         return vocab_parallel_cross_entropy(logits.float(), tc[:, None])[:, 0]
     nll = chunked_token_nll(hidden[keep], head_nll, labels[keep], chunk)
@@ -306,13 +334,15 @@ def vocab_parallel_token_nll(model, # the last stage's GPTModel
 # %% ../../nbs/07b_backends.megatron.ipynb #beb72c38
 @patch
 def _batches(self: MegatronWorker, micro_batches: list[dict]) -> tuple[list[dict], int, int]:
-    "(megatron inputs on the device, B, T of the schedule): dense [B, T] with a mask, or THD [1, N] with `PackedSeqParams` (`self.thd`)."
+    """(megatron inputs on the device, B, T of the schedule): dense [B, T] with a mask, or THD [1, N] with
+    `PackedSeqParams` (`self.thd`)."""
     import torch
     from megatron.core import parallel_state as ps
     B = max(mb['input_ids'].shape[0] for mb in micro_batches); T = max(mb['input_ids'].shape[1] for mb in micro_batches)
     if not self.thd:
         shape = (B, T) if self.pp > 1 else None  # stages exchange [T, B, hidden] tensors of one shape
-        return [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} | {'kw': {}} for mb in micro_batches], B, T
+        return [{k: v.to(self.device) for k, v in mcore_batch(mb, shape).items()} | {'kw': {}}
+                for mb in micro_batches], B, T
     from megatron.core.packed_seq_params import PackedSeqParams
     from megatron.core.utils import get_thd_batch_on_this_cp_rank
     m = 2 * self.cp if self.cp > 1 else 1  # megatron's CP split takes 2·cp chunks of every segment
@@ -322,13 +352,16 @@ def _batches(self: MegatronWorker, micro_batches: list[dict]) -> tuple[list[dict
     out = []
     for t in thd:
         t = {k: v.to(self.device) if hasattr(v, 'to') else v for k, v in t.items()}
-        b = {'tokens': t['input_ids'], 'position_ids': t['position_ids'], 'labels': t['labels'], 'loss_mask': t['loss_mask']}
-        b, psp = get_thd_batch_on_this_cp_rank(b, t['cu_seqlens'], t['cu_seqlens_padded'], torch.tensor([t['max_seqlen']]), self.cp,
+        b = {'tokens': t['input_ids'], 'position_ids': t['position_ids'], 'labels': t['labels'],
+             'loss_mask': t['loss_mask']}
+        b, psp = get_thd_batch_on_this_cp_rank(b, t['cu_seqlens'], t['cu_seqlens_padded'],
+                                               torch.tensor([t['max_seqlen']]), self.cp,
                                                ps.get_context_parallel_rank())  # cp=1: the whole batch
-        if self.cp == 1: psp = PackedSeqParams(qkv_format='thd', cu_seqlens_q=t['cu_seqlens'], cu_seqlens_kv=t['cu_seqlens'],
-                                               max_seqlen_q=t['max_seqlen'], max_seqlen_kv=t['max_seqlen'])
-        out.append({'input_ids': b['tokens'], 'position_ids': b['position_ids'], 'labels': b['labels'], 'loss_mask': b['loss_mask'],
-                    'kw': {'packed_seq_params': psp}})
+        if self.cp == 1:
+            psp = PackedSeqParams(qkv_format='thd', cu_seqlens_q=t['cu_seqlens'], cu_seqlens_kv=t['cu_seqlens'],
+                                  max_seqlen_q=t['max_seqlen'], max_seqlen_kv=t['max_seqlen'])
+        out.append({'input_ids': b['tokens'], 'position_ids': b['position_ids'], 'labels': b['labels'],
+                    'loss_mask': b['loss_mask'], 'kw': {'packed_seq_params': psp}})
     return out, 1, out[0]['input_ids'].shape[1]
 
 # %% ../../nbs/07b_backends.megatron.ipynb #2cdbfe60
@@ -344,7 +377,8 @@ def _cp_sum(self: MegatronWorker, x: float) -> float:
 
 # %% ../../nbs/07b_backends.megatron.ipynb #572d8f12
 @patch
-def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, scale: float = 0.0) -> tuple[float, int, list]:
+def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool,
+         scale: float = 0.0) -> tuple[float, int, list]:
     "megatron's schedule (1F1B with PP > 1) over the micro-batches; returns this replica's (Σ NLL, n targets, outputs)."
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -354,7 +388,8 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
     def forward_step(data_iterator, model):
         b = next(data_iterator)
         if self.loss_chunk > 0 and getattr(model, 'post_process', False):  # the head + CE chunked over trained tokens
-            with DeferredHead(model): hidden = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), **b['kw'])
+            with DeferredHead(model):
+                hidden = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), **b['kw'])
             out = vocab_parallel_token_nll(model, hidden, b['labels'], b['loss_mask'] != 0, self.loss_chunk)
         else: out = model(b['input_ids'], b['position_ids'], b.get('attention_mask'), labels=b['labels'], **b['kw'])
         def loss_func(per_token):
@@ -365,7 +400,8 @@ def _run(self: MegatronWorker, micro_batches: list[dict], forward_only: bool, sc
     out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(batches), model=[self.model],
                                       num_microbatches=M, seq_length=T, micro_batch_size=B, forward_only=forward_only)
     nll = sum(float(o['nll_sum']) for o in out) if out else 0.0
-    nll, n = self._cp_sum(nll), self._cp_sum(sum(float(o['n']) for o in out) if out else 0.0)  # cp ranks: parts of each row
+    # cp ranks: parts of each row
+    nll, n = self._cp_sum(nll), self._cp_sum(sum(float(o['n']) for o in out) if out else 0.0)
     n = self._replica_sum(n)
     weighted = any(mb.get('loss_weights') is not None for mb in micro_batches)  # n is Σ weight, not a count
     return self._replica_sum(nll), (n if weighted else int(round(n))), out
@@ -383,9 +419,11 @@ def eval_loss(self: MegatronWorker, micro_batches: list[dict]) -> dict:
 def logits(self: MegatronWorker, input_ids) -> 'torch.Tensor | None':
     "Full-vocabulary logits [B, T, V] of a causal forward (on the last pipeline stage; None elsewhere)."
     import torch
-    if self.cp > 1:  # generate, stream_tokens and the lens come here: a whole sequence through context-parallel attention would be wrong
-        raise NotImplementedError("placement.context_parallel > 1: generation and full logits are not supported on a context-parallel "
-                                  "Megatron run; export the model (trainer.export) and generate from the exported folder")
+    # generate, stream_tokens and the lens come here: a whole sequence through context-parallel attention would be wrong
+    if self.cp > 1:
+        raise NotImplementedError("placement.context_parallel > 1: generation and full logits are not supported on a "
+                                  "context-parallel Megatron run; export the model (trainer.export) and generate from "
+                                  "the exported folder")
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
     self.model.eval()
@@ -410,7 +448,8 @@ def _local_state(self: MegatronWorker) -> dict:
 # %% ../../nbs/07b_backends.megatron.ipynb #e4c5977a
 @patch
 def full_state(self: MegatronWorker) -> dict:
-    "The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the converter)."
+    """The HF-named full state dict on every rank (shards gathered over the model-parallel group, merged by the
+    converter)."""
     import torch.distributed as dist
     from megatron.core import parallel_state as ps
     g = ps.get_model_parallel_group()
@@ -421,15 +460,18 @@ def full_state(self: MegatronWorker) -> dict:
 # %% ../../nbs/07b_backends.megatron.ipynb #3e29c203
 @patch
 def forward_backward(self: MegatronWorker, micro_batches: list[dict], weight_sum_global: int | float) -> dict:
-    "Accumulate gradients of Σ weight·NLL / weight_sum_global over this replica's micro-batches (every rank reports the replica's sums)."
+    """Accumulate gradients of Σ weight·NLL / weight_sum_global over this replica's micro-batches (every rank reports
+    the replica's sums)."""
     self.model.train()
-    nll, n, _ = self._run(micro_batches, forward_only=False, scale=1 / (weight_sum_global if weight_sum_global > 0 else 1))
+    nll, n, _ = self._run(micro_batches, forward_only=False,
+                          scale=1 / (weight_sum_global if weight_sum_global > 0 else 1))
     return {'nll_sum': nll, 'weight_sum': n}
 
 # %% ../../nbs/07b_backends.megatron.ipynb #57599889
 @patch
 def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
-    "Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a non-finite norm: no update)."
+    """Sum gradients over replicas, clip by the global norm, AdamW step with this step's LR, zero grads (`skip` or a
+    non-finite norm: no update)."""
     self._reduce_grads()
     sq = sum(float(p.grad.double().pow(2).sum()) for p in self.params if self._counted(p))
     gn = self._mp_sum(sq) ** 0.5
@@ -439,7 +481,8 @@ def optim_step(self: MegatronWorker, skip: bool = False) -> dict:
 
 # %% ../../nbs/07b_backends.megatron.ipynb #aeb1db73
 @patch
-def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int = 32, eos_token_id: int | None = None) -> list[list[int]]:
+def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int = 32,
+             eos_token_id: int | None = None) -> list[list[int]]:
     "Greedy continuations, recomputing the whole prefix each token (no KV cache); all ranks take part."
     import torch, torch.distributed as dist
     from megatron.core import parallel_state as ps
@@ -449,7 +492,8 @@ def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int
         for _ in range(max_new_tokens):
             lg = self.logits([ids])
             nxt = torch.tensor([int(lg[0, -1].argmax()) if lg is not None else 0], device=self.device)
-            dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
+            dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(),
+                           group=ps.get_pipeline_model_parallel_group())
             tok = int(nxt); ids.append(tok); new.append(tok)
             if tok == eos_token_id: break
         outs.append(new)
@@ -457,18 +501,22 @@ def generate(self: MegatronWorker, prompts: list[list[int]], max_new_tokens: int
 
 # %% ../../nbs/07b_backends.megatron.ipynb #4b197f3b
 @patch
-def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0, top_p: float = 1.0, seed: int = 0,
-                  eos_token_id: int | None = None) -> list[int]:
-    "Up to `n` next tokens of the continuation `prompt` starts (None: the current one), recomputing the prefix each token as `generate` does."
+def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, temperature: float = 0.0,
+                  top_p: float = 1.0, seed: int = 0, eos_token_id: int | None = None) -> list[int]:
+    """Up to `n` next tokens of the continuation `prompt` starts (None: the current one), recomputing the prefix each
+    token as `generate` does."""
     import torch, torch.distributed as dist
     from megatron.core import parallel_state as ps
     from sft_nb.sampling import next_token
-    if prompt is not None: self._stream = {'ids': list(prompt), 'done': False, 'gen': torch.Generator().manual_seed(seed)}
+    if prompt is not None:
+        self._stream = {'ids': list(prompt), 'done': False, 'gen': torch.Generator().manual_seed(seed)}
     st, out = getattr(self, '_stream', None), []
     if st is None: raise RuntimeError("stream_tokens: no continuation was started (pass a prompt first)")
     while len(out) < n and not st['done']:
-        lg = self.logits([st['ids']])  # the last stage picks (its tensor-parallel ranks alike: same logits, same seeded draw)
-        nxt = torch.tensor([next_token(lg[0, -1], temperature, top_p, st['gen']) if lg is not None else 0], device=self.device)
+        # the last stage picks (its tensor-parallel ranks alike: same logits, same seeded draw)
+        lg = self.logits([st['ids']])
+        nxt = torch.tensor([next_token(lg[0, -1], temperature, top_p, st['gen']) if lg is not None else 0],
+                           device=self.device)
         dist.broadcast(nxt, ps.get_pipeline_model_parallel_last_rank(), group=ps.get_pipeline_model_parallel_group())
         st['ids'].append(int(nxt)); out.append(int(nxt)); st['done'] = out[-1] == eos_token_id
     return out
@@ -476,7 +524,8 @@ def stream_tokens(self: MegatronWorker, prompt: list[int] | None, n: int = 1, te
 # %% ../../nbs/07b_backends.megatron.ipynb #60903213
 @patch
 def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
-    "A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here: `lora_export` is unused)."
+    """A CPU Hugging Face model holding the full (converted) `state`, what `export_hf` saves (no LoRA here:
+    `lora_export` is unused)."""
     import torch
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(self.path, dtype=torch.float32, trust_remote_code=False)
@@ -485,18 +534,21 @@ def hf_model(self: MegatronWorker, state: dict, lora_export: str = 'merged'):
 
 # %% ../../nbs/07b_backends.megatron.ipynb #fbd7b38d
 @patch
-def _ckpt_file(self: MegatronWorker, path) -> Path: return Path(path) / f'megatron_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt'
+def _ckpt_file(self: MegatronWorker, path) -> Path:
+    return Path(path) / f'megatron_tp{self.tp_rank:02d}_pp{self.pp_rank:02d}.pt'
 
 # %% ../../nbs/07b_backends.megatron.ipynb #69254450
 @patch
 def save(self: MegatronWorker, path: str) -> bool:
-    "One file per model-parallel shard (model + AdamW state), written by DP rank 0: resumable at any DP size with the same TP/PP."
+    """One file per model-parallel shard (model + AdamW state), written by DP rank 0: resumable at any DP size with the
+    same TP/PP."""
     import torch, torch.distributed as dist
     from megatron.core import parallel_state as ps
     if ps.get_data_parallel_rank() == 0:
         torch.save({'model': self._local_state(), 'optim': self.opt.state_dict(), 'step': self.step,
                     'tp': self.tp, 'pp': self.pp}, self._ckpt_file(path))
-    if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step, 'backend': 'megatron'}))
+    if self.rank == 0:
+        Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step, 'backend': 'megatron'}))
     save_rng(path, self.rank)  # no pickle anywhere in a checkpoint (see sft_nb.workers.save_rng)
     dist.barrier()
     return True
@@ -506,10 +558,12 @@ def save(self: MegatronWorker, path: str) -> bool:
 def load(self: MegatronWorker, path: str) -> int:
     import torch
     f = self._ckpt_file(path)
-    if not f.exists(): raise FileNotFoundError(f"checkpoint.resume: {f.name} missing in {path} (saved with another TP/PP or backend?)")
+    if not f.exists():
+        raise FileNotFoundError(f"checkpoint.resume: {f.name} missing in {path} (saved with another TP/PP or backend?)")
     ck = load_shard(f, self.device)
     if (ck['tp'], ck['pp']) != (self.tp, self.pp):
-        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: checkpoint has TP={ck['tp']} PP={ck['pp']}")
+        raise ConfigError("placement.tensor_parallel, placement.pipeline_parallel: checkpoint has "
+                          f"TP={ck['tp']} PP={ck['pp']}")
     self.model.load_state_dict(te_names(ck['model']) if self.thd else ck['model'], strict=False)
     self.opt.load_state_dict(ck['optim'])
     self.step = ck['step']
@@ -531,7 +585,8 @@ def token_losses(self: MegatronWorker, micro_batches: list[dict], k: int = 3) ->
     import torch
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
-    if self.cp > 1: raise ConfigError("placement.context_parallel: per-token losses (the loss lens) need context_parallel=1")
+    if self.cp > 1:
+        raise ConfigError("placement.context_parallel: per-token losses (the loss lens) need context_parallel=1")
     self.model.eval()
     batches, B, T = self._batches(micro_batches)  # THD: the rows end to end, [1, B·T] (+ a tail with PP > 1)
     sels = [trained_targets(mb['labels']) for mb in micro_batches]
@@ -546,6 +601,7 @@ def token_losses(self: MegatronWorker, micro_batches: list[dict], k: int = 3) ->
             return lg.sum() * 0, trained_token_stats(lg, tgt.to(lg.device), k)
         return out, stats
     with torch.no_grad():
-        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(len(batches))), model=[self.model],
-                                          num_microbatches=len(batches), seq_length=T, micro_batch_size=B, forward_only=True)
+        out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(range(len(batches))),
+                                          model=[self.model], num_microbatches=len(batches), seq_length=T,
+                                          micro_batch_size=B, forward_only=True)
     return list(out) if out else None

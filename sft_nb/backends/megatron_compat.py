@@ -32,8 +32,9 @@ def apply_cpu_compat() -> bool:
     "Redirect megatron-core's CUDA-only calls to the CPU (idempotent). Call only in a process that never uses a GPU."
     global _APPLIED
     if _APPLIED: return False
-    if torch.cuda.is_available(): raise RuntimeError("apply_cpu_compat: CUDA is visible in this process; use placement.use_gpu=true "
-                                                 "(megatron runs unpatched on GPU) or hide the GPUs (CUDA_VISIBLE_DEVICES='')")
+    if torch.cuda.is_available():
+        raise RuntimeError("apply_cpu_compat: CUDA is visible in this process; use placement.use_gpu=true "
+                           "(megatron runs unpatched on GPU) or hide the GPUs (CUDA_VISIBLE_DEVICES='')")
     import megatron.core.tensor_parallel.random as mrandom
     import megatron.core.pipeline_parallel.schedules as schedules
     from megatron.core.models.common.language_module.language_module import LanguageModule

@@ -30,10 +30,13 @@ def check_parallel_sizes(cfg, # HF config (object or dict)
     "Raise `ConfigError` naming the field when TP/PP don't divide the model (or the world); return `hf_dims`."
     d = hf_dims(cfg)
     if world_size is not None and world_size % (tp * pp):
-        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: TP×PP={tp * pp} must divide world size {world_size}")
-    for name, n in (('num_attention_heads', d['heads']), ('num_key_value_heads', d['groups']), ('vocab_size', d['vocab'])):
+        raise ConfigError(f"placement.tensor_parallel, placement.pipeline_parallel: TP×PP={tp * pp} must divide world "
+                          f"size {world_size}")
+    for name, n in (('num_attention_heads', d['heads']), ('num_key_value_heads', d['groups']),
+                    ('vocab_size', d['vocab'])):
         if n % tp: raise ConfigError(f"placement.tensor_parallel: {tp} must divide the model's {name} ({n})")
-    if d['layers'] % pp: raise ConfigError(f"placement.pipeline_parallel: {pp} must divide the model's num_hidden_layers ({d['layers']})")
+    if d['layers'] % pp: raise ConfigError(f"placement.pipeline_parallel: {pp} must divide the model's "
+                                           f"num_hidden_layers ({d['layers']})")
     return d
 
 # %% ../../nbs/07b2_backends.megatron_convert.ipynb #817098f1
@@ -47,7 +50,8 @@ def fuse_qkv(q, k, v, d: dict) -> torch.Tensor:
     "[q; k; v] (weights [out, in] or biases [out]) → megatron's per-group [q_g; k_g; v_g] layout."
     g, hd, per = d['groups'], d['head_dim'], d['heads'] // d['groups']
     rest = q.shape[1:]
-    return torch.cat([q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)], 1).reshape(-1, *rest)
+    return torch.cat([q.reshape(g, per * hd, *rest), k.reshape(g, hd, *rest), v.reshape(g, hd, *rest)],
+                     1).reshape(-1, *rest)
 
 # %% ../../nbs/07b2_backends.megatron_convert.ipynb #cdb0b5fb
 def split_qkv(w, d: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -71,7 +75,8 @@ def _tp_cols(src, key, tp, r): return src.cols(key, *_chunk(src.shape(key)[1], t
 
 # %% ../../nbs/07b2_backends.megatron_convert.ipynb #62e8d905
 def _qkv(src, a: str, kind: str, d: dict, tp: int, r: int) -> torch.Tensor:
-    "This TP rank's rows of the fused QKV: the q, k and v rows of its own query groups only (contiguous in each), fused."
+    """This TP rank's rows of the fused QKV: the q, k and v rows of its own query groups only (contiguous in each),
+    fused."""
     g, hd = d['groups'] // tp, d['head_dim']
     q_rows = d['heads'] // d['groups'] * hd * g
     q = src.rows(a + f'q_proj.{kind}', r * q_rows, (r + 1) * q_rows)
@@ -87,7 +92,8 @@ _LAYER_NORMS = {'input_layernorm.weight': 'input_layernorm.weight',
 def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors files, or a state dict in memory
                 cfg, # HF config
                 tp: int = 1, pp: int = 1, tp_rank: int = 0, pp_rank: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
-    "(name, tensor) pairs of the megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard, one tensor at a time, reading only the parts of each tensor that the shard holds."
+    """(name, tensor) pairs of the megatron `GPTModel` state dict of one (tp_rank, pp_rank) shard, one tensor at a time,
+    reading only the parts of each tensor that the shard holds."""
     d = check_parallel_sizes(cfg, tp, pp)
     unsupported = [k for k in src if k.endswith(('o_proj.bias', 'mlp.gate_proj.bias', 'mlp.down_proj.bias'))]
     if unsupported: raise ValueError(f"model.path: biases outside q/k/v are not supported ({unsupported[0]})")
@@ -98,9 +104,11 @@ def hf_to_mcore(src: Rows | StateRows, # the HF checkpoint: its safetensors file
             if h + norm in src: yield m + dst, src.tensor(h + norm)
         a = h + 'self_attn.'
         for kind in ('weight', 'bias'):
-            if a + f'q_proj.{kind}' in src: yield m + f'self_attention.linear_qkv.{kind}', _qkv(src, a, kind, d, tp, tp_rank)
+            if a + f'q_proj.{kind}' in src:
+                yield m + f'self_attention.linear_qkv.{kind}', _qkv(src, a, kind, d, tp, tp_rank)
         yield m + 'self_attention.linear_proj.weight', _tp_cols(src, a + 'o_proj.weight', tp, tp_rank)
-        yield m + 'mlp.linear_fc1.weight', torch.cat([_tp_rows(src, h + f'mlp.{p}_proj.weight', tp, tp_rank) for p in ('gate', 'up')])
+        yield m + 'mlp.linear_fc1.weight', torch.cat([_tp_rows(src, h + f'mlp.{p}_proj.weight', tp, tp_rank)
+                                                      for p in ('gate', 'up')])
         yield m + 'mlp.linear_fc2.weight', _tp_cols(src, h + 'mlp.down_proj.weight', tp, tp_rank)
     if pp_rank == pp - 1:
         yield 'decoder.final_layernorm.weight', src.tensor('model.norm.weight')

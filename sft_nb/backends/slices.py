@@ -17,40 +17,51 @@ __all__ = ['checkpoint_files', 'state_key', 'Rows', 'StateRows', 'checkpoint_sou
 
 # %% ../../nbs/07a2_backends.slices.ipynb #bfa25bc0
 def checkpoint_files(path: str | Path) -> dict[str, str]:
-    "Checkpoint key → the safetensors file of model folder `path` that holds it, from the index or the files' headers (no tensor data read), each header checked (`safetensors_header`); a missing shard, a key the index puts in a file that does not hold it, or a key in two files: a `ConfigError` naming them."
+    """Checkpoint key → the safetensors file of model folder `path` that holds it, from the index or the files' headers
+    (no tensor data read), each header checked (`safetensors_header`); a missing shard, a key the index puts in a file
+    that does not hold it, or a key in two files: a `ConfigError` naming them."""
     path = Path(path)
     if (idx := path / 'model.safetensors.index.json').exists():
         try: wmap = dict(json.loads(idx.read_text())['weight_map'])
-        except (ValueError, KeyError, TypeError) as e: raise ConfigError(f"model.path: {idx} is not a safetensors index (no 'weight_map' of tensor → file: {e!r})") from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"model.path: {idx} is not a safetensors index (no 'weight_map' of "
+                              f"tensor → file: {e!r})") from None
         if gone := sorted({f for f in wmap.values() if not (path / f).is_file()}):
-            raise ConfigError(f"model.path: {idx} puts tensors in {', '.join(gone)}, missing from {path}: download or save the model again")
+            raise ConfigError(f"model.path: {idx} puts tensors in {', '.join(gone)}, missing from {path}: download or "
+                              "save the model again")
         heads = {f: safetensors_header(path / f)[0] for f in sorted(set(wmap.values()))}
         for k, f in wmap.items():
             if k not in heads[f]:
                 where = next((g for g, h in heads.items() if k in h), None)
-                raise ConfigError(f"model.path: {idx} puts {k} in {f}, which does not hold it ({f'{where} does' if where else 'no shard does'}): "
-                                  "the index does not fit the files; save the model again")
+                raise ConfigError(f"model.path: {idx} puts {k} in {f}, which does not hold it "
+                                  f"({f'{where} does' if where else 'no shard does'}): the index does not fit the "
+                                  "files; save the model again")
         return {k: str(path / f) for k, f in wmap.items()}
     files = sorted(path.glob('*.safetensors'))
-    if not files: raise ConfigError(f"model.path: {path} holds no *.safetensors file; sharded loading reads slices of them "
-                                    "(model.load: every_rank reads any format transformers reads)")
+    if not files:
+        raise ConfigError(f"model.path: {path} holds no *.safetensors file; sharded loading reads slices of them "
+                          "(model.load: every_rank reads any format transformers reads)")
     out = {}
     for f in files:
         for k in safetensors_header(f)[0]:
-            if k in out: raise ConfigError(f"model.path: tensor {k} is in both {out[k]} and {f}: keep one of them (or add model.safetensors.index.json)")
+            if k in out:
+                raise ConfigError(f"model.path: tensor {k} is in both {out[k]} and {f}: keep one of them (or add "
+                                  "model.safetensors.index.json)")
             out[k] = str(f)
     return out
 
 # %% ../../nbs/07a2_backends.slices.ipynb #608a8720
 def state_key(name: str) -> str:
-    "The checkpoint-side name of a parameter of the built model: without activation-checkpoint wrappers and PEFT's `base_model.model.` / `.base_layer`."
+    """The checkpoint-side name of a parameter of the built model: without activation-checkpoint wrappers and PEFT's
+    `base_model.model.` / `.base_layer`."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
     name = name.replace(_CHECKPOINT_PREFIX, '').replace('.base_layer.', '.')
     return name.removeprefix('base_model.model.')
 
 # %% ../../nbs/07a2_backends.slices.ipynb #f9429a89
 class Rows:
-    "Reads rows of checkpoint tensors: `rows(key, a, b)` is rows `a..b` of tensor `key` (its dtype), read from its file with one read."
+    """Reads rows of checkpoint tensors: `rows(key, a, b)` is rows `a..b` of tensor `key` (its dtype), read from its
+    file with one read."""
     def __init__(self, files: dict[str, str]): self.files, self.heads, self.handles, self.read = files, {}, {}, 0
     def __contains__(self, key: str) -> bool: return key in self.files
     def __iter__(self): return iter(self.files)
@@ -74,10 +85,12 @@ def shape(self: Rows, key: str) -> list[int]: return self._entry(key)[0]['shape'
 # %% ../../nbs/07a2_backends.slices.ipynb #8114e505
 @patch
 def _read(self: Rows, key: str, h, buf: memoryview, pos: int):
-    "Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts; a file that ends first (cut after its header was checked) is named."
+    """Fill `buf` from byte `pos` of file `h`: one read, unless the kernel returns it in parts; a file that ends first
+    (cut after its header was checked) is named."""
     while len(buf):
         if not (n := os.preadv(h.fileno(), [buf], pos)):
-            raise ConfigError(f"model.path: {self.files[key]} ends at byte {pos:,}, inside tensor {key} (the file was cut short); download or save the model again")
+            raise ConfigError(f"model.path: {self.files[key]} ends at byte {pos:,}, inside tensor {key} (the file was "
+                              "cut short); download or save the model again")
         buf, pos = buf[n:], pos + n
 
 # %% ../../nbs/07a2_backends.slices.ipynb #e0aabb12
@@ -98,18 +111,21 @@ def tensor(self: Rows, key: str) -> torch.Tensor: return self.rows(key, 0, (self
 # %% ../../nbs/07a2_backends.slices.ipynb #d0c398d8
 @patch
 def cols(self: Rows, key: str, a: int, b: int) -> torch.Tensor:
-    "Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column is not), nothing else."
+    """Columns `a..b` of 2-D tensor `key`: one read of each row's `a..b` part (a row of a file is contiguous, a column
+    is not), nothing else."""
     e, start, h = self._entry(key)
     (n, m), size = e['shape'], SAFETENSORS_DTYPES[e['dtype']].itemsize
     out = torch.empty(n, b - a, dtype=SAFETENSORS_DTYPES[e['dtype']])
-    buf, seg, pos = memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size, start + e['data_offsets'][0] + a * size
+    buf, seg, pos = (memoryview(out.view(-1).view(torch.uint8).numpy()), (b - a) * size,
+                     start + e['data_offsets'][0] + a * size)
     for r in range(n): self._read(key, h, buf[r * seg:(r + 1) * seg], pos + r * m * size)
     self.read += out.nbytes
     return out
 
 # %% ../../nbs/07a2_backends.slices.ipynb #a359a2bc
 class StateRows:
-    "`Rows`' questions (`shape`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict already in memory."
+    """`Rows`' questions (`shape`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict already in
+    memory."""
     def __init__(self, state: dict[str, torch.Tensor]): self.state, self.read = state, 0
     def __contains__(self, key: str) -> bool: return key in self.state
     def __iter__(self): return iter(self.state)
@@ -123,12 +139,14 @@ class StateRows:
 
 # %% ../../nbs/07a2_backends.slices.ipynb #19412321
 def checkpoint_sources(model, files: dict[str, str]) -> dict[str, tuple]:
-    "Model state key → (transformers converter or None, {source pattern: [checkpoint keys]}), by the model's own conversion mapping."
+    """Model state key → (transformers converter or None, {source pattern: [checkpoint keys]}), by the model's own
+    conversion mapping."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, rename_source_key, dot_natural_key
     hf = model.get_base_model() if hasattr(model, 'get_base_model') else model  # PEFT: the transformers model inside
     maps = get_model_conversion_mapping(hf)
-    renames, convs = [m for m in maps if not isinstance(m, WeightConverter)], [m for m in maps if isinstance(m, WeightConverter)]
+    renames, convs = ([m for m in maps if not isinstance(m, WeightConverter)],
+                      [m for m in maps if isinstance(m, WeightConverter)])
     by_pattern = {p: c for c in convs for p in c.source_patterns}
     present = dict.fromkeys((state_key(n) for n in hf.state_dict()), True)
     out = {}
@@ -148,13 +166,15 @@ def read_rows(reader: Rows, source: tuple, a: int, b: int) -> torch.Tensor:
         return reader.rows(k, a, b)
     rows = isinstance(conv.operations[0], MergeModulelist) and conv.operations[0].dim == 0
     got = {p: [reader.tensor(k) for k in (ks[a:b] if rows else ks)] for p, ks in groups.items()}
-    for op in conv.operations: got = op.convert(got, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns)
+    for op in conv.operations:
+        got = op.convert(got, source_patterns=conv.source_patterns, target_patterns=conv.target_patterns)
     (t,) = got.values()
     return t if rows else t[a:b]
 
 # %% ../../nbs/07a2_backends.slices.ipynb #19b5167c
 def local_rows(p) -> tuple[torch.Tensor, int]:
-    "(this rank's local tensor of parameter `p`, the row of the whole tensor it starts at): FSDP2's `Shard(0)` DTensor, or a plain tensor whole."
+    """(this rank's local tensor of parameter `p`, the row of the whole tensor it starts at): FSDP2's `Shard(0)`
+    DTensor, or a plain tensor whole."""
     from torch.distributed.tensor import DTensor
     if not isinstance(p, DTensor): return p.data, 0
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -163,28 +183,35 @@ def local_rows(p) -> tuple[torch.Tensor, int]:
 
 # %% ../../nbs/07a2_backends.slices.ipynb #44574649
 def model_tensors(model):
-    "(checkpoint-side names, tensor) of each parameter (a tied one once, with all its names, the input embedding's first) and each persistent buffer."
+    """(checkpoint-side names, tensor) of each parameter (a tied one once, with all its names, the input embedding's
+    first) and each persistent buffer."""
     names = {}
     for n, p in model.named_parameters(remove_duplicate=False): names.setdefault(id(p), (p, []))[1].append(state_key(n))
     yield from ((ns, p) for p, ns in names.values())
     for mname, m in model.named_modules():
         for k, b in m._buffers.items():
-            if b is not None and k not in m._non_persistent_buffers_set: yield [state_key(f'{mname}.{k}' if mname else k)], b  # the others: `rebuild_buffers`
+            # the others: `rebuild_buffers`
+            if b is not None and k not in m._non_persistent_buffers_set:
+                yield [state_key(f'{mname}.{k}' if mname else k)], b
 
 # %% ../../nbs/07a2_backends.slices.ipynb #457530b0
 def _same_values(rd: Rows, a: str, b: str, chunk: int = 1024) -> bool:
     "Whether checkpoint tensors `a` and `b` hold the same values, compared `chunk` rows at a time."
     if rd.shape(a) != rd.shape(b): return False
-    n, same = (rd.shape(a) or [1])[0], lambda x, y: torch.equal(x, y) if x.dtype == y.dtype else torch.equal(x.double(), y.double())
+    n, same = ((rd.shape(a) or [1])[0],
+               lambda x, y: torch.equal(x, y) if x.dtype == y.dtype else torch.equal(x.double(), y.double()))
     return all(same(rd.rows(a, r, min(n, r + chunk)), rd.rows(b, r, min(n, r + chunk))) for r in range(0, n, chunk))
 
 # %% ../../nbs/07a2_backends.slices.ipynb #87a8efe4
-def _file_key(source: tuple) -> str: return next(iter(source[1].values()))[0]  # the checkpoint key a model tensor is read as it is from
+# the checkpoint key a model tensor is read as it is from
+def _file_key(source: tuple) -> str: return next(iter(source[1].values()))[0]
 
 # %% ../../nbs/07a2_backends.slices.ipynb #9360b1ca
 def check_checkpoint(model, # built from config.json, on `meta` or anywhere: global shapes
                      path: str | Path) -> dict:
-    "`checkpoint_sources` of `model` and the safetensors files of `path` once every tensor the model needs is there with its shape (LoRA adapters aside); a `ConfigError` naming file, tensor and both shapes otherwise. A tied head is the input embedding; a file head of other values is warned about."
+    """`checkpoint_sources` of `model` and the safetensors files of `path` once every tensor the model needs is there
+    with its shape (LoRA adapters aside); a `ConfigError` naming file, tensor and both shapes otherwise. A tied head is
+    the input embedding; a file head of other values is warned about."""
     files = checkpoint_files(path)
     sources = checkpoint_sources(model, files)
     missing, wrong = [], []
@@ -194,24 +221,32 @@ def check_checkpoint(model, # built from config.json, on `meta` or anywhere: glo
             if key is None:
                 if not any('.lora_' in n for n in ns): missing.append(ns[0])
                 continue
-            if sources[key][0] is not None: continue  # merged by a converter: `fill_from_checkpoint` checks what it makes
+            # merged by a converter: `fill_from_checkpoint` checks what it makes
+            if sources[key][0] is not None: continue
             k = _file_key(sources[key])
-            if rd.shape(k) != list(t.shape): wrong.append(f"{k} is {rd.shape(k)} in {files[k]}, the model config.json builds has {list(t.shape)}")
+            if rd.shape(k) != list(t.shape):
+                wrong.append(f"{k} is {rd.shape(k)} in {files[k]}, the model config.json builds has {list(t.shape)}")
             heads = [_file_key(sources[n]) for n in ns[1:] if n in sources and sources[n][0] is None]
             if heads and not _same_values(rd, k, heads[0]):
-                warnings.warn(f"model.path: {files[heads[0]]} holds {heads[0]} with other values than {k}; config.json ties them "
-                              f"(tie_word_embeddings), so the head is {k} and that tensor is not used. To train the file's own head, "
-                              "set tie_word_embeddings: false in config.json", stacklevel=2)
-    if wrong: raise ConfigError(f"model.path: the checkpoint does not fit config.json: {wrong[0]}" + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else '')
-                                + "; fix config.json (hidden_size, num_key_value_heads, ...) or the weights")
+                warnings.warn(f"model.path: {files[heads[0]]} holds {heads[0]} with other values than {k}; "
+                              f"config.json ties them (tie_word_embeddings), so the head is {k} and that tensor is not "
+                              "used. To train the file's own head, set tie_word_embeddings: false in config.json",
+                              stacklevel=2)
+    if wrong:
+        raise ConfigError(f"model.path: the checkpoint does not fit config.json: {wrong[0]}"
+                          + (f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else '')
+                          + "; fix config.json (hidden_size, num_key_value_heads, ...) or the weights")
     if missing:
-        hint = " (config.json unties the head, tie_word_embeddings: false, and the file has none: set it true if the head is the embedding)" if any('lm_head' in n for n in missing) else ''
-        raise ConfigError(f"model.path: {path} has no tensor for the model's {', '.join(missing[:3])}" + (f" and {len(missing) - 3} more" if len(missing) > 3 else '') + hint)
+        hint = (" (config.json unties the head, tie_word_embeddings: false, and the file has none: set it true if the "
+                "head is the embedding)" if any('lm_head' in n for n in missing) else '')
+        raise ConfigError(f"model.path: {path} has no tensor for the model's {', '.join(missing[:3])}"
+                          + (f" and {len(missing) - 3} more" if len(missing) > 3 else '') + hint)
     return sources
 
 # %% ../../nbs/07a2_backends.slices.ipynb #d1abfec2
 def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
-    "Copy each parameter's local rows and each persistent buffer from the safetensors files of `path` (`check_checkpoint`ed unless its `sources` are given); LoRA adapters are left to `init_lora`."
+    """Copy each parameter's local rows and each persistent buffer from the safetensors files of `path`
+    (`check_checkpoint`ed unless its `sources` are given); LoRA adapters are left to `init_lora`."""
     files = checkpoint_files(path)
     sources = sources if sources is not None else check_checkpoint(model, path)
     with Rows(files) as rd, torch.no_grad():
@@ -221,39 +256,49 @@ def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
             local, a = local_rows(t)
             if not (n := local.shape[0] if t.dim() else 1): continue  # a rank with no rows of this tensor
             got = read_rows(rd, sources[key], a, a + n)
-            if got.shape != local.shape: raise ConfigError(f"model.path: {path}: {key} rows {a}..{a + n} read as {list(got.shape)}, the model holds {list(local.shape)} there")
+            if got.shape != local.shape:
+                raise ConfigError(f"model.path: {path}: {key} rows {a}..{a + n} read as {list(got.shape)}, the model "
+                                  f"holds {list(local.shape)} there")
             local.copy_(got)
 
 # %% ../../nbs/07a2_backends.slices.ipynb #b188dcba
 def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, ...)
                     path: str, **kw) -> torch.nn.Module:
-    "What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint` on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint` fills, or the same refusal."
+    """What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint`
+    on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint`
+    fills, or the same refusal."""
     from sft_nb.models import model_config
     cfg = model_config(path)
     with torch.device('meta'): meta = cls.from_config(cfg, dtype=torch.float32, **kw)
     if Path(path).is_dir() and any(Path(path).glob('*.safetensors')): check_checkpoint(meta, path)
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='.*tie.*')  # its own word on a file head that differs: `check_checkpoint` says ours
+        # its own word on a file head that differs: `check_checkpoint` says ours
+        warnings.filterwarnings('ignore', message='.*tie.*')
         model = cls.from_pretrained(path, config=cfg, dtype=torch.float32, trust_remote_code=False, **kw)
-    if meta.get_output_embeddings() is not None and meta.get_output_embeddings().weight is meta.get_input_embeddings().weight:
+    if (meta.get_output_embeddings() is not None
+        and meta.get_output_embeddings().weight is meta.get_input_embeddings().weight):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
     return model
 
 # %% ../../nbs/07a2_backends.slices.ipynb #2a92fde6
 def init_lora(model, rng_state: torch.Tensor):
-    "Draw the LoRA adapters of a `meta`-built, now allocated PEFT `model` as PEFT draws them, from CPU generator state `rng_state`; copy in each rank's rows."
+    """Draw the LoRA adapters of a `meta`-built, now allocated PEFT `model` as PEFT draws them, from CPU generator state
+    `rng_state`; copy in each rank's rows."""
     from peft.tuners.lora import LoraLayer
     torch.set_rng_state(rng_state)
     with torch.no_grad():
         for name, mod in model.named_modules():
             if not isinstance(mod, LoraLayer): continue
             if not isinstance(mod.get_base_layer(), torch.nn.Linear):
-                raise NotImplementedError(f"{name}: LoRA on {type(mod.get_base_layer()).__name__} with sharded loading; use model.load: every_rank")
+                raise NotImplementedError(f"{name}: LoRA on {type(mod.get_base_layer()).__name__} with sharded "
+                                          "loading; use model.load: every_rank")
             for ad in mod.lora_A:
                 A, B = mod.lora_A[ad], mod.lora_B[ad]
-                a = torch.nn.Linear(A.in_features, A.out_features, bias=False, device='cpu')  # the draws PEFT's construction makes
+                # the draws PEFT's construction makes
+                a = torch.nn.Linear(A.in_features, A.out_features, bias=False, device='cpu')
                 b = torch.nn.Linear(B.in_features, B.out_features, bias=False, device='cpu')
-                torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5)); torch.nn.init.zeros_(b.weight)  # reset_lora_parameters(init_lora_weights=True)
+                # reset_lora_parameters(init_lora_weights=True)
+                torch.nn.init.kaiming_uniform_(a.weight, a=math.sqrt(5)); torch.nn.init.zeros_(b.weight)
                 for p, full in ((A.weight, a.weight), (B.weight, b.weight)):
                     local, r0 = local_rows(p)
                     local.copy_(full[r0:r0 + local.shape[0]])

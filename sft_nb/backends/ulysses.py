@@ -50,13 +50,15 @@ def heads_to_seq(x: torch.Tensor, # [B, T, H/sp, D]: attention output of this ra
 
 # %% ../../nbs/07a1_backends.ulysses.ipynb #f0cfb3b1
 class _Groups:
-    "The attention module as the inner kernel sees it after the exchange: its own attributes, another query/KV head ratio."
+    """The attention module as the inner kernel sees it after the exchange: its own attributes, another query/KV head
+    ratio."""
     def __init__(self, module, groups: int): self._module, self.num_key_value_groups = module, groups
     def __getattr__(self, k): return getattr(self._module, k)
 
 # %% ../../nbs/07a1_backends.ulysses.ipynb #481f4d67
 def ulysses_attention(inner): # a transformers attention function (sdpa, eager, flex_attention)
-    "`inner` behind a head all-to-all: given `sp_group`, the full sequence for 1/sp of the heads; without it, `inner` as it is (generate)."
+    """`inner` behind a head all-to-all: given `sp_group`, the full sequence for 1/sp of the heads; without it, `inner`
+    as it is (generate)."""
     from transformers.integrations.sdpa_attention import repeat_kv
     def attend(module, query, key, value, attention_mask, sp_group=None, **kwargs):
         if sp_group is None: return inner(module, query, key, value, attention_mask, **kwargs)
@@ -70,7 +72,8 @@ def ulysses_attention(inner): # a transformers attention function (sdpa, eager, 
 
 # %% ../../nbs/07a1_backends.ulysses.ipynb #58d29b59
 def register_ulysses(inner: str) -> str:
-    "Register 'ulysses_<inner>' with transformers' attention (and mask) interface; the name, for `model.set_attn_implementation`."
+    """Register 'ulysses_<inner>' with transformers' attention (and mask) interface; the name, for
+    `model.set_attn_implementation`."""
     from transformers import AttentionInterface, AttentionMaskInterface
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
@@ -81,15 +84,18 @@ def register_ulysses(inner: str) -> str:
 
 # %% ../../nbs/07a1_backends.ulysses.ipynb #6310d43b
 def check_heads(config, sp: int):
-    "Raise a `ConfigError` naming `placement.sequence_parallel` when the model's attention heads cannot be split `sp` ways."
+    """Raise a `ConfigError` naming `placement.sequence_parallel` when the model's attention heads cannot be split `sp`
+    ways."""
     from sft_nb.config import ConfigError
     c = config.get_text_config()
     H = c.num_attention_heads  # KV heads always divide then: lcm(KV, sp) divides H as both do (see `ulysses_attention`)
-    if H % sp: raise ConfigError(f"placement.sequence_parallel: {sp} does not divide the model's {H} attention heads; choose a divisor of {H}")
+    if H % sp: raise ConfigError(f"placement.sequence_parallel: {sp} does not divide the model's {H} attention heads; "
+                                 f"choose a divisor of {H}")
 
 # %% ../../nbs/07a1_backends.ulysses.ipynb #4860b485
 def _full_mask(mb: dict, T: int, form: str):
-    "The attention mask of the whole row padded to T tokens: the batch's own (packed) or causal + padding; added tokens see only themselves."
+    """The attention mask of the whole row padded to T tokens: the batch's own (packed) or causal + padding; added
+    tokens see only themselves."""
     am, B, n = mb['attention_mask'], *mb['input_ids'].shape
     if form == 'flex_attention':  # added tokens sit at position 0: each is a document of its own
         return document_block_mask(torch.nn.functional.pad(mb['position_ids'], (0, T - n)))
@@ -103,10 +109,10 @@ def _full_mask(mb: dict, T: int, form: str):
 # %% ../../nbs/07a1_backends.ulysses.ipynb #25a49cab
 def sp_shard(mb: dict, # a micro-batch: input_ids, labels, attention_mask, position_ids [, loss_weights]
              sp: int, rank: int, # the sequence-parallel size and this rank's place in it
-             form: str = 'sdpa', # the inner attention kernel: sdpa (bool mask), eager (additive), flex_attention (BlockMask)
+             form: str = 'sdpa', # the inner attention: sdpa (bool mask), eager (additive), flex_attention (BlockMask)
             ) -> dict:
-    """This rank's 1/sp of every row: model inputs and the trained targets of its tokens. Targets are shifted on the whole
-    row first (a slice's last token predicts the next slice's first); the row is padded to a multiple of sp with
+    """This rank's 1/sp of every row: model inputs and the trained targets of its tokens. Targets are shifted on the
+    whole row first (a slice's last token predicts the next slice's first); the row is padded to a multiple of sp with
     untrained tokens; the mask covers the whole row (attention sees every token after the exchange)."""
     B, n = mb['input_ids'].shape
     T = -(-n // sp) * sp
