@@ -134,7 +134,7 @@ MUTANTS = [
            notebooks=['nbs/06c_loss.ipynb']),
     # ---- trust no file
     Mutant('slices_shape_unchecked', "a checkpoint tensor of another shape than config.json builds is read as the model's shape",
-           [('sft_nb/backends/slices.py', 'if rd.shape(k) != list(t.shape): wrong.append(', 'if False: wrong.append(')],
+           [('sft_nb/backends/slices.py', 'if rd.shape(k) != list(t.shape):', 'if False:')],
            tests=['tests/test_trust_no_file.py::test_a_tensor_of_other_shape_than_config_json_is_refused_by_both_modes']),
     Mutant('pretokenized_ids_unbounded', "a pretokenized id past the tokenizer's vocabulary is kept (the worker dies on it at the first step)",
            [('sft_nb/renderers.py', "if (top := max(conv['input_ids'])) >= len(tokenizer) or", "if False and (top := max(conv['input_ids'])) >= len(tokenizer) or")],
