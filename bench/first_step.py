@@ -1,11 +1,14 @@
-"""Time to the first training step in a fresh process: sft_nb's `SFTTrainer` vs TRL 1.16's `SFTTrainer`, side by side.
+"""Time to the first training step in a fresh process: sft_nb's `SFTTrainer` (its worker under Ray, and in this process with
+`placement.in_process`) vs TRL 1.16's `SFTTrainer`, side by side.
 
     .venv/bin/pip install --no-deps -r bench/requirements.txt   # TRL, for the peer only
     HF_HUB_OFFLINE=1 python bench/first_step.py [--models tiny smollm2] [--repeats 3]
 
 Each run is a new Python process (`python bench/first_step.py --child METHOD MODEL`), so imports, Ray's start, the worker
-processes and the model load all count, as they do for a user in a fresh kernel. The methods alternate (ours, TRL, ours,
-TRL, ...) so a changing machine load hits both alike; the best total of `--repeats` is kept. Both train on the same 64
+processes and the model load all count, as they do for a user in a fresh kernel. The methods take turns (the order rotates
+each repeat) so a changing machine load hits all alike; the best total of `--repeats` is kept. Methods: `ray` (ours, the
+default placement: a local Ray node and one worker actor), `local` (ours, `placement.in_process`: the worker in the
+driver's process, no Ray) and `trl`. Both train on the same 64
 identity conversations (`sft_nb.demo_data.identity_rows`), global batch 8, one micro-batch, fp32, 2 threads (ours: one
 worker with `cpus_per_worker=2`; TRL: `torch.set_num_threads(2)` in its process). TRL trains on every token of the
 conversation (its default for `messages` rows), ours on the assistant's: the compute of a step is the same.
@@ -35,21 +38,20 @@ def rows_file(folder: str) -> str:
     return p
 
 
-def ours(model: str, folder: str, t0: float) -> dict:
+def ours(model: str, folder: str, t0: float, in_process: bool) -> dict:
     from sft_nb.trainer import SFTTrainer
     t_import = time.perf_counter()
     data = rows_file(folder)
     def cfg(run): return {'model': {'path': model}, 'data': {'train': [{'path': data}]}, 'tokenize': {'max_length': 512},
                           'train': {'global_batch_size': BATCH, 'micro_batch_size': BATCH, 'num_steps': 2},
-                          'placement': {'workers_per_node': 1, 'cpus_per_worker': THREADS},
+                          'placement': {'workers_per_node': 1, 'cpus_per_worker': THREADS, 'in_process': in_process},
                           'checkpoint': {'run_dir': os.path.join(folder, run), 'export_hf': False}, 'logging': {'trackers': []}}
     t = SFTTrainer(cfg('run1')).setup()
     t_setup = time.perf_counter()
     loss = t.step()['loss']
     out = {'import': t_import - t0, 'setup': t_setup - t_import, 'step': time.perf_counter() - t_setup, 'end': time.time(), 'loss': loss}
-    import ray
-    out['worker_peak_gb'] = ray.get(t.group.actors[0].__ray_call__.remote(
-        lambda w: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) / 2**20))
+    vmhwm = lambda w: int(next(l for l in open('/proc/self/status') if l.startswith('VmHWM')).split()[1]) / 2**20
+    if not in_process: out['worker_peak_gb'] = t.backend.run(vmhwm)[0]  # the worker actor's process
     t.shutdown()
     s0 = time.perf_counter()
     t2 = SFTTrainer(cfg('run2')).setup()
@@ -92,7 +94,7 @@ def trl_run(model: str, folder: str, t0: float) -> dict:
 def child(method: str, model: str):
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix='first_step_') as folder:
-        out = (ours if method == 'ours' else trl_run)(model, folder, t0)
+        out = trl_run(model, folder, t0) if method == 'trl' else ours(model, folder, t0, in_process=method == 'local')
     import resource
     out['peak_gb'] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     print('RESULT ' + json.dumps(out), flush=True)
@@ -118,21 +120,24 @@ def main():
     if a.child: return child(*a.child)
     print(f"load avg {os.getloadavg()[0]:.1f} at the start; {os.cpu_count()} CPUs; best total of {a.repeats}, alternating")
     for model in a.models:
-        runs = {'ours': [], 'trl': []}
+        methods = ('ray', 'local', 'trl')
+        runs = {m: [] for m in methods}
         for i in range(a.repeats):
-            for method in (('ours', 'trl') if i % 2 == 0 else ('trl', 'ours')):
+            for method in methods[i % 3:] + methods[:i % 3]:  # each method goes first once in three
                 r = run(method, model); runs[method].append(r)
                 print(f"  {model} {method} #{i + 1}: total {r['total']:.1f} s (load {os.getloadavg()[0]:.1f})", flush=True)
         best = {m: min(rs, key=lambda r: r['total']) for m, rs in runs.items()}
         print(f"\n{model}: {'method':<6}{'import':>8}{'setup':>8}{'step 1':>8}{'total':>8}{'peak GiB':>10}")
         for m, r in best.items():
             extra = f"  (worker {r['worker_peak_gb']:.2f})" if 'worker_peak_gb' in r else ''
-            print(f"{'':<{len(model) + 2}}{m:<6}{r['import']:>8.1f}{r['setup']:>8.1f}{r['step']:>8.1f}{r['total']:>8.1f}{r['peak_gb']:>10.2f}{extra}")
-        o, t = best['ours'], best['trl']
-        sec = min(r['second_total'] for r in runs['ours'])
-        print(f"{model}: ours / TRL total {o['total'] / t['total']:.2f}x; a second trainer in the same process: first step after "
-              f"{sec:.1f} s (setup {min(r['second_setup'] for r in runs['ours']):.1f} s), loss equal to the first's: "
-              f"{all(r['loss'] == r['second_loss'] for r in runs['ours'])}\n", flush=True)
+            print(f"{'':<{len(model) + 2}}{m:<6}{r['import']:>8.1f}{r['setup']:>8.1f}{r['step']:>8.1f}{r['total']:>8.1f}"
+                  f"{r['peak_gb']:>10.2f}{extra}")
+        for m in ('ray', 'local'):
+            sec = min(r['second_total'] for r in runs[m])
+            print(f"{model}: ours ({m}) / TRL total {best[m]['total'] / best['trl']['total']:.2f}x; a second trainer in "
+                  f"the same process: first step after {sec:.1f} s (setup {min(r['second_setup'] for r in runs[m]):.1f} s), "
+                  f"loss equal to the first's: {all(r['loss'] == r['second_loss'] for r in runs[m])}", flush=True)
+        print(f"{model}: first-step loss, ray vs local: {best['ray']['loss']!r} vs {best['local']['loss']!r}\n", flush=True)
 
 
 if __name__ == '__main__': main()

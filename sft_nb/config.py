@@ -280,6 +280,7 @@ class PlacementConfig:
     context_parallel: int = 1  # megatron context-parallel size (rows split over cp ranks in attention); CUDA with TransformerEngine only
     sequence_parallel: int = 1  # fsdp: adjacent ranks that share every row (Ulysses: 1/sp of its tokens each, all tokens of 1/sp of the heads inside attention); must divide the world size and the model's heads
     object_store_memory: int = 512 * 1024**2  # bytes of object store for a local Ray cluster
+    in_process: bool = False  # one worker in this process, no Ray: starts as fast as a script (a crash is the kernel's)
     keep_warm: bool = True  # after `shutdown` the workers wait, their run released, for the next trainer of this placement in this process (Ray stays up)
     @property
     def world_size(self): return self.num_nodes * self.workers_per_node
@@ -291,6 +292,10 @@ class PlacementConfig:
                   'sequence_parallel', 'cpus_per_worker'):
             if getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1, got {getattr(self, k)}")
         check_range('object_store_memory', self.object_store_memory, 1)
+        if self.in_process and (self.world_size > 1 or self.ray_address):
+            extra = f" and ray_address {self.ray_address!r}" if self.ray_address else ''
+            raise ConfigError(f"in_process: runs one worker in this process, without Ray; got world size "
+                              f"{self.world_size}{extra}")
         mp = self.tensor_parallel * self.pipeline_parallel
         if self.world_size % mp:
             raise ConfigError(f"tensor_parallel, pipeline_parallel: TP×PP={mp} must divide world size "

@@ -218,7 +218,8 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
                           "checkpoint.overwrite=true")
     # another data stream: refused before Ray starts
     if resume is not None: self.data.check_resume(self.ckpt.state(resume), resume)
-    if not c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
+    if not (c.tokenize.ray_shards or p.in_process):
+        self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self.callbacks = (builtin_callbacks(c)
                       + make_trackers(c.logging.trackers, self.run_dir, c.logging.project, asdict(c))
                       + self.user_callbacks)

@@ -14,7 +14,7 @@ from .config import ModelConfig, OptimConfig, PlacementConfig
 # %% auto #0
 __all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray', 'free_port',
            'stop_ray', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked']
+           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked', 'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -146,8 +146,10 @@ def address(self: DistWorker) -> tuple[str, int]:
 # %% ../nbs/07_workers.ipynb #024568eb
 @patch
 def node_id(self: DistWorker) -> str:
+    "Ray's id of this worker's node; outside Ray (`placement.in_process`), this machine's host name."
     import ray
-    return ray.get_runtime_context().get_node_id()
+    # asking Ray's runtime context for it would start a Ray node in a process that has none
+    return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
 
 # %% ../nbs/07_workers.ipynb #e472ce29
 @patch
@@ -509,3 +511,57 @@ def _place(self: WorkerGroup, kwargs: list[dict], timeout_s: float):
                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg,
                                                                                     placement_group_bundle_index=r),
                                ).remote(**kwargs[r]) for r in range(self.world_size)]
+
+# %% ../nbs/07_workers.ipynb #d3500cba
+class LocalGroup(WorkerGroup):
+    """`WorkerGroup`'s calls on one worker in this process (`placement.in_process`): rank 0 of 1, in a 1-rank gloo (or
+    nccl) group."""
+    def __init__(self, worker_cls, # a DistWorker subclass
+                 use_gpu: bool = False, cpus_per_worker: int = 1, init_kwargs: dict | None = None):
+        import torch
+        # `threads`: this process's torch threads, given back by `kill`
+        self.world_size, self.dead, self.threads = 1, None, torch.get_num_threads()
+        self.actors = [worker_cls(rank=0, world_size=1, **(init_kwargs or {}))]
+        self.call('init_dist', '127.0.0.1', free_port(), use_gpu, int(cpus_per_worker))
+
+# %% ../nbs/07_workers.ipynb #488aebb9
+@patch
+def _run(self: LocalGroup, method: str, args: tuple, kwargs: dict):
+    "`method` on the worker, on copies of the arguments, returning a copy; a failure kills the group (`_fail`)."
+    import copy
+    self.check_alive()
+    args, kwargs = copy.deepcopy((args, kwargs))
+    try: out = getattr(self.actors[0], method)(*args, **kwargs)
+    except Exception as e:
+        self._fail(death_message(0, method, e) if _MEMORY.search(repr(e))
+                   else f"worker rank 0 failed in {method}: {e!r}", e)
+    except BaseException:  # an interrupt stopped the worker midway: its state is unknown
+        self.mark_dead(f"{method} was interrupted"); raise
+    return copy.deepcopy(out)
+
+@patch
+def call(self: LocalGroup, method: str, *args, **kwargs) -> list: return [self._run(method, args, kwargs)]
+@patch
+def call_per_rank(self: LocalGroup, method: str, per_rank_args: list[tuple]) -> list:
+    return [self._run(method, tuple(per_rank_args[0]), {})]
+@patch
+def call_rank(self: LocalGroup, rank: int, method: str, *args, **kwargs):
+    assert rank == 0, f'rank {rank} of a one-rank group'
+    return self._run(method, args, kwargs)
+
+# %% ../nbs/07_workers.ipynb #a1ab2374
+@patch
+def kill(self: LocalGroup):
+    """Let go of the worker's run (`DistWorker.release`: its process group, model and optimizer) and give this process
+    its torch threads back (idempotent)."""
+    import torch
+    for w in getattr(self, 'actors', []):
+        try: w.release()
+        except Exception: pass
+    self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
+    torch.set_num_threads(self.threads)
+
+@patch
+def shutdown(self: LocalGroup, keep_warm: bool = False): # nothing to keep warm: torch stays imported in this process
+    "Release the worker (`kill`): the next trainer builds its own in this process."
+    self.kill()

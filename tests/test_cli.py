@@ -1,6 +1,6 @@
 """Batch runs: `sft-nb run` (papermill) and `sft-nb train`, parameter checks, failures, and a real two-node Ray cluster.
 One real process per command (the wiring); the rest runs `sft_nb.cli.main` in this process on the session's Ray cluster."""
-import json, os, signal, subprocess, sys, time
+import json, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import nbformat
 import pytest
@@ -112,12 +112,14 @@ def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
     finally: page.close()
 
     # extending the finished run (README): `-p resume latest -p max_steps 5` trains steps 4-5 in the same folder, steps 1-3
-    # kept as they were, the change and the LR rule in events.jsonl
+    # kept as they were, the change and the LR rule in events.jsonl. It runs with `-p in_process true`: the worker in the
+    # papermill kernel, no Ray (its node is this machine's name), from the checkpoint the Ray worker wrote
     code, _, err = cli('run', TRAIN_NB, '-p', 'resume', 'latest', '-p', 'max_steps', '5', '-p', 'eval_samples', '0',
-                       '-p', 'ray_address', ray_session, '--run-dir', run)
+                       '-p', 'in_process', 'true', '--run-dir', run)
     assert code == 0, err[-3000:]
     summary, longer = read_run(run)
     assert summary['steps'] == 5 and len(longer) == 5 and longer[:3] == losses, (longer, losses)
+    assert summary['worker_nodes'] == [socket.gethostname()], summary['worker_nodes']
     ev = json.loads((run / 'events.jsonl').read_text().splitlines()[-1])
     assert ev['step'] == 3 and ev['changed']['train.num_steps'] == [3, 5] and 'lr_schedule' in ev, ev
     assert (run / 'checkpoints' / 'step_000005' / 'trainer_state.json').exists()

@@ -100,6 +100,24 @@ def test_exact_resume_and_fewer_workers(tiny_path, tmp_path, ray_session):
     assert [l['step'] for l in lines if l['kind'] == 'train'] == [4, 5, 6]  # a resumed run's log goes on from its checkpoint
 
 
+def test_in_process_equals_ray(tiny_path, tmp_path, ray_session):
+    """`placement.in_process` (one worker in this process, no Ray): 3 steps equal the same run under Ray. Between them a
+    call that raises kills its group (`WorkerError`), and `restart_workers` goes on from the step-2 checkpoint."""
+    from sft_nb.workers import WorkerError
+    base = dict(train__num_steps=3, train__micro_batch_size=2, optim__schedule='cosine')
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'ray', **base), train_data=ROWS) as t:
+        ray_losses, w_ray = t.fit()['loss'].tolist(), weights(t)
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'here', **base, placement__in_process=True), train_data=ROWS) as t:
+        assert type(t.group).__name__ == 'LocalGroup' and not t._ray_started
+        t.fit(2); t.save()
+        with pytest.raises(WorkerError, match=r'worker rank 0 failed in run: ZeroDivisionError'): t.backend.run(lambda w: 1 / 0)
+        with pytest.raises(WorkerError, match='the worker group is dead'): t.step()
+        assert t.restart_workers() == 2
+        losses, w = t.fit()['loss'].tolist(), weights(t)
+    print(f"in process vs Ray: relative gaps loss {rel_gap(losses, ray_losses):.1e}, weights {rel_gap(w, w_ray):.1e}")
+    assert_rel_close(losses, ray_losses, 4e-6, 'losses'); assert_rel_close(w, w_ray, 2e-4, 'weights', scale=1e-2 * 3)
+
+
 def test_epochs_with_cosine_schedule(tiny_path, tmp_path, ray_session):
     "num_epochs: the step count is computed from the data before the schedule is used."
     with SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=None, train__num_epochs=2, optim__schedule='cosine',

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import importlib
 from typing import Protocol
-from ..workers import WorkerGroup
+from ..workers import WorkerGroup, LocalGroup
 
 # %% auto #0
 __all__ = ['BACKENDS', 'get_backend', 'Backend', 'BackendGroup', 'start_workers']
@@ -114,9 +114,12 @@ def run(self: BackendGroup, fn, *args, **kwargs) -> list:
 def start_workers(cfg, # the run's `SFTConfig`
                   total_steps: int, # the LR schedule's length
                  ) -> BackendGroup:
-    "The workers of `cfg.placement` (backend, nodes × workers, strategy, GPUs), started, as a `BackendGroup`."
+    """The workers of `cfg.placement` (backend, nodes × workers, strategy, GPUs), started, as a `BackendGroup`: Ray
+    actors, or one worker in this process (`placement.in_process`)."""
     p, cls = cfg.placement, get_backend(cfg.placement.backend)
-    group = WorkerGroup(cls, p.num_nodes, p.workers_per_node, p.strategy, p.use_gpu, p.cpus_per_worker,
-                        init_kwargs=dict(model=cfg.model, optim=cfg.optim, total_steps=total_steps,
-                                         seed=cfg.train.seed, use_gpu=p.use_gpu, placement=p))
+    kw = dict(model=cfg.model, optim=cfg.optim, total_steps=total_steps, seed=cfg.train.seed, use_gpu=p.use_gpu,
+              placement=p)
+    group = (LocalGroup(cls, p.use_gpu, p.cpus_per_worker, init_kwargs=kw) if p.in_process
+             else WorkerGroup(cls, p.num_nodes, p.workers_per_node, p.strategy, p.use_gpu, p.cpus_per_worker,
+                              init_kwargs=kw))
     return BackendGroup(group, cls, p)
