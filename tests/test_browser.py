@@ -87,11 +87,13 @@ def _cmdline(pid: int) -> str:
 
 
 def test_run_all_three_times_leaves_one_trainer(lab, browser):
-    """interactive.ipynb Run All three times in one kernel: each run retires the trainer before it, so one worker process
-    remains. Then the 20-step run, done, continues to 30 from a cell: steps 1-20 and the chart's eval points stay."""
+    """interactive.ipynb Run All three times in one kernel, its worker under Ray (`in_process = False`): each run retires
+    the trainer before it, so one worker process remains. Then the 20-step run, done, continues to 30 from a cell: steps
+    1-20 and the chart's eval points stay."""
     from jupyter_lab import with_params
     nb = Notebook(browser, lab, with_params('interactive.ipynb', 'interactive_rerun.ipynb',
-                                            {'num_steps': '20', 'eval_every': '10', 'early_stopping': '0', 'keep_best': 'False'}))
+                                            {'num_steps': '20', 'eval_every': '10', 'early_stopping': '0', 'keep_best': 'False',
+                                             'in_process': 'False'}))
     try:
         for _ in range(3):
             nb.run_all()
