@@ -90,6 +90,10 @@ MUTANTS = [
     Mutant('rank_scale_dropped', "the worker's loss is not multiplied by the rank count FSDP's gradient average divides by",
            [('sft_nb/backends/fsdp.py', 'ranks = self.world_size if self.sharded else 1', 'ranks = 1')],
            tests=['tests/test_loss.py::test_two_ranks_equal_one_rank']),
+    # ---- the in-process worker keeps Ray's copy semantics
+    Mutant('local_group_shares_arguments', "the in-process worker is handed the driver's own objects: a worker that changes a batch changes the driver's",
+           both('sft_nb/workers.py', 'nbs/07_workers.ipynb', 'args, kwargs = copy.deepcopy((args, kwargs))', 'pass'),
+           notebooks=['nbs/07_workers.ipynb']),
     # ---- data order
     Mutant('sampler_same_order_every_epoch', "the random sampler ignores the epoch: every epoch repeats the first order",
            both('sft_nb/dataplan.py', 'nbs/05a_dataplan.ipynb', 'np.random.default_rng(self.seed + epoch)', 'np.random.default_rng(self.seed)'),
