@@ -518,10 +518,11 @@ class LocalGroup(WorkerGroup):
     nccl) group."""
     def __init__(self, worker_cls, # a DistWorker subclass
                  use_gpu: bool = False, cpus_per_worker: int = 1, init_kwargs: dict | None = None):
-        import torch
+        import copy, torch
         # `threads`: this process's torch threads, given back by `kill`
         self.world_size, self.dead, self.threads = 1, None, torch.get_num_threads()
-        self.actors = [worker_cls(rank=0, world_size=1, **(init_kwargs or {}))]
+        # a copy of the run's configs, as an actor gets: the driver changing its own later does not reach the worker
+        self.actors = [worker_cls(rank=0, world_size=1, **copy.deepcopy(init_kwargs or {}))]
         self.call('init_dist', '127.0.0.1', free_port(), use_gpu, int(cpus_per_worker))
 
 # %% ../nbs/07_workers.ipynb #488aebb9
