@@ -518,7 +518,11 @@ class LocalGroup(WorkerGroup):
     nccl) group."""
     def __init__(self, worker_cls, # a DistWorker subclass
                  use_gpu: bool = False, cpus_per_worker: int = 1, init_kwargs: dict | None = None):
-        import copy, torch
+        import copy, torch, torch.distributed as dist
+        if dist.is_initialized():  # one default process group a process: the worker's would be the second
+            raise WorkerError("placement.in_process: this process already has a torch.distributed process group (another "
+                              "in-process trainer's, not shut down?): call its shutdown() first, or run under Ray "
+                              "(placement.in_process=false)")
         # `threads`: this process's torch threads, given back by `kill`
         self.world_size, self.dead, self.threads = 1, None, torch.get_num_threads()
         # a copy of the run's configs, as an actor gets: the driver changing its own later does not reach the worker
