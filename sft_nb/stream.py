@@ -297,7 +297,7 @@ def state_dict(self: StreamPlan, step: int | None = None) -> dict:
     step = self.next_step if step is None else step
     if step == self.next_step: return self.snapshot()
     if step in self._snaps: return self._snaps[step]
-    raise ValueError(f"step {step}: the stream's state is kept for steps {sorted(self._snaps)} and "
+    raise ValueError(f"step {step}: the stream's state is held for steps {sorted(self._snaps)} and "
                      f"{self.next_step} only")
 
 # %% ../nbs/05b_stream.ipynb #0161b5b4

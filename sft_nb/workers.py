@@ -14,7 +14,8 @@ from .config import ModelConfig, OptimConfig, PlacementConfig
 # %% auto #0
 __all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray', 'free_port',
            'stop_ray', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'TrainWorker', 'WorkerError', 'death_message', 'WorkerGroup', 'release_parked', 'LocalGroup']
+           'TrainWorker', 'WorkerError', 'death_message', 'failure_message', 'WorkerGroup', 'release_parked',
+           'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -350,6 +351,10 @@ def death_message(rank: int, what: str, e: BaseException) -> str:
                 f"short, {_MEMORY_FIX}")
     return f"worker rank {rank} died during {what}: {text.splitlines()[0]}"
 
+def failure_message(rank: int, what: str, e: BaseException) -> str:
+    "Why rank `rank`'s `what` raised `e`: `death_message` when memory was short, else the error itself."
+    return death_message(rank, what, e) if _MEMORY.search(repr(e)) else f"worker rank {rank} failed in {what}: {e!r}"
+
 # %% ../nbs/07_workers.ipynb #345c5ba5
 class WorkerGroup:
     "One Ray actor per rank, placed by a placement group; `call` fans a method out to all ranks."
@@ -486,8 +491,7 @@ def _wait(self: WorkerGroup, refs: list, what: str, ranks: list[int] | None = No
             except (ray.exceptions.RayActorError, ray.exceptions.OutOfMemoryError) as e:
                 self._fail(death_message(r, what, e), e)
             except ray.exceptions.RayTaskError as e:
-                self._fail(death_message(r, what, e.cause) if _MEMORY.search(repr(e.cause))
-                           else f"worker rank {r} failed in {what}: {e.cause!r}", e)
+                self._fail(failure_message(r, what, e.cause), e)
     return out
 
 # %% ../nbs/07_workers.ipynb #cbfb3e08
@@ -538,8 +542,7 @@ def _run(self: LocalGroup, method: str, args: tuple, kwargs: dict):
     args, kwargs = copy.deepcopy((args, kwargs))
     try: out = getattr(self.actors[0], method)(*args, **kwargs)
     except Exception as e:
-        self._fail(death_message(0, method, e) if _MEMORY.search(repr(e))
-                   else f"worker rank 0 failed in {method}: {e!r}", e)
+        self._fail(failure_message(0, method, e), e)
     except BaseException:  # an interrupt stopped the worker midway: its state is unknown
         self.mark_dead(f"{method} was interrupted"); raise
     return copy.deepcopy(out)
