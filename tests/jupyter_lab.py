@@ -165,11 +165,15 @@ class Notebook:
         assert not self.errors, self.errors
 
     def shot(self, name: str, locator=None, colours: tuple[str, ...] = (), at_most: dict[str, int] | None = None) -> Path:
-        "Screenshot `locator` (or the page) to build/browser/`name`.png and check it (tools/screenshot.py's `check_png`)."
-        png = SHOTS / f'{name}.png'
-        (locator or self.page).screenshot(path=str(png))
-        screenshot_tool().check_png(png, colours, at_most)
-        return png
+        """Screenshot `locator` (or the page) to build/browser/`name`.png and check it (tools/screenshot.py's `check_png`),
+        again for up to 10 s while the page is still drawing."""
+        png, tool, deadline = SHOTS / f'{name}.png', screenshot_tool(), time.monotonic() + 10
+        while True:
+            (locator or self.page).screenshot(path=str(png))
+            try: tool.check_png(png, colours, at_most); return png
+            except AssertionError:  # still drawing (plotly draws the axes first, then its template's background)
+                if time.monotonic() > deadline: raise
+                self.page.wait_for_timeout(500)
 
 
 def screenshot_tool():
