@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_config.ipynb #6913556c
 from __future__ import annotations
-import dataclasses, difflib, functools, json, math, types, typing
+import dataclasses, difflib, functools, json, math, re, types, typing
 from dataclasses import dataclass, field, fields, asdict
 from pathlib import Path
 from typing import Literal, Any, get_args, get_origin
@@ -14,9 +14,9 @@ from .errors import UserError
 from .formats import FormatName
 
 # %% auto #0
-__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'check_range', 'field_docs', 'nearest_key', 'from_dict', 'SourceConfig',
+__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'Plain', 'check_range', 'field_docs', 'nearest_key', 'from_dict', 'SourceConfig',
            'DataConfig', 'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig',
-           'PlacementConfig', 'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml',
+           'PlacementConfig', 'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml', 'read_value',
            'parse_overrides', 'to_dict', 'flatten', 'load_config', 'save_config']
 
 # %% ../nbs/00_config.ipynb #90f14223
@@ -28,11 +28,29 @@ def _type_name(tp) -> str:
     if get_origin(tp) is Literal: return 'one of ' + ', '.join(repr(a) for a in get_args(tp))
     return getattr(tp, '__name__', str(tp).replace('typing.', ''))
 
+# %% ../nbs/00_config.ipynb #4d8c6ad8
+class Plain(str):
+    """The text of a YAML scalar written without quotes, or of a command-line value: what it means is decided by the
+    type of the field it sets (`read_value`)."""
+
+# %% ../nbs/00_config.ipynb #36df6e94
+def _unplain(v):
+    "`v` with each `Plain` in it read as YAML reads its text (a field of type Any)."
+    if isinstance(v, list): return [_unplain(x) for x in v]
+    if isinstance(v, dict): return {k: _unplain(x) for k, x in v.items()}
+    if not isinstance(v, Plain): return v
+    try: v = load_yaml(v, 'value')
+    except yaml.YAMLError: return str(v)  # text that is not YAML stays text
+    # YAML 1.1 reads 3e-4 as text
+    return float(v) if isinstance(v, str) and re.fullmatch(r'[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+', v) else v
+
 # %% ../nbs/00_config.ipynb #bb2b09aa
 def _coerce(value, tp, path: str):
-    "Check `value` against annotation `tp`; return it (ints are accepted where floats are expected)."
+    """Check `value` against annotation `tp`; return it (ints are accepted where floats are expected). A `Plain` text is
+    first read by `tp` (`read_value`)."""
     origin, args = get_origin(tp), get_args(tp)
-    if tp is Any: return value
+    if tp is Any: return _unplain(value)
+    if isinstance(value, Plain): value = read_value(value, tp, path)
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args: return None
         errs = []
@@ -396,13 +414,41 @@ class SFTConfig:
             raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length "
                               f"{self.tokenize.max_length}")
 
+# %% ../nbs/00_config.ipynb #e51d17c7
+class _Loader(yaml.SafeLoader): "`yaml.SafeLoader`, constructing the scalars `_mark_plain` tagged as `Plain`."
+_Loader.add_constructor('!plain', lambda loader, node: Plain(node.value))
+
+def _mark_plain(node):
+    "Tag each scalar under `node` that is a value (not a key) written without quotes as `!plain`."
+    todo, seen = [node], set()
+    while todo:
+        n = todo.pop()
+        if id(n) in seen: continue
+        seen.add(id(n))
+        if isinstance(n, yaml.ScalarNode):
+            if n.style is None and n.tag.startswith('tag:yaml.org,2002:'): n.tag = '!plain'
+        elif isinstance(n, yaml.SequenceNode): todo += n.value
+        elif isinstance(n, yaml.MappingNode): todo += [v for _, v in n.value]
+
+def _no_key_twice(n: yaml.MappingNode, where: str):
+    "A `ConfigError` naming the key mapping `n` holds twice and both its lines (YAML itself keeps the last, silently)."
+    first = {}
+    for k, _ in n.value:
+        if not isinstance(k, yaml.ScalarNode) or k.tag == 'tag:yaml.org,2002:merge': continue  # `<<: *base` merges
+        if k.value in first:
+            raise ConfigError(f"{where}: key {k.value!r} is given twice, at lines {first[k.value]} and "
+                              f"{k.start_mark.line + 1} (the second would replace the first); keep one")
+        first[k.value] = k.start_mark.line + 1
+
 # %% ../nbs/00_config.ipynb #0a9a25db
 MAX_YAML_VALUES = 1_000_000  # values a YAML document may expand to through its aliases: ~1000x any config's
 
-def load_yaml(text: str, where: str):
-    """YAML `text` read with `yaml.SafeLoader`, refusing a document whose aliases expand past `MAX_YAML_VALUES` values
-    or into themselves."""
-    loader = yaml.SafeLoader(text)
+def load_yaml(text: str, where: str,
+              plain: bool = False, # each scalar written without quotes comes back as its text, a `Plain` (a config's value, read by its field's type)
+             ):
+    """YAML `text` read with `yaml.SafeLoader`, refusing a key given twice in one mapping and a document whose aliases
+    expand past `MAX_YAML_VALUES` values or into themselves."""
+    loader = _Loader(text)
     try:
         try: node = loader.get_single_node()
         except RecursionError: raise ConfigError(f"{where}: the YAML nests deeper than it can be read") from None
@@ -413,6 +459,7 @@ def load_yaml(text: str, where: str):
             if id(n) in open_:
                 raise ConfigError(f"{where}: a YAML alias refers to the anchor it is inside (a document without end)")
             open_.add(id(n))
+            if isinstance(n, yaml.MappingNode): _no_key_twice(n, where)
             kids = (n.value if isinstance(n, yaml.SequenceNode)
                     else [x for kv in n.value for x in kv] if isinstance(n, yaml.MappingNode) else [])
             sizes[id(n)] = s = 1 + sum(map(size, kids))
@@ -422,8 +469,48 @@ def load_yaml(text: str, where: str):
             open_.discard(id(n))
             return s
         size(node)
+        if plain: _mark_plain(node)
         return loader.construct_document(node)
     finally: loader.dispose()
+
+# %% ../nbs/00_config.ipynb #7b1f5395
+_NULL = ('', '~', 'null', 'Null', 'NULL')
+_BOOL = {'true': True, 'yes': True, 'on': True, 'false': False, 'no': False, 'off': False}
+
+def read_value(text: str, tp, name: str):
+    """The value `text` (a command-line value, or a YAML scalar written without quotes) stands for in a field of type
+    `tp`, or a `ConfigError` naming `name`, the text and the type."""
+    text, origin, args = str(text), get_origin(tp), get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        if type(None) in args and text.strip() in _NULL: return None
+        for a in sorted((a for a in args if a is not type(None)), key=lambda a: a is str):  # str takes any text: last
+            try: return read_value(text, a, name)
+            except ConfigError: pass
+    elif tp is str:  # the text as written; in quotes, what the quotes hold (key='' is the empty text)
+        if len(text) > 1 and text[0] == text[-1] and text[0] in '\'"':
+            try: return str(load_yaml(text, name))
+            except yaml.YAMLError: pass
+        return text
+    elif tp is bool:
+        if text.strip().lower() in _BOOL: return _BOOL[text.strip().lower()]
+    elif tp is int:
+        for base in (10, 0):  # 0012 is twelve, 0x1F is hex
+            try: return int(text, base)
+            except ValueError: pass
+    elif tp is float:
+        try: return float(text)
+        except ValueError: v = _unplain(Plain(text))  # YAML's .inf, .nan
+        if isinstance(v, (int, float)) and not isinstance(v, bool): return float(v)
+    elif origin is Literal:
+        if (hit := next((a for a in args if str(a) == text.strip()), _NULL)) is not _NULL: return hit
+        raise ConfigError(f"{name}: {text!r} is not allowed; allowed values: {', '.join(map(repr, args))}")
+    else:  # lists, mappings, sections, Any: as YAML reads the text, each item by its own type
+        try: v = load_yaml(text, name, plain=True)
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{name}: {text!r} is not valid YAML ({getattr(e, 'problem', None) or e}); quote it "
+                              "or fix the brackets") from None
+        return _coerce(_unplain(v) if isinstance(v, Plain) else v, tp, name)
+    raise ConfigError(f"{name}: expected {_type_name(tp)}, got {text!r}")
 
 # %% ../nbs/00_config.ipynb #27ddebe8
 def _set_dotted(d: dict, key: str, value):
@@ -435,12 +522,13 @@ def _set_dotted(d: dict, key: str, value):
 
 # %% ../nbs/00_config.ipynb #b4c6561b
 def parse_overrides(overrides: list[str]) -> dict:
-    "`['optim.lr=3e-4', 'train.num_steps=10']` → nested dict; values are parsed as YAML scalars."
+    """`['optim.lr=3e-4', 'train.num_steps=10']` → nested dict of `Plain` texts, each read by its field's type when the
+    config is built."""
     out = {}
     for o in overrides or []:
         if '=' not in o: raise ConfigError(f"override {o!r}: expected key.sub=value")
         k, v = o.split('=', 1)
-        _set_dotted(out, k.strip(), load_yaml(v, f'override {o!r}') if v.strip() else None)
+        _set_dotted(out, k.strip(), Plain(v))
     return out
 
 # %% ../nbs/00_config.ipynb #d7176d91
@@ -471,7 +559,7 @@ def load_config(src: str | Path | dict | None = None, overrides: list[str] | dic
     if isinstance(src, (str, Path)):
         p = Path(src)
         text = p.read_text() if p.suffix in ('.yaml', '.yml') or p.exists() else str(src)
-        try: d = load_yaml(text, str(src))
+        try: d = load_yaml(text, str(src), plain=True)
         except yaml.YAMLError as e:
             where = getattr(e, 'problem_mark', None)
             at = f" at line {where.line + 1}, column {where.column + 1}" if where else ''
