@@ -4,12 +4,14 @@
 
 # %% ../nbs/00a_paths.ipynb #9f08b7ce
 from __future__ import annotations
-import fcntl, os, shutil, tempfile, time
+import errno, fcntl, os, resource, shutil, tempfile, time
 from contextlib import contextmanager
 from pathlib import Path
+from .errors import UserError
 
 # %% auto #0
-__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'new_digest', 'file_digest']
+__all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'WriteError', 'write_failure', 'written_aside',
+           'write_file', 'new_digest', 'file_digest']
 
 # %% ../nbs/00a_paths.ipynb #7e17eb6c
 def sft_nb_home() -> Path:
@@ -68,6 +70,54 @@ def clean_stale_tmp(root: Path, pattern: str, # glob of the temp folders, e.g. '
         except BlockingIOError: pass
         finally: os.close(fd)
     return removed
+
+# %% ../nbs/00a_paths.ipynb #867aa3f3
+class WriteError(UserError, OSError):
+    "A file or folder that could not be written whole (disk full, file too large, a folder in its place)."
+
+def _cause(e: OSError, written: int) -> str:
+    "Why a write stopped short; numpy's `tofile` says only 'N requested and M written', so the limits are looked at."
+    if e.errno == errno.ENOSPC: return 'no space left on the device'
+    if e.errno == errno.EFBIG: return 'file too large (the file-size limit, ulimit -f)'
+    if e.errno == errno.EDQUOT: return 'disk quota exceeded'
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)[0]
+    if limit != resource.RLIM_INFINITY and written >= limit - (1 << 20):
+        return f'file too large (the file-size limit, ulimit -f, is {limit} bytes)'
+    return e.strerror or str(e)
+
+def write_failure(e: OSError, what: str, written: int) -> WriteError:
+    "The one message of a write that stopped short: what, why, how many bytes got written; the earlier one is untouched."
+    return WriteError(f"writing {what}: {_cause(e, written)} ({written} bytes written); the earlier one is untouched "
+                      "and nothing partial is left", fix='free space or raise the file-size limit, then write again')
+
+# %% ../nbs/00a_paths.ipynb #a8d22127
+@contextmanager
+def written_aside(path: str | Path, # the file to write
+                  what: str | None = None, # how messages name it (default: `path`)
+                 ):
+    """The path to write the file at (`path.partial`), renamed onto `path` when the block ends (a link at `path` is
+    replaced, never written through). A folder in its place is a `WriteError` before anything is written; a write that
+    fails removes the partial file and raises a `WriteError` (`write_failure`)."""
+    path = Path(path); what = what or str(path)
+    if path.is_dir() and not path.is_symlink():
+        raise WriteError(f"writing {what}: a folder is in its place", fix=f'move or remove the folder {path}')
+    part = path.with_name(path.name + '.partial')
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if part.is_dir() and not part.is_symlink(): shutil.rmtree(part)
+    else: part.unlink(missing_ok=True)  # an earlier writer's, or a link: never written through
+    try:
+        yield part
+        os.replace(part, path)
+    except BaseException as e:
+        n = part.stat().st_size if part.is_file() else 0
+        part.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, WriteError): raise write_failure(e, what, n) from e
+        raise
+
+def write_file(path: str | Path, data: str | bytes, what: str | None = None) -> Path:
+    "Write `data` (text as UTF-8) into `path` `written_aside`; returns `path`."
+    with written_aside(path, what) as part: part.write_bytes(data.encode() if isinstance(data, str) else data)
+    return Path(path)
 
 # %% ../nbs/00a_paths.ipynb #6044298c
 def new_digest(algo: str = 'sha256'):
