@@ -204,13 +204,14 @@ def unsaved_run(run_dir: Path, save_every: int) -> str:
 @patch
 def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     c, p = self.cfg, self.cfg.placement
-    self.ckpt.claim(resuming=resuming)  # what can be checked without Ray is checked before Ray starts
+    carry_on = self.global_step > 0  # set up again after shutdown: new workers carry on this trainer's run
+    self.ckpt.claim(resuming=resuming or carry_on)  # what can be checked without Ray is checked before Ray starts
     self.tokenizer, self.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     check_context(resolve_model_path(c.model.path), c.tokenize)  # max_length within the model's positions
     if c.tokenize.ray_shards: self._ray_started = init_ray(p.ray_address, object_store_memory=p.object_store_memory)
     self._prepare_data().plan()
     resume = self.ckpt.resolve(c.checkpoint.resume) if c.checkpoint.resume else None
-    if (resume is None and c.checkpoint.resume == 'latest'
+    if (not carry_on and resume is None and c.checkpoint.resume == 'latest'
         and (kept := unsaved_run(self.run_dir, c.checkpoint.save_every))):
         raise ConfigError(f"checkpoint.resume=latest: {self.run_dir} holds a run ({kept}) but no checkpoint: its steps "
                           "cannot be continued, and starting at step 0 would write over them. Save the trainer that "
@@ -229,7 +230,8 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)
     self.data.check_packable(self.model_info)  # packing needs layers that attention masks separate
     self.write_config()
-    if c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
+    if carry_on: self._carry_on('set up again')
+    elif c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)
     return self
 
 # %% ../nbs/08_trainer.ipynb #dceabc03
@@ -322,11 +324,15 @@ def evaluate(self: SFTTrainer) -> dict:
 @patch
 @action('save')
 def save(self: SFTTrainer) -> Path:
-    "Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place."
+    """Atomic checkpoint: workers write a temp folder, the driver adds its state and renames it into place; a first
+    interrupt waits for it."""
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
     state = {'global_step': self.global_step, 'step_metrics': self.step_metrics, 'eval_metrics': self.eval_metrics,
              'model': self.model_fingerprint, **self.data.ckpt_state(self.global_step)}
-    final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
+    # an interrupt midway would leave half a checkpoint (and, in process, a worker stopped inside torch's writer): the save
+    # is finished first, then it is raised
+    with hold_interrupts(f'the save of step {self.global_step}'):
+        final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
     return final
 
@@ -465,15 +471,30 @@ def chat(self: SFTTrainer, messages: str | list[dict], # a user message, or a co
     return text
 
 # %% ../nbs/08_trainer.ipynb #64ca74af
+def _step_range(first: int, last: int) -> str: return f"step {first}" if first == last else f"steps {first}-{last}"
+
+@patch
+def _saved_step(self: SFTTrainer) -> tuple[Path | None, int]:
+    "run_dir's last good checkpoint and its step ((None, 0) before any)."
+    path = self.ckpt.resolve('latest')
+    return path, (self.ckpt.state(path)['global_step'] if path is not None else 0)
+
 @patch
 @action('shutdown', setup=False)
 def shutdown(self: SFTTrainer):
     """Stop the workers: with `placement.keep_warm` they wait, warm, for the next trainer of this placement, and Ray
-    stays up; otherwise they end, and Ray if this trainer started it. The trainer can be set up again."""
+    stays up; otherwise they end, and Ray if this trainer started it. The trainer can be set up again: it then goes on
+    from its last checkpoint (`_carry_on`), so steps trained since are said to be lost here, while `save()` still
+    keeps them."""
     for cb in self.callbacks: cb.close()
     self.data.close()
     warm = self.cfg.placement.keep_warm
-    if self.group is not None: self.group.shutdown(keep_warm=warm); self.group, self.backend = None, None
+    if self.group is not None:
+        saved = self._saved_step()[1] if self.global_step > 0 else 0
+        if saved < self.global_step and not self.group.dead:
+            print(f"shutdown: the weights of {_step_range(saved + 1, self.global_step)} are not saved (trainer.save() "
+                  f"before shutdown keeps them); set up again, this trainer goes on from step {saved}", file=sys.stderr)
+        self.group.shutdown(keep_warm=warm); self.group, self.backend = None, None
     if not warm: self._ray_started = stop_ray(self._ray_started)
     self.ckpt.release()
 
@@ -490,6 +511,21 @@ def retire(old, # what the notebook's `trainer` held before (anything else is le
 
 # %% ../nbs/08_trainer.ipynb #ef328302
 @patch
+def _carry_on(self: SFTTrainer, why: str) -> int:
+    """New workers go on with this trainer's run from run_dir's last good checkpoint (none: step 0), the one rule for a
+    trainer set up again after `shutdown` and for `restart_workers`; steps trained after that checkpoint are lost, and
+    said. Returns the step it goes on from."""
+    path, saved = self._saved_step()
+    if saved < self.global_step:
+        print(f"{why}: the weights of {_step_range(saved + 1, self.global_step)} were not saved and are gone; the run "
+              f"goes on from {f'step {saved} ({path.name})' if path else 'step 0 (no checkpoint)'}", file=sys.stderr)
+    if path is not None: return self.load(path)
+    self.global_step, self.step_metrics, self.eval_metrics = 0, [], []
+    self.data.restore(self.data.ckpt_state(0), self.run_dir)
+    self._emit('on_load', 0)
+    return 0
+
+@patch
 def restart_workers(self: SFTTrainer) -> int:
     """New workers in place of a dead (or live) group, resumed from run_dir's last good checkpoint (none: step 0); the
     step resumed at."""
@@ -498,11 +534,7 @@ def restart_workers(self: SFTTrainer) -> int:
         self.group.kill()
         self.backend = start_workers(self.cfg, self.total_steps)
         self.group, self.model_info = self.backend.group, self.backend.setup()[0]
-        if self.ckpt.resolve('latest') is not None: return self.load('latest')
-        self.global_step, self.step_metrics, self.eval_metrics = 0, [], []
-        self.data.restore(self.data.ckpt_state(0), self.run_dir)
-        self._emit('on_load', 0)
-        return 0
+        return self._carry_on('restart_workers')
 
 # %% ../nbs/08_trainer.ipynb #46e0984b
 from .memory import dry_run_batch, dry_run_verdict, measure_step

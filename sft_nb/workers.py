@@ -12,10 +12,10 @@ from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig
 
 # %% auto #0
-__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray', 'free_port',
-           'stop_ray', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder',
-           'TrainWorker', 'WorkerError', 'death_message', 'failure_message', 'WorkerGroup', 'release_parked',
-           'LocalGroup']
+__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray',
+           'free_port', 'stop_ray', 'exception_chain', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng',
+           'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'failure_message',
+           'WorkerGroup', 'release_parked', 'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -102,14 +102,21 @@ def stop_ray(started: bool) -> bool:
     return False
 
 # %% ../nbs/07_workers.ipynb #5bd6d928
-def write_error(e: BaseException) -> dict | None:
-    """The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'};
-    None for any other failure."""
+def exception_chain(e: BaseException):
+    "`e`, its causes and contexts, and the per-rank failures torch DCP's `CheckpointException` holds, each once."
     seen, todo = set(), [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen: continue
         seen.add(id(x))
+        yield x
+        todo += ([x.__cause__, x.__context__]
+                 + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()])
+
+def write_error(e: BaseException) -> dict | None:
+    """The OS error behind a failed write, also inside torch DCP's per-rank `CheckpointException`: {'errno', 'what'};
+    None for any other failure."""
+    for x in exception_chain(e):
         if isinstance(x, OSError) and x.errno:
             return {'errno': x.errno, 'what': (x.strerror or str(x)) + (f" ({x.filename})" if x.filename else '')}
         if 'No space left' in str(x) or 'unexpected pos' in str(x):  # torch's zip writer on a full disk
@@ -117,8 +124,6 @@ def write_error(e: BaseException) -> dict | None:
         # its zip writer: no errno
         if 'file write failed' in str(x):
             return {'errno': errno.EIO, 'what': 'torch could not write a file (file write failed)'}
-        todo += ([x.__cause__, x.__context__]
-                 + [f[0] if isinstance(f, tuple) else f for f in getattr(x, 'failures', {}).values()])
     return None
 
 # %% ../nbs/07_workers.ipynb #a0f06c76
@@ -153,14 +158,18 @@ def node_id(self: DistWorker) -> str:
     return ray.get_runtime_context().get_node_id() if ray.is_initialized() else socket.gethostname()
 
 # %% ../nbs/07_workers.ipynb #e472ce29
+DIST_ENV = ('MASTER_ADDR', 'MASTER_PORT', 'RANK', 'WORLD_SIZE', 'LOCAL_RANK')  # what init_dist sets in its process
+
 @patch
 def init_dist(self: DistWorker, master_addr: str, master_port: int, use_gpu: bool = False, threads: int = 1,
-              timeout_s: int = 120):
+              timeout_s: int = 120,
+              own_process: bool = True): # False in process (`LocalGroup`): the kernel's allocator is the user's
     import torch, torch.distributed as dist
-    os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port), RANK=str(self.rank),
-                      WORLD_SIZE=str(self.world_size), LOCAL_RANK='0')
+    os.environ.update(zip(DIST_ENV, (master_addr, str(master_port), str(self.rank), str(self.world_size), '0')))
     if use_gpu: torch.cuda.set_device(0)  # Ray gives each actor one GPU, visible as device 0
-    else: torch.set_num_threads(max(1, threads)); compact_malloc()
+    else:
+        torch.set_num_threads(max(1, threads))
+        if own_process: compact_malloc()
     dist.init_process_group('nccl' if use_gpu else 'gloo', rank=self.rank, world_size=self.world_size,
                             timeout=timedelta(seconds=timeout_s))
     return True
@@ -462,8 +471,9 @@ def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
     release_parked()
     if warm is None: return False
     try: warm.call_per_rank('reinit', [(k,) for k in kwargs])
-    # a parked worker died meanwhile, or its cluster is gone: new ones are placed
-    except Exception: warm.kill(); return False
+    except WorkerError as e:  # a parked worker died meanwhile (the group is killed): new ones are placed
+        warnings.warn(f"placement.keep_warm: the warm workers could not take this run ({e}); placing new ones")
+        warm.kill(); return False
     self.actors, self.pg = warm.actors, warm.pg
     return True
 
@@ -527,11 +537,12 @@ class LocalGroup(WorkerGroup):
             raise WorkerError("placement.in_process: this process already has a torch.distributed process group (another "
                               "in-process trainer's, not shut down?): call its shutdown() first, or run under Ray "
                               "(placement.in_process=false)")
-        # `threads`: this process's torch threads, given back by `kill`
+        # `threads` and `environ`: this process's torch threads and the variables init_dist sets, given back by `kill`
         self.world_size, self.dead, self.threads = 1, None, torch.get_num_threads()
+        self.environ = {k: os.environ.get(k) for k in DIST_ENV}
         # a copy of the run's configs, as an actor gets: the driver changing its own later does not reach the worker
         self.actors = [worker_cls(rank=0, world_size=1, **copy.deepcopy(init_kwargs or {}))]
-        self.call('init_dist', '127.0.0.1', free_port(), use_gpu, int(cpus_per_worker))
+        self.call('init_dist', '127.0.0.1', free_port(), use_gpu, int(cpus_per_worker), own_process=False)
 
 # %% ../nbs/07_workers.ipynb #488aebb9
 @patch
@@ -541,9 +552,15 @@ def _run(self: LocalGroup, method: str, args: tuple, kwargs: dict):
     self.check_alive()
     args, kwargs = copy.deepcopy((args, kwargs))
     try: out = getattr(self.actors[0], method)(*args, **kwargs)
+    except KeyboardInterrupt:  # an interrupt stopped the worker midway: its state is unknown
+        self.mark_dead(f"{method} was interrupted"); raise
     except Exception as e:
+        # torch DCP wraps an interrupt during a save into its CheckpointException: still an interrupt
+        if any(isinstance(x, KeyboardInterrupt) for x in exception_chain(e)):
+            self.mark_dead(f"{method} was interrupted")
+            raise KeyboardInterrupt(f"interrupted during the worker's {method}") from None
         self._fail(failure_message(0, method, e), e)
-    except BaseException:  # an interrupt stopped the worker midway: its state is unknown
+    except BaseException:
         self.mark_dead(f"{method} was interrupted"); raise
     return copy.deepcopy(out)
 
@@ -562,12 +579,18 @@ def call_rank(self: LocalGroup, rank: int, method: str, *args, **kwargs):
 def kill(self: LocalGroup):
     """Let go of the worker's run (`DistWorker.release`: its process group, model and optimizer) and give this process
     its torch threads back (idempotent)."""
-    import torch
+    import torch, torch.distributed as dist
     for w in getattr(self, 'actors', []):
         try: w.release()
-        except Exception: pass
+        except Exception as e:  # the next in-process trainer must still find no process group of this one's
+            if dist.is_initialized(): dist.destroy_process_group()
+            warnings.warn(f"placement.in_process: releasing the worker failed ({type(e).__name__}: {e}); its process "
+                          "group is destroyed, but its model may stay in memory until the kernel restarts")
     self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
     torch.set_num_threads(self.threads)
+    for k, v in self.environ.items():
+        if v is None: os.environ.pop(k, None)
+        else: os.environ[k] = v
 
 @patch
 def shutdown(self: LocalGroup, keep_warm: bool = False): # nothing to keep warm: torch stays imported in this process

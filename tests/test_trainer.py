@@ -243,3 +243,41 @@ def test_resume_latest_without_a_checkpoint_never_writes_over_a_run(tiny_path, t
     with pytest.raises(ConfigError, match=r"checkpoint\.resume=latest: .* holds a run \(2 steps in metrics\.jsonl\) but no checkpoint.*Save the trainer"):
         t.setup()
     assert (tmp_path / 'metrics.jsonl').read_text() == before and t.group is None
+
+
+def test_a_trainer_set_up_again_goes_on_from_its_last_checkpoint(tiny_path, tmp_path, capfd):
+    """`fit(3); shutdown(); fit()` on one trainer equals 6 steps straight: its new workers load the step-3 checkpoint
+    (never the base weights at step 4). Steps trained after the last checkpoint are said to be lost, at shutdown and
+    at setup, and the run goes on from that checkpoint's step, as a straight run would have (in process: the rule is the
+    driver's, above the worker group)."""
+    base = dict(train__num_steps=6, train__micro_batch_size=4, optim__schedule='cosine', placement__in_process=True)
+    with SFTTrainer(make_cfg(tiny_path, tmp_path / 'straight', **base), train_data=ROWS) as t:
+        straight = t.fit()['loss'].tolist()
+    t = SFTTrainer(make_cfg(tiny_path, tmp_path / 'again', **base, checkpoint__save_every=2), train_data=ROWS)
+    t.fit(3); t.shutdown()
+    err = capfd.readouterr().err
+    assert 'shutdown: the weights of step 3 are not saved (trainer.save() before shutdown keeps them)' in err, err
+    losses = t.fit()['loss'].tolist(); t.shutdown()
+    err += capfd.readouterr().err
+    assert 'set up again: the weights of step 3 were not saved and are gone; the run goes on from step 2 (step_000002)' in err, err
+    assert_rel_close(losses, straight, 4e-6, 'set up again vs straight')
+    lines = [json.loads(l) for l in (tmp_path / 'again' / 'metrics.jsonl').read_text().splitlines()]
+    assert [l['step'] for l in lines if l['kind'] == 'train'] == [1, 2, 3, 4, 5, 6]  # step 3 once, as trained again
+
+
+def test_an_interrupt_during_a_save_waits_for_it(tiny_path, tmp_path):
+    """Ctrl-C while an in-process worker writes a checkpoint: the save finishes, then a `KeyboardInterrupt` says so; the
+    checkpoint is complete and the workers live on (never torch's `CheckpointException` from a half-written folder)."""
+    import os, signal
+    t = SFTTrainer(make_cfg(tiny_path, tmp_path, train__num_steps=2, placement__in_process=True), train_data=ROWS)
+    try:
+        t.fit(1)
+        worker, real = t.group.actors[0], t.group.actors[0].save
+        def interrupted_save(path):
+            os.kill(os.getpid(), signal.SIGINT)  # lands while the worker saves, in this (the main) thread
+            return real(path)
+        worker.save = interrupted_save
+        with pytest.raises(KeyboardInterrupt, match='interrupted during the save of step 1, which finished first'): t.save()
+        assert [p.name for p in t.checkpoints()] == ['step_000001']
+        assert t.step()['step'] == 2
+    finally: t.shutdown()
