@@ -4,20 +4,21 @@
 
 # %% ../nbs/11_cli.ipynb #ef2c9e85
 from __future__ import annotations
-import argparse, ast, json, os, re, signal, sys, threading, time, traceback
+import argparse, ast, json, math, os, re, signal, sys, threading, time, traceback
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 from fastcore.basics import patch
 import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
-from .config import load_yaml
+from .config import ConfigError, Plain, as_type, load_yaml, read_value
 from .errors import UserError
 from .workers import child_pids
 
 # %% auto #0
-__all__ = ['ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parse_value', 'check_parameters',
+__all__ = ['ANSI', 'PAPERMILL_BANNERS', 'ParameterError', 'notebook_parameters', 'parameter_type', 'check_parameters',
            'parameter_keys', 'in_parameter_words', 'check_parameter_names', 'in_thread', 'kernel_pids', 'SignalStop',
-           'NotebookError', 'run_notebook', 'check_overrides', 'export_parser', 'build_parser', 'main']
+           'NotebookError', 'run_notebook', 'check_overrides', 'export_parser', 'gib', 'build_parser', 'main']
 
 # %% ../nbs/11_cli.ipynb #62ca7f9c
 class ParameterError(UserError, ValueError):
@@ -30,21 +31,20 @@ def notebook_parameters(path: str | Path) -> dict:
     params = pm.inspect_notebook(str(path))
     return {k: {'type': v['inferred_type_name'], 'default': v['default'], 'help': v['help']} for k, v in params.items()}
 
-# %% ../nbs/11_cli.ipynb #cb8f1c2a
-def parse_value(text: str):
-    "A command-line value as a YAML scalar (`3` → int, `3e-4` → float, `true` → bool, else str)."
-    try: v = load_yaml(text, f'value {text[:60]!r}')
-    except yaml.YAMLError: return text
-    if isinstance(v, str):
-        try: return float(v)  # YAML 1.1 reads `3e-4` as a string
-        except ValueError: return v
-    return text if v is None else v
-
 # %% ../nbs/11_cli.ipynb #d1e8fc8a
-_TYPES = {'int': (int,), 'float': (float, int), 'str': (str,), 'bool': (bool,)}
+_TYPES = {'int': int, 'float': float, 'str': str, 'bool': bool, 'list': list[Any], 'dict': dict[str, Any]}
+
+def parameter_type(p: dict) -> Any: # one of `notebook_parameters`
+    """The type a notebook parameter's value is read by (`sft_nb.config.read_value`): its annotation (`max_steps: int`),
+    else its default's (`row = 3`: int), else Any (as YAML reads the text)."""
+    if p['type'] in _TYPES: return _TYPES[p['type']]
+    try: default = ast.literal_eval(p['default'])
+    except (ValueError, SyntaxError, TypeError): return Any
+    return _TYPES.get(type(default).__name__, Any)
 
 def check_parameters(declared: dict, given: dict) -> dict:
-    "Validate names and types of `given` against `declared`; returns the values to pass (ints widened to floats)."
+    """Validate names and types of `given` against `declared`; returns the values to pass, each `Plain` text (a `-p`
+    value, an unquoted value of `-f`) read by its parameter's type (`parameter_type`), ints widened to floats."""
     out = {}
     for k, v in given.items():
         if k not in declared:
@@ -52,12 +52,8 @@ def check_parameters(declared: dict, given: dict) -> dict:
             close = difflib.get_close_matches(k, list(declared), n=1)
             raise ParameterError(f"unknown parameter {k!r}" + (f" (did you mean {close[0]!r}?)" if close else '')
                                  + f"; the notebook declares: {', '.join(declared)}")
-        t = declared[k]['type']
-        ok = _TYPES.get(t)
-        if ok is not None and (not isinstance(v, ok) or (t in ('int', 'float') and isinstance(v, bool))):
-            if t == 'str' and isinstance(v, (int, float, bool)): v = str(v)  # `-p model 7` meant the string
-            else: raise ParameterError(f"parameter {k!r} expects {t}, got {type(v).__name__} {v!r}")
-        out[k] = float(v) if t == 'float' else v
+        try: out[k] = as_type(v, parameter_type(declared[k]), f"parameter {k!r}")
+        except ConfigError as e: raise ParameterError(str(e)) from None
     return out
 
 # %% ../nbs/11_cli.ipynb #c2f40982
@@ -142,8 +138,9 @@ def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
     def say(m):
         quoted = m[2][:1] in ('"', "'")
         raw = m[2][1:-1] if quoted else m[2]
-        return (f"-p {keys[m[1]]} {shlex.quote(raw)}"
-                if form == 'run' else f"{keys[m[1]]}={raw if quoted else parse_value(raw)!r}")
+        if form == 'run': return f"-p {keys[m[1]]} {shlex.quote(raw)}"
+        try: return f"{keys[m[1]]}={raw if quoted else read_value(raw, Any, m[1])!r}"
+        except ConfigError: return m[0]  # not YAML: the advice as it was
     key = '|'.join(map(re.escape, sorted(keys, key=len, reverse=True)))
     return re.sub(rf"""(?<![\w.])({key})=('[^']*'|"[^"]*"|[^\s,;:)]*[^\s,;:).])""", say, text)
 
@@ -354,13 +351,17 @@ def _cmd_run(a):
     log.setLevel(logging.INFO); log.propagate = False
     # the cells' own output, not papermill's cell-by-cell banners
     log.filters = [lambda r: not PAPERMILL_BANNERS.match(r.getMessage())]
-    params = {}
+    params = {}  # each value a `Plain` text where it was written without quotes: read by its parameter's type
     if a.file:
-        try: params.update(load_yaml(Path(a.file).read_text(), f'-f {a.file}') or {})
+        try: params = load_yaml(Path(a.file).read_text(), f'-f {a.file}', plain=True) or {}
         except yaml.YAMLError as e:
             raise ValueError(f"-f {a.file}: not valid YAML: {' '.join(str(e).split())}") from None
         except FileNotFoundError: raise ValueError(f"-f {a.file}: no such file") from None
-    for name, value in a.param or []: params[name] = parse_value(value)
+        if not isinstance(params, dict): raise ValueError(f"-f {a.file}: expected a mapping of parameter: value")
+    names = [name for name, _ in a.param or []]
+    if twice := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"-p {twice[0]} is given twice; give each parameter once")
+    params |= {name: Plain(value) for name, value in a.param or []}  # -p wins over -f
     out = run_notebook(a.notebook, params, a.run_dir, a.timeout, grace_s=a.grace)
     print(f"executed notebook: {out}")
 
@@ -473,6 +474,15 @@ def _cmd_demo(a, rest):
     from sft_nb.demo import main as demo_main
     return demo_main(rest)
 
+# %% ../nbs/11_cli.ipynb #18bf3855
+def gib(text: str) -> float:
+    "An argparse type: GiB of memory, a finite number above 0 (`inf`, `nan`, 0 and negatives are refused as it is read)."
+    try: v = float(text)
+    except ValueError: v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(f"{text!r}: the GiB of one GPU (--gpu-memory) is a finite number above 0")
+    return v
+
 # %% ../nbs/11_cli.ipynb #7284c251
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog='sft-nb', description='sft_nb: supervised fine-tuning, notebook-first')
@@ -505,7 +515,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument('config'); pl.add_argument('overrides', nargs='*', help='key.sub=value')
     pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node')
     pl.add_argument('--nodes', type=int, default=1, help='nodes')
-    pl.add_argument('--gpu-memory', type=float, help='GiB of one GPU (needed for --device cuda)')
+    pl.add_argument('--gpu-memory', type=gib, help='GiB of one GPU (needed for --device cuda)')
     pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
                     help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
     pl.add_argument('--no-data', action='store_true',
@@ -528,7 +538,11 @@ def main(argv=None):
         cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack,
                                      'demo': _cmd_demo}[argv[0]](None, argv[1:])
     else:
-        a = p.parse_args(argv)
+        a, extra = p.parse_known_args(argv)
+        # key=value overrides may come after the options too (`train c.yaml --dry-run optim.lr=1`)
+        if stray := [x for x in extra if x.startswith('-') or '=' not in x or not hasattr(a, 'overrides')]:
+            p.error(f"unrecognized arguments: {' '.join(stray)}")
+        if extra: a.overrides += extra
         cmds = {'run': _cmd_run, 'train': _cmd_train, 'estimate': _cmd_estimate, 'export': _cmd_export}
         cmd, run = a.command, lambda: cmds[a.command](a)
     try: return run()

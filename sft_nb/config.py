@@ -14,8 +14,8 @@ from .errors import UserError
 from .formats import FormatName
 
 # %% auto #0
-__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'Plain', 'check_range', 'field_docs', 'nearest_key', 'from_dict', 'SourceConfig',
-           'DataConfig', 'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig',
+__all__ = ['MAX_YAML_VALUES', 'ConfigError', 'Plain', 'as_type', 'check_range', 'field_docs', 'nearest_key', 'from_dict',
+           'SourceConfig', 'DataConfig', 'TokenizeConfig', 'PackingConfig', 'ModelConfig', 'OptimConfig', 'TrainConfig',
            'PlacementConfig', 'CheckpointConfig', 'LoggingConfig', 'EvalConfig', 'SFTConfig', 'load_yaml', 'read_value',
            'parse_overrides', 'to_dict', 'flatten', 'load_config', 'save_config']
 
@@ -45,7 +45,9 @@ def _unplain(v):
     return float(v) if isinstance(v, str) and re.fullmatch(r'[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+', v) else v
 
 # %% ../nbs/00_config.ipynb #bb2b09aa
-def _coerce(value, tp, path: str):
+def as_type(value, tp, # a field's annotation
+            path: str, # the field's name in messages (`optim.lr`)
+           ):
     """Check `value` against annotation `tp`; return it (ints are accepted where floats are expected). A `Plain` text is
     first read by `tp` (`read_value`)."""
     origin, args = get_origin(tp), get_args(tp)
@@ -56,7 +58,7 @@ def _coerce(value, tp, path: str):
         errs = []
         for a in args:
             if a is type(None): continue
-            try: return _coerce(value, a, path)
+            try: return as_type(value, a, path)
             except ConfigError as e: errs.append(e)
         raise errs[0] if len(errs) == 1 else ConfigError(f"{path}: expected {_type_name(tp)}, got {value!r}")
     if origin is Literal:
@@ -64,10 +66,10 @@ def _coerce(value, tp, path: str):
         raise ConfigError(f"{path}: {value!r} is not allowed; allowed values: {', '.join(map(repr, args))}")
     if origin is list:
         if not isinstance(value, (list, tuple)): raise ConfigError(f"{path}: expected a list, got {value!r}")
-        return [_coerce(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)] if args else list(value)
+        return [as_type(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)] if args else list(value)
     if origin is dict:
         if not isinstance(value, dict): raise ConfigError(f"{path}: expected a mapping, got {value!r}")
-        return {k: _coerce(v, args[1], f"{path}.{k}") for k, v in value.items()} if args else dict(value)
+        return {k: as_type(v, args[1], f"{path}.{k}") for k, v in value.items()} if args else dict(value)
     if dataclasses.is_dataclass(tp):
         if isinstance(value, tp): return value
         if not isinstance(value, dict):
@@ -125,7 +127,7 @@ def from_dict(cls, d: dict, path: str = ''):
             close = nearest_key(k, cls)
             hint = f" (did you mean {close!r}?)" if close else ''
             raise ConfigError(f"{p}: unknown key{hint}; allowed keys: {', '.join(names)}")
-        kw[k] = _coerce(v, hints[k], p)
+        kw[k] = as_type(v, hints[k], p)
     try: return cls(**kw)
     except ConfigError as e:
         if path and not str(e).startswith(path): raise ConfigError(f"{path}.{e}") from None
@@ -509,7 +511,7 @@ def read_value(text: str, tp, name: str):
         except yaml.YAMLError as e:
             raise ConfigError(f"{name}: {text!r} is not valid YAML ({getattr(e, 'problem', None) or e}); quote it "
                               "or fix the brackets") from None
-        return _coerce(_unplain(v) if isinstance(v, Plain) else v, tp, name)
+        return as_type(_unplain(v) if isinstance(v, Plain) else v, tp, name)
     raise ConfigError(f"{name}: expected {_type_name(tp)}, got {text!r}")
 
 # %% ../nbs/00_config.ipynb #27ddebe8

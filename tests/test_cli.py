@@ -30,7 +30,7 @@ def read_samples(run_dir):
 def test_bad_parameter_type_fails_before_running(tmp_path):
     "A parameter value of the wrong type is refused before a kernel starts (an unknown name: nbs/11_cli.ipynb)."
     code, _, err = cli('run', TRAIN_NB, '-p', 'max_steps', 'lots', '--run-dir', tmp_path / 'run')
-    assert code != 0 and "parameter 'max_steps' expects int, got str 'lots'" in err
+    assert code != 0 and "parameter 'max_steps': expected int, got 'lots'" in err
     assert not (tmp_path / 'run' / 'train.ipynb').exists()  # no kernel was started
 
 
