@@ -9,7 +9,7 @@ from pathlib import Path
 from .formats import BAD_ROW_KEY, BadRow
 
 # %% auto #0
-__all__ = ['MAX_ROW_BYTES', 'bounded_lines', 'json_line', 'bad_row_marker', 'json_records', 'iter_json_rows']
+__all__ = ['MAX_ROW_BYTES', 'refuse_wide', 'bounded_lines', 'json_line', 'bad_row_marker', 'json_records', 'iter_json_rows']
 
 # %% ../nbs/01b_jsonl.ipynb #a1d0e007
 class _DuplicateKey(ValueError):
@@ -22,6 +22,21 @@ def _unique_keys(pairs: list) -> dict:
     if len(d) != len(pairs):
         raise _DuplicateKey(next(k for k, n in __import__('collections').Counter(k for k, _ in pairs).items() if n > 1))
     return d
+
+# %% ../nbs/01b_jsonl.ipynb #ef3ae74e
+_WIDE_BOMS = ((codecs.BOM_UTF32_LE, 'UTF-32'), (codecs.BOM_UTF32_BE, 'UTF-32'), (codecs.BOM_UTF16_LE, 'UTF-16'),
+              (codecs.BOM_UTF16_BE, 'UTF-16'))  # UTF-32 first: its LE mark begins with UTF-16's
+
+def refuse_wide(head: bytes, p):
+    """A `BadRow` naming file `p` when its first line `head` is UTF-16 or UTF-32 (a byte-order mark, or NUL bytes, which
+    UTF-8 JSON never holds): no line of it reads as UTF-8."""
+    enc = next((e for bom, e in _WIDE_BOMS if head.startswith(bom)), None)
+    if enc: why = f"its first bytes are a {enc} byte-order mark"
+    elif b'\x00' in head[:4]:
+        enc = 'UTF-32' if head[:4].count(b'\x00') == 3 else 'UTF-16'
+        why = f"{'three bytes in four' if enc == 'UTF-32' else 'every other byte'} of its first line is NUL"
+    else: return
+    raise BadRow(f"{p} is {enc} ({why}): save it as UTF-8", kind='bad_encoding')
 
 # %% ../nbs/01b_jsonl.ipynb #8635e918
 MAX_ROW_BYTES = 1 << 27  # 128 MiB: one JSONL line past it is a bad row, never read whole (far past any model's context)
@@ -45,7 +60,8 @@ def json_line(raw: bytes, # one line of a JSONL file, as read
               p, n: int, # the file and the line number (1-based), for the reason
              ) -> tuple[str | None, dict | BadRow] | None:
     """The JSONL rule for one line: None when blank; else `(text, row)`, or `(None, BadRow)` naming the line (not UTF-8,
-    not JSON, a key twice, not an object)."""
+    not JSON, a key twice, not an object). Line 1 of a UTF-16/UTF-32 file raises the file's `BadRow` (`refuse_wide`)."""
+    if n == 1: refuse_wide(raw, p)
     if n == 1 and raw.startswith(codecs.BOM_UTF8): raw = raw[len(codecs.BOM_UTF8):]
     if len(raw) > MAX_ROW_BYTES:
         return None, BadRow(f"{p}: line {n} is over {MAX_ROW_BYTES >> 20} MiB; a row that long is past any model's "
@@ -139,6 +155,7 @@ def json_records(p: Path, digest=None):
         head = b''
         while not head.lstrip(codecs.BOM_UTF8 + b' \t\r\n') and (chunk := f.read(1 << 16)): head += chunk
         f.seek(0)
+        refuse_wide(head, p)
         array = p.suffix.lower() != '.jsonl' and head.lstrip(codecs.BOM_UTF8 + b' \t\r\n').startswith(b'[')
         if p.suffix.lower() == '.json' and not array: _refuse_one_object(f, p)
         n = 0
