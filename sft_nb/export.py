@@ -4,16 +4,17 @@
 
 # %% ../nbs/08f_export.ipynb #e5400003
 from __future__ import annotations
-import json, os, re
+import json, math, os, re, sys
 from pathlib import Path
 from .errors import UserError
+from .paths import write_failure, write_file, written_aside
 
 # %% auto #0
-__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'GO_FUNCS', 'HUB_IDS', 'ExportError', 'gguf_arch', 'permute_qk',
-           'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf', 'go_words',
-           'go_pieces', 'go_value', 'go_data', 'render_go_template', 'probe', 'turn_pieces', 'go_template',
-           'ollama_template', 'modelfile', 'export_gguf', 'loss_svg', 'run_record', 'model_card', 'write_card', 'push',
-           'save_run_tokenizer', 'run_export']
+__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'GO_FUNCS', 'HUB_IDS', 'EXPORT_RECORD', 'ExportError', 'gguf_arch',
+           'permute_qk', 'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf',
+           'go_words', 'go_pieces', 'go_value', 'go_data', 'render_go_template', 'probe', 'turn_pieces', 'go_template',
+           'ollama_template', 'modelfile', 'export_gguf', 'loss_svg', 'run_record', 'model_card', 'record_export',
+           'export_facts', 'write_card', 'push', 'save_run_tokenizer', 'export_source', 'run_export']
 
 # %% ../nbs/08f_export.ipynb #e5400006
 class ExportError(UserError, ValueError):
@@ -29,16 +30,19 @@ CONVERT_HINT = "convert the HF export with llama.cpp's convert_hf_to_gguf.py"
 
 # %% ../nbs/08f_export.ipynb #6e6f3359
 def gguf_arch(cfg) -> str:
-    "The gguf architecture of a transformers config, or an `ExportError` naming what the writer does not cover."
+    """The gguf architecture of a transformers config, or an `ExportError` naming each config field (and its value)
+    that llama.cpp's architecture cannot say: it computes SwiGLU with SiLU, plain RoPE, no sliding window."""
     kind = cfg.model_type
     if kind not in GGUF_ARCHS:
         raise ExportError(f"GGUF export: {kind!r} models ({type(cfg).__name__}) are not written by sft_nb "
                           f"(it writes {', '.join(GGUF_ARCHS)}); {CONVERT_HINT}")
     rope = (getattr(cfg, 'rope_parameters', None) or {}).get('rope_type', 'default')
-    odd = [f'rope_type {rope!r}'] * (rope != 'default')
-    odd += [f for f in ('attention_bias', 'mlp_bias', 'use_sliding_window') if getattr(cfg, f, False)]
-    if odd: raise ExportError(f"GGUF export: this {kind} model has {', '.join(odd)}, which sft_nb's GGUF writer does "
-                              f"not write; {CONVERT_HINT}")
+    act = getattr(cfg, 'hidden_act', 'silu')
+    odd = [f'rope_type {rope!r} (llama.cpp here: default)'] * (rope != 'default')
+    odd += [f'hidden_act {act!r} (llama.cpp computes silu)'] * (act != 'silu')
+    odd += [f'{f} True' for f in ('attention_bias', 'mlp_bias', 'use_sliding_window') if getattr(cfg, f, False)]
+    if odd: raise ExportError(f"GGUF export: this {kind} model's config.json has {', '.join(odd)}, which sft_nb's GGUF "
+                              f"writer cannot say to llama.cpp's {kind}; {CONVERT_HINT}")
     return kind
 
 # %% ../nbs/08f_export.ipynb #e5400009
@@ -139,7 +143,7 @@ def gguf_tokenizer(w, tok, n_vocab: int):
 
 # %% ../nbs/08f_export.ipynb #e5400013
 def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the run's tokenizer and chat template
-               out: str | Path, # the .gguf file to write (written aside, renamed into place)
+               out: str | Path, # the .gguf file to write (`written_aside`: renamed into place when whole)
                quant: str = 'f16', # one of `GGUF_QUANTS`
               ) -> Path:
     "One GGUF file of a Llama or Qwen2 export: llama.cpp's names and layout, config, tokenizer, chat template."
@@ -154,13 +158,15 @@ def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the
     if quant not in GGUF_QUANTS: raise ExportError(f"GGUF export: quant {quant!r} is none of {', '.join(GGUF_QUANTS)}")
     cfg = model_config(folder)  # checked: a whole export, no folder code
     arch, tok = gguf_arch(cfg), AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(part := out.with_name(out.name + '.partial'), arch)
-    gguf_config(w, cfg, quant)
-    gguf_tokenizer(w, tok, cfg.vocab_size)
-    for name, data, kind in gguf_tensors(folder, cfg, quant): w.add_tensor(name, data, raw_dtype=kind)
-    w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
-    return part.replace(out)
+    with written_aside(out, f'{out.parent.name}/{out.name}') as part:
+        w = gguf.GGUFWriter(part, arch)
+        try:
+            gguf_config(w, cfg, quant)
+            gguf_tokenizer(w, tok, cfg.vocab_size)
+            for name, data, kind in gguf_tensors(folder, cfg, quant): w.add_tensor(name, data, raw_dtype=kind)
+            w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
+        finally: w.close()
+    return out
 
 # %% ../nbs/08f_export.ipynb #e5400016
 _GO_WORD = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+)\b|(\$\w*(?:\.\w+)*)|(\.\w+(?:\.\w+)*|\.)'
@@ -386,16 +392,21 @@ def export_gguf(folder: str | Path, # an HF export (`trainer.export()`, `run_exp
     out = write_gguf(folder, Path(out_dir) / f'model-{quant}.gguf', quant)
     try: text = modelfile(out.name, AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
     except ExportError as e: raise ExportError(f"{e} (the GGUF is written: {out}; no Modelfile)") from None
-    (out.parent / 'Modelfile').write_text(text)
+    write_file(out.parent / 'Modelfile', text, f'{out.parent.name}/Modelfile')
     return out
 
 # %% ../nbs/08f_export.ipynb #e5400025
 def loss_svg(train: list[tuple[int, float]], # (step, train loss) per logged step
              evals: list[tuple[int, float]], # (step, eval loss) per evaluation
              width: int = 640, height: int = 300) -> str:
-    "The run's loss chart as a standalone SVG (train loss a line, eval loss dots): no plotting library needed."
+    """The run's loss chart as a standalone SVG (train loss a line, eval loss dots): no plotting library needed. A NaN
+    or infinite loss is not drawn: the chart names its steps."""
     head = f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif">'
-    if not train + evals: return head + '<text x="20" y="30">no losses logged</text></svg>'
+    bad = sorted({s for s, l in train + evals if not math.isfinite(l)})
+    train, evals = [(s, l) for s, l in train if math.isfinite(l)], [(s, l) for s, l in evals if math.isfinite(l)]
+    note = (f'<text x="60" y="{height - 6}" font-size="12" fill="#c0392b">not finite, not drawn: step '
+            f'{", ".join(map(str, bad[:8]))}{" ..." * (len(bad) > 8)}</text>') if bad else ''
+    if not train + evals: return head + '<text x="20" y="30">no losses logged</text>' + note + '</svg>'
     steps, losses = [p[0] for p in train + evals], [p[1] for p in train + evals]
     (s0, s1), (l0, l1) = (min(steps), max(steps)), (min(losses), max(losses))
     X = lambda s: 60 + (s - s0) / ((s1 - s0) or 1) * (width - 80)
@@ -410,20 +421,31 @@ def loss_svg(train: list[tuple[int, float]], # (step, train loss) per logged ste
             + text(55, Y(l1) + 4, f'{l1:.3f}', 'end') + text(55, Y(l0) + 4, f'{l0:.3f}', 'end')
             + text(60, height - 22, f'step {s0}')
             + text(width - 20, height - 22, f'step {s1}', 'end') + text(70, 16, '— train loss', color='#2a7ab0')
-            + text(200, 16, '● eval loss', color='#e67e22') + '</svg>')
+            + text(200, 16, '● eval loss', color='#e67e22') + note + '</svg>')
 
 # %% ../nbs/08f_export.ipynb #e5400026
 HUB_IDS = {n: 'HuggingFaceTB/SmolLM2-135M-Instruct' for n in ('smollm2', 'SmolLM2-135M-Instruct')}  # name → Hub id
 
 # %% ../nbs/08f_export.ipynb #63c48ccb
+def _metric_lines(metrics: Path) -> list[dict]:
+    "The records of metrics.jsonl; a line that is not JSON (one cut by a kill) is an `ExportError` naming it."
+    out = []
+    for n, line in enumerate(metrics.read_text(errors='replace').splitlines(), 1):
+        if not line.strip(): continue
+        try: out.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ExportError(f"model card: {metrics} line {n} is not a JSON record ({e.msg}: {line[:60]!r})",
+                              fix=f"remove that line (a run killed mid-write cuts its last line), then write the "
+                                  "card again") from None
+    return out
+
 def run_record(run_dir: str | Path) -> dict:
     """What a run folder records of its run: config.yaml's text, the train and eval losses (metrics.jsonl), the data
     identity of its latest checkpoint (sources' examples, content digests, weights), the data report of summary.json
     (`sft-nb train` writes it)."""
     rd = Path(run_dir)
     read = lambda f: json.loads(f.read_text()) if f.is_file() else {}
-    metrics = rd / 'metrics.jsonl'
-    lines = [json.loads(l) for l in metrics.read_text().splitlines() if l.strip()] if metrics.is_file() else []
+    lines = _metric_lines(rd / 'metrics.jsonl') if (rd / 'metrics.jsonl').is_file() else []
     latest = rd / 'checkpoints' / 'latest'
     state = read(rd / 'checkpoints' / latest.read_text().strip() / 'trainer_state.json') if latest.is_file() else {}
     return {'config': (rd / 'config.yaml').read_text() if (rd / 'config.yaml').is_file() else None,
@@ -448,28 +470,53 @@ def _data_lines(cfg, ident: dict, rep: dict | None) -> list[str]:
     return table + ['', f'Data report: {counts}{dropped}.' if rep else 'Data report: not recorded.']
 
 # %% ../nbs/08f_export.ipynb #9587a93d
+def _holds(cfg, export: dict) -> str:
+    "What the card says the folder holds: a full fine-tune, a merged LoRA, or the LoRA adapter alone."
+    r = cfg.model.lora_r if cfg else 0
+    if export.get('holds') == 'adapter':
+        return (f'LoRA r={r}; this folder holds the adapter alone (adapter_model.safetensors), not a whole model: load '
+                'it onto the base with peft (`PeftModel.from_pretrained(base, folder)`)')
+    return f'LoRA r={r}, merged into the base' if r else 'full fine-tune'
+
 def model_card(rec: dict) -> str:
-    """A Hub model card (README.md) from `run_record`'s facts: base model, data sources and digests, the data report's
+    """A Hub model card (README.md) from `run_record`'s facts: base model, what the folder holds and the step of its
+    weights (`rec['export']`, `write_card` reads them off the folder), data sources and digests, the data report's
     counts, the final and best eval loss, the loss chart (loss.svg beside it), the config."""
     import yaml
     from sft_nb.config import load_config
     cfg = load_config(yaml.safe_load(rec['config'])) if rec['config'] else None
     base = cfg.model.path if cfg else 'unknown (no config.yaml)'
     hub = HUB_IDS.get(base, base if base.count('/') == 1 and not Path(base).expanduser().exists() else None)
-    tr, ev = rec['train'], rec['evals']
+    tr, ev, export = rec['train'], rec['evals'], rec.get('export') or {}
     best = min(ev, key=lambda e: e[1]) if ev else None
-    how = f'LoRA r={cfg.model.lora_r}, merged into the base' if cfg and cfg.model.lora_r else 'full fine-tune'
+    at = f"The weights are those of step {export['step']}." if export.get('step') is not None else (
+        'The step of the weights is not recorded.')
     return '\n'.join(['---', *([f'base_model: {hub}'] if hub else []), 'library_name: transformers',
         'pipeline_tag: text-generation', 'tags: [sft_nb, sft]', '---', f'# {Path(base).name}, fine-tuned with sft_nb',
         '',
         f'Base model: `{base}`' + (f' ([{hub}](https://huggingface.co/{hub}))' if hub else '')
-        + f'; {how}. The tokenizer '
+        + f'; {_holds(cfg, export)}. The tokenizer '
         'carries the chat template the run trained with: `apply_chat_template` renders conversations as training did.',
         '', '## Data', '', *_data_lines(cfg, rec['identity'] or {}, rec['data_report']), '', '## Training', '',
-        f'{tr[-1][0]} optimizer steps; final train loss {tr[-1][1]:.4f}.' if tr else 'No train step logged.',
+        f'{tr[-1][0]} optimizer steps logged; final train loss {tr[-1][1]:.4f}. {at}' if tr
+        else f'No train step logged. {at}',
         f'Eval loss: final {ev[-1][1]:.4f} (step {ev[-1][0]}), best {best[1]:.4f} (step {best[0]}).' if ev
         else 'No evaluation logged.',
         '', '![loss chart](loss.svg)', '', '## Config', '', '```yaml', (rec['config'] or '').strip(), '```', ''])
+
+# %% ../nbs/08f_export.ipynb #1be78012
+EXPORT_RECORD = 'sft_nb_export.json'  # in an export folder: {"step": the optimizer step its weights were trained to}
+
+def record_export(folder: str | Path, step: int) -> Path:
+    "Record in the export `folder` the step its weights were trained to (`EXPORT_RECORD`)."
+    return write_file(Path(folder) / EXPORT_RECORD, json.dumps({'step': int(step)}), f'{Path(folder).name}/{EXPORT_RECORD}')
+
+def export_facts(folder: str | Path) -> dict:
+    "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
+    f = Path(folder)
+    rec = json.loads((f / EXPORT_RECORD).read_text()) if (f / EXPORT_RECORD).is_file() else {}
+    holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
+    return {'holds': holds, 'step': rec.get('step')}
 
 # %% ../nbs/08f_export.ipynb #e8047915
 def write_card(folder: str | Path, # the HF export the card describes (the card is its README.md)
@@ -477,12 +524,13 @@ def write_card(folder: str | Path, # the HF export the card describes (the card 
                identity: dict | None = None, # the data identity (`trainer.data.identity()`) when no checkpoint holds it
                data_report: dict | None = None, # `trainer.data_report.to_dict()` when the folder has no summary.json
               ) -> Path:
-    "`folder/README.md` (`model_card`) and `folder/loss.svg` (`loss_svg`) of the run in `run_dir`; returns the README."
-    rec = run_record(run_dir)
+    """`folder/README.md` (`model_card`, saying what `folder` holds: `export_facts`) and `folder/loss.svg` (`loss_svg`)
+    of the run in `run_dir`; returns the README."""
+    rec, folder = run_record(run_dir), Path(folder)
     rec['identity'], rec['data_report'] = identity or rec['identity'], data_report or rec['data_report']
-    (Path(folder) / 'loss.svg').write_text(loss_svg(rec['train'], rec['evals']))
-    (readme := Path(folder) / 'README.md').write_text(model_card(rec))
-    return readme
+    rec['export'] = export_facts(folder)
+    write_file(folder / 'loss.svg', loss_svg(rec['train'], rec['evals']), f'{folder.name}/loss.svg')
+    return write_file(folder / 'README.md', model_card(rec), f'{folder.name}/README.md')
 
 # %% ../nbs/08f_export.ipynb #e540002a
 def push(folder: str | Path, # a Hub-ready folder: an HF export with its card (`write_card`)
@@ -520,26 +568,59 @@ def save_run_tokenizer(tokenizer, # the run's tokenizer (with its template's spe
     tok = copy.deepcopy(tokenizer); tok.chat_template = load_template(template)
     tok.save_pretrained(path)
 
+# %% ../nbs/08f_export.ipynb #2ffdd951
+def export_source(run_dir: str | Path) -> tuple[str, int | None]:
+    """Which weights an export of the run in `run_dir` comes from, the one rule of every export path: the newest.
+    ('hf', step) when `hf/` holds an export recorded at the latest checkpoint's step or later (or the run has no
+    checkpoint); ('checkpoint', step) when the latest checkpoint is newer than `hf/`, `hf/` records no step, or there
+    is no `hf/`; an `ExportError` when there is neither."""
+    rd, hf = Path(run_dir), Path(run_dir) / 'hf'
+    latest = rd / 'checkpoints' / 'latest'
+    state = rd / 'checkpoints' / latest.read_text().strip() / 'trainer_state.json' if latest.is_file() else None
+    newest = json.loads(state.read_text())['global_step'] if state and state.is_file() else None
+    at = export_facts(hf)['step'] if any((hf / f).exists() for f in ('config.json', 'adapter_config.json')) else -1
+    if at != -1 and (newest is None or (at is not None and at >= newest)): return 'hf', at
+    if newest is not None: return 'checkpoint', newest
+    raise ExportError(f"export: {rd} has no HF export (hf/) and no checkpoint to write one from: export from the "
+                      "trainer that ran it (trainer.export()), or let the run save a checkpoint "
+                      "(trainer.train() saves one at the end)")
+
 # %% ../nbs/08f_export.ipynb #fd8c9342
 def run_export(run_dir: str | Path) -> Path:
-    """The HF export of a run folder: `run_dir/hf` when it holds one, else written there from the latest checkpoint
-    (a full fine-tune; a LoRA run exports from its trainer, `trainer.export()`)."""
+    """The HF export of a run folder from its newest weights (`export_source`): `run_dir/hf` when it holds them, else
+    written there from the latest checkpoint (a full fine-tune) aside and renamed over the older `hf/`."""
+    import shutil
     from sft_nb.config import load_config
     from sft_nb.models import check_whole, load_model_inputs
     from sft_nb.workers import save_hf_folder
     rd = Path(run_dir); hf = rd / 'hf'
-    if (hf / 'config.json').exists() or (hf / 'adapter_config.json').exists(): check_whole(hf); return hf
     if not (rd / 'config.yaml').is_file(): raise ExportError(f"export: {rd} has no config.yaml: not a run folder")
+    src, step = export_source(rd)
+    if src == 'hf': check_whole(hf); return hf
+    at = export_facts(hf)['step'] if hf.exists() else None
+    old = (f"hf/ holds {'the weights of step ' + str(at) if at is not None else 'an export that records no step'}"
+           if hf.exists() else 'there is no hf/')
     if load_config(str(rd / 'config.yaml')).model.lora_r:
-        raise ExportError(f"export: {rd} is a LoRA run without an export: export it from its trainer "
-                          "(trainer.export() merges)")
-    if not (rd / 'checkpoints' / 'latest').is_file():
-        raise ExportError(f"export: {rd} has no HF export (hf/) and no checkpoint to write one from: export from the "
-                          "trainer that ran it (trainer.export()), or let the run save a checkpoint "
-                          "(trainer.train() saves one at the end)")
+        raise ExportError(f"export: {rd} is a LoRA run whose latest checkpoint is step {step} and {old}: sft_nb writes "
+                          "a LoRA run's export from its trainer", fix="resume the run and export it (trainer.export())")
     from sft_nb.lens import RunScorer  # the latest checkpoint's model, checked as `sft-nb inspect --run` checks it
-    s = RunScorer(rd)
-    save_hf_folder(s.model, hf, s.base_path)
-    template = s.cfg.tokenize.chat_template
-    save_run_tokenizer(load_model_inputs(s.cfg.model.path, template)[0], template, hf)
+    stale, tmp = rd / '.hf.stale', rd / '.hf.tmp'
+    for p in (stale, tmp): shutil.rmtree(p, ignore_errors=True)
+    if hf.exists(): os.rename(hf, stale)  # RunScorer reads hf/ when there is one
+    try:
+        s = RunScorer(rd)
+        save_hf_folder(s.model, tmp, s.base_path)
+        template = s.cfg.tokenize.chat_template
+        save_run_tokenizer(load_model_inputs(s.cfg.model.path, template)[0], template, tmp)
+        record_export(tmp, s.step)
+        os.rename(tmp, hf)
+    except BaseException as e:
+        n = sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file()) if tmp.exists() else 0
+        shutil.rmtree(tmp, ignore_errors=True)
+        if stale.exists(): os.rename(stale, hf)
+        if isinstance(e, OSError) and not isinstance(e, UserError):
+            raise write_failure(e, f'hf/ (from the checkpoint of step {step})', n) from e
+        raise
+    shutil.rmtree(stale, ignore_errors=True)
+    print(f"export: {old}; the latest checkpoint is step {step}: hf/ is written from it", file=sys.stderr)
     return hf
