@@ -436,9 +436,13 @@ def export_parser(sub):
 
 # %% ../nbs/11_cli.ipynb #6b9ead97
 def _cmd_export(a):
-    from sft_nb.export import export_gguf, push, run_export, write_card
+    from sft_nb.export import export_facts, export_gguf, push, run_export, write_card
+    # a file-size limit (ulimit -f) kills the process with SIGXFSZ unless ignored; ignored, the write fails with EFBIG
+    # and the export says which file and that the earlier one is untouched
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     hf = run_export(a.run_dir)
-    print(f"HF export: {hf}")
+    step = export_facts(hf)['step']
+    print(f"HF export: {hf}" + (f" (the weights of step {step})" if step is not None else ''))
     if a.gguf: print(f"GGUF: {export_gguf(hf, Path(a.run_dir) / 'gguf', a.quant)} (Ollama Modelfile beside it)")
     if a.card or a.push: print(f"model card: {write_card(hf, a.run_dir)}")
     if a.push: print(f"pushed: {push(hf, a.push)}")
