@@ -344,9 +344,10 @@ def ollama_template(tokenizer, # the export's tokenizer: its chat template (the 
                    ) -> tuple[str, list[str]]:
     """(the Ollama TEMPLATE, its stop strings) rendering system, user and assistant messages as the chat template does,
     checked on probe conversations (with and without a system message, several turns, ending in a user message with the
-    generation prompt or in an assistant message). A template that renders otherwise (the system prompt merged into a
-    user turn, dates, ends that depend on the turn) is an `ExportError` showing the first conversation that differs.
-    Tool calls are not translated. Stops: the assistant turn's end (stripped) and the tokenizer's EOS."""
+    generation prompt or in an assistant message, texts with and without whitespace around them). A template that
+    renders otherwise (the system prompt merged into a user turn, dates, ends that depend on the turn, message texts
+    trimmed: Go's text/template and Ollama's functions have no trim) is an `ExportError` showing the first conversation
+    that differs. Tool calls are not translated. Stops: the assistant turn's end (stripped) and the tokenizer's EOS."""
     import jinja2
     from sft_nb.templates import TemplateRenderer
     r = TemplateRenderer(tokenizer, template)
@@ -359,8 +360,10 @@ def ollama_template(tokenizer, # the export's tokenizer: its chat template (the 
     except ExportError as e: raise why(e) from None
     s, u, a = probe('system', 1), probe('user', 1), probe('assistant', 1)
     u2, a2 = probe('user', 2), probe('assistant', 2)
+    pad = lambda *ms: [{**m, 'content': f"\n {m['content']}\n\n"} for m in ms]  # what a trimming template changes
     wanted = []
-    for msgs in ([u], [u, a], [s, u], [s, u, a], [u, a, u2], [s, u, a, u2, a2], [u, a, probe('system', 2), u2]):
+    for msgs in ([u], [u, a], [s, u], [s, u, a], [u, a, u2], [s, u, a, u2, a2], [u, a, probe('system', 2), u2],
+                 pad(s, u, a, u2), pad(u, a)):
         try: wanted.append((msgs, render(msgs, msgs[-1]['role'] != 'assistant')))
         except jinja2.TemplateError: pass  # a conversation the template refuses (a system message after the first)
     first = None
@@ -370,7 +373,10 @@ def ollama_template(tokenizer, # the export's tokenizer: its chat template (the 
         if diff is None: return go, [t for t in dict.fromkeys([p['post_assistant'].strip(), tokenizer.eos_token]) if t]
         first = first or diff
     m, want, got = first
-    raise why(f"for the roles {[x['role'] for x in m]} it writes {want!r}, the closest TEMPLATE {got!r}")
+    trims = pad(u)[0]['content'] not in render(pad(u), True)
+    raise why(("it trims the whitespace around message texts (Jinja's trim), which an Ollama TEMPLATE cannot: Go's "
+               "text/template has no trim and Ollama adds only json; " if trims else '')
+              + f"for the roles {[x['role'] for x in m]} it writes {want!r}, the closest TEMPLATE {got!r}")
 
 # %% ../nbs/08f_export.ipynb #e5400022
 def modelfile(gguf_name: str, # the GGUF file beside the Modelfile
