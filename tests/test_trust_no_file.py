@@ -1,17 +1,18 @@
 """Trust no file: a model folder, a checkpoint or a data file is checked against its own header and config.json before
-it is used. Both load modes (`slices`: each rank reads its rows; `every_rank`: transformers reads it all) build bitwise
-the same model or refuse with the same named error; no folder's code runs from any entry point; bad ids, sizes and
-paths are named by row, file, tensor or parameter."""
+it is used. The worker's two load modes (`model.load: slices`: each rank reads its rows; `every_rank`: transformers reads
+it all), each through `FSDPWorker.build`, build bitwise the same model or refuse with the same named error; no folder's
+code runs from any entry point; bad ids, sizes, dtypes and paths are named by row, file, tensor or parameter."""
 import json, shutil, subprocess, warnings
 from pathlib import Path
 import pytest
 import torch
+import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-from sft_nb.backends.fsdp import rebuild_buffers
-from sft_nb.backends.slices import check_checkpoint, fill_from_checkpoint, load_pretrained
-from sft_nb.config import ConfigError, TokenizeConfig
+from sft_nb.backends.fsdp import FSDPWorker
+from sft_nb.backends.slices import check_checkpoint, load_pretrained
+from sft_nb.config import ConfigError, ModelConfig, OptimConfig, TokenizeConfig
 from sft_nb.models import model_config
 from sft_nb.tokenize import tokenize_dataset
 from helpers import cli, run_cfg
@@ -19,33 +20,23 @@ from helpers import cli, run_cfg
 
 # ---- the two load modes, in this process -----------------------------------------------------------------------------
 
-def load_slices(path):
-    "What a `model.load: slices` rank builds (one rank: its rows are all rows): the `meta` build, checked, allocated, filled."
-    with torch.device('meta'): m = AutoModelForCausalLM.from_config(model_config(path), dtype=torch.float32)
-    sources = check_checkpoint(m, path)
-    m.to_empty(device='cpu'); m.tie_weights()  # to_empty unties a plain model (FSDP2's sharded parameters stay tied)
-    rebuild_buffers(m, 'cpu')
-    fill_from_checkpoint(m, path, sources)
-    return m
-
-
 def outcome(load, path):
-    "('ok', state, tied) or ('refused', message) of one load mode."
+    """('ok', full state, tied) or ('refused', message) of the worker's build with `model.load: load`: `FSDPWorker.build`
+    as a sharded run calls it (bf16 mixed precision shards on one rank too), in a 1-rank gloo group of this process."""
+    dist.init_process_group('gloo', store=dist.HashStore(), rank=0, world_size=1)
     try:
+        w = FSDPWorker(0, 1, ModelConfig(path=str(path), load=load), OptimConfig(), total_steps=1)
         with warnings.catch_warnings():
             warnings.simplefilter('ignore')
-            m = load(path)
-    except ConfigError as e: return ('refused', str(e))
-    emb, head = m.get_input_embeddings(), m.get_output_embeddings()
-    return ('ok', {k: v.clone() for k, v in m.state_dict().items()}, head.weight is emb.weight)
-
-
-def every_rank(path): return load_pretrained(AutoModelForCausalLM, path)
+            try: m = w.build(torch.bfloat16)
+            except ConfigError as e: return ('refused', str(e))
+        return ('ok', w.full_state(), m.get_output_embeddings().weight is m.get_input_embeddings().weight)
+    finally: dist.destroy_process_group()
 
 
 def assert_agree(path):
     "Both modes build bitwise the same model (tied alike), or both refuse with the same message; returns that outcome."
-    a, b = outcome(load_slices, path), outcome(every_rank, path)
+    a, b = outcome('slices', path), outcome('every_rank', path)
     assert a[0] == b[0], (a[:1] + a[1:][:1] if a[0] == 'refused' else a[:1], b[:1] + b[1:][:1] if b[0] == 'refused' else b[:1])
     if a[0] == 'refused': assert a[1] == b[1], (a[1], b[1])
     else:
@@ -71,6 +62,7 @@ def write_checkpoint(d: Path, arch='qwen2', hidden=16, kv=2, layers=1, vocab=24,
     kproj = 'model.layers.0.self_attn.k_proj.weight'
     if fault == 'kproj_rows': state[kproj] = state[kproj][: state[kproj].shape[0] // 2].contiguous()  # half the rows config.json asks
     if fault == 'drop': state.pop('model.norm.weight')
+    if fault == 'int_weight': state['model.norm.weight'] = (state['model.norm.weight'] * 3).to(torch.int32)  # a quantized save's ints
     if fault == 'head_differs': state['lm_head.weight'] = torch.randn(vocab, hidden).to(DTYPES[dtype])
     if fault == 'head_same': state['lm_head.weight'] = state['model.embed_tokens.weight'].clone()
     if fault == 'config_kv': cfg.num_key_value_heads = kv // 2 if kv > 1 else kv * 2  # config.json and the file disagree
@@ -93,7 +85,7 @@ def write_checkpoint(d: Path, arch='qwen2', hidden=16, kv=2, layers=1, vocab=24,
     return d
 
 
-FAULTS = ('none', 'none', 'truncated', 'kproj_rows', 'drop', 'head_differs', 'head_same', 'config_kv', 'wrong_shard', 'missing_shard')
+FAULTS = ('none', 'none', 'truncated', 'kproj_rows', 'drop', 'int_weight', 'head_differs', 'head_same', 'config_kv', 'wrong_shard', 'missing_shard')
 
 
 @pytest.mark.timeout(240)  # no load may hang (a short read once looped forever)
@@ -137,6 +129,13 @@ def test_a_tensor_of_other_shape_than_config_json_is_refused_by_both_modes(tmp_p
     d = write_checkpoint(tmp_path / 'm', hidden=16, kv=4, fault='kproj_rows')
     got = assert_agree(d)
     assert got[0] == 'refused' and "model.layers.0.self_attn.k_proj.weight is [8, 16] in" in got[1] and "config.json builds has [16, 16]" in got[1], got
+
+
+def test_a_float_weight_stored_as_integers_is_refused_by_both_modes(tmp_path):
+    "model.norm.weight stored as int32 (cast to floats it would load as garbage): both modes refuse, naming the file, the tensor and its dtype."
+    d = write_checkpoint(tmp_path / 'm', fault='int_weight')
+    got = assert_agree(d)
+    assert got[0] == 'refused' and f"{d}/model.safetensors stores model.norm.weight as torch.int32, not floats" in got[1], got
 
 
 def test_num_key_value_heads_other_than_the_file_is_refused_by_both_modes(tmp_path):
@@ -194,7 +193,7 @@ def test_no_entry_point_runs_a_model_folders_code(quill, tmp_path):
     (run / 'config.yaml').write_text(yaml.safe_dump(cfg))
     cfg_file = tmp_path / 'quill.yaml'; cfg_file.write_text(yaml.safe_dump(cfg))
     library = {'model_config': lambda: model_config(quill), 'load_model_inputs': lambda: load_model_inputs(str(quill)),
-               'load_tokenizer': lambda: load_tokenizer(str(quill)), 'load_pretrained': lambda: every_rank(quill),
+               'load_tokenizer': lambda: load_tokenizer(str(quill)), 'load_pretrained': lambda: load_pretrained(AutoModelForCausalLM, quill),
                'SFTTrainer.setup': lambda: SFTTrainer(cfg).setup(), 'estimate': lambda: estimate(load_config(cfg), gpu_memory=80),
                'RunScorer': lambda: RunScorer(run)}
     for name, call in library.items():
@@ -320,7 +319,7 @@ def test_an_export_that_did_not_finish_is_refused_by_loaders(tiny_path, tmp_path
     with pytest.raises(KeyboardInterrupt): save_hf_folder(model, out, str(tiny_path))
     monkeypatch.undo()
     assert (out / EXPORT_PARTIAL).exists()
-    for load in (check_model_path, every_rank):
+    for load in (check_model_path, lambda p: load_pretrained(AutoModelForCausalLM, p)):
         with pytest.raises(ConfigError, match=rf"model\.path: {out} is an export that did not finish"): load(str(out))
     save_hf_folder(model, out, str(tiny_path))
     assert not (out / EXPORT_PARTIAL).exists() and check_model_path(str(out)) == str(out)

@@ -81,6 +81,8 @@ def _entry(self: Rows, key):
 # %% ../../nbs/07a2_backends.slices.ipynb #4cac37ca
 @patch
 def shape(self: Rows, key: str) -> list[int]: return self._entry(key)[0]['shape']
+@patch
+def dtype(self: Rows, key: str) -> torch.dtype: return SAFETENSORS_DTYPES[self._entry(key)[0]['dtype']]
 
 # %% ../../nbs/07a2_backends.slices.ipynb #8114e505
 @patch
@@ -124,12 +126,13 @@ def cols(self: Rows, key: str, a: int, b: int) -> torch.Tensor:
 
 # %% ../../nbs/07a2_backends.slices.ipynb #a359a2bc
 class StateRows:
-    """`Rows`' questions (`shape`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict already in
-    memory."""
+    """`Rows`' questions (`shape`, `dtype`, `rows`, `cols`, `tensor`, `in`, iteration) answered from a state dict
+    already in memory."""
     def __init__(self, state: dict[str, torch.Tensor]): self.state, self.read = state, 0
     def __contains__(self, key: str) -> bool: return key in self.state
     def __iter__(self): return iter(self.state)
     def shape(self, key: str) -> list[int]: return list(self.state[key].shape)
+    def dtype(self, key: str) -> torch.dtype: return self.state[key].dtype
     def _give(self, t):
         self.read += t.nbytes
         return t.clone()
@@ -210,8 +213,9 @@ def _file_key(source: tuple) -> str: return next(iter(source[1].values()))[0]
 def check_checkpoint(model, # built from config.json, on `meta` or anywhere: global shapes
                      path: str | Path) -> dict:
     """`checkpoint_sources` of `model` and the safetensors files of `path` once every tensor the model needs is there
-    with its shape (LoRA adapters aside); a `ConfigError` naming file, tensor and both shapes otherwise. A tied head is
-    the input embedding; a file head of other values is warned about."""
+    with its shape, a float weight stored as floats (LoRA adapters aside); a `ConfigError` naming file, tensor and both
+    shapes (or the stored dtype) otherwise. A tied head is the input embedding; a file head of other values is warned
+    about."""
     files = checkpoint_files(path)
     sources = checkpoint_sources(model, files)
     missing, wrong = [], []
@@ -226,6 +230,9 @@ def check_checkpoint(model, # built from config.json, on `meta` or anywhere: glo
             k = _file_key(sources[key])
             if rd.shape(k) != list(t.shape):
                 wrong.append(f"{k} is {rd.shape(k)} in {files[k]}, the model config.json builds has {list(t.shape)}")
+            if t.is_floating_point() and not rd.dtype(k).is_floating_point:  # cast to floats, it would train garbage
+                raise ConfigError(f"model.path: {files[k]} stores {k} as {rd.dtype(k)}, not floats: a quantized or damaged "
+                                  "checkpoint; use a float16, bfloat16 or float32 save of the model")
             heads = [_file_key(sources[n]) for n in ns[1:] if n in sources and sources[n][0] is None]
             if heads and not _same_values(rd, k, heads[0]):
                 warnings.warn(f"model.path: {files[heads[0]]} holds {heads[0]} with other values than {k}; "
