@@ -1,7 +1,8 @@
 """Export to where people run a model (sft_nb.export): transformers' own GGUF loader reads our GGUF back to the export's
 weights (Llama and Qwen2), the Modelfile's TEMPLATE renders the demo's conversations as the chat template does, and
 `sft-nb export` writes the GGUF, the Modelfile and the card, refusing the push offline."""
-import json, shutil
+import json, os, shutil, subprocess, sys
+from pathlib import Path
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -33,16 +34,18 @@ def _demo_conversations() -> list[tuple[list[dict], bool]]:
     "(messages, add_generation_prompt): the demo's rows whole, as prompts, without their system message, two turns."
     rows = [r['messages'] for r in identity_rows()['train'][:6] + identity_rows()['eval']]
     pairs = list(zip(rows, rows[1:]))
+    padded = [[{**x, 'content': f"\n  {x['content']} \n"} for x in m] for m in rows[:2]]
     return ([(m, False) for m in rows] + [(m[:2], True) for m in rows] + [(m[1:], False) for m in rows]
-            + [(a + b[1:], False) for a, b in pairs] + [(a + b[1:2], True) for a, b in pairs])
+            + [(a + b[1:], False) for a, b in pairs] + [(a + b[1:2], True) for a, b in pairs] + [(m, False) for m in padded])
 
 
-@pytest.mark.parametrize('template', [None, 'smollm2', 'chatml', 'llama3', 'qwen2.5', 'phi3', 'mistral'])
+@pytest.mark.parametrize('template', [None, 'smollm2', 'qwen2.5'])
 def test_modelfile_template_renders_the_demo_conversations_as_the_chat_template(template):
     """The TEMPLATE, rendered as Go's text/template renders it, writes each demo conversation (whole; as a prompt with
     the generation prompt; without its system message, so a default one shows; two turns) to the text
     `apply_chat_template` writes: the tiny model's own template and the shipped ones ('smollm2' is SmolLM2's own, the
-    demo's, with generation tags; bench/gguf_client.py checks the demo export's own). The first stop ends an answer."""
+    demo's, with generation tags; bench/gguf_client.py checks the demo export's own); texts with whitespace around them
+    too. The first stop ends an answer."""
     from sft_nb.models import load_tokenizer
     from sft_nb.templates import load_template
     tok = load_tokenizer('tiny', template)
@@ -56,14 +59,17 @@ def test_modelfile_template_renders_the_demo_conversations_as_the_chat_template(
         assert render_go_template(go, go_data(msgs)) == want, (template, [m['role'] for m in msgs])
 
 
-@pytest.mark.parametrize('template', ['gemma', 'qwen3'])
+@pytest.mark.parametrize('template', ['gemma', 'qwen3', 'chatml', 'llama3', 'phi3', 'mistral'])
 def test_modelfile_refuses_a_template_it_cannot_say(template):
-    "Gemma merges the system prompt into the first user turn, Qwen3 writes an empty think block into answers: refused."
+    """Qwen3 writes an empty think block into answers, Gemma merges the system prompt into the first user turn; Gemma,
+    ChatML, Llama 3, Phi-3 and Mistral trim the whitespace around message texts, which Go's text/template cannot:
+    refused, saying why."""
     from sft_nb.models import load_tokenizer
     from sft_nb.templates import load_template
-    said = f"the chat template '{template}' cannot be written as an Ollama TEMPLATE: for the roles"
-    with pytest.raises(ExportError, match=said):
-        ollama_template(load_tokenizer('tiny', template), load_template(template))
+    trims = "it trims the whitespace around message texts (Jinja's trim), which an Ollama TEMPLATE cannot: " * (template != 'qwen3')
+    said = f"the chat template '{template}' cannot be written as an Ollama TEMPLATE: {trims}"
+    with pytest.raises(ExportError) as e: ollama_template(load_tokenizer('tiny', template), load_template(template))
+    assert said in str(e.value) and 'for the roles' in str(e.value), str(e.value)
 
 
 def test_cli_export_writes_gguf_modelfile_card_and_refuses_the_push_offline(tiny_path, tmp_path, capsys, monkeypatch):
@@ -88,3 +94,75 @@ def test_cli_export_writes_gguf_modelfile_card_and_refuses_the_push_offline(tiny
     card = (run / 'hf' / 'README.md').read_text()
     assert 'Base model: `tiny`' in card and 'Eval loss: final 4.5000 (step 1), best 4.5000 (step 1).' in card
     assert (run / 'hf' / 'loss.svg').exists()
+
+
+def _run_folder(tiny_path, run) -> Path:
+    "A run folder of the tiny model with an HF export and no checkpoint."
+    from sft_nb.config import SFTConfig, save_config
+    shutil.copytree(tiny_path, run / 'hf')
+    save_config(SFTConfig(model={'path': 'tiny'}), run / 'config.yaml')
+    return run
+
+
+def test_cli_export_on_a_full_disk_names_the_file_and_leaves_the_earlier_one(tiny_path, tmp_path):
+    """`sft-nb export RUN --gguf` under a file-size limit (`ulimit -f`, as a full disk stops a write): one line naming
+    the file, the cause and the bytes written, exit != 0, the earlier GGUF untouched and no partial file left."""
+    run = _run_folder(tiny_path, tmp_path / 'run')
+    (run / 'gguf').mkdir(); (run / 'gguf' / 'model-f16.gguf').write_bytes(b'the earlier export')
+    sft_nb = Path(sys.executable).parent / 'sft-nb'
+    p = subprocess.run(['bash', '-c', f'ulimit -f 256; exec {sft_nb} export {run} --gguf'], capture_output=True, text=True,
+                       env={**os.environ, 'HF_HUB_OFFLINE': '1'}, timeout=300)
+    lines = [l for l in p.stderr.splitlines() if l.startswith('sft-nb export:')]
+    assert p.returncode != 0 and lines == [
+        'sft-nb export: error: writing gguf/model-f16.gguf: file too large (the file-size limit, ulimit -f, is 262144 '
+        'bytes) (262144 bytes written); the earlier one is untouched and nothing partial is left'], p.stderr[-2000:]
+    assert sorted(f.name for f in (run / 'gguf').iterdir()) == ['model-f16.gguf']
+    assert (run / 'gguf' / 'model-f16.gguf').read_bytes() == b'the earlier export'
+
+
+@pytest.fixture(scope='module')
+def trained_run(tmp_path_factory) -> Path:
+    "A tiny run of 2 steps (in this process, no Ray) with its checkpoint of step 2 and no HF export."
+    from helpers import cli
+    run = tmp_path_factory.mktemp('trained') / 'run'
+    tiny = Path(__file__).resolve().parents[1] / 'examples' / 'tiny.yaml'
+    code, _, err = cli('train', tiny, 'placement.in_process=true', 'train.num_steps=2', 'checkpoint.export_hf=false',
+                       f'checkpoint.run_dir={run}')
+    assert code == 0, err[-3000:]
+    return run
+
+
+def test_cli_export_comes_from_the_newest_weights(trained_run, tiny_path, tmp_path):
+    """A run whose hf/ holds older weights (step 1) than its latest checkpoint (step 2): `sft-nb export RUN --gguf
+    --card` writes hf/ from the checkpoint, the GGUF from that, and the card says step 2; an hf/ of step 2 is kept."""
+    from helpers import cli
+    from safetensors.torch import load_file
+    from sft_nb.export import record_export
+    run = tmp_path / 'run'; shutil.copytree(trained_run, run)
+    shutil.copytree(tiny_path, run / 'hf'); record_export(run / 'hf', 1)  # the base's weights, said to be step 1's
+    code, out, err = cli('export', run, '--gguf', '--card')
+    assert code == 0, err[-3000:]
+    assert 'hf/ holds the weights of step 1; the latest checkpoint is step 2: hf/ is written from it' in err, err
+    assert 'the weights of step 2' in out
+    base, now = load_file(tiny_path / 'model.safetensors'), load_file(run / 'hf' / 'model.safetensors')
+    assert any(not torch.equal(base[k], now[k]) for k in base)  # trained weights, not the base's
+    assert 'The weights are those of step 2.' in (run / 'hf' / 'README.md').read_text()
+    model = AutoModelForCausalLM.from_pretrained(run / 'gguf', gguf_file='model-f16.gguf')
+    k = 'model.layers.0.mlp.down_proj.weight'
+    assert torch.equal(model.state_dict()[k], now[k].half().float())  # the GGUF holds the newest weights
+    stamp = (run / 'hf' / 'model.safetensors').stat().st_mtime_ns
+    code, _, err = cli('export', run)
+    assert code == 0 and (run / 'hf' / 'model.safetensors').stat().st_mtime_ns == stamp, err  # newest already: kept
+
+
+def test_cli_export_refuses_a_lora_run_whose_export_is_older(trained_run, tiny_path, tmp_path):
+    """A LoRA run whose hf/ records no step and whose checkpoint is of step 2: refused, naming both and the fix."""
+    from helpers import cli
+    import yaml
+    run = tmp_path / 'run'; shutil.copytree(trained_run, run)
+    cfg = yaml.safe_load((run / 'config.yaml').read_text()); cfg['model']['lora_r'] = 4
+    (run / 'config.yaml').write_text(yaml.safe_dump(cfg))
+    shutil.copytree(tiny_path, run / 'hf')
+    code, _, err = cli('export', run, '--gguf')
+    assert code == 2 and ('is a LoRA run whose latest checkpoint is step 2 and hf/ holds an export that records no '
+                          'step') in err and 'fix: resume the run and export it (trainer.export())' in err, err
