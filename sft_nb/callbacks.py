@@ -35,6 +35,7 @@ class Callback:
     def on_save(self, trainer, path: str): pass
     def on_log(self, trainer, metrics: dict): pass
     def on_load(self, trainer, step: int): pass  # a checkpoint of `step` was loaded (0: a fresh start)
+    def on_idle(self, trainer, action: str): pass  # `action` ('fit', 'evaluate', ...) ended, and none runs now
     def close(self): pass
 
 # %% ../nbs/08a_callbacks.ipynb #be30eb25

@@ -398,7 +398,7 @@ def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
 
 # %% ../nbs/08b_live.ipynb #2c42ea4c
 @patch_to(TrainerPanel)
-def on_train_end(self, trainer): self.refresh()
+def on_idle(self, trainer, action): self.refresh()  # any action's end, the panel's or a cell's: the trainer is idle
 
 # %% ../nbs/08b_live.ipynb #32e74d01
 @patch_to(TrainerPanel)

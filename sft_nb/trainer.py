@@ -51,13 +51,16 @@ class Exclusive:
 # %% ../nbs/08_trainer.ipynb #5f891630
 def action(name: str, setup: bool = True):
     """Method decorator: the method runs as the trainer's action `name`, holding `self._exclusive`, after `self.setup()`
-    (unless `setup=False`)."""
+    (unless `setup=False`); when the outermost action ends, the callbacks get `on_idle`."""
     def wrap(f):
         @functools.wraps(f)
         def run(self, *args, **kwargs):
-            with self._exclusive(name):
-                if setup: self.setup()
-                return f(self, *args, **kwargs)
+            try:
+                with self._exclusive(name):
+                    if setup: self.setup()
+                    return f(self, *args, **kwargs)
+            finally:  # the outermost action ended: views (the panel) show the trainer idle, whoever started it
+                if self._exclusive.action is None: self._emit('on_idle', name)
         return run
     return wrap
 
