@@ -98,8 +98,13 @@ def load_entry(folder: Path, verify: bool = True): # verify=False: the entry thi
 # %% ../nbs/02b_cache.ipynb #77a44e6f
 def commit_entry(tmp: Path, folder: Path, report: DataReport):
     "Finish an entry built in `tmp` (parts under tmp/data): report, then the manifest last, then one rename into place."
-    (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
-    (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
+    from sft_nb.paths import write_failure
+    try:
+        (tmp / 'report.json').write_text(json.dumps(report.to_dict()))
+        (tmp / 'MANIFEST.json').write_text(json.dumps(_manifest(tmp)))
+    except OSError as e:  # the disk filled: said as every aside write says it (`tmp` goes with its `live_tmp`)
+        raise write_failure(e, f'tokenization cache entry {folder}',
+                            sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file())) from e
     if folder.exists(): shutil.rmtree(folder, ignore_errors=True)  # a corrupt entry we decided to rebuild
     try: os.rename(tmp, folder)
     # a concurrent tokenization committed the same entry first (ENOTEMPTY/EEXIST): its copy is equally good

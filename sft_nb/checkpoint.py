@@ -240,10 +240,10 @@ class Checkpointer:
 # %% ../nbs/07e_checkpoint.ipynb #310a05a0
 @patch
 def clean_leftovers(self: Checkpointer):
-    """Remove what a killed save left (`.tmp_step_*`, `.latest.tmp`); a replaced checkpoint (`.old_step_N`) whose
+    """Remove what a killed save left (`.tmp_step_*`, `latest.partial`); a replaced checkpoint (`.old_step_N`) whose
     successor never landed is put back."""
     for p in self.dir.glob('.tmp_step_*'): shutil.rmtree(p, ignore_errors=True)
-    (self.dir / '.latest.tmp').unlink(missing_ok=True)
+    (self.dir / 'latest.partial').unlink(missing_ok=True)
     for p in self.dir.glob('.old_step_*'):
         if (self.dir / p.name[len('.old_'):]).exists(): shutil.rmtree(p, ignore_errors=True)
         else: os.rename(p, self.dir / p.name[len('.old_'):])
@@ -318,8 +318,8 @@ def save(self: Checkpointer, step: int, write, # write(folder): the workers writ
     os.rename(tmp, final)
     shutil.rmtree(old, ignore_errors=True)
     self.saved_step = step
-    marker = self.dir / '.latest.tmp'  # the 'latest' marker is written last, atomically
-    marker.write_text(final.name); os.replace(marker, self.dir / 'latest')
+    from sft_nb.paths import write_file
+    write_file(self.dir / 'latest', final.name)  # the 'latest' marker last, written aside: it names a whole checkpoint
     cks = self.checkpoints()
     for old in cks[:max(0, len(cks) - self.cfg.keep_last)]: shutil.rmtree(old, ignore_errors=True)
     return final

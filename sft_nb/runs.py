@@ -101,8 +101,8 @@ def to_html(self: Comparison, path: str | Path) -> Path:
     html = (f"<html><head><meta charset='utf-8'><title>sft_nb runs</title></head><body>"
             f"{self.fig.to_html(full_html=False, include_plotlyjs=True, div_id='sft-nb-compare')}"
             f"{self.table.to_html(na_rep='', float_format=lambda v: f'{v:.6g}')}</body></html>")
-    Path(path).write_text(html, encoding='utf-8')
-    return Path(path)
+    from sft_nb.paths import write_file
+    return write_file(path, html)  # written aside: a link at `path` is replaced, a full disk named
 
 # %% ../nbs/08d_runs.ipynb #5caa01b0
 @patch
