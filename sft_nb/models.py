@@ -12,12 +12,12 @@ from .vlm_models import (
     QWEN2_VL_TEMPLATE, VISION_SPECIAL, TINY_VLM_VERSION, processor_class, tiny_vlm_config, is_vlm, load_processor)
 
 # %% auto #0
-__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'SAFETENSORS_DTYPES', 'EXPORT_PARTIAL', 'TOKENIZER_FILES',
-           'save_built', 'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config', 'tiny_chat_model',
-           'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path',
-           'safetensors_header', 'check_no_remote_code', 'check_whole', 'model_config', 'check_weights',
-           'check_model_path', 'context_limit', 'check_context', 'add_template_specials', 'load_tokenizer',
-           'load_model_inputs']
+__all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'MODEL_SIZES', 'SAFETENSORS_DTYPES', 'EXPORT_PARTIAL',
+           'TOKENIZER_FILES', 'save_built', 'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config',
+           'check_model_sizes', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct',
+           'smollm2_chat_template', 'resolve_model_path', 'safetensors_header', 'check_no_remote_code', 'check_whole',
+           'model_config', 'check_weights', 'check_model_path', 'context_limit', 'check_context',
+           'add_template_specials', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -93,6 +93,23 @@ def tiny_model_config(vocab_size: int, # tokenizer length
                        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                        max_position_embeddings=4096, tie_word_embeddings=True, rms_norm_eps=1e-6,
                        bos_token_id=None, eos_token_id=None, pad_token_id=None)
+
+# %% ../nbs/06_models.ipynb #bb81dd93
+MODEL_SIZES = ('vocab_size', 'hidden_size', 'intermediate_size', 'num_hidden_layers', 'num_attention_heads',
+               'num_key_value_heads', 'head_dim', 'max_position_embeddings')  # each a whole number >= 1 where given
+
+def check_model_sizes(cfg, # a transformers config
+                      where: str, # its config.json (or hub id), for the message
+                     ) -> None:
+    """A `ConfigError` naming `where`, the field and its value when a size in `MODEL_SIZES` of the model's (text)
+    config is not a whole number >= 1 (`num_attention_heads: 0` would divide by zero in a worker)."""
+    from sft_nb.config import ConfigError
+    text = cfg.get_text_config()
+    prefix = '' if text is cfg else 'text_config.'
+    for k in MODEL_SIZES:
+        v = getattr(text, k, None)
+        if isinstance(v, (int, float)) and (isinstance(v, bool) or v != int(v) or v < 1):
+            raise ConfigError(f"model.path: {where}: {prefix}{k} is {v!r}; it must be a whole number >= 1")
 
 # %% ../nbs/06_models.ipynb #828f7878
 def tiny_chat_model(dir: str | Path | None = None, # where to save; None = the shared cache
@@ -256,10 +273,13 @@ def model_config(path: str | Path):
     from sft_nb.config import ConfigError
     p = resolve_model_path(str(path))
     if (folder := Path(p).expanduser()).is_dir(): check_whole(folder); check_no_remote_code(folder)
+    from huggingface_hub import errors as hub_errors
+    # a config.json value transformers' own field checks refuse (hidden_size: 64.5)
     try: cfg = AutoConfig.from_pretrained(p, trust_remote_code=False)
-    except ValueError as e:
+    except (ValueError, getattr(hub_errors, 'StrictDataclassError', ValueError)) as e:
         raise ConfigError(f"model.path: transformers cannot read the config of {p} "
-                          f"({str(e).splitlines()[0]})") from None
+                          f"({' '.join(str(e).split())[:400]})") from None
+    check_model_sizes(cfg, str(folder / 'config.json') if folder.is_dir() else p)
     if not any(type(cfg) in auto._model_mapping for auto in (AutoModelForCausalLM, AutoModelForImageTextToText)):
         raise ConfigError(f"model.path: {p} is a {cfg.model_type!r} model ({type(cfg).__name__}), which transformers "
                           "builds no causal language model of; sft_nb fine-tunes decoder-only language models (and "
@@ -277,8 +297,8 @@ TOKENIZER_FILES = ('tokenizer.json', 'tokenizer_config.json', 'tokenizer.model',
 
 # %% ../nbs/06_models.ipynb #8451006c
 def check_model_path(path: str) -> str:
-    """`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json, or looks
-    local but does not exist."""
+    """`resolve_model_path`, then a `ConfigError` naming `model.path` when it is a folder without config.json or whose
+    config `model_config` refuses, or looks local but does not exist."""
     from sft_nb.config import ConfigError
     out = resolve_model_path(path)
     p = Path(out).expanduser()
@@ -291,7 +311,7 @@ def check_model_path(path: str) -> str:
             raise ConfigError(f"model.path: {path!r} has config.json but no tokenizer "
                               f"({', '.join(TOKENIZER_FILES[:2])}, ...); save the tokenizer of the model it came from "
                               "into the folder (tokenizer.save_pretrained)")
-        check_no_remote_code(p); check_weights(p)
+        check_weights(p); model_config(p)  # here, on the driver: before a worker builds from it
     elif p.exists():
         raise ConfigError(f"model.path: {path!r} is a file; give a model folder (with config.json) or a "
                           "hub id 'org/name'")
