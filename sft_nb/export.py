@@ -10,11 +10,12 @@ from .errors import UserError
 from .paths import write_failure, write_file, written_aside
 
 # %% auto #0
-__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'GO_FUNCS', 'HUB_IDS', 'EXPORT_RECORD', 'ExportError', 'gguf_arch',
+__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'EXPORT_RECORD', 'GO_FUNCS', 'HUB_IDS', 'ExportError', 'gguf_arch',
            'permute_qk', 'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf',
-           'go_words', 'go_pieces', 'go_value', 'go_data', 'render_go_template', 'probe', 'turn_pieces', 'go_template',
-           'ollama_template', 'modelfile', 'export_gguf', 'loss_svg', 'run_record', 'model_card', 'record_export',
-           'export_facts', 'write_card', 'push', 'save_run_tokenizer', 'export_source', 'run_export']
+           'record_export', 'export_facts', 'merged_export', 'go_words', 'go_pieces', 'go_value', 'go_data',
+           'render_go_template', 'probe', 'turn_pieces', 'go_template', 'ollama_template', 'modelfile', 'export_gguf',
+           'loss_svg', 'run_record', 'model_card', 'write_card', 'push', 'save_run_tokenizer', 'export_source',
+           'run_export']
 
 # %% ../nbs/08f_export.ipynb #e5400006
 class ExportError(UserError, ValueError):
@@ -154,7 +155,7 @@ def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the
     if not (folder / 'config.json').exists():
         lora = (folder / 'adapter_config.json').exists()
         raise ExportError(f"GGUF export: {folder} holds no full model (config.json)"
-                          + (": it is a LoRA adapter alone; set checkpoint.lora_export='merged'" if lora else ''))
+                          + (": it is a LoRA adapter alone (export_gguf merges it into its base first)" if lora else ''))
     if quant not in GGUF_QUANTS: raise ExportError(f"GGUF export: quant {quant!r} is none of {', '.join(GGUF_QUANTS)}")
     cfg = model_config(folder)  # checked: a whole export, no folder code
     arch, tok = gguf_arch(cfg), AutoTokenizer.from_pretrained(folder, trust_remote_code=False)
@@ -167,6 +168,36 @@ def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the
             w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
         finally: w.close()
     return out
+
+# %% ../nbs/08f_export.ipynb #1be78012
+EXPORT_RECORD = 'sft_nb_export.json'  # in an export folder: {"step": the optimizer step its weights were trained to}
+
+def record_export(folder: str | Path, step: int) -> Path:
+    "Record in the export `folder` the step its weights were trained to (`EXPORT_RECORD`)."
+    return write_file(Path(folder) / EXPORT_RECORD, json.dumps({'step': int(step)}), f'{Path(folder).name}/{EXPORT_RECORD}')
+
+def export_facts(folder: str | Path) -> dict:
+    "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
+    f = Path(folder)
+    rec = json.loads((f / EXPORT_RECORD).read_text()) if (f / EXPORT_RECORD).is_file() else {}
+    holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
+    return {'holds': holds, 'step': rec.get('step')}
+
+# %% ../nbs/08f_export.ipynb #c9b621f3
+def merged_export(folder: str | Path, # an export holding a LoRA adapter alone (adapter_config.json, no config.json)
+                  into: str | Path, # the folder the merged model and the export's tokenizer are saved into
+                 ) -> Path:
+    "The adapter in `folder` merged into its base's weights (peft's `merge_and_unload`), saved with its tokenizer."
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from sft_nb.backends.slices import load_pretrained
+    from sft_nb.models import resolve_model_path
+    base = json.loads((Path(folder) / 'adapter_config.json').read_text()).get('base_model_name_or_path')
+    if not base: raise ExportError(f"GGUF export: {folder}/adapter_config.json names no base model to merge into")
+    model = load_pretrained(AutoModelForCausalLM, str(resolve_model_path(base)))
+    PeftModel.from_pretrained(model, folder).merge_and_unload().save_pretrained(into)
+    AutoTokenizer.from_pretrained(folder, trust_remote_code=False).save_pretrained(into)
+    return Path(into)
 
 # %% ../nbs/08f_export.ipynb #e5400016
 _GO_WORD = re.compile(r'\s*(?:("(?:[^"\\]|\\.)*")|(-?\d+)\b|(\$\w*(?:\.\w+)*)|(\.\w+(?:\.\w+)*|\.)'
@@ -389,13 +420,18 @@ def modelfile(gguf_name: str, # the GGUF file beside the Modelfile
             + ''.join(f'PARAMETER stop {json.dumps(s, ensure_ascii=False)}\n' for s in stops))
 
 # %% ../nbs/08f_export.ipynb #9b7f6604
-def export_gguf(folder: str | Path, # an HF export (`trainer.export()`, `run_export`)
+def export_gguf(folder: str | Path, # an HF export (`trainer.export()`, `run_export`); a LoRA adapter alone is merged
                 out_dir: str | Path, # where model-<quant>.gguf and the Modelfile go
                 quant: str = 'f16', # one of `GGUF_QUANTS`
                ) -> Path:
-    "`write_gguf` the export into `out_dir/model-<quant>.gguf`, the Ollama `Modelfile` beside it; returns the GGUF."
+    """`write_gguf` the export (an adapter alone: `merged_export` first) into `out_dir/model-<quant>.gguf`, the Ollama
+    `Modelfile` beside it; returns the GGUF."""
+    import tempfile
     from transformers import AutoTokenizer
-    out = write_gguf(folder, Path(out_dir) / f'model-{quant}.gguf', quant)
+    folder, out = Path(folder), Path(out_dir) / f'model-{quant}.gguf'
+    if export_facts(folder)['holds'] == 'adapter':
+        with tempfile.TemporaryDirectory(prefix='sft_nb_merged_') as tmp: write_gguf(merged_export(folder, tmp), out, quant)
+    else: write_gguf(folder, out, quant)
     try: text = modelfile(out.name, AutoTokenizer.from_pretrained(folder, trust_remote_code=False))
     except ExportError as e: raise ExportError(f"{e} (the GGUF is written: {out}; no Modelfile)") from None
     write_file(out.parent / 'Modelfile', text, f'{out.parent.name}/Modelfile')
@@ -509,20 +545,6 @@ def model_card(rec: dict) -> str:
         f'Eval loss: final {ev[-1][1]:.4f} (step {ev[-1][0]}), best {best[1]:.4f} (step {best[0]}).' if ev
         else 'No evaluation logged.',
         '', '![loss chart](loss.svg)', '', '## Config', '', '```yaml', (rec['config'] or '').strip(), '```', ''])
-
-# %% ../nbs/08f_export.ipynb #1be78012
-EXPORT_RECORD = 'sft_nb_export.json'  # in an export folder: {"step": the optimizer step its weights were trained to}
-
-def record_export(folder: str | Path, step: int) -> Path:
-    "Record in the export `folder` the step its weights were trained to (`EXPORT_RECORD`)."
-    return write_file(Path(folder) / EXPORT_RECORD, json.dumps({'step': int(step)}), f'{Path(folder).name}/{EXPORT_RECORD}')
-
-def export_facts(folder: str | Path) -> dict:
-    "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
-    f = Path(folder)
-    rec = json.loads((f / EXPORT_RECORD).read_text()) if (f / EXPORT_RECORD).is_file() else {}
-    holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
-    return {'holds': holds, 'step': rec.get('step')}
 
 # %% ../nbs/08f_export.ipynb #e8047915
 def write_card(folder: str | Path, # the HF export the card describes (the card is its README.md)

@@ -200,3 +200,31 @@ def test_q8_0_logits_move_within_the_bound_its_rounding_allows(tiny_path, tmp_pa
     with torch.no_grad(): moved = abs(float(q(ids).logits[0].gather(1, top).sum()) - float(f))
     print(f'q8_0: the top logits moved {moved:.4g}, the bound {bound:.4g}')
     assert 0 < moved <= bound, (moved, bound)
+
+
+def test_cli_export_merges_an_adapter_only_lora_run_into_its_gguf(tiny_path, tmp_path):
+    """`sft-nb export RUN --gguf --card` on a LoRA run exported as its adapter alone (`lora_export: adapter`): the GGUF
+    holds the adapter merged into the base (every weight the merged model's, rounded to f16; its logits the merged
+    model's with those weights), hf/ keeps the adapter and the card says it holds the adapter alone."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from helpers import cli
+    from sft_nb.config import SFTConfig, save_config
+    run = tmp_path / 'run'
+    torch.manual_seed(0)
+    lora = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_path), LoraConfig(
+        r=4, lora_alpha=8, target_modules=['q_proj', 'v_proj'], init_lora_weights=False))  # B != 0: the merge moves weights
+    lora.save_pretrained(run / 'hf'); AutoTokenizer.from_pretrained(tiny_path).save_pretrained(run / 'hf')
+    save_config(SFTConfig(model={'path': 'tiny', 'lora_r': 4}, checkpoint={'lora_export': 'adapter'}), run / 'config.yaml')
+    code, _, err = cli('export', run, '--gguf', '--card')
+    assert code == 0, err[-3000:]
+    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_path), run / 'hf').merge_and_unload()
+    got = AutoModelForCausalLM.from_pretrained(run / 'gguf', gguf_file='model-f16.gguf', dtype=torch.float32).eval()
+    ref = merged.state_dict()
+    for k, w in got.state_dict().items(): assert torch.equal(w, ref[k].half().float() if ref[k].ndim == 2 else ref[k]), k
+    assert not torch.equal(ref['model.layers.0.self_attn.q_proj.weight'],
+                           AutoModelForCausalLM.from_pretrained(tiny_path).state_dict()['model.layers.0.self_attn.q_proj.weight'])
+    merged.load_state_dict({k: w.half().float() if w.ndim == 2 else w for k, w in ref.items()})
+    ids = torch.tensor([[3, 14, 15, 92, 65, 35]])
+    with torch.no_grad(): assert torch.allclose(got(ids).logits, merged.eval()(ids).logits, atol=1e-5)
+    assert not (run / 'hf' / 'config.json').exists()  # hf/ keeps the adapter
+    assert 'this folder holds the adapter alone' in (run / 'hf' / 'README.md').read_text()
