@@ -96,12 +96,15 @@ def written_aside(path: str | Path, # the file to write
                   what: str | None = None, # how messages name it (default: `path`)
                  ):
     """The path to write the file at (`path.partial`), renamed onto `path` when the block ends (a link at `path` is
-    replaced, never written through). A folder in its place is a `WriteError` before anything is written; a write that
-    fails removes the partial file and raises a `WriteError` (`write_failure`)."""
+    replaced, never written through). A folder in its place, or a file where a folder above it goes, is a `WriteError`
+    before anything is written; a write that fails removes the partial file and raises a `WriteError`
+    (`write_failure`)."""
     path = Path(path); what = what or str(path)
     if path.is_dir() and not path.is_symlink():
         raise WriteError(f"writing {what}: a folder is in its place", fix=f'move or remove the folder {path}')
     part = path.with_name(path.name + '.partial')
+    if (file := next((p for p in (path.parent, *path.parent.parents) if p.exists() and not p.is_dir()), None)):
+        raise WriteError(f"writing {what}: {file} is a file, not a folder", fix=f'move or remove the file {file}')
     path.parent.mkdir(parents=True, exist_ok=True)
     if part.is_dir() and not part.is_symlink(): shutil.rmtree(part)
     else: part.unlink(missing_ok=True)  # an earlier writer's, or a link: never written through
