@@ -179,9 +179,10 @@ def record_export(folder: str | Path, step: int) -> Path:
 def export_facts(folder: str | Path) -> dict:
     "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
     f = Path(folder)
-    rec = json.loads((f / EXPORT_RECORD).read_text()) if (f / EXPORT_RECORD).is_file() else {}
+    try: step = json.loads((f / EXPORT_RECORD).read_text())['step']
+    except (OSError, ValueError, KeyError, TypeError): step = None  # none, or unreadable: the step is not known
     holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
-    return {'holds': holds, 'step': rec.get('step')}
+    return {'holds': holds, 'step': step if isinstance(step, int) and not isinstance(step, bool) else None}
 
 # %% ../nbs/08f_export.ipynb #c9b621f3
 def merged_export(folder: str | Path, # an export holding a LoRA adapter alone (adapter_config.json, no config.json)
