@@ -72,6 +72,26 @@ def _encodings(tokenizer, texts: list[str]):
     backend = getattr(tokenizer, 'backend_tokenizer', None) or getattr(tokenizer, '_tokenizer', None)
     return backend.encode_batch(texts, add_special_tokens=False) if backend is not None else None
 
+# %% ../nbs/02e_renderers.ipynb #5b0d7e3a
+_LONG_ROW = 32  # messages: from here a row with max_length locates only what its kept tokens reach
+
+def _render_row(renderer, tokenizer, messages, tools, info, mode, rewritten_turns, max_length,
+                segments: bool) -> tuple:
+    """`render_turns` of one conversation. Each prefix render costs the whole prefix (n turns: quadratic), so a long row
+    over `max_length` tokens locates only the messages that reach its first `max_length` tokens: the same ids and mask
+    (the others' tokens are cut), and the turns past the cut are neither checked nor listed in `spans` and `segments`."""
+    text = limit = None
+    if max_length is not None and len(messages) > _LONG_ROW:
+        try:
+            text = renderer(messages, tools)
+            encs = _encodings(tokenizer, [text])
+            if encs is not None and len(encs[0]) > max_length:
+                encs[0].truncate(max_length); limit = max((b for _, b in encs[0].offsets), default=0)
+            elif encs is None and len((enc := encode_texts(tokenizer, [text])[0])[0]) > max_length:
+                limit = max((b for _, b in enc[1][:max_length]), default=0)
+        except Exception: text = limit = None  # render_turns renders it again and names what is wrong
+    return render_turns(renderer, messages, tools, info, mode, rewritten_turns, segments, text, limit)
+
 # %% ../nbs/02e_renderers.ipynb #72358f7c
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
     "Apply `max_length` (cut or `BadRow` too_long) and refuse a row with no trained token left."
@@ -201,8 +221,8 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs, own = render_turns(span_renderer(tokenizer, template, kw, info), conv['messages'], conv['tools'],
-                                          info, mode, rewritten_turns, segments=True)
+    text, spans, segs, own = _render_row(span_renderer(tokenizer, template, kw, info), tokenizer, conv['messages'],
+                                         conv['tools'], info, mode, rewritten_turns, max_length, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
     encs = _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'],
@@ -288,8 +308,8 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
                     raise BadRow(f"message {big[0]} is {big[1]:,} characters, over the {MAX_TEMPLATE_VALUE:,} a chat "
                                  "template renders (far past any model's context): split or drop this row",
                                  kind='bad_format')
-                turns = [(msgs, mode, *render_turns(renderer, msgs, conv['tools'], info, mode, spec.rewritten_turns,
-                                                    segments=keep_offsets))
+                turns = [(msgs, mode, *_render_row(renderer, tokenizer, msgs, conv['tools'], info, mode,
+                                                   spec.rewritten_turns, spec.max_length, keep_offsets))
                          for msgs, mode in expand_turns(conv['messages'], info, spec.mode, spec.rewritten_turns)]
                 chats += [(idx, conv['tools'], *t) for t in turns]
         except BadRow as e:

@@ -180,6 +180,7 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
                turns, # the assistant message indices to locate
                rewritten_turns: str = 'error', # 'final': a rewritten earlier turn trains as the full render shows it
                text: str | None = None, # the full render, when the caller has it
+               limit: int | None = None, # no kept token reaches past this char (max_length): later turns are not located
               ) -> tuple[str, dict[int, list[tuple[int, int]]], dict[int, tuple[int, int]]]:
     """(full render, {message index: [(start, end)] trained spans of the turn (one, or a template's several generation
     blocks)}, {message index: its own rendering}): from tags or prefix renders, never a text search."""
@@ -190,6 +191,9 @@ def turn_spans(renderer: TemplateRenderer, messages: list[dict], tools, info: Te
     T = text if text is not None else renderer(messages, tools)
     n, header, out, own, prev = len(messages), _role_header(info), {}, {}, 0
     for i in sorted(turns):
+        # a turn starts at or after the end of the one before, so past `limit` it holds no kept token: each prefix render
+        # costs the whole prefix, and a long row truncated to max_length renders only the prefixes it keeps
+        if limit is not None and prev >= limit: break
         where, last = f"message {i}", i == n - 1
         # 1. the prompt: the messages before the turn, then the generation prompt
         try: P = renderer(messages[:i], tools, gen=True)
@@ -250,6 +254,7 @@ def trained_turns(messages: list[dict], info: TemplateInfo, mode: str, rewritten
 # %% ../nbs/02d_spans.ipynb #04e733da
 def message_segments(renderer, messages, tools, text: str, spans: dict, info: TemplateInfo,
                      image: str = '', # the text an image part renders as (image rows: the processor's placeholder)
+                     limit: int | None = None, # no kept token reaches past this char: the messages after it are left out
                     ) -> list[tuple[int, int, int, str]]:
     """(start, end, message index, role) of every message in `text` for the views: the text each message's prefix render
     adds (content only for non-assistant messages)."""
@@ -257,7 +262,12 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
         try: return _snap(text, common_prefix(renderer(messages[:j + 1], tools), text), info.specials)
         # a prefix the template refuses (Qwen3.5 without a user turn): merged with the next message
         except Exception: return None
-    ends = [end(j) for j in range(len(messages) - 1)] + [len(text)]
+    ends = []
+    for j in range(len(messages) - 1):
+        if limit is not None and ends and (ends[-1] or 0) >= limit: break
+        ends.append(end(j))
+    if len(ends) < len(messages) - 1: messages = messages[:len(ends)]  # they start past every kept token
+    else: ends.append(len(text))
     for j in range(len(ends) - 2, -1, -1):
         if ends[j] is None: ends[j] = ends[j + 1]
     segs, a = [], 0
@@ -272,14 +282,17 @@ def message_segments(renderer, messages, tools, text: str, spans: dict, info: Te
 
 # %% ../nbs/02d_spans.ipynb #4e6730e4
 def render_turns(renderer, messages, tools, info: TemplateInfo, mode: str, rewritten_turns: str = 'error',
-                 segments: bool = False):
+                 segments: bool = False,
+                 text: str | None = None, # the full render, when the caller has it
+                 limit: int | None = None, # the end of the characters the kept tokens cover (max_length), if known
+                ):
     """(text, trained spans `[(start, end, message index)]`, segments or [], {trained message: its own rendering}) of
-    one normalized conversation."""
+    one normalized conversation; with `limit`, of the messages that reach the kept tokens."""
     trained = trained_turns(messages, info, mode, rewritten_turns)
     try:
-        if mode == 'all': text, spans, own = renderer(messages, tools), {}, {}
-        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, rewritten_turns)
-        segs = message_segments(renderer, messages, tools, text, spans, info) if segments else []
+        if mode == 'all': text, spans, own = text if text is not None else renderer(messages, tools), {}, {}
+        else: text, spans, own = turn_spans(renderer, messages, tools, info, trained, rewritten_turns, text, limit)
+        segs = message_segments(renderer, messages, tools, text, spans, info, limit=limit) if segments else []
     except (BadRow, TemplateError): raise
     except Exception as e: raise BadRow(f"chat template error: {e}", kind='template_error') from e
     return text, [(s, e, i) for i, blocks in sorted(spans.items()) if i in trained for s, e in blocks], segs, own
@@ -316,10 +329,35 @@ def trained_parts(text, spans, messages, eot, train_on_reasoning: bool = True, t
             else: keep.append((a, b, i))
     return keep, masked
 
+# %% ../nbs/02d_spans.ipynb #7c41d2e9
+def _sorted_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]] | None:
+    """`token_ranges` of many spans at once by binary search (`char_to_token` scans every token per call: quadratic on a
+    row of thousands of turns), for offsets whose starts and ends never decrease; None otherwise. The same rules: the
+    token holding a char is the first whose end passes it (if it starts at or before it)."""
+    off = np.asarray(enc.offsets if offsets is None else offsets, dtype=np.int64).reshape(-1, 2)
+    st, en = off[:, 0], off[:, 1]
+    if not len(off) or (np.diff(st) < 0).any() or (np.diff(en) < 0).any(): return None
+    sp = np.asarray([sp[:2] for sp in spans], dtype=np.int64).reshape(-1, 2)
+    s, e, n, empty = sp[:, 0], sp[:, 1], len(off), sp[:, 1] <= sp[:, 0]
+    def holder(pos):  # char_to_token: the token index holding each char, -1 where none does
+        k = np.searchsorted(en, pos, 'right')
+        ok = k < n
+        return np.where(ok & (st[np.minimum(k, n - 1)] <= pos), k, -1)
+    if offsets is None:
+        a, b = holder(s), holder(e - 1)
+        c = np.where(e < n_text, holder(np.minimum(e, max(n_text - 1, 0))), n)
+        if not (((a < 0) | (b < 0) | (c < 0)) & ~empty).any():  # else, as there, an unmapped char: the overlap rule
+            z = np.where(c == b, b + 1, np.maximum(b + 1, c))
+            return [(0, 0) if m else (int(x), int(y)) for x, y, m in zip(a, z, empty)]
+    # the overlap rule: tokens starting before e and ending after s, a run [k0, k1] when offsets never decrease
+    k0, k1 = np.searchsorted(en, s, 'right'), np.searchsorted(st, e, 'left') - 1
+    return [(int(x), int(y) + 1) if x <= y else (0, 0) for x, y in zip(k0, k1)]
+
 # %% ../nbs/02d_spans.ipynb #baab0825
 def token_ranges(enc, offsets, spans, n_text: int) -> list[tuple[int, int]]:
     """[a, z) token range of each span: the tokens whose characters overlap it (`char_to_token` on its end points;
     `offsets` when given or a char is unmapped)."""
+    if len(spans) > 8 and (fast := _sorted_ranges(enc, offsets, spans, n_text)) is not None: return fast
     if offsets is None:
         n, out = len(enc), []
         for s, e, *_ in spans:
