@@ -157,8 +157,9 @@ class TrainedHead:
     def _forward(self, h, *args, **kwargs):
         if not self.selected: return self._orig(h, *args, **kwargs)
         self.loss = chunked_nll(h, self.head, self.targets, self.weights, self.chunk, forward=self._orig)
-        # the model's `.logits`: no logits, but a (zero-size) view of the loss, in its graph
-        self.no_logits = self.loss.reshape(1)[:0]
+        # the model's `.logits`: no logits, but a zero-size tensor in the loss's graph. A copy, not a view: FSDP2
+        # hooks the head unit's and the root's outputs for backward (the all-gather); an in-place op on a view drops that
+        self.no_logits = self.loss.reshape(1)[:0].clone()
         return self.no_logits
 
 # %% ../nbs/06c_loss.ipynb #1e62c246

@@ -64,49 +64,56 @@ def cli(*args) -> tuple[int, str, str]:
     return code, out.getvalue(), err.getvalue()
 
 
-def fsdp_rank(rank, world, sp, port, model_cfg, mbs, n_global, out):
-    """One FSDP rank: setup, forward_backward on its replica's micro-batches, eval and per-token losses. Rank 0 puts
-    ('ok', its results) on `out`; a rank that fails puts ('error', its traceback), so the test says why, at once."""
-    import traceback
+def fsdp_rank(rank, world, sp, port, model_cfgs, mbs, n_global, out):
+    """One FSDP rank: for each of `model_cfgs` in turn (one gloo group), setup, forward_backward on its replica's
+    micro-batches, eval and per-token losses. Rank 0 puts ('ok', its results, one per config) on `out`; a rank that fails
+    puts ('error', its traceback), so the test says why, at once. Each result's forward_backward dict gets `warnings`: the
+    messages of the warnings its setup and forward_backward raised."""
+    import traceback, warnings
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import OptimConfig, PlacementConfig
     try:
-        w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1,
-                       placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
-        w.init_dist('127.0.0.1', port)
-        try:
-            w.setup()
-            mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
-            r = w.forward_backward(mine, n_global)
-            grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy()  # by value
-                     for k, p in w.model.named_parameters()}
-            ev, tl = w.eval_loss(mine), w.token_losses(mine)
-            if rank == 0: out.put(('ok', (r, grads, ev, tl)))
-        finally: w.shutdown()
+        got = []
+        for i, model_cfg in enumerate(model_cfgs):
+            w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1,
+                           placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
+            if i == 0: w.init_dist('127.0.0.1', port)  # the later configs' workers join the same group
+            try:
+                with warnings.catch_warnings(record=True) as seen:
+                    warnings.simplefilter('always')
+                    w.setup()
+                    mine = mbs[rank // sp]  # the sp ranks of a replica get the same micro-batches
+                    r = w.forward_backward(mine, n_global) | {'warnings': [str(m.message) for m in seen]}
+                grads = {k: (p.grad.full_tensor() if hasattr(p.grad, 'full_tensor') else p.grad).numpy()  # by value
+                         for k, p in w.model.named_parameters() if p.grad is not None}
+                got.append((r, grads, w.eval_loss(mine), w.token_losses(mine)))
+            finally:
+                if i == len(model_cfgs) - 1: w.shutdown()
+        if rank == 0: out.put(('ok', got))
     except BaseException:
         out.put(('error', f'rank {rank} of {world}:\n{traceback.format_exc()}'))
         raise
 
 
-def _rank_results(got, errors=()) -> tuple:
-    "Rank 0's (result, gradients as tensors, eval, per-token losses) from what `fsdp_rank` put, or the failing rank's traceback."
+def _rank_results(got, errors=()) -> list[tuple]:
+    """Rank 0's (result, gradients as tensors, eval, per-token losses) per config from what `fsdp_rank` put, or the
+    failing rank's traceback."""
     import torch
     kind, value = got
     if kind == 'error': raise AssertionError(f'a spawned FSDP rank failed: {value}')
     assert not errors, f'a spawned FSDP rank failed after rank 0 reported: {errors[0]}'
-    r, grads, ev, tl = value
-    return r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl
+    return [(r, {k: torch.from_numpy(v) for k, v in grads.items()}, ev, tl) for r, grads, ev, tl in value]
 
 
-def spawn(world, sp, model_cfg, mbs, n_global):
-    """Run `world` FSDP ranks (spawned processes, a gloo group, no Ray; `sp` ranks share each replica's rows) and return rank
-    0's (forward_backward result, full gradients, eval, per-token losses)."""
+def spawn(world, sp, model_cfgs, mbs, n_global):
+    """Run `world` FSDP ranks (spawned processes, a gloo group, no Ray; `sp` ranks share each replica's rows) through each of
+    `model_cfgs` and return rank 0's (forward_backward result, full gradients, eval, per-token losses), one per config."""
     import queue
     import torch.multiprocessing as mp
     from sft_nb.workers import free_port
     ctx, port = mp.get_context('spawn'), free_port()
     out = ctx.Queue()
-    ps = [ctx.Process(target=fsdp_rank, args=(r, world, sp, port, model_cfg, mbs, n_global, out)) for r in range(world)]
+    ps = [ctx.Process(target=fsdp_rank, args=(r, world, sp, port, model_cfgs, mbs, n_global, out)) for r in range(world)]
     for p in ps: p.start()
     try: got = out.get(timeout=300)
     finally:
@@ -120,10 +127,16 @@ def spawn(world, sp, model_cfg, mbs, n_global):
     return result
 
 
-def one_rank(model_cfg, mbs, n_global):
+def view_warnings(result: dict) -> list[str]:
+    """torch's FSDP2 warnings that a sharded module returned a view (its pre-backward hook, the all-gather, is lost if
+    anything changes that view in place) among a `spawn` result's `warnings`: matched on the start of the message."""
+    return [m for m in result['warnings'] if m.startswith('FSDP2-wrapped module')]
+
+
+def one_rank(model_cfgs, mbs, n_global):
     "What `spawn(1, 1, ...)` returns, computed in this process (a 1-rank gloo group): the reference the spawned ranks match."
     import queue
     from sft_nb.workers import free_port
     out = queue.Queue()
-    fsdp_rank(0, 1, 1, free_port(), model_cfg, mbs, n_global, out)
+    fsdp_rank(0, 1, 1, free_port(), model_cfgs, mbs, n_global, out)
     return _rank_results(out.get_nowait())

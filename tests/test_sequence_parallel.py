@@ -11,7 +11,7 @@ from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close, rel_gap
 from sft_nb.trainer import SFTTrainer
-from helpers import local_run, one_rank, run_cfg, spawn
+from helpers import local_run, one_rank, run_cfg, spawn, view_warnings
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -60,11 +60,12 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
     assert mbs[0][0]['position_ids'].eq(0).sum() > 1 and 'loss_weights' in mbs[0][0]  # several documents, fractional weights
     mcfg = ModelConfig(path=str(path), activation_checkpointing=ac, loss_chunk=5)
     for d in range(2):  # each replica's micro-batch alone
-        r1, g1, e1, t1 = one_rank(mcfg, mbs[d:d + 1], n_global)
-        r2, g2, e2, t2 = spawn(2, 2, mcfg, mbs[d:d + 1], n_global)
+        (r1, g1, e1, t1), = one_rank([mcfg], mbs[d:d + 1], n_global)
+        (r2, g2, e2, t2), = spawn(2, 2, [mcfg], mbs[d:d + 1], n_global)
         assert r2['weight_sum'] == r1['weight_sum'] and e2['weight_sum'] == e1['weight_sum']  # Σ weight: binary fractions, exact
         assert_rel_close(r2['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e2['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
         assert g2.keys() == g1.keys()
+        assert not view_warnings(r2), view_warnings(r2)  # no sharded module returns a view under sp either
         assert_rel_close(g2, g1, GRAD_TOL, f'{model}, replica {d}: gradients')
         for a, b in zip(t2, t1):
             assert (a['top_ids'][:, 0] == b['top_ids'][:, 0]).mean() > 0.99
@@ -76,8 +77,8 @@ def test_sp2_dp2_equals_one_rank_worker(tiny_path, tiny_tok):
     "4 ranks, 2 replicas of sp=2: the gradient of the global-token loss of both replicas' micro-batches == one rank doing both."
     mbs, n_global = batches(tiny_tok)
     mcfg = ModelConfig(path=str(tiny_path))
-    r1, g1, _, _ = one_rank(mcfg, [[b for r in mbs for b in r]], n_global)
-    r4, g4, _, _ = spawn(4, 2, mcfg, mbs, n_global)
+    (r1, g1, _, _), = one_rank([mcfg], [[b for r in mbs for b in r]], n_global)
+    (r4, g4, _, _), = spawn(4, 2, [mcfg], mbs, n_global)
     assert_rel_close(g4, g1, GRAD_TOL, 'sp=2 × dp=2 gradients')
 
 
@@ -166,8 +167,8 @@ def test_sp3_equals_sp1_on_nine_heads(tiny_tok, tiny_llama_path):
     for k in ('n_trained', 'n_real', 'weight_sum', 'seq_lens', 'cu_seqlens'): row.pop(k, None)
     assert row['position_ids'].eq(0).sum() > 2 and 'loss_weights' in row  # several documents, fractional weights; sp=3 pads
     mcfg = ModelConfig(path=str(tiny_llama_path), loss_chunk=512)
-    r1, g1, e1, _ = one_rank(mcfg, [[row]], n_global)
-    r3, g3, e3, _ = spawn(3, 3, mcfg, [[row]], n_global)
+    (r1, g1, e1, _), = one_rank([mcfg], [[row]], n_global)
+    (r3, g3, e3, _), = spawn(3, 3, [mcfg], [[row]], n_global)
     assert r3['weight_sum'] == r1['weight_sum'] and e3['weight_sum'] == e1['weight_sum']
     assert_rel_close(r3['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e3['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
     assert g3.keys() == g1.keys()

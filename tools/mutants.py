@@ -136,6 +136,9 @@ MUTANTS = [
                 'for s in range(0, h.shape[0], max(1, ctx.chunk - 1)):'),
            tests=['tests/test_loss.py::test_linear_nll_equals_cross_entropy', 'tests/test_loss.py::test_worker_chunked_equals_one_shot'],
            notebooks=['nbs/06c_loss.ipynb']),
+    Mutant('no_logits_view', "the chunked head's stand-in `.logits` is a view of the loss: FSDP2 warns, and an in-place op on it would skip the head's all-gather in backward",
+           both('sft_nb/loss.py', 'nbs/06c_loss.ipynb', 'self.no_logits = self.loss.reshape(1)[:0].clone()', 'self.no_logits = self.loss.reshape(1)[:0]'),
+           tests=['tests/test_loss.py::test_two_ranks_equal_one_rank'], notebooks=['nbs/06c_loss.ipynb']),
     # ---- trust no file
     Mutant('slices_shape_unchecked', "a checkpoint tensor of another shape than config.json builds is read as the model's shape",
            [('sft_nb/backends/slices.py', 'if rd.shape(k) != list(t.shape):', 'if False:')],
