@@ -9,10 +9,12 @@ from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
 from .errors import MissingFile, UserError
+from .paths import write_file
 
 # %% auto #0
-__all__ = ['RUN_OUTPUTS', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata', 'write_digests',
-           'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_fingerprint', 'Checkpointer']
+__all__ = ['RUN_OUTPUTS', 'EXPORT_RECORD', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata',
+           'write_digests', 'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_fingerprint',
+           'Checkpointer', 'record_export', 'export_facts', 'export_source']
 
 # %% ../nbs/07e_checkpoint.ipynb #413b51a0
 class RunDirBusy(UserError, RuntimeError):
@@ -381,3 +383,35 @@ def state(self: Checkpointer, path: str | Path) -> dict:
 def drop_after(self: Checkpointer, step: int):
     "Delete the checkpoints after `step`: the future of a resumed step is rewritten, never mixed with it."
     for later in [p for p in self.checkpoints() if int(p.name.split('_')[1]) > step]: shutil.rmtree(later)
+
+# %% ../nbs/07e_checkpoint.ipynb #1be78012
+EXPORT_RECORD = 'sft_nb_export.json'  # in an export folder: {"step": the optimizer step its weights were trained to}
+
+def record_export(folder: str | Path, step: int) -> Path:
+    "Record in the export `folder` the step its weights were trained to (`EXPORT_RECORD`)."
+    return write_file(Path(folder) / EXPORT_RECORD, json.dumps({'step': int(step)}), f'{Path(folder).name}/{EXPORT_RECORD}')
+
+def export_facts(folder: str | Path) -> dict:
+    "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
+    f = Path(folder)
+    try: step = json.loads((f / EXPORT_RECORD).read_text())['step']
+    except (OSError, ValueError, KeyError, TypeError): step = None  # none, or unreadable: the step is not known
+    holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
+    return {'holds': holds, 'step': step if isinstance(step, int) and not isinstance(step, bool) else None}
+
+# %% ../nbs/07e_checkpoint.ipynb #2ffdd951
+def export_source(run_dir: str | Path) -> tuple[str, int | None]:
+    """Which weights an export of the run in `run_dir` comes from, the one rule of every export path: the newest.
+    ('hf', step) when `hf/` holds an export recorded at the latest checkpoint's step or later (or the run has no
+    checkpoint); ('checkpoint', step) when the latest checkpoint is newer than `hf/`, `hf/` records no step, or there
+    is no `hf/`; a `CheckpointError` when there is neither."""
+    rd, hf = Path(run_dir), Path(run_dir) / 'hf'
+    latest = rd / 'checkpoints' / 'latest'
+    state = rd / 'checkpoints' / latest.read_text().strip() / 'trainer_state.json' if latest.is_file() else None
+    newest = json.loads(state.read_text())['global_step'] if state and state.is_file() else None
+    at = export_facts(hf)['step'] if any((hf / f).exists() for f in ('config.json', 'adapter_config.json')) else -1
+    if at != -1 and (newest is None or (at is not None and at >= newest)): return 'hf', at
+    if newest is not None: return 'checkpoint', newest
+    raise CheckpointError(f"export: {rd} has no HF export (hf/) and no checkpoint to write one from: export from "
+                          "the trainer that ran it (trainer.export()), or let the run save a checkpoint "
+                          "(trainer.train() saves one at the end)")

@@ -13,6 +13,7 @@ import yaml
 from .callbacks import SAVE_ON_SIGNAL, Preempted
 from .config import ConfigError, Plain, as_type, load_yaml, read_value
 from .errors import UserError
+from .paths import write_file
 from .workers import child_pids
 
 # %% auto #0
@@ -310,9 +311,12 @@ def run_notebook(notebook: str, params: dict, run_dir: str | None = None, timeou
     stopped = sig.got
     try:
         with sig:  # papermill runs in a thread: the main thread takes the signals
+            # the kernel's own start-up log is not the run's: ipykernel warns that loopback TCP is unencrypted,
+            # while its messages are signed with a key in a connection file only this user can read
             in_thread(lambda: pm.execute_notebook(str(notebook), str(target), parameters=params, log_output=True,
-                                                  progress_bar=False,
-                                                  execution_timeout=timeout, cwd=None, kernel_name='python3'))
+                                                  progress_bar=False, execution_timeout=timeout, cwd=None,
+                                                  kernel_name='python3',
+                                                  extra_arguments=['--IPKernelApp.log_level=ERROR']))
     except Exception as e:
         if not (stopped or isinstance(e, pm.PapermillExecutionError)): raise
         if target != out and target.exists(): target = target.replace(out.with_suffix('.failed.ipynb'))
@@ -412,7 +416,7 @@ def _cmd_train(a):
                            'wall_time_s': time.time() - t0,
                            'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
                            'data_report': t.data_report.to_dict()}
-                Path(t.run_dir, 'summary.json').write_text(json.dumps(summary, indent=1, default=str))
+                write_file(Path(t.run_dir, 'summary.json'), json.dumps(summary, indent=1, default=str))
     except Preempted as e:
         if t is not None: raise
         raise Preempted(f"{e}, during setup (loading, tokenization, starting workers): nothing was trained and the run "
@@ -436,10 +440,8 @@ def export_parser(sub):
 
 # %% ../nbs/11_cli.ipynb #6b9ead97
 def _cmd_export(a):
-    from sft_nb.export import export_facts, export_gguf, push, run_export, write_card
-    # a file-size limit (ulimit -f) kills the process with SIGXFSZ unless ignored; ignored, the write fails with EFBIG
-    # and the export says which file and that the earlier one is untouched
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    from sft_nb.checkpoint import export_facts
+    from sft_nb.export import export_gguf, push, run_export, write_card
     hf = run_export(a.run_dir)
     step = export_facts(hf)['step']
     print(f"HF export: {hf}" + (f" (the weights of step {step})" if step is not None else ''))
@@ -538,6 +540,9 @@ def main(argv=None):
     debug = '--debug' in argv  # the traceback of a refused or failed command, below its message
     argv = [x for x in argv if x != '--debug']
     p = build_parser()
+    # a file-size limit (ulimit -f) kills the process with SIGXFSZ unless ignored; ignored, a write fails with EFBIG and
+    # says which file, and that the earlier one is untouched (`sft_nb.paths.written_aside`)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     if argv and argv[0] in ('inspect', 'pack', 'demo'):  # these parse their own arguments (and --help)
         cmd, run = argv[0], lambda: {'inspect': _cmd_inspect, 'pack': _cmd_pack,
                                      'demo': _cmd_demo}[argv[0]](None, argv[1:])

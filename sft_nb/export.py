@@ -7,15 +7,15 @@ from __future__ import annotations
 import json, math, os, re, sys
 from pathlib import Path
 from .errors import UserError
-from .paths import write_failure, write_file, written_aside
+from .paths import write_file, written_aside
+from .checkpoint import export_facts, export_source, record_export
 
 # %% auto #0
-__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'EXPORT_RECORD', 'GO_FUNCS', 'HUB_IDS', 'ExportError', 'gguf_arch',
-           'permute_qk', 'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf',
-           'record_export', 'export_facts', 'merged_export', 'go_words', 'go_pieces', 'go_value', 'go_data',
-           'render_go_template', 'probe', 'turn_pieces', 'go_template', 'ollama_template', 'modelfile', 'export_gguf',
-           'loss_svg', 'run_record', 'model_card', 'write_card', 'push', 'save_run_tokenizer', 'export_source',
-           'run_export']
+__all__ = ['GGUF_ARCHS', 'GGUF_QUANTS', 'CONVERT_HINT', 'GO_FUNCS', 'HUB_IDS', 'ExportError', 'gguf_arch', 'permute_qk',
+           'gguf_tensors', 'gguf_pre', 'gguf_vocab', 'gguf_config', 'gguf_tokenizer', 'write_gguf', 'merged_export',
+           'go_words', 'go_pieces', 'go_value', 'go_data', 'render_go_template', 'probe', 'turn_pieces', 'go_template',
+           'ollama_template', 'modelfile', 'export_gguf', 'loss_svg', 'run_record', 'model_card', 'write_card', 'push',
+           'save_run_tokenizer', 'run_export']
 
 # %% ../nbs/08f_export.ipynb #e5400006
 class ExportError(UserError, ValueError):
@@ -168,21 +168,6 @@ def write_gguf(folder: str | Path, # an HF export: config.json, safetensors, the
             w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file()
         finally: w.close()
     return out
-
-# %% ../nbs/08f_export.ipynb #1be78012
-EXPORT_RECORD = 'sft_nb_export.json'  # in an export folder: {"step": the optimizer step its weights were trained to}
-
-def record_export(folder: str | Path, step: int) -> Path:
-    "Record in the export `folder` the step its weights were trained to (`EXPORT_RECORD`)."
-    return write_file(Path(folder) / EXPORT_RECORD, json.dumps({'step': int(step)}), f'{Path(folder).name}/{EXPORT_RECORD}')
-
-def export_facts(folder: str | Path) -> dict:
-    "What an export folder holds ('full' weights or the LoRA 'adapter' alone) and the step its weights are of (or None)."
-    f = Path(folder)
-    try: step = json.loads((f / EXPORT_RECORD).read_text())['step']
-    except (OSError, ValueError, KeyError, TypeError): step = None  # none, or unreadable: the step is not known
-    holds = 'adapter' if (f / 'adapter_config.json').exists() and not (f / 'config.json').exists() else 'full'
-    return {'holds': holds, 'step': step if isinstance(step, int) and not isinstance(step, bool) else None}
 
 # %% ../nbs/08f_export.ipynb #c9b621f3
 def merged_export(folder: str | Path, # an export holding a LoRA adapter alone (adapter_config.json, no config.json)
@@ -597,28 +582,10 @@ def save_run_tokenizer(tokenizer, # the run's tokenizer (with its template's spe
     tok = copy.deepcopy(tokenizer); tok.chat_template = load_template(template)
     tok.save_pretrained(path)
 
-# %% ../nbs/08f_export.ipynb #2ffdd951
-def export_source(run_dir: str | Path) -> tuple[str, int | None]:
-    """Which weights an export of the run in `run_dir` comes from, the one rule of every export path: the newest.
-    ('hf', step) when `hf/` holds an export recorded at the latest checkpoint's step or later (or the run has no
-    checkpoint); ('checkpoint', step) when the latest checkpoint is newer than `hf/`, `hf/` records no step, or there
-    is no `hf/`; an `ExportError` when there is neither."""
-    rd, hf = Path(run_dir), Path(run_dir) / 'hf'
-    latest = rd / 'checkpoints' / 'latest'
-    state = rd / 'checkpoints' / latest.read_text().strip() / 'trainer_state.json' if latest.is_file() else None
-    newest = json.loads(state.read_text())['global_step'] if state and state.is_file() else None
-    at = export_facts(hf)['step'] if any((hf / f).exists() for f in ('config.json', 'adapter_config.json')) else -1
-    if at != -1 and (newest is None or (at is not None and at >= newest)): return 'hf', at
-    if newest is not None: return 'checkpoint', newest
-    raise ExportError(f"export: {rd} has no HF export (hf/) and no checkpoint to write one from: export from the "
-                      "trainer that ran it (trainer.export()), or let the run save a checkpoint "
-                      "(trainer.train() saves one at the end)")
-
 # %% ../nbs/08f_export.ipynb #fd8c9342
 def run_export(run_dir: str | Path) -> Path:
     """The HF export of a run folder from its newest weights (`export_source`): `run_dir/hf` when it holds them, else
-    written there from the latest checkpoint (a full fine-tune) aside and renamed over the older `hf/`."""
-    import shutil
+    written there from the latest checkpoint (a full fine-tune; `save_hf_folder` writes it aside and swaps it in)."""
     from sft_nb.config import load_config
     from sft_nb.models import check_whole, load_model_inputs
     from sft_nb.workers import save_hf_folder
@@ -633,23 +600,11 @@ def run_export(run_dir: str | Path) -> Path:
         raise ExportError(f"export: {rd} is a LoRA run whose latest checkpoint is step {step} and {old}: sft_nb writes "
                           "a LoRA run's export from its trainer", fix="resume the run and export it (trainer.export())")
     from sft_nb.lens import RunScorer  # the latest checkpoint's model, checked as `sft-nb inspect --run` checks it
-    stale, tmp = rd / '.hf.stale', rd / '.hf.tmp'
-    for p in (stale, tmp): shutil.rmtree(p, ignore_errors=True)
-    if hf.exists(): os.rename(hf, stale)  # RunScorer reads hf/ when there is one
-    try:
-        s = RunScorer(rd)
-        save_hf_folder(s.model, tmp, s.base_path)
-        template = s.cfg.tokenize.chat_template
-        save_run_tokenizer(load_model_inputs(s.cfg.model.path, template)[0], template, tmp)
-        record_export(tmp, s.step)
-        os.rename(tmp, hf)
-    except BaseException as e:
-        n = sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file()) if tmp.exists() else 0
-        shutil.rmtree(tmp, ignore_errors=True)
-        if stale.exists(): os.rename(stale, hf)
-        if isinstance(e, OSError) and not isinstance(e, UserError):
-            raise write_failure(e, f'hf/ (from the checkpoint of step {step})', n) from e
-        raise
-    shutil.rmtree(stale, ignore_errors=True)
+    s = RunScorer(rd)
+    save_hf_folder(s.model, hf, s.base_path)
+    template = s.cfg.tokenize.chat_template
+    # written after the swap: an export without its record is taken for an older one and written again
+    save_run_tokenizer(load_model_inputs(s.cfg.model.path, template)[0], template, hf)
+    record_export(hf, s.step)
     print(f"export: {old}; the latest checkpoint is step {step}: hf/ is written from it", file=sys.stderr)
     return hf

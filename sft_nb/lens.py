@@ -321,6 +321,7 @@ class RunScorer:
         from sft_nb.config import load_config
         from sft_nb.models import resolve_model_path
         from sft_nb.backends.slices import load_pretrained
+        from sft_nb.checkpoint import export_source
         self.run_dir = Path(run_dir)
         if not (self.run_dir / 'config.yaml').exists():
             raise FileNotFoundError(f"--run: {run_dir} has no config.yaml (not a run folder)")
@@ -329,7 +330,9 @@ class RunScorer:
         # checked as a worker checks it: a whole export, shapes, no folder code
         load = lambda p: load_pretrained(AutoModelForCausalLM, p).eval()
         self.base, hf = load(self.base_path), self.run_dir / 'hf'
-        if (hf / 'config.json').exists(): self.model, self.model_path, self.step = load(str(hf)), str(hf), None
+        src, step = export_source(self.run_dir)  # the newest weights: hf/ only when no checkpoint is newer
+        if src == 'hf' and (hf / 'config.json').exists():
+            self.model, self.model_path, self.step = load(str(hf)), str(hf), step
         else:
             state, self.step = run_model_state(self.run_dir, self.cfg)
             if state is None:

@@ -11,7 +11,7 @@ from .errors import UserError
 
 # %% auto #0
 __all__ = ['sft_nb_home', 'atomic_build', 'live_tmp', 'clean_stale_tmp', 'WriteError', 'write_failure', 'written_aside',
-           'write_file', 'new_digest', 'file_digest']
+           'write_file', 'folder_aside', 'new_digest', 'file_digest']
 
 # %% ../nbs/00a_paths.ipynb #7e17eb6c
 def sft_nb_home() -> Path:
@@ -125,6 +125,38 @@ def write_file(path: str | Path, data: str | bytes, what: str | None = None) -> 
     "Write `data` (text as UTF-8) into `path` `written_aside`; returns `path`."
     with written_aside(path, what) as part: part.write_bytes(data.encode() if isinstance(data, str) else data)
     return Path(path)
+
+# %% ../nbs/00a_paths.ipynb #5e325d1a
+@contextmanager
+def folder_aside(dst: str | Path, # the folder to (re)write
+                 what: str | None = None, # how messages name it (default: `dst`)
+                ):
+    """A new folder beside `dst` to write it in, swapped in for `dst` when the block ends: until then `dst` is untouched
+    (an earlier export stays whole on a full disk), and a block that fails removes it (`write_failure` for a write that
+    stopped short). A `dst` that holds files but no export (`config.json` / `adapter_config.json`) is refused: swapping
+    would delete them."""
+    dst = Path(dst); what = what or str(dst)
+    if dst.exists() and not dst.is_dir():
+        raise WriteError(f"writing {what}: a file is in its place", fix=f'move or remove the file {dst}')
+    if (dst.is_dir() and not dst.is_symlink() and any(dst.iterdir())
+        and not any((dst / f).exists() for f in ('config.json', 'adapter_config.json'))):
+        raise WriteError(f"writing {what}: {dst} holds other files, not an export", fix='choose a new or empty folder')
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f'.{dst.name}.partial'))
+    old = tmp.with_name(tmp.name.replace('.partial', '.old', 1))
+    try:
+        yield tmp
+        if dst.exists() or dst.is_symlink(): os.rename(dst, old)
+        os.rename(tmp, dst)
+    except OSError as e:
+        n = sum(f.stat().st_size for f in tmp.rglob('*') if f.is_file()) if tmp.exists() else 0
+        if old.exists() and not dst.exists(): os.rename(old, dst)
+        if isinstance(e, WriteError) or e.errno not in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT): raise
+        raise write_failure(e, what, n) from e
+    finally:
+        for p in (tmp, old):
+            if p.is_symlink(): p.unlink()
+            else: shutil.rmtree(p, ignore_errors=True)
 
 # %% ../nbs/00a_paths.ipynb #6044298c
 def new_digest(algo: str = 'sha256'):

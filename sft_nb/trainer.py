@@ -17,7 +17,7 @@ from .dataplan import DataPlan
 from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path, check_context
 from .loss import eval_metrics
-from .checkpoint import Checkpointer, model_fingerprint, check_fingerprint
+from .checkpoint import Checkpointer, model_fingerprint, check_fingerprint, record_export
 from .callbacks import Control, Callback, builtin_callbacks, make_trackers, prompt_messages
 from .workers import init_ray, stop_ray
 from .backends import start_workers
@@ -332,8 +332,8 @@ def save(self: SFTTrainer) -> Path:
     if (done := self.ckpt.saved(self.global_step)) is not None: return done  # this trainer saved it
     state = {'global_step': self.global_step, 'step_metrics': self.step_metrics, 'eval_metrics': self.eval_metrics,
              'model': self.model_fingerprint, **self.data.ckpt_state(self.global_step)}
-    # an interrupt midway would leave half a checkpoint (and, in process, a worker stopped inside torch's writer): the save
-    # is finished first, then it is raised
+    # an interrupt midway would leave half a checkpoint (and, in process, a worker stopped inside torch's writer):
+    # the save is finished first, then it is raised
     with hold_interrupts(f'the save of step {self.global_step}'):
         final = self.ckpt.save(self.global_step, lambda tmp: self.backend.save(str(tmp)), state)
     self._emit('on_save', str(final))
@@ -430,6 +430,7 @@ def export(self: SFTTrainer, path: str | Path | None = None,
         raise RuntimeError(f"export: the workers wrote no model into {hf}")
     if self.processor is None:  # apply_chat_template on the export renders as training did
         save_run_tokenizer(self.tokenizer, self.cfg.tokenize.chat_template, hf)
+    record_export(hf, self.global_step)  # which weights it holds: `sft-nb export` takes the newest (`export_source`)
     return export_gguf(hf, path or self.run_dir / 'gguf', quant) if to == 'gguf' else hf
 
 # %% ../nbs/08_trainer.ipynb #ca52a215

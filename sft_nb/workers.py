@@ -10,6 +10,7 @@ from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig
+from .paths import folder_aside
 
 # %% auto #0
 __all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray',
@@ -289,18 +290,20 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
                    source: str, # the model folder the run started from (processor config, default tokenizer)
                    tokenizer_path: str | None = None, # a tokenizer folder other than `source`
                   ) -> None:
-    """`save_pretrained` the model and its tokenizer into `path`; a vision-language model's `preprocessor_config.json`
-    goes along; `EXPORT_PARTIAL` marks the folder until it is whole."""
+    """`save_pretrained` the model and its tokenizer into `path`, written in a folder beside it and swapped in when whole
+    (`folder_aside`: an earlier export stays as it was when the disk fills); a vision-language model's
+    `preprocessor_config.json` goes along."""
     import shutil
     from transformers import AutoTokenizer
     from sft_nb.models import EXPORT_PARTIAL
-    Path(path).mkdir(parents=True, exist_ok=True)
-    (partial := Path(path, EXPORT_PARTIAL)).write_text('sft_nb is writing this export; loaders refuse the folder until '
-                                                       'this file is gone\n')
-    model.save_pretrained(path)
-    AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(path)
-    if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), path)
-    partial.unlink()  # last: the folder is whole
+    with folder_aside(path, f'the export {path}') as tmp:
+        # a folder left by a killed writer keeps this marker: loaders refuse it by name
+        Path(tmp, EXPORT_PARTIAL).write_text('sft_nb is writing this export; loaders refuse the folder until this file '
+                                             'is gone\n')
+        model.save_pretrained(tmp)
+        AutoTokenizer.from_pretrained(tokenizer_path or source, trust_remote_code=False).save_pretrained(tmp)
+        if Path(source, 'preprocessor_config.json').exists(): shutil.copy(Path(source, 'preprocessor_config.json'), tmp)
+        Path(tmp, EXPORT_PARTIAL).unlink()  # last: the folder is whole
 
 # %% ../nbs/07_workers.ipynb #4a628511
 class TrainWorker(DistWorker):

@@ -145,7 +145,7 @@ def test_cli_export_comes_from_the_newest_weights(trained_run, tiny_path, tmp_pa
     --card` writes hf/ from the checkpoint, the GGUF from that, and the card says step 2; an hf/ of step 2 is kept."""
     from helpers import cli
     from safetensors.torch import load_file
-    from sft_nb.export import record_export
+    from sft_nb.checkpoint import record_export
     run = tmp_path / 'run'; shutil.copytree(trained_run, run)
     shutil.copytree(tiny_path, run / 'hf'); record_export(run / 'hf', 1)  # the base's weights, said to be step 1's
     code, out, err = cli('export', run, '--gguf', '--card')

@@ -308,18 +308,22 @@ def test_a_cache_entry_that_cannot_be_read_is_rebuilt_with_a_warning(tiny_tok, t
 
 
 def test_an_export_that_did_not_finish_is_refused_by_loaders(tiny_path, tmp_path, monkeypatch):
-    "save_hf_folder killed halfway leaves its marker: the trainer's path check and the every_rank loader refuse the folder by name; a whole export loads."
+    """save_hf_folder stopped halfway leaves the earlier export whole and nothing beside it; a folder a killed writer
+    left (its marker still in it) is refused by the trainer's path check and the every_rank loader by name."""
+    import shutil
     from sft_nb.models import EXPORT_PARTIAL, check_model_path
     from sft_nb.workers import save_hf_folder
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     out = tmp_path / 'hf'
+    save_hf_folder(model, out, str(tiny_path))
+    earlier = {f.name: f.read_bytes() for f in out.iterdir()}
     from transformers import AutoTokenizer
     def dies(*a, **k): raise KeyboardInterrupt
-    monkeypatch.setattr(AutoTokenizer, 'from_pretrained', dies)  # killed after the weights, before the tokenizer
+    monkeypatch.setattr(AutoTokenizer, 'from_pretrained', dies)  # stopped after the weights, before the tokenizer
     with pytest.raises(KeyboardInterrupt): save_hf_folder(model, out, str(tiny_path))
     monkeypatch.undo()
-    assert (out / EXPORT_PARTIAL).exists()
-    for load in (check_model_path, lambda p: load_pretrained(AutoModelForCausalLM, p)):
-        with pytest.raises(ConfigError, match=rf"model\.path: {out} is an export that did not finish"): load(str(out))
-    save_hf_folder(model, out, str(tiny_path))
+    assert {f.name: f.read_bytes() for f in out.iterdir()} == earlier and [p.name for p in tmp_path.iterdir()] == ['hf']
     assert not (out / EXPORT_PARTIAL).exists() and check_model_path(str(out)) == str(out)
+    left = tmp_path / '.hf.partial_killed'; shutil.copytree(out, left); (left / EXPORT_PARTIAL).write_text('')
+    for load in (check_model_path, lambda p: load_pretrained(AutoModelForCausalLM, p)):
+        with pytest.raises(ConfigError, match=rf"model\.path: {left} is an export that did not finish"): load(str(left))
