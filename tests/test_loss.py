@@ -138,26 +138,32 @@ def test_micro_batches_share_the_step_divisor(worker, tiny_path, tiny_tok, weigh
 def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
     """2 FSDP ranks (spawned processes, a gloo group), one micro-batch each (packed, padded), both dividing by the step's
     weight_sum: the gradient FSDP reduces over the ranks equals one rank's gradient of both micro-batches, for the whole
-    model and for LoRA adapters on attention and the (tied) LM head, the head run in chunks of 7 at the trained positions.
+    model (the head at the trained positions in chunks of 7, and in one piece) and for LoRA adapters on attention and the
+    (tied) LM head, in chunks of 7.
     No sharded module returns a view (FSDP2 warns on one: an in-place op on it would drop the hook whose all-gather the
     head's backward needs)."""
     from sft_nb.backends.fsdp import FSDPWorker
     mbs = list(batches(tiny_tok, True).values())
     n = sum(mb['weight_sum'] for mb in mbs)
     assert all(mb['n_trained'] > 7 and mb['n_trained'] % 7 for mb in mbs)  # several chunks, a short last one
-    full = ModelConfig(path=str(tiny_path), loss_chunk=7)
+    full, one_shot = ModelConfig(path=str(tiny_path), loss_chunk=7), ModelConfig(path=str(tiny_path), loss_chunk=0)
     lora = ModelConfig(path=str(tiny_path), loss_chunk=7, lora_r=4, lora_target_modules=['q_proj', 'v_proj', 'lm_head'])
     worker.loss_chunk = full.loss_chunk
     _, one = _grads(worker, mbs, n)
+    worker.loss_chunk = one_shot.loss_chunk
+    _, one_0 = _grads(worker, mbs, n)
     lw = FSDPWorker(0, 1, lora, OptimConfig(), total_steps=1)  # in this process's 1-rank group (the `worker` fixture's)
     lw.setup()
     _, one_lora = _grads(lw, mbs, n)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
-    (r, two, _, _), (rl, two_lora, _, _) = spawn(2, 1, [full, lora], [[{k: mb[k] for k in keep}] for mb in mbs], n)
+    (r, two, _, _), (r0, two_0, _, _), (rl, two_lora, _, _) = spawn(2, 1, [full, one_shot, lora],
+                                                                     [[{k: mb[k] for k in keep}] for mb in mbs], n)
     assert_rel_close(two, one, GRAD_TOL, '2 ranks vs 1: gradients')
+    assert_rel_close(two_0, one_0, GRAD_TOL, '2 ranks vs 1, the head in one piece: gradients')
     assert two_lora.keys() == one_lora.keys() and any('lm_head' in k for k in one_lora)
     assert_rel_close(two_lora, one_lora, GRAD_TOL, '2 ranks vs 1, LoRA: gradients')
-    assert not view_warnings(r) + view_warnings(rl), view_warnings(r) + view_warnings(rl)
+    views = [m for x in (r, r0, rl) for m in view_warnings(x)]
+    assert not views, views
 
 
 def test_lora_wrapped_head(tiny_path, tiny_tok):
