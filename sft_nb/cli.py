@@ -454,8 +454,14 @@ def _cmd_estimate(a):
     "Estimate CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
     check_overrides(a.overrides)
     from sft_nb.config import load_config
-    from sft_nb.memory import estimate, estimate_report
-    p = estimate(load_config(a.config, a.overrides), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
+    from sft_nb.memory import estimable_cluster, estimate, estimate_report
+    estimable_cluster(a.gpus, a.nodes)  # before the flags go into the config
+    micro = load_config(a.config, a.overrides + ['placement.sequence_parallel=1']).train.micro_batch_size
+    # the config of the cluster estimated for, so its checks (sequence_parallel divides the ranks) see --gpus x
+    # --nodes; one step's memory does not depend on the global batch: one micro-batch a rank
+    world = [f'placement.workers_per_node={a.gpus}', f'placement.num_nodes={a.nodes}',
+             f'train.global_batch_size={micro * a.gpus * a.nodes}']
+    p = estimate(load_config(a.config, a.overrides + world), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
                  device=a.device, data=not a.no_data)
     print(estimate_report(p)); sys.exit(0 if p['fits'] else 3)
 

@@ -4,22 +4,22 @@
 
 # %% ../nbs/08e_memory.ipynb #2ca28c5d
 from __future__ import annotations
-import copy, json, socket, time
+import copy, dataclasses, json, socket, time
 from collections import Counter
 from pathlib import Path
 import pandas as pd
 import torch
 from .config import ConfigError, SFTConfig
 from .dataplan import synthetic_dataset
-from .collate import collate_padded, collate_packed
 from .dataplan import DataPlan
 from .stream import plan_class
 from .datareport import long_rows, long_rows_line
 
 # %% auto #0
-__all__ = ['PARTS', 'ESTIMATE_FIELDS', 'rank_memory', 'reset_peak_memory', 'rank_now', 'rank_capacity', 'warm_optimizer',
-           'measure_step', 'fsdp_only', 'largest_micro_batch', 'dry_run_batch', 'dry_run_verdict', 'parts_of',
-           'estimate_data', 'estimate_batch', 'step_memory', 'estimable', 'estimate', 'estimate_report', 'data_fit']
+__all__ = ['PARTS', 'MAX_ESTIMATE_TOKENS', 'ESTIMATE_FIELDS', 'MAX_ESTIMATE_RANKS', 'rank_memory', 'reset_peak_memory',
+           'rank_now', 'rank_capacity', 'warm_optimizer', 'measure_step', 'fsdp_only', 'largest_micro_batch',
+           'dry_run_batch', 'dry_run_verdict', 'parts_of', 'estimate_data', 'estimate_batch', 'synthetic_targets',
+           'step_memory', 'estimable', 'estimable_cluster', 'estimate', 'estimate_report', 'data_fit']
 
 # %% ../nbs/08e_memory.ipynb #7c118ded
 def rank_memory(use_gpu: bool = False) -> dict:
@@ -208,17 +208,48 @@ def estimate_data(cfg: SFTConfig) -> DataPlan | None:
     d = plan_class(cfg)(cfg, tok, proc); d.prepare(); d.plan()
     return d
 
+# %% ../nbs/08e_memory.ipynb #59d6dfab
+# a rank's micro-batch tokens an estimate traces: its loss runs `model.loss_chunk` tokens at a time, each chunk traced
+MAX_ESTIMATE_TOKENS = 2**20
+
+def _traceable(cfg: SFTConfig, rows: int, tokens: int):
+    "A ConfigError naming the keys when `rows` x `tokens` (1/sp of them on a rank) pass `MAX_ESTIMATE_TOKENS`."
+    sp, key = cfg.placement.sequence_parallel, 'packing.capacity' if cfg.packing.enabled else 'tokenize.max_length'
+    if (n := rows * -(-tokens // sp)) <= MAX_ESTIMATE_TOKENS: return
+    raise ConfigError(f"train.micro_batch_size, {key}: a micro-batch of {rows:,} rows of {tokens:,} tokens is {n:,} "
+                      f"tokens a rank (sequence_parallel={sp}); the estimate traces at most {MAX_ESTIMATE_TOKENS:,} "
+                      f"(its loss is traced {cfg.model.loss_chunk or 'all'} tokens at a time): lower "
+                      f"train.micro_batch_size or {key}, or raise placement.sequence_parallel")
+
 # %% ../nbs/08e_memory.ipynb #b5350c64
 def estimate_batch(cfg: SFTConfig, vocab_size: int, data: DataPlan | None = None) -> dict:
     """The micro-batch an estimate steps on: the data's `micro_batch_size` longest rows (fullest bins) as `dry_run`
     takes them; without data, that many rows of `tokenize.max_length` (`packing.capacity`) random tokens, all but the
-    first trained, collated as the run collates them."""
-    if data is not None: return largest_micro_batch(data, max(1, cfg.train.micro_batch_size))
+    first trained, laid out as the collator lays them out but made by torch ops alone: in a `FakeTensorMode` they hold
+    no memory, whatever their shape. Refused (`_traceable`) past `MAX_ESTIMATE_TOKENS` tokens a rank."""
+    micro = max(1, cfg.train.micro_batch_size)
+    if data is not None:
+        _traceable(cfg, min(micro, len(data.items)),
+                   cfg.pack_capacity if data.pack_plan is not None else int(data.lengths.max()))
+        return largest_micro_batch(data, micro)
     n = cfg.pack_capacity if cfg.packing.enabled else cfg.tokenize.max_length
-    rows = [{'input_ids': r['input_ids'], 'loss_mask': r['loss_mask']}
-            for r in synthetic_dataset(max(1, cfg.train.micro_batch_size), n, vocab_size, cfg.data.seed)]
-    mb = collate_packed([[r] for r in rows], 0, n) if cfg.packing.enabled else collate_padded(rows, 0)
-    return {k: v for k, v in mb.items() if k not in ('n_trained', 'n_real', 'weight_sum')}
+    _traceable(cfg, micro, n)
+    ids = torch.randint(0, vocab_size, (micro, n))
+    labels = ids.clone(); labels[:, 0] = -100
+    pos = torch.arange(n).expand(micro, n).clone()
+    if not cfg.packing.enabled:
+        return {'input_ids': ids, 'labels': labels, 'attention_mask': torch.ones(micro, n, dtype=torch.long),
+                'position_ids': pos}
+    # one row a bin: its block-diagonal mask is causal
+    mask = torch.ones(n, n, dtype=torch.bool).tril().expand(micro, 1, n, n).clone()
+    return {'input_ids': ids, 'labels': labels, 'position_ids': pos, 'attention_mask': mask, 'seq_lens': [[n]] * micro,
+            'cu_seqlens': torch.arange(micro + 1, dtype=torch.int32) * n}
+
+# %% ../nbs/08e_memory.ipynb #94e31d0d
+def synthetic_targets(rows: int, tokens: int, sp: int = 1) -> int:
+    """Trained targets on rank 0 of `estimate_batch`'s rows without data: every position but the last predicts a
+    trained token; rank 0 holds the first ⌈tokens / sp⌉ positions of each row."""
+    return rows * min(-(-tokens // sp), tokens - 1)
 
 # %% ../nbs/08e_memory.ipynb #7aba08ee
 def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
@@ -244,18 +275,24 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
         model = w.build(dtype, meta=True, attn_device='cpu')
         # this process as a worker is before it loads weights: torch, transformers, the model's code
         runtime = rank_memory()['rss']
-        mb = w.to_device(estimate_batch(cfg, model.config.get_text_config().vocab_size, data))
-        inputs, sel, tgt, wt = w.loss_inputs(mb)
-        n_sel = int(sel.sum())
+        vocab = model.config.get_text_config().vocab_size
         mode = FakeTensorMode(allow_non_fake_inputs=True, shape_env=ShapeEnv(allow_dynamic_output_shape_ops=True))
+        if data is not None:  # the data's own rows, real: their trained positions are counted
+            mb = w.to_device(estimate_batch(cfg, vocab, data))
+            inputs, sel, tgt, wt = w.loss_inputs(mb)
+            n_sel, sel = int(sel.sum()), mode.from_tensor(sel)
         with mode:
+            if data is None:  # rows of any length, fake from the start: their trained positions are known
+                mb = w.to_device(estimate_batch(cfg, vocab))
+                inputs, sel, tgt, wt = w.loss_inputs(mb)
+                n_sel = synthetic_targets(*mb['input_ids'].shape, w.sp); tgt = tgt.new_empty(n_sel)
+            sel.nonzero_memo = n_sel  # the trained positions' count: a static shape
             model.to_empty(device='cpu')
             opt = adamw([p for p in model.parameters() if p.requires_grad], cfg.optim)
             warm_optimizer(opt)  # a later step's: Adam's state is held through forward and backward
-            fsel = mode.from_tensor(sel); fsel.nonzero_memo = n_sel  # the trained positions' count: a static shape
             tracker = FSDPMemTracker(model, opt)
             with tracker:
-                s, _, _ = w.nll(mb, loss_inputs=(inputs, fsel, tgt, wt))
+                s, _, _ = w.nll(mb, loss_inputs=(inputs, sel, tgt, wt))
                 (fwd,) = tracker.get_tracker_snapshot('current').values()  # what the forward keeps for backward
                 s.backward(); opt.step()
                 # sharded weights, gradients, optimizer state: what a run keeps
@@ -297,6 +334,22 @@ def estimable(cfg: SFTConfig, dtype) -> None:
                                   "(model.dtype=bfloat16, device='cuda'): torch's fake grouped_mm, which its experts "
                                   "run through, takes bf16 only")
 
+# %% ../nbs/08e_memory.ipynb #180940a9
+# FSDP2 lays out every rank's shard of every parameter: past this many ranks that alone takes minutes
+MAX_ESTIMATE_RANKS = 8192
+
+def estimable_cluster(gpus: int, nodes: int) -> int:
+    "The ranks of `nodes` x `gpus`, or a ConfigError naming the flag: each a whole number >= 1, at most `MAX_ESTIMATE_RANKS` in all."
+    for name, n in (('gpus', gpus), ('nodes', nodes)):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ConfigError(f"{name}: {n!r}; give a whole number of at least 1 (--{name})")
+    if (world := gpus * nodes) > MAX_ESTIMATE_RANKS:
+        raise ConfigError(f"gpus x nodes: {world:,} ranks; the estimate answers up to {MAX_ESTIMATE_RANKS:,} (FSDP2 "
+                          "lays out each rank's shard of every parameter, minutes past that); there a rank's shards "
+                          f"are already 1/{MAX_ESTIMATE_RANKS:,} of the weights, gradients and optimizer state: "
+                          f"estimate {MAX_ESTIMATE_RANKS:,} ranks (--gpus, --nodes)")
+    return world
+
 # %% ../nbs/08e_memory.ipynb #bd616f19
 def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
          gpus: int = 1, # GPUs (workers) per node
@@ -305,18 +358,20 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
          device: str = 'cuda', # 'cuda': bf16 if model.dtype asks for it, parts on the GPU; 'cpu': fp32, host memory as a CPU dry run counts it
          data: bool = True, # step on the data's longest rows and say which rows one rank cannot hold, where `estimate_data` can read it
         ) -> dict:
-    """The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks: `dry_run()`'s dict, each rank's
-    parts, the estimate's own time and, with data, `data` (`data_fit`)."""
+    """The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks (at most `MAX_ESTIMATE_RANKS`):
+    `dry_run()`'s dict, each rank's parts, the estimate's own time and, with data, `data` (`data_fit`)."""
+    from sft_nb.models import check_context, resolve_model_path
     fsdp_only(cfg, 'memory estimate')
-    for name, n in (('gpus', gpus), ('nodes', nodes)):
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise ConfigError(f"{name}: {n!r}; give a whole number of at least 1 (--{name})")
+    world = estimable_cluster(gpus, nodes)
     if gpu_memory is not None and not gpu_memory > 0:
         raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
     if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
-    t0, world = time.perf_counter(), gpus * nodes
+    t0, cfg = time.perf_counter(), copy.deepcopy(cfg)  # the caller's config stays as it was
+    # the cluster estimated for: its checks (sequence_parallel divides the ranks) and the advice name it
+    cfg.placement = dataclasses.replace(cfg.placement, num_nodes=nodes, workers_per_node=gpus)
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
     estimable(cfg, dtype)
+    check_context(resolve_model_path(cfg.model.path), cfg.tokenize)  # the run refuses rows past the model's positions
     if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     d = estimate_data(cfg) if data else None
     peak, after, shape, runtime = step_memory(cfg, world, dtype, d)
@@ -328,8 +383,6 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap,
               'capacity_from': cap_from, 'host': f'node{r // gpus}', 'device': device, 'parts': parts,
               'at_peak': at_peak} for r in range(world)]
-    cfg = copy.deepcopy(cfg)  # the caller's config stays as it was
-    cfg.placement.num_nodes, cfg.placement.workers_per_node = nodes, gpus  # the advice names the cluster estimated for
     out = dry_run_verdict(cfg, ranks, shape)
     if d is not None: out['data'] = data_fit(cfg, world, dtype, d, out['ranks'][0]['capacity'] - base)
     return out | {'estimate_s': time.perf_counter() - t0}
@@ -344,12 +397,19 @@ def estimate_report(p: dict) -> str:
     lines += [f"  {'peak':<12}{g(r['peak'])}  (at the peak: "
               + ', '.join(f"{k} {v / 2**30:.2f}" for k, v in r['at_peak'].items()) + ")",
               f"  {'capacity':<12}{g(r['capacity'])}  ({r['capacity_from']})", p['message']]
-    if (d := p.get('data')) is not None:
-        sp = (f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits']
-              else f"no sequence_parallel that divides {d['heads']} heads and {len(p['ranks'])} ranks holds it")
-        lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; " + long_rows_line(d) + f" ({sp})")
+    if (d := p.get('data')) is not None: lines.append(f"data: {d['rows']} rows, the micro-batch is their longest; "
+                                                      + _rows_line(d, len(p['ranks'])))
     lines.append(f"estimated in {p['estimate_s']:.1f} s")
     return '\n'.join(lines)
+
+def _rows_line(d: dict, world: int) -> str:
+    "What `data_fit` says of the rows: none fits (not even the fixed part does), or which rows one rank cannot hold."
+    if not d['worker_tokens']:
+        return (f"not even the fixed part (weights, gradients, optimizer state: {d['fixed'] / 2**30:.3g} GiB) fits "
+                f"in {d['capacity'] / 2**30:.3g} GiB: no row length does")
+    sp = (f"sequence_parallel={d['sp_fits']} holds it" if d['sp_fits']
+          else f"no sequence_parallel that divides {d['heads']} heads and {world} ranks holds it")
+    return long_rows_line(d) + f" ({sp})"
 
 # %% ../nbs/08e_memory.ipynb #bbb6f277
 def _heads(cfg: SFTConfig) -> int:
@@ -362,16 +422,21 @@ def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> d
     and `sp_fits`: the least `sequence_parallel` that holds the longest row and divides the attention heads and the
     ranks (None: none does). The longest row one rank holds (`worker_tokens`) is where a line through two fake steps of
     one row (`tokenize.max_length` tokens and half that) meets `capacity`: the activations grow linearly in a row's
-    tokens (sdpa, chunked loss); `bytes_per_token` and `fixed` are that line."""
+    tokens (sdpa, chunked loss); `bytes_per_token` is its slope and `fixed` its value at 0 tokens, never below what a
+    rank keeps whatever the row (its shards of the weights, gradients and optimizer state). `worker_tokens` 0: not even
+    `fixed` and one token fit, so no row does."""
     one = copy.deepcopy(cfg)
     one.train.micro_batch_size, one.packing.enabled, one.placement.sequence_parallel = 1, False, 1
     n1, n2, at = cfg.tokenize.max_length, max(1, cfg.tokenize.max_length // 2), {}
     for n in (n1, n2):
-        one.tokenize.max_length = n; at[n] = step_memory(one, world, dtype)[0]['Total']
-    per = max(1e-9, (at[n1] - at[n2]) / max(1, n1 - n2))
-    fixed = at[n1] - per * n1
-    tokens = max(1, int((capacity - fixed) // per))  # rows past max_length were dropped: the line only decides below it
+        one.tokenize.max_length = n; at[n], kept = step_memory(one, world, dtype)[:2]
+    per = max(1e-9, (at[n1]['Total'] - at[n2]['Total']) / max(1, n1 - n2))
+    # a line through two points of a curve (attention grows faster than the row) can meet 0 tokens below the shards
+    held = sum(v for k, v in parts_of(kept).items() if k != 'activations')
+    fixed, heads = max(at[n1]['Total'] - per * n1, held), _heads(cfg)
+    line = {'rows': len(d.lengths), 'bytes_per_token': per, 'fixed': fixed, 'capacity': capacity, 'heads': heads}
+    # rows past max_length were dropped: the line only decides below it
+    if (tokens := int((capacity - fixed) // per)) < 1: return line | {'worker_tokens': 0, 'sp_fits': None}
     rows = long_rows(pd.DataFrame({'tokens': d.lengths, 'kept': True}), tokens, cfg.placement.sequence_parallel)
-    heads = _heads(cfg)
     fits = next((s for s in range(rows['sp_needed'], world + 1) if world % s == 0 and heads % s == 0), None)
-    return rows | {'rows': len(d.lengths), 'sp_fits': fits, 'bytes_per_token': per, 'fixed': fixed, 'heads': heads}
+    return rows | line | {'sp_fits': fits}

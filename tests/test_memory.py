@@ -29,3 +29,43 @@ def test_cpu_offload_on_cpu_workers_is_refused(tiny_path):
     from sft_nb.config import ModelConfig, OptimConfig
     w = FSDPWorker(0, 2, ModelConfig(path=str(tiny_path), cpu_offload=True), OptimConfig(), total_steps=1)
     with pytest.raises(ValueError, match='model.cpu_offload: needs GPU workers'): w.setup()
+
+
+ESTIMATES = {  # name: sft-nb estimate's arguments after examples/tiny.yaml
+    'rows_of_2e8_tokens': ['tokenize.max_length=200000000', 'tokenize.extend_context=true', '--no-data'],
+    'micro_batch_of_50000': ['train.micro_batch_size=50000', 'train.global_batch_size=50000', '--no-data'],
+    'ranks_100000': ['--gpus', '100000'],
+    'sp2_on_2_gpus_of_1_mib': ['placement.sequence_parallel=2', '--gpus', '2', '--gpu-memory', '0.001'],
+}
+
+
+def test_estimate_answers_any_shape_within_2_gib_and_agrees_with_itself(tmp_path):
+    """sft-nb estimate, in one subprocess whose peak RSS (its own getrusage) stays within 2 GiB: rows of 2e8 tokens and a
+    micro-batch of 50,000 rows are refused by key, past the tokens a rank it traces (their batch is fake: nothing of
+    their size is allocated); 100,000 ranks are refused past the ranks it answers; sequence_parallel is checked against
+    the --gpus estimated for, and where not even the weights fit the data line says no row length does (not that all
+    rows fit)."""
+    import json, os, resource, subprocess, sys
+    from pathlib import Path
+    code = ("import json, sys; sys.path.insert(0, 'tests'); from helpers import cli; "
+            f"cases = {ESTIMATES!r}; got = {{k: cli('estimate', 'examples/tiny.yaml', *a, "
+            "*([] if '--gpus' in a else ['--gpus', '1']), *([] if '--gpu-memory' in a else ['--gpu-memory', '80'])) "
+            "for k, a in cases.items()}; import resource; "
+            "print(json.dumps(got | {'peak': resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}))")
+    root = Path(__file__).resolve().parent.parent
+    # a cap on the heap, so that a regression fails here instead of taking the machine's memory
+    cap = lambda: resource.setrlimit(resource.RLIMIT_DATA, (3 * 2**30, 3 * 2**30))
+    out = subprocess.run([sys.executable, '-c', code], cwd=root, capture_output=True, text=True, preexec_fn=cap,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'}, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1]); peak = got['peak']
+    assert peak <= 2 * 2**30, f'{peak / 2**30:.2f} GiB'
+    rc, _, err = got['rows_of_2e8_tokens']
+    assert rc == 2 and 'a micro-batch of 4 rows of 200,000,000 tokens is 800,000,000 tokens a rank' in err, err
+    rc, _, err = got['micro_batch_of_50000']
+    assert rc == 2 and 'a micro-batch of 50,000 rows of 2,048 tokens' in err and 'lower train.micro_batch_size' in err, err
+    rc, _, err = got['ranks_100000']
+    assert rc == 2 and 'gpus x nodes: 100,000 ranks; the estimate answers up to 8,192' in err, err
+    rc, txt, err = got['sp2_on_2_gpus_of_1_mib']
+    assert rc == 3 and txt.startswith('2 ranks (cuda)') and 'does not fit' in txt, (txt, err)
+    assert 'no row length does' in txt and 'longer than one worker holds' not in txt, txt
