@@ -77,20 +77,21 @@ _LONG_ROW = 32  # messages: from here a row with max_length locates only what it
 
 def _render_row(renderer, tokenizer, messages, tools, info, mode, rewritten_turns, max_length,
                 segments: bool) -> tuple:
-    """`render_turns` of one conversation. Each prefix render costs the whole prefix (n turns: quadratic), so a long row
-    over `max_length` tokens locates only the messages that reach its first `max_length` tokens: the same ids and mask
-    (the others' tokens are cut), and the turns past the cut are neither checked nor listed in `spans` and `segments`."""
-    text = limit = None
+    """`render_turns` of one conversation, and the Rust encoding of its text when this made it (else None). Each prefix
+    render costs the whole prefix (n turns: quadratic), so a long row over `max_length` tokens locates only the messages
+    that reach its first `max_length` tokens: the same ids and mask (the others' tokens are cut), and the turns past the
+    cut are neither checked nor listed in `spans` and `segments`."""
+    text = limit = enc = None
     if max_length is not None and len(messages) > _LONG_ROW:
         try:
             text = renderer(messages, tools)
-            encs = _encodings(tokenizer, [text])
-            if encs is not None and len(encs[0]) > max_length:
-                encs[0].truncate(max_length); limit = max((b for _, b in encs[0].offsets), default=0)
-            elif encs is None and len((enc := encode_texts(tokenizer, [text])[0])[0]) > max_length:
-                limit = max((b for _, b in enc[1][:max_length]), default=0)
-        except Exception: text = limit = None  # render_turns renders it again and names what is wrong
-    return render_turns(renderer, messages, tools, info, mode, rewritten_turns, segments, text, limit)
+            enc = (_encodings(tokenizer, [text]) or [None])[0]
+            if enc is not None and len(enc) > max_length:
+                limit = max((c[1] for k in range(max_length) if (c := enc.token_to_chars(k))), default=0)
+            elif enc is None and len((slow := encode_texts(tokenizer, [text])[0])[0]) > max_length:
+                limit = max((b for _, b in slow[1][:max_length]), default=0)
+        except Exception: text = limit = enc = None  # render_turns renders it again and names what is wrong
+    return *render_turns(renderer, messages, tools, info, mode, rewritten_turns, segments, text, limit), enc
 
 # %% ../nbs/02e_renderers.ipynb #72358f7c
 def finish_tokens(ids, mask, max_length, truncation) -> tuple[list[int], list[int], bool]:
@@ -221,10 +222,10 @@ def tokenize_conversation(messages: list[dict], # OpenAI-style messages
     kw = chat_template_kwargs or {}
     conv = normalize_row({'messages': messages, 'tools': tools}, 'messages')
     info = template_info(tokenizer, template, kw)
-    text, spans, segs, own = _render_row(span_renderer(tokenizer, template, kw, info), tokenizer, conv['messages'],
-                                         conv['tools'], info, mode, rewritten_turns, max_length, segments=True)
+    text, spans, segs, own, enc = _render_row(span_renderer(tokenizer, template, kw, info), tokenizer, conv['messages'],
+                                              conv['tools'], info, mode, rewritten_turns, max_length, segments=True)
     if (bad := _bad_text([text])): raise _surrogate_row(conv['messages'], conv['tools'], bad[0])
-    encs = _encodings(tokenizer, [text])
+    encs = [enc] if enc is not None else _encodings(tokenizer, [text])
     return _chat_example(text, encs[0] if encs is not None else encode_texts(tokenizer, [text])[0], conv['messages'],
                          info, mode, spans, segs, own, max_length, truncation, True, train_on_reasoning,
                          train_on_tool_calls, conv['tools'])
@@ -317,7 +318,8 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
                                       if e.kind == 'template_error' and e.__cause__ else e.reason)))
         except TemplateError: raise
         except Exception as e: bad.append((idx, 'template_error', template_error(e, conv, features)))
-    try: encs = _encodings(tokenizer, [c[4] for c in chats])
+    def texts(): return [c[4] if c[8] is None else '' for c in chats]  # a long row's own encoding is kept
+    try: encs = _encodings(tokenizer, texts())
     except (TypeError, ValueError):
         # a text the tokenizer cannot take (a lone surrogate) fails the whole batch: name its row
         odd = _bad_text([c[4] for c in chats])
@@ -326,11 +328,12 @@ def tokenize_rows(rows: list[dict], tokenizer, spec: TokenizeConfig, fmt: str, i
             if all(b[0] != idx for b in bad):
                 e = _surrogate_row(msgs, tools, odd[k]); bad.append((idx, e.kind, e.reason))
         chats = [c for c in chats if all(b[0] != c[0] for b in bad)]
-        encs = _encodings(tokenizer, [c[4] for c in chats])
-    if encs is None: encs = encode_texts(tokenizer, [c[4] for c in chats])
+        encs = _encodings(tokenizer, texts())
+    if encs is None: encs = encode_texts(tokenizer, texts())
     failed = set()
-    for (idx, tools, msgs, mode, text, spans, segs, own), enc in zip(chats, encs):
+    for (idx, tools, msgs, mode, text, spans, segs, own, pre), enc in zip(chats, encs):
         if idx in failed: continue
+        enc = pre if pre is not None else enc
         try: good.append((idx, _chat_example(text, enc, msgs, info, mode, spans, segs, own, spec.max_length,
                                              spec.truncation, keep_offsets, spec.train_on_reasoning,
                                              spec.train_on_tool_calls, tools)))
