@@ -457,9 +457,10 @@ def _cmd_estimate(a):
     from sft_nb.memory import estimable_cluster, estimate, estimate_report
     estimable_cluster(a.gpus, a.nodes)  # before the flags go into the config
     micro = load_config(a.config, a.overrides + ['placement.sequence_parallel=1']).train.micro_batch_size
-    # the config of the cluster estimated for, so its checks (sequence_parallel divides the ranks) see --gpus x
-    # --nodes; one step's memory does not depend on the global batch: one micro-batch a rank
-    world = [f'placement.workers_per_node={a.gpus}', f'placement.num_nodes={a.nodes}',
+    # the config of the cluster estimated for (its workers, not one in this process), so its checks
+    # (sequence_parallel divides the ranks) see --gpus x --nodes; one step's memory does not depend on the global
+    # batch: one micro-batch a rank
+    world = [f'placement.workers_per_node={a.gpus}', f'placement.num_nodes={a.nodes}', 'placement.in_process=false',
              f'train.global_batch_size={micro * a.gpus * a.nodes}']
     p = estimate(load_config(a.config, a.overrides + world), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
                  device=a.device, data=not a.no_data)

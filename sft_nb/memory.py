@@ -367,8 +367,9 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
         raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
     if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, cfg = time.perf_counter(), copy.deepcopy(cfg)  # the caller's config stays as it was
-    # the cluster estimated for: its checks (sequence_parallel divides the ranks) and the advice name it
-    cfg.placement = dataclasses.replace(cfg.placement, num_nodes=nodes, workers_per_node=gpus)
+    # the cluster estimated for (its workers, not one in this process): its checks (sequence_parallel divides the
+    # ranks) and the advice name it
+    cfg.placement = dataclasses.replace(cfg.placement, num_nodes=nodes, workers_per_node=gpus, in_process=False)
     dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
     estimable(cfg, dtype)
     check_context(resolve_model_path(cfg.model.path), cfg.tokenize)  # the run refuses rows past the model's positions
