@@ -510,9 +510,8 @@ def model_card(rec: dict) -> str:
     """A Hub model card (README.md) from `run_record`'s facts: base model, what the folder holds and the step of its
     weights (`rec['export']`, `write_card` reads them off the folder), data sources and digests, the data report's
     counts, the final and best eval loss, the loss chart (loss.svg beside it), the config."""
-    import yaml
-    from sft_nb.config import load_config
-    cfg = load_config(yaml.safe_load(rec['config'])) if rec['config'] else None
+    from sft_nb.config import load_config, load_yaml
+    cfg = load_config(load_yaml(rec['config'], 'config.yaml', plain=True)) if rec['config'] else None
     base = cfg.model.path if cfg else 'unknown (no config.yaml)'
     hub = HUB_IDS.get(base, base if base.count('/') == 1 and not Path(base).expanduser().exists() else None)
     tr, ev, export = rec['train'], rec['evals'], rec.get('export') or {}

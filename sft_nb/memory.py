@@ -363,7 +363,7 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     from sft_nb.models import check_context, resolve_model_path
     fsdp_only(cfg, 'memory estimate')
     world = estimable_cluster(gpus, nodes)
-    if gpu_memory is not None and not gpu_memory > 0:
+    if gpu_memory is not None and not 0 < gpu_memory < float('inf'):  # nan and inf too
         raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
     if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
     t0, cfg = time.perf_counter(), copy.deepcopy(cfg)  # the caller's config stays as it was

@@ -9,8 +9,7 @@ from pathlib import Path
 from fastcore.basics import patch
 import pandas as pd
 import plotly.graph_objects as go
-import yaml
-from .config import flatten
+from .config import flatten, load_yaml
 
 # %% auto #0
 __all__ = ['read_run', 'config_diff', 'final_metrics', 'compare_fig', 'Comparison', 'compare']
@@ -38,7 +37,7 @@ def read_run(run_dir: str | Path) -> dict:
     try: summary = json.loads((p / 'summary.json').read_text()) if (p / 'summary.json').exists() else {}
     except ValueError as e:
         raise ValueError(f"{p / 'summary.json'}: not valid JSON ({e}); the file is truncated or damaged") from None
-    return {'path': p, 'config': yaml.safe_load((p / 'config.yaml').read_text()) or {}, 'metrics': pd.DataFrame(recs),
+    return {'path': p, 'config': load_yaml((p / 'config.yaml').read_text(), str(p / 'config.yaml')) or {}, 'metrics': pd.DataFrame(recs),
             'summary': summary}
 
 # %% ../nbs/08d_runs.ipynb #700c41fc
