@@ -82,7 +82,7 @@ def _reads_binds(src: str) -> tuple[set[str], set[str]]:
     nodes = list(ast.walk(tree))
     reads = {n.id for n in nodes if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
     binds = ({n.id for n in nodes if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load)}
-             | {a.arg for a in nodes if isinstance(a, ast.arg)})
+             | {a.arg for a in nodes if isinstance(a, ast.arg)} | {h.name for h in nodes if isinstance(h, ast.ExceptHandler) and h.name})
     binds |= {(a.asname or a.name).split('.')[0] for n in nodes if isinstance(n, (ast.Import, ast.ImportFrom))
               for a in n.names}
     return reads, binds | {n.name for n in nodes if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
@@ -149,8 +149,9 @@ def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
 def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
                           notebook: str | Path | None = None, # the notebook file; None: the one JupyterLab runs (JPY_SESSION_NAME)
                          ) -> None:
-    """A `ParameterError` for a name the parameters cell just run (or papermill's injected one) assigns that no other
-    cell of `notebook` uses, with the closest parameter; then the kernel's error boxes name the parameters that set
+    """A `ParameterError` naming every name the parameters cell just run (or papermill's injected one) assigns that no
+    other cell of `notebook` uses, each with the closest parameter (by spelling, or a parameter whose comment says its
+    words: `learning_rate` → `lr`, "peak learning rate"); then the kernel's error boxes name the parameters that set
     config keys (`errors.reword`)."""
     import builtins, difflib
     from functools import partial
@@ -168,11 +169,16 @@ def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the
     # the parameters cell and papermill's injected one ('# Parameters'): assignments only
     ran = [s for s in ns.get('In', [])[-3:-1]
            if (a := _names(s, True)) and (a & declared or s.startswith('# Parameters')) and not _names(s, False) - a]
-    for name in sorted({n for s in ran for n in _names(s, True)} - used):
-        close = difflib.get_close_matches(name, names, n=1)
-        raise ParameterError(f"{name}: not a parameter of this notebook"
-                             + (f"; did you mean {close[0]}?" if close else ''),
-                             fix=f"rename it in the parameters cell (this notebook's parameters: {', '.join(names)})")
+    said = dict(re.findall(r'^(\w+)\s*=[^#\n]*#(.*)$', params, re.M))  # each parameter's comment
+    def near(name):
+        words = name.lower().replace('_', ' ')
+        return (difflib.get_close_matches(name, names, n=1)
+                or [n for n in names if words in said.get(n, '').lower()] or [None])[0]
+    if typos := sorted({n for s in ran for n in _names(s, True)} - used):
+        raise ParameterError('\n'.join(f"{name}: not a parameter of this notebook"
+                                       + (f"; did you mean {m}?" if (m := near(name)) else '') for name in typos),
+                             fix=f"rename {'it' if len(typos) == 1 else 'them'} in the parameters cell (this notebook's "
+                                 f"parameters: {', '.join(names)})")
     errors.reword = partial(in_parameter_words, keys=keys) if (keys := parameter_keys(notebook)) else None
 
 # %% ../nbs/11_cli.ipynb #98bcc790

@@ -33,10 +33,16 @@ def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> g
 class LivePlot(Callback):
     "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s metrics when given one."
     def __init__(self, trainer=None):
-        rows, evals = ((getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', []))
-                       if trainer is not None else ([], []))
-        self.fig = go.FigureWidget(loss_fig({'step': [r['step'] for r in rows], 'loss': [r['loss'] for r in rows]},
-                                            evals))
+        self.fig = go.FigureWidget(loss_fig({'step': [], 'loss': []}))
+        self.show(trainer)
+    def show(self, trainer):
+        "Start over from `trainer`'s steps and evaluations (None: an empty chart)."
+        rows, evals = getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', [])
+        evals = [e for e in evals if 'eval_loss' in e]
+        train, ev = self.fig.data
+        with self.fig.batch_update():
+            train.x, train.y = tuple(r['step'] for r in rows), tuple(r['loss'] for r in rows)
+            ev.x, ev.y = tuple(e['step'] for e in evals), tuple(e['eval_loss'] for e in evals)
     def _append(self, trace: int, x, y):
         tr = self.fig.data[trace]
         with self.fig.batch_update(): tr.x, tr.y = tuple(tr.x or ()) + (x,), tuple(tr.y or ()) + (y,)
@@ -234,7 +240,7 @@ class ChatBox:
                                             on_text=self.piece)
             # no half turn; the message is kept to resend
             except BaseException: self.messages.pop(); self.text.value = msg; raise
-            finally: self.reply = None
+            finally: self.reply = None; self.redraw()  # a failed reply leaves no streaming cursor behind
             self.messages.append({'role': 'assistant', 'content': r}); self.redraw()
         self.redraw(); self.panel.start('chat', reply)
 
@@ -261,12 +267,10 @@ class TrainerPanel(Callback):
     """Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output
     area for a trainer."""
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
-        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = trainer, fit_steps, None, 'idle', False
+        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = None, fit_steps, None, 'idle', False
         # one refresh at a time: an instant action's end must not interleave with its start's
         self.refreshing = threading.RLock()
-        self.plot, self.log = LivePlot(trainer), PanelLog()
-        for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
-            if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
+        self.plot, self.log = LivePlot(), PanelLog()
         B = lambda d, i, **k: W.Button(description=d, icon=i, **k)
         self.step_button, self.fit_button = B('Step', 'step-forward'), B('Fit', 'play', button_style='success')
         self.stop_button = B('Stop', 'stop', button_style='danger')
@@ -284,13 +288,13 @@ class TrainerPanel(Callback):
         buttons = [self.step_button, self.fit_button, self.stop_button, self.eval_button, self.save_button,
                    self.dry_button]
         self.chat = ChatBox(self)  # talk to the current weights between steps
-        self.samples = W.HTML(samples_html(getattr(trainer, 'samples', [])))  # eval samples, newest first
+        self.samples = W.HTML()  # eval samples, newest first
         self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig,
                               self.samples, self.chat.widget, self.log.widget])
         for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'),
                      (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')):
             w.add_class(c)
-        self.refresh()
+        self.follow(trainer)
 
 # %% ../nbs/08b_live.ipynb #ce9cb95f
 @patch_to(TrainerPanel, as_prop=True)
@@ -324,6 +328,23 @@ def refresh(self):
         self.chat.send_button.disabled = bool(running)
         plan = getattr(t, 'data', None)
         self.data_line.value = data_html(plan.data_report if plan is not None else None)
+
+# %% ../nbs/08b_live.ipynb #7bd1c36e
+@patch_to(TrainerPanel)
+def follow(self, trainer):
+    "Drive `trainer` from now on (the chart, samples and status drawn from it); returns the panel."
+    if trainer is self.trainer: return self
+    if (old := self.trainer) is not None:
+        for cbs in (old.user_callbacks, getattr(old, 'callbacks', None)):
+            if cbs is not None: cbs[:] = [c for c in cbs if c is not self and c is not self.plot]
+    for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
+        if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
+    self.trainer, self.state, self.in_step = trainer, 'idle', False
+    self.plot.show(trainer); self.chat.clear()
+    if old is not None: self.log.write(f'this panel now drives the new trainer (run folder {trainer.run_dir})\n')
+    self.samples.value = samples_html(getattr(trainer, 'samples', []))
+    self.refresh()
+    return self
 
 # %% ../nbs/08b_live.ipynb #bdda87a4
 @patch_to(TrainerPanel)
