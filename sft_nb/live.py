@@ -43,9 +43,18 @@ class LivePlot(Callback):
         with self.fig.batch_update():
             train.x, train.y = tuple(r['step'] for r in rows), tuple(r['loss'] for r in rows)
             ev.x, ev.y = tuple(e['step'] for e in evals), tuple(e['eval_loss'] for e in evals)
+            self._empty(not rows and not evals)
+    def _empty(self, empty: bool):
+        "An empty chart says so instead of drawing axes from -1 to 6; the first point brings the axes."
+        lay = self.fig.layout
+        lay.xaxis.visible = lay.yaxis.visible = not empty
+        lay.annotations = [dict(text='no step yet: press Step or Fit', showarrow=False, xref='paper', yref='paper',
+                                x=0.5, y=0.5, font=dict(color='#777'))] if empty else []
     def _append(self, trace: int, x, y):
         tr = self.fig.data[trace]
-        with self.fig.batch_update(): tr.x, tr.y = tuple(tr.x or ()) + (x,), tuple(tr.y or ()) + (y,)
+        with self.fig.batch_update():
+            tr.x, tr.y = tuple(tr.x or ()) + (x,), tuple(tr.y or ()) + (y,)
+            if self.fig.layout.annotations: self._empty(False)
     def on_step_end(self, trainer, metrics): self._append(0, metrics['step'], metrics['loss'])
     def on_evaluate(self, trainer, metrics):
         if 'eval_loss' in metrics: self._append(1, metrics['step'], metrics['eval_loss'])
@@ -211,10 +220,11 @@ class ChatBox:
         self.send_button, self.clear_button = (W.Button(description='Send', icon='paper-plane'),
                                                W.Button(description='Clear', icon='eraser'))
         self.mode = W.ToggleButtons(options=['greedy', 'sample'], value='greedy', style={'button_width': '70px'})
-        F, lay = W.BoundedFloatText, W.Layout(width='150px')
-        self.temperature, self.top_p = (F(0.7, min=0.01, max=5, step=0.1, description='temperature', layout=lay),
-                                        F(0.9, min=0.01, max=1, step=0.05, description='top_p', layout=lay))
-        self.max_new_tokens = W.BoundedIntText(128, min=1, max=4096, description='tokens', layout=lay)
+        F, lay, full = W.BoundedFloatText, W.Layout(width='170px'), {'description_width': 'initial'}  # labels uncut
+        self.temperature, self.top_p = (F(0.7, min=0.01, max=5, step=0.1, description='temperature', layout=lay,
+                                          style=full),
+                                        F(0.9, min=0.01, max=1, step=0.05, description='top_p', layout=lay, style=full))
+        self.max_new_tokens = W.BoundedIntText(128, min=1, max=4096, description='tokens', layout=lay, style=full)
         self.output = W.HTML()
         self.send_button.on_click(lambda _: self.send()); self.clear_button.on_click(lambda _: self.clear())
         self.widget = W.VBox([self.output, W.HBox([self.text, W.VBox([self.send_button, self.clear_button])]),

@@ -1,7 +1,8 @@
 """`examples/interactive.ipynb` used as people use it, in a real JupyterLab + headless Chromium (the session's server and
 browser, tests/jupyter_lab.py): one notebook, one kernel, one Run All, then in order
 
-1. the Run All trains nothing, so its export cells write nothing: no `hf/`, no `gguf/` in the run folder;
+1. the Run All trains nothing, so its export cells write nothing: no `hf/`, no `gguf/` in the run folder; the empty
+   chart says so (no axes from -1 to 6), and no label of the chat's settings is cut short;
 2. a cell's `trainer.fit(3)` leaves the panel idle at step 3, Save, Evaluate, Step and Fit enabled;
 3. the setup cell run again alone: the panel above drives the new trainer (its Step trains the new one, Send answers
    from it, no streaming cursor left), the old one stays where it was, retired;
@@ -51,10 +52,15 @@ def test_second_run_of_interactive(lab, browser):
         wrote = nb.kernel_json("import json, pathlib; print('RUN-DIR', json.dumps(sorted(p.name for p in pathlib.Path(trainer.run_dir).iterdir())))", 'RUN-DIR')
         assert not {'hf', 'gguf'} & set(wrote), wrote  # no export of an untrained model
         gguf.scroll_into_view_if_needed(); nb.shot('second_run_no_export', gguf)
+        panel = nb.page.locator('.sft-nb-panel')
+        panel.scroll_into_view_if_needed()  # no step yet: the chart says so, with no axes from -1 to 6; no label cut short
+        assert panel.locator('.js-plotly-plot .annotation-text', has_text='no step yet').count() == 1
+        assert panel.locator('.js-plotly-plot .xtick').count() == 0
+        assert nb.page.evaluate("() => [...document.querySelectorAll('.sft-nb-chat .widget-label')].filter(l => l.scrollWidth > l.clientWidth).map(l => l.textContent)") == []
+        nb.shot('second_run_empty_panel', panel)
 
         nb.restart_clock(PHASE_S)
         nb.see(nb.run_new_cell('trainer.fit(3)').locator('.jp-InputPrompt', has_text=re.compile(r'\[\d+\]')))
-        panel = nb.page.locator('.sft-nb-panel')
         panel.scroll_into_view_if_needed()
         _idle_at(nb, 3)
         nb.shot('second_run_fit3_idle', panel, (CHART,))
