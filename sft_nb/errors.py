@@ -7,8 +7,8 @@ from __future__ import annotations
 import html, traceback
 
 # %% auto #0
-__all__ = ['reword', 'UserError', 'MissingFile', 'error_lines', 'traceback_text', 'folded_traceback_html', 'user_error_lines',
-           'error_html']
+__all__ = ['reword', 'UserError', 'MissingFile', 'say', 'error_lines', 'traceback_text', 'folded_traceback_html',
+           'user_error_lines', 'error_html']
 
 # %% ../nbs/00c_errors.ipynb #c22da413
 class UserError(Exception):
@@ -26,11 +26,13 @@ class MissingFile(UserError, FileNotFoundError):
 # str -> str: advice in the words the user edits (a notebook's parameters; see `sft_nb.cli.check_parameter_names`)
 reword = None
 
+def say(text) -> str:
+    "`text` (a message, a fix, a data report) in the words the user edits: through `reword` when set."
+    return reword(str(text)) if reword else str(text)
+
 def error_lines(exc: BaseException) -> list[str]:
-    """The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one; both through `reword` when
-    set."""
-    say = reword or str
-    return [f'{type(exc).__name__}: {say(str(exc))}'] + ([f'fix: {say(exc.fix)}'] if getattr(exc, 'fix', None) else [])
+    "The box of `exc`: `Kind: message` (what and where), then `fix: ...` when it has one; both as `say` words them."
+    return [f'{type(exc).__name__}: {say(exc)}'] + ([f'fix: {say(exc.fix)}'] if getattr(exc, 'fix', None) else [])
 
 def traceback_text(exc: BaseException) -> str:
     "The plain traceback of `exc`, as Python prints it."
