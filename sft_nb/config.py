@@ -230,14 +230,25 @@ class ModelConfig:
     lora_r: int = 0  # LoRA rank; 0 = full fine-tuning
     lora_alpha: int = 16  # LoRA scaling numerator
     lora_dropout: float = 0.0  # LoRA dropout
-    lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps
+    lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps; ['all-linear'] = every linear layer but the LM head
+    lora_dora: bool = False  # DoRA: LoRA on the direction of each weight, its magnitude trained apart (PEFT's use_dora)
+    lora_rslora: bool = False  # rank-stabilized LoRA: scale the adapter by alpha/sqrt(r), not alpha/r (PEFT's use_rslora)
+    quantize: Literal['none', 'nf4', 'int8'] = 'none'  # the frozen base's weights: none; nf4 = 4-bit NormalFloat with double quantization (QLoRA); int8 = LLM.int8() (bitsandbytes). Needs lora_r > 0
+    tiled_mlp: int = 0  # tokens per tile of each block's MLP: computed tile by tile and recomputed in backward, so one tile's intermediate activations live at a time (long rows); 0 = whole sequence at once
+    activation_offload: bool = False  # GPU runs: move the activations saved for backward to pinned host memory and bring them back for backward
     loss_chunk: int = 2048  # trained tokens per chunk of the LM head + cross-entropy (forward and backward); 0 = all at once
     def __post_init__(self):
         if not self.path.strip():
             raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")
         check_range('lora_r', self.lora_r, 0); check_range('lora_alpha', self.lora_alpha, 0, lo_open=True)
         check_range('lora_dropout', self.lora_dropout, 0, 1, hi_open=True)
-        check_range('loss_chunk', self.loss_chunk, 0)
+        check_range('loss_chunk', self.loss_chunk, 0); check_range('tiled_mlp', self.tiled_mlp, 0)
+        if self.quantize != 'none' and self.lora_r == 0:
+            raise ConfigError(f"quantize: {self.quantize!r} freezes a quantized base, so it trains only a LoRA adapter; "
+                              "set lora_r (e.g. 16), or quantize: none for full fine-tuning")
+        for k in ('lora_dora', 'lora_rslora'):
+            if getattr(self, k) and self.lora_r == 0:
+                raise ConfigError(f"{k}: a LoRA variant, and lora_r is 0 (full fine-tuning); set lora_r (e.g. 16)")
 
 # %% ../nbs/00_config.ipynb #c0946b1d
 @dataclass
@@ -251,10 +262,12 @@ class OptimConfig:
     schedule: Literal['constant', 'linear', 'cosine'] = 'cosine'  # LR schedule after warmup
     warmup_steps: int = 0  # linear warmup steps
     min_lr_ratio: float = 0.0  # final LR as a fraction of `lr` (linear/cosine)
+    lora_plus_ratio: float = 0.0  # LoRA+: the adapters' B matrices learn at this multiple of `lr` (the paper uses 16); 0 = the same lr as A
     def __post_init__(self):
         check_range('lr', self.lr, 0, lo_open=True); check_range('eps', self.eps, 0, lo_open=True)
         check_range('weight_decay', self.weight_decay, 0); check_range('max_grad_norm', self.max_grad_norm, 0)
         check_range('warmup_steps', self.warmup_steps, 0); check_range('min_lr_ratio', self.min_lr_ratio, 0, 1)
+        check_range('lora_plus_ratio', self.lora_plus_ratio, 0)
         if len(self.betas) != 2: raise ConfigError(f"betas: expected two values, got {self.betas}")
         for i, b in enumerate(self.betas): check_range(f'betas[{i}]', b, 0, 1, hi_open=True)
 
