@@ -15,6 +15,7 @@ from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, att
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
 from .slices import check_checkpoint, fill_from_checkpoint, init_lora, load_pretrained
 from .ulysses import sp_shard, check_heads, register_ulysses
+from ..levers import tile_mlp, activation_offload
 from fastcore.basics import patch
 
 # %% auto #0
@@ -181,6 +182,7 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
     # every rank reads it all; fully_shard moves each unit to the device
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)
+    tile_mlp(model, self.mcfg.tiled_mlp)  # each block's MLP, whichever path built it (the estimate's meta build too)
     if self.sp > 1: self._setup_sp(model)
     self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
     return model
@@ -192,6 +194,10 @@ def setup(self: FSDPWorker):
     if self.mcfg.cpu_offload and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
         raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in "
                          "host memory already")
+    if self.mcfg.activation_offload and not self.use_gpu:  # it moves activations from the GPU to host memory
+        from sft_nb.config import ConfigError
+        raise ConfigError("model.activation_offload: needs GPU workers (placement.use_gpu); CPU workers keep "
+                          "activations in host memory already", fix="set model.activation_offload: false")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     model = self.build(dtype)
@@ -345,8 +351,9 @@ def forward_backward(self: FSDPWorker, micro_batches: list[dict], weight_sum_glo
     aux_scale = self.aux_coef * ranks / max(1, self._sum_over_ranks(n_seqs)) if aux else 0.0
     nll, n, aux_sum = 0.0, 0, 0.0
     for mb in micro_batches:
-        s, k, a = self.nll(self.to_device(mb), aux)
-        (s * scale + (a * aux_scale if aux else 0)).backward()
+        with activation_offload(self.mcfg.activation_offload):
+            s, k, a = self.nll(self.to_device(mb), aux)
+            (s * scale + (a * aux_scale if aux else 0)).backward()
         nll += float(s.detach()); n += k
         if aux: aux_sum += float(a.detach())
     nll, n = self._sp_sum(nll, n)
