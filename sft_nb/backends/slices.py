@@ -274,11 +274,11 @@ def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, 
     """What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint`
     on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint`
     fills, or the same refusal."""
-    from sft_nb.models import model_config
+    from sft_nb.models import model_config, quiet_loading
     cfg = model_config(path)
     with torch.device('meta'): meta = cls.from_config(cfg, dtype=torch.float32, **kw)
     if Path(path).is_dir() and any(Path(path).glob('*.safetensors')): check_checkpoint(meta, path)
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), quiet_loading():  # no "Loading weights" bar over the notebook's cell
         # its own word on a file head that differs: `check_checkpoint` says ours
         warnings.filterwarnings('ignore', message='.*tie.*')
         model = cls.from_pretrained(path, config=cfg, dtype=torch.float32, trust_remote_code=False, **kw)
