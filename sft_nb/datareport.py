@@ -7,6 +7,7 @@ from __future__ import annotations
 import html, re
 import numpy as np
 import pandas as pd
+from .errors import say
 from .report import DataReport
 from .inspect import COLORS
 from fastcore.basics import patch
@@ -107,8 +108,8 @@ class DatasetReport:
 # %% ../nbs/03c_datareport.ipynb #8af31256
 @patch
 def text(self: DatasetReport, width: int = 40, nbins: int = 10) -> str:
-    "Summary, text histogram, drops and dropped rows."
-    lines = [str(self.report)] + ([long_rows_line(self.long)] if self.long else [])
+    "Summary (its advice as `errors.say` words it: a notebook's parameters), text histogram, drops and dropped rows."
+    lines = [say(self.report)] + ([long_rows_line(self.long)] if self.long else [])
     x = self.lengths.tokens.dropna().astype(int).to_numpy()
     if len(x):
         lines.append('tokens per example (kept, and dropped rows for length)'
@@ -126,8 +127,8 @@ def text(self: DatasetReport, width: int = 40, nbins: int = 10) -> str:
 @patch
 def _ipython_display_(self: DatasetReport):
     from IPython.display import HTML, display
-    display(HTML(f'<b>{html.escape(str(self.report))}</b>' + (f'<br>{html.escape(long_rows_line(self.long))}'
-                                                              if self.long else '')))
+    head, *rest = say(self.report).splitlines() + ([long_rows_line(self.long)] if self.long else [])
+    display(HTML('<br>'.join([f'<b>{html.escape(head)}</b>'] + [html.escape(l) for l in rest])))
     display(self.fig)
     if len(self.drops): display(self.drops, self.dropped)
 

@@ -90,26 +90,27 @@ def too_long_fix(self: DataReport) -> str | None:
     keeps = f"tokenize.max_length={long[-1]} keeps all {n}" + (f", {half} keeps {sum(x <= half for x in long)}"
                                                                if half < long[-1] else '')
     return (f"{keeps}; tokenize.truncation='keep_start' keeps all {n}, cut to max_length; with packing, "
-            f"packing.capacity (default: tokenize.max_length) must hold the rows too")
+            f"packing.capacity must hold the rows too (by default it is the max_length)")
 
 # %% ../nbs/01d_report.ipynb #0614e79d
 @patch
 def __str__(self: DataReport):
-    "One line: rows kept and dropped (by reason), tokens, and a WARNING for what needs a look."
+    """Rows kept and dropped (by reason) and tokens on the first line, then a line per WARNING (what needs a look) and
+    per fix."""
     drops = ', '.join(f"{k}={v}" for k, v in sorted(self.dropped.items())) or 'none'
     # a template that drops a turn's tool calls or reasoning shows in `lost`; with nothing lost, the content itself
     # is empty
     why = (("their content is empty, or the template drops their " + ' and '.join(sorted(self.lost))
             + " (below); lint_template's empty_trained_span says which") if self.lost
            else "their content is empty: each teaches the model to end its turn at once")
-    warn = (f"; WARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token ({why})"
+    warn = (f"\nWARNING: {self.eot_only_turns} assistant turns train only their end-of-turn token ({why})"
             + (f" in {_first(self.eot_only_rows)}" if self.eot_only_rows else '')) if self.eot_only_turns else ''
-    warn += ''.join(f"; WARNING: {self._lost_line(k)}" for k in sorted(self.lost))
-    if fix := self.too_long_fix(): warn += f"; to keep the too-long rows: {fix}"
+    warn += ''.join(f"\nWARNING: {self._lost_line(k)}" for k in sorted(self.lost))
+    if fix := self.too_long_fix(): warn += f"\nto keep the too-long rows: {fix}"
     ex = f" ({self.n_examples} examples)" if self.n_examples and self.n_examples != self.n_kept else ''
     mix = ('; mixed: ' + '; '.join(map(mix_line, self.sources))) if len(self.sources) > 1 else ''
-    warn += ''.join(f"; WARNING: {s['source']} repeats each example ×{s['repeat']:g} an epoch: a source's share of "
-                    "draws is its weight (data.train[k].weight, default 1), not its size" for s in self.sources
+    warn += ''.join(f"\nWARNING: {s['source']} repeats each example ×{s['repeat']:g} an epoch: a source's share of "
+                    "draws is its weight (default 1), not its size" for s in self.sources
                     if s.get('repeat', 0) >= 2)
     return (f"{self.n_rows} rows: {self.n_kept} kept{ex}, dropped {drops}; {self.n_real:,} tokens, "
             f"{self.n_trained:,} trained, longest {self.max_length}{mix}{warn}")
