@@ -172,7 +172,9 @@ class ConsoleTracker(Callback):
                              tok_s=f"{metrics['tokens_per_s']:.0f}")
     def on_evaluate(self, trainer, metrics):
         if _in_panel(): return
-        msg = '  '.join(f"{k}={v:.4f}" for k, v in metrics.items() if k.endswith('loss'))
+        losses = {k: v for k, v in metrics.items() if k.endswith('loss')}
+        # one held-out set: its loss (heldout_loss) is eval_loss, said once by that name
+        msg = '  '.join(f"{k}={v:.4f}" for k, v in losses.items() if k == 'eval_loss' or v != losses.get('eval_loss'))
         (self.bar.write if self.bar is not None else print)(f"step {metrics['step']}: {msg}")
     def close(self):
         if self.bar is not None: self.bar.close(); self.bar = None
