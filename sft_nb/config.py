@@ -428,6 +428,9 @@ class SFTConfig:
                 and self.packing.enabled):
             raise ConfigError(f"packing.capacity: {self.packing.capacity} is smaller than tokenize.max_length "
                               f"{self.tokenize.max_length}")
+        if self.optim.lora_plus_ratio > 0 and self.model.lora_r == 0:
+            raise ConfigError(f"optim.lora_plus_ratio: {self.optim.lora_plus_ratio} sets the LR of LoRA's B matrices, and "
+                              "model.lora_r is 0 (full fine-tuning); set model.lora_r (e.g. 16), or lora_plus_ratio: 0")
 
 # %% ../nbs/00_config.ipynb #e51d17c7
 class _Loader(yaml.SafeLoader): "`yaml.SafeLoader`, constructing the scalars `_mark_plain` tagged as `Plain`."

@@ -504,6 +504,10 @@ def _holds(cfg, export: dict) -> str:
     if export.get('holds') == 'adapter':
         return (f'LoRA r={r}; this folder holds the adapter alone (adapter_model.safetensors), not a whole model: load '
                 'it onto the base with peft (`PeftModel.from_pretrained(base, folder)`)')
+    q = cfg.model.quantize if cfg else 'none'
+    if r and q != 'none':  # trained against the quantized base; merged into the original one
+        return (f"LoRA r={r} trained on the base quantized to {q}, merged into the base's original weights (read from "
+                f"its checkpoint files, not the dequantized {q} ones)")
     return f'LoRA r={r}, merged into the base' if r else 'full fine-tune'
 
 def model_card(rec: dict) -> str:

@@ -38,7 +38,7 @@ def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimC
     {'grad_norm', 'lr', 'skipped'}."""
     o = worker.ocfg
     lr = lr_at(worker.step, o.lr, worker.total_steps, o.schedule, o.warmup_steps, o.min_lr_ratio)
-    for g in worker.opt.param_groups: g['lr'] = lr
+    for g in worker.opt.param_groups: g['lr'] = lr * g.get('lr_ratio', 1.0)  # LoRA+: B's group at its ratio
     skip = bool(skip or not math.isfinite(grad_norm))
     if not skip:
         if clip is not None: clip()
@@ -50,7 +50,16 @@ def take_step(worker, # has `opt` (a torch optimizer), `ocfg` (the run's `OptimC
 # %% ../nbs/07c_optim.ipynb #1f825ae5
 def adamw(params, # the parameters it updates (those that require gradients)
           cfg, # the run's `OptimConfig`
+          names: list[str] | None = None, # `params`' names: with `lora_plus_ratio`, LoRA's B matrices get their own group
          ):
-    "The run's AdamW over `params`: the one place its settings are read, for every backend and the memory plan."
+    """The run's AdamW over `params`: the one place its settings are read, for every backend and the memory plan. With
+    `cfg.lora_plus_ratio` > 0 (LoRA+) the `lora_B` parameters are a second group whose LR is the schedule's times the
+    ratio (`take_step` sets each group's `lr_ratio` × the step's LR); without `names`, one group (the same state)."""
     import torch
-    return torch.optim.AdamW(params, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    kw = dict(lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay)
+    if not (cfg.lora_plus_ratio > 0 and names): return torch.optim.AdamW(params, **kw)
+    params = list(params)
+    b = [p for n, p in zip(names, params) if '.lora_B.' in n]
+    rest = [p for n, p in zip(names, params) if '.lora_B.' not in n]
+    return torch.optim.AdamW([{'params': rest, 'lr_ratio': 1.0},
+                              {'params': b, 'lr': cfg.lr * cfg.lora_plus_ratio, 'lr_ratio': cfg.lora_plus_ratio}], **kw)

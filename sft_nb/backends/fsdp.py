@@ -19,7 +19,8 @@ from ..levers import tile_mlp, activation_offload
 from fastcore.basics import patch
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'trained_token_stats']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'lora_config', 'bnb_config', 'quantized_params',
+           'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #eaa19284
 def _model_cls(path):
@@ -111,21 +112,69 @@ def checkpoint_blocks(model, mode: str = 'none'):
         cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
     return model
 
+# %% ../../nbs/07a_backends.fsdp.ipynb #568dd2eb
+def lora_config(mcfg):
+    """PEFT's `LoraConfig` of a run's `ModelConfig` (the one place its LoRA keys are read): rank, alpha, dropout, targets
+    (['all-linear'] is PEFT's 'all-linear': every linear layer but the LM head), DoRA, rsLoRA."""
+    from peft import LoraConfig
+    tm = list(mcfg.lora_target_modules)
+    return LoraConfig(r=mcfg.lora_r, lora_alpha=mcfg.lora_alpha, lora_dropout=mcfg.lora_dropout,
+                      target_modules='all-linear' if tm == ['all-linear'] else tm,
+                      use_dora=mcfg.lora_dora, use_rslora=mcfg.lora_rslora)
+
+def bnb_config(quantize: str, # `model.quantize`: nf4 | int8
+               compute_dtype): # the dtype the 4-bit layers compute in (the run's: fp32 on CPU, bf16 on GPU)
+    """transformers' `BitsAndBytesConfig`: nf4 with QLoRA's settings (NormalFloat4, double quantization of the
+    constants), or LLM.int8()."""
+    from transformers import BitsAndBytesConfig
+    if quantize == 'int8': return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=compute_dtype)
+
+def quantized_params(model) -> set:
+    "The bitsandbytes weights of `model` (`Params4bit`, `Int8Params`): frozen, whole on every rank, never sharded."
+    import bitsandbytes as bnb
+    return {p for p in model.parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))}
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #4cd98b7c
+@patch
+def _load_quantized(self: FSDPWorker, cls, device, compute_dtype):
+    "The base with its block linears quantized by bitsandbytes as they load (`bnb_config`), on `device`."
+    import torch, bitsandbytes as bnb
+    from peft import prepare_model_for_kbit_training
+    from sft_nb.config import ConfigError
+    if self.mcfg.quantize == 'int8' and self.mcfg.lora_dora and torch.device(device).type == 'cpu':
+        raise ConfigError("model.lora_dora: DoRA on an int8 base fails inside bitsandbytes on CPU (its 8-bit matmul "
+                          "loses its column statistics after the first step); use model.quantize: nf4, or "
+                          "model.lora_dora: false")
+    model = load_pretrained(cls, self.path, attn_implementation=self.attn, device_map={'': str(device)},
+                            quantization_config=bnb_config(self.mcfg.quantize, compute_dtype))
+    # freezes the base and keeps what is not quantized in fp32; activation checkpointing is `checkpoint_blocks`'s
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    for m in model.modules():
+        # bitsandbytes repacks 4-bit weights in place for its bf16 CPU kernel at the first eval forward (AVX512-BF16):
+        # eval losses would then differ from training's, and backward and export would dequantize garbage
+        if isinstance(m, bnb.nn.Linear4bit): m.support_avx512bf16_for_cpu = False
+    return model
+
 # %% ../../nbs/07a_backends.fsdp.ipynb #b972d13b
 @patch
-def _build_model(self: FSDPWorker, device: str = 'cpu'):
+def _build_model(self: FSDPWorker, device: str = 'cpu', # where it is built ('meta': shapes only)
+                 compute_dtype=None, # with `model.quantize`: the base quantized as it loads, its layers computing in this
+                                     # dtype; None: the checkpoint's weights as stored (what an export merges into)
+                ):
     import torch
     from sft_nb.models import model_config
     cls = _model_cls(self.path)
     with torch.device(device):
         if device == 'meta':
             model = cls.from_config(model_config(self.path), dtype=torch.float32, attn_implementation=self.attn)
+        elif self.mcfg.quantize != 'none' and compute_dtype is not None:
+            model = self._load_quantized(cls, device, compute_dtype)
         else: model = load_pretrained(cls, self.path, attn_implementation=self.attn)
         if self.mcfg.lora_r > 0:
-            from peft import LoraConfig, get_peft_model
-            model = get_peft_model(model, LoraConfig(r=self.mcfg.lora_r, lora_alpha=self.mcfg.lora_alpha,
-                                                     lora_dropout=self.mcfg.lora_dropout,
-                                                     target_modules=self.mcfg.lora_target_modules))
+            from peft import get_peft_model
+            model = get_peft_model(model, lora_config(self.mcfg))
     return model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #986bf121
@@ -138,7 +187,9 @@ def _shard(self: FSDPWorker, model, dtype):
     from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
     kw = dict(mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32),
               reshard_after_forward=self.mcfg.reshard_after_forward,
-              offload_policy=CPUOffloadPolicy() if self.mcfg.cpu_offload else OffloadPolicy())
+              offload_policy=CPUOffloadPolicy() if self.mcfg.cpu_offload else OffloadPolicy(),
+              # a quantized base: whole on every rank (FSDP2 cannot split a 4-bit weight and its constants)
+              ignored_params=(quantized_params(model) or None) if self.mcfg.quantize != 'none' else None)
     for unit in fsdp_units(model): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
     fully_shard(model, **kw)
     return model
@@ -176,8 +227,16 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     # bf16 (GPU only) goes through FSDP2's mixed precision also on one rank: fp32 master weights and optimizer
     # state, bf16 compute. Casting the model itself to bf16 would make AdamW drop updates below bf16's resolution.
     self.sharded = meta or self.world_size > 1 or dtype != torch.float32
-    ac = self.mcfg.activation_checkpointing
+    ac, quant = self.mcfg.activation_checkpointing, self.mcfg.quantize != 'none' and not meta
+    if quant and self.world_size > 1 and self.mcfg.load == 'slices':
+        from sft_nb.config import ConfigError
+        raise ConfigError(f"model.load: 'slices' with model.quantize: {self.mcfg.quantize!r} on {self.world_size} ranks: "
+                          "a quantized weight is made whole by bitsandbytes, not read in rows; set model.load: "
+                          "every_rank (each rank reads the checkpoint and keeps the quantized base whole)")
     if meta: model = self._shard(checkpoint_blocks(self._build_model('meta'), ac), dtype)
+    elif quant:  # loaded and quantized on this rank's device; sharded around the quantized weights when sharded
+        model = checkpoint_blocks(self._build_model(self.device, dtype), ac)
+        if self.sharded: model = self._shard(model, dtype)
     elif not self.sharded: model = checkpoint_blocks(self._build_model('cpu'), ac).to(self.device)
     elif self.mcfg.load == 'slices': model = self._load_sharded(dtype)
     # every rank reads it all; fully_shard moves each unit to the device
@@ -208,8 +267,9 @@ def setup(self: FSDPWorker):
     for c in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
         # the worker computes it per sequence (`nll`)
         if getattr(c, 'output_router_logits', False): c.output_router_logits = False
-    params = [p for p in model.parameters() if p.requires_grad]
-    self.opt = adamw(params, self.ocfg)
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    params = [p for _, p in named]
+    self.opt = adamw(params, self.ocfg, [n for n, _ in named])
     # sharded parameters are DTensors, whose numel() is already the whole tensor's
     return {'n_params': sum(p.numel() for p in model.parameters()), 'n_trainable': sum(p.numel() for p in params),
             'packable': self.packable, 'attn_implementation': self.attn, 'router_aux_coef': self.aux_coef}
@@ -382,18 +442,36 @@ def full_state(self: FSDPWorker) -> dict:
 @patch
 def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
     """A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself
-    with `lora_export='adapter'` (its `save_pretrained` writes the adapter only)."""
-    model = self._build_model('cpu')
+    with `lora_export='adapter'` (its `save_pretrained` writes the adapter only). A quantized run's adapter goes onto
+    the base's original weights, read from its checkpoint files, not onto the dequantized ones it trained against."""
+    import sys
+    model = self._build_model('cpu')  # the checkpoint's weights as stored
+    if (q := self.mcfg.quantize) != 'none':
+        state = {k: v for k, v in state.items() if '.lora_' in k}  # the adapter (and DoRA's magnitudes) alone
+        if lora_export != 'adapter':
+            print(f"export: model.quantize {q}: the LoRA adapter is merged into the original weights of {self.path} "
+                  f"(its checkpoint files), not into the {q} weights it trained against", file=sys.stderr)
     model.load_state_dict(state, strict=False)
     return model.merge_and_unload() if self.mcfg.lora_r > 0 and lora_export != 'adapter' else model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #30a17096
+@patch
+def _train_state(self: FSDPWorker) -> tuple:
+    """(model state, optimizer state, the options to set them with) that a checkpoint holds: the whole model, or with a
+    quantized base only the adapters (the base is read again from `model.path`, as at setup)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict, StateDictOptions
+    q = self.mcfg.quantize != 'none'
+    opts = StateDictOptions(ignore_frozen_params=q, strict=not q)
+    msd, osd = get_state_dict(self.model, self.opt, options=opts)
+    # the 4-bit weights' constants (absmax, quant_map, ...) are state, not parameters: not dropped by ignore_frozen_params
+    return ({k: v for k, v in msd.items() if '.lora_' in k} if q else msd), osd, opts
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #4c7162f7
 @patch
 def save(self: FSDPWorker, path: str) -> bool:
     "Sharded checkpoint of model + optimizer (torch.distributed.checkpoint: reloadable at another world size)."
     import torch, torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-    msd, osd = get_state_dict(self.model, self.opt)
+    msd, osd, _ = self._train_state()
     dcp.save({'model': msd, 'optim': osd}, checkpoint_id=path)
     if self.rank == 0: Path(path, 'worker_state.json').write_text(json.dumps({'step': self.step}))
     save_rng(path, self.rank, self.use_gpu)  # this rank's dropout streams, restored on resume (no pickle)
@@ -403,11 +481,12 @@ def save(self: FSDPWorker, path: str) -> bool:
 @patch
 def load(self: FSDPWorker, path: str) -> int:
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    msd, osd = get_state_dict(self.model, self.opt)
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+    msd, osd, opts = self._train_state()
     state = {'model': msd, 'optim': osd}
     dcp.load(state, checkpoint_id=path)
-    set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'])
+    set_state_dict(self.model, self.opt, model_state_dict=state['model'], optim_state_dict=state['optim'],
+                   options=opts)
     self.step = json.loads(Path(path, 'worker_state.json').read_text())['step']
     # a checkpoint from fewer ranks has no stream for this one: it keeps its seeded stream
     load_rng(path, self.rank, self.use_gpu)

@@ -263,6 +263,9 @@ def setup(self: MegatronWorker) -> dict:
     from megatron.core import parallel_state as ps
     from sft_nb.models import resolve_model_path, model_config
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
+    if self.mcfg.quantize != 'none':  # before LoRA's refusal: a quantized base always comes with LoRA
+        raise ConfigError(f"model.quantize: {self.mcfg.quantize!r} (a quantized base) is not supported by the megatron "
+                          "backend; use placement.backend: fsdp")
     if self.mcfg.lora_r > 0:
         raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
     self.path = str(resolve_model_path(self.mcfg.path))

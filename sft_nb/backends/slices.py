@@ -270,7 +270,10 @@ def fill_from_checkpoint(model, path: str | Path, sources: dict | None = None):
 
 # %% ../../nbs/07a2_backends.slices.ipynb #b188dcba
 def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, ...)
-                    path: str, **kw) -> torch.nn.Module:
+                    path: str,
+                    quantization_config=None, # transformers' `BitsAndBytesConfig`: the linears quantized as they load
+                    device_map=None, # where a quantized model loads (bitsandbytes quantizes on that device)
+                    **kw) -> torch.nn.Module:
     """What `model.load: every_rank` (and a single CPU rank) builds: float32 `from_pretrained`, after `check_checkpoint`
     on a `meta` build where `path` is a safetensors folder, tied as that build ties: the model `fill_from_checkpoint`
     fills, or the same refusal."""
@@ -281,7 +284,8 @@ def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, 
     with warnings.catch_warnings(), quiet_loading():  # no "Loading weights" bar over the notebook's cell
         # its own word on a file head that differs: `check_checkpoint` says ours
         warnings.filterwarnings('ignore', message='.*tie.*')
-        model = cls.from_pretrained(path, config=cfg, dtype=torch.float32, trust_remote_code=False, **kw)
+        quant = {'quantization_config': quantization_config, 'device_map': device_map} if quantization_config else {}
+        model = cls.from_pretrained(path, config=cfg, dtype=torch.float32, trust_remote_code=False, **quant, **kw)
     if (meta.get_output_embeddings() is not None
         and meta.get_output_embeddings().weight is meta.get_input_embeddings().weight):
         model.get_output_embeddings().weight = model.get_input_embeddings().weight
@@ -290,7 +294,7 @@ def load_pretrained(cls, # the transformers auto class (`AutoModelForCausalLM`, 
 # %% ../../nbs/07a2_backends.slices.ipynb #2a92fde6
 def init_lora(model, rng_state: torch.Tensor):
     """Draw the LoRA adapters of a `meta`-built, now allocated PEFT `model` as PEFT draws them, from CPU generator state
-    `rng_state`; copy in each rank's rows."""
+    `rng_state` (DoRA's magnitudes: the norms of the loaded weights' rows); copy in each rank's rows."""
     from peft.tuners.lora import LoraLayer
     torch.set_rng_state(rng_state)
     with torch.no_grad():
@@ -309,3 +313,7 @@ def init_lora(model, rng_state: torch.Tensor):
                 for p, full in ((A.weight, a.weight), (B.weight, b.weight)):
                     local, r0 = local_rows(p)
                     local.copy_(full[r0:r0 + local.shape[0]])
+                if ad in getattr(mod, 'lora_magnitude_vector', {}):
+                    # DoRA: each output row's norm of W + scale·BA, as PEFT computes it; B = 0, so of the loaded rows
+                    mag, _ = local_rows(mod.lora_magnitude_vector[ad].weight)
+                    mag.copy_(torch.linalg.norm(local_rows(mod.get_base_layer().weight)[0], dim=1))
