@@ -235,7 +235,8 @@ def inspector_for(trainer, split: str = 'train', **kw):
 
 # %% ../nbs/08c_lens.ipynb #11b04004
 class RankedRows:
-    "The hardest rows of a split by loss, one button each; a click opens the row in an inspector in loss mode."
+    """The hardest rows of a split by loss, one button each; a click opens the row in an inspector in loss mode, which
+    opens on the hardest."""
     def __init__(self, trainer, split: str = 'train', by: str = 'mean', k: int = 20, inspector=None):
         import ipywidgets as W
         self.trainer, self.split, self.by = trainer, split, by
@@ -253,6 +254,7 @@ class RankedRows:
         self.widget = W.VBox([self.status, W.VBox(self.buttons, layout=W.Layout(max_height='240px', overflow='auto')),
                               self.inspector.widget])
         self.widget.add_class('sft-nb-ranked')
+        if len(self.table): self.open(0)  # what the list is for, not the split's row 0
 
     def open(self, n: int):
         "Show the `n`-th ranked row in the inspector."
