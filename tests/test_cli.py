@@ -1,6 +1,6 @@
 """Batch runs: `sft-nb run` (papermill) and `sft-nb train`, parameter checks, failures, and a real two-node Ray cluster.
 One real process per command (the wiring); the rest runs `sft_nb.cli.main` in this process on the session's Ray cluster."""
-import json, os, signal, socket, subprocess, sys, time
+import json, math, os, signal, socket, subprocess, sys, time
 from pathlib import Path
 import nbformat
 import pytest
@@ -127,18 +127,18 @@ def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
 
 def test_train_takes_sequence_parallel(tmp_path, ray_session):
     """`sft-nb train CONFIG placement.sequence_parallel=N`: sp=3 on 2 workers is refused by the config before any worker
-    starts; sp=2 on 2 workers trains, its run's config.yaml says sp=2, and its first loss is one worker's."""
+    starts; sp=2 on 2 workers trains and its run's config.yaml says sp=2. (That sp=2 trains as one rank does:
+    tests/test_sequence_parallel.py.)"""
     import yaml
     tiny = ROOT / 'examples' / 'tiny.yaml'
     code, _, err = cli('train', tiny, 'placement.workers_per_node=2', 'placement.sequence_parallel=3', f'checkpoint.run_dir={tmp_path / "bad"}')
     assert code != 0 and 'sequence_parallel: 3 must divide world size 2' in err, err[-2000:]
-    losses = {}
-    for name, ov in {'1': [], 'sp2': ['placement.workers_per_node=2', 'placement.sequence_parallel=2']}.items():
-        code, _, err = cli('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / name}', *ov)
-        assert code == 0, err[-3000:]
-        losses[name] = read_run(tmp_path / name)[1]
+    code, _, err = cli('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / "sp2"}',
+                       'placement.workers_per_node=2', 'placement.sequence_parallel=2')
+    assert code == 0, err[-3000:]
     assert yaml.safe_load((tmp_path / 'sp2' / 'config.yaml').read_text())['placement']['sequence_parallel'] == 2
-    assert len(losses['sp2']) == 1 and abs(losses['sp2'][0] - losses['1'][0]) <= 2e-6 * abs(losses['1'][0]), losses  # before any update
+    (loss,) = read_run(tmp_path / 'sp2')[1]
+    assert math.isfinite(loss) and loss > 0, loss
 
 
 def _ray_node(args, tmp):

@@ -98,7 +98,7 @@ def _cfg(tiny_path, run_dir, **kw):
 
 def test_trainer_sp(tiny_path, tmp_path, ray_session):
     """Whole trainer steps, packed rows with fractional weights: sp=2 × dp=2 on 4 workers == 1 worker (in this process): loss,
-    grad norm, Σ weight, weights. (sp=2 on 2 workers: tests/test_cli.py::test_train_takes_sequence_parallel and the resume below.)"""
+    grad norm, Σ weight, weights. (sp=2 on 2 workers: the resume below.)"""
     steps, w0 = local_run(_cfg(tiny_path, tmp_path / '1', train__num_steps=2), WROWS)
     l0, g0, n0 = [m['loss'] for m in steps], [m['grad_norm'] for m in steps], [m['n_trained'] for m in steps]
     with SFTTrainer(_cfg(tiny_path, tmp_path / 'sp2dp2', train__num_steps=2, placement__workers_per_node=4, placement__sequence_parallel=2),
