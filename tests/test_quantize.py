@@ -140,9 +140,8 @@ def test_refused_combinations(tiny_path):
     from sft_nb.backends.fsdp import FSDPWorker
     two = FSDPWorker(0, 2, ModelConfig(path=str(tiny_path), quantize='nf4', lora_r=8), OptimConfig(), total_steps=1)
     test_fail(lambda: two.build(torch.float32), contains="model.load: every_rank")
-    dora8 = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path), quantize='int8', lora_r=8, lora_dora=True), OptimConfig(),
-                       total_steps=1)
-    test_fail(lambda: dora8.build(torch.float32), contains="DoRA on an int8 base")
+    int8 = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path), quantize='int8', lora_r=8), OptimConfig(), total_steps=1)
+    test_fail(lambda: int8.build(torch.float32), contains="use model.quantize: nf4")
     test_fail(lambda: load_config({'optim': {'lora_plus_ratio': 16}}), contains="optim.lora_plus_ratio: 16")
     test_fail(lambda: ModelConfig(quantize='nf4'), contains="set lora_r")
 

@@ -122,12 +122,10 @@ def lora_config(mcfg):
                       target_modules='all-linear' if tm == ['all-linear'] else tm,
                       use_dora=mcfg.lora_dora, use_rslora=mcfg.lora_rslora)
 
-def bnb_config(quantize: str, # `model.quantize`: nf4 | int8
-               compute_dtype): # the dtype the 4-bit layers compute in (the run's: fp32 on CPU, bf16 on GPU)
-    """transformers' `BitsAndBytesConfig`: nf4 with QLoRA's settings (NormalFloat4, double quantization of the
-    constants), or LLM.int8()."""
+def bnb_config(compute_dtype): # the dtype the 4-bit layers compute in (the run's: fp32 on CPU, bf16 on GPU)
+    """transformers' `BitsAndBytesConfig` of `model.quantize: nf4`: QLoRA's settings (NormalFloat4, double quantization
+    of the constants)."""
     from transformers import BitsAndBytesConfig
-    if quantize == 'int8': return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype)
 
@@ -143,12 +141,12 @@ def _load_quantized(self: FSDPWorker, cls, device, compute_dtype):
     import torch, bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
     from sft_nb.config import ConfigError
-    if self.mcfg.quantize == 'int8' and self.mcfg.lora_dora and torch.device(device).type == 'cpu':
-        raise ConfigError("model.lora_dora: DoRA on an int8 base fails inside bitsandbytes on CPU (its 8-bit matmul "
-                          "loses its column statistics after the first step); use model.quantize: nf4, or "
-                          "model.lora_dora: false")
+    if self.mcfg.quantize == 'int8':  # it trains (DoRA aside, on CPU), but could be neither saved nor exported
+        raise ConfigError("model.quantize: 'int8' is not supported yet: bitsandbytes' 8-bit layers put a state key "
+                          "(SCB) in their state dict that torch's distributed state dict cannot resolve, so a run could "
+                          "neither checkpoint nor export; use model.quantize: nf4")
     model = load_pretrained(cls, self.path, attn_implementation=self.attn, device_map={'': str(device)},
-                            quantization_config=bnb_config(self.mcfg.quantize, compute_dtype))
+                            quantization_config=bnb_config(compute_dtype))
     # freezes the base and keeps what is not quantized in fp32; activation checkpointing is `checkpoint_blocks`'s
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     for m in model.modules():
