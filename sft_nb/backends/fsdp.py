@@ -130,9 +130,9 @@ def bnb_config(compute_dtype): # the dtype the 4-bit layers compute in (the run'
                               bnb_4bit_compute_dtype=compute_dtype)
 
 def quantized_params(model) -> set:
-    "The bitsandbytes weights of `model` (`Params4bit`, `Int8Params`): frozen, whole on every rank, never sharded."
+    "The 4-bit weights of `model` (bitsandbytes' `Params4bit`): frozen, whole on every rank, never sharded."
     import bitsandbytes as bnb
-    return {p for p in model.parameters() if isinstance(p, (bnb.nn.Params4bit, bnb.nn.Int8Params))}
+    return {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)}
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #4cd98b7c
 @patch
