@@ -457,19 +457,30 @@ def _cmd_export(a):
 
 # %% ../nbs/11_cli.ipynb #14490557
 def _cmd_estimate(a):
-    "Estimate CONFIG on --nodes x --gpus ranks: memory by part and the verdict; exit 3 when it does not fit."
+    """Estimate CONFIG on --nodes x --gpus ranks (default: its placement): memory by part and the verdict, or with --fit
+    the lever combinations that fit; exit 3 when it (or none of them) does not fit."""
     check_overrides(a.overrides)
-    from sft_nb.config import load_config
-    from sft_nb.memory import estimable_cluster, estimate, estimate_report
+    from sft_nb.config import ConfigError, load_config
+    from sft_nb.memory import estimable_cluster, estimate, estimate_report, fit_levers, fit_report
+    if a.fit and a.device == 'cuda' and a.gpu_memory is None:
+        raise ConfigError("--fit: needs --gpu-memory, the GiB of one GPU the levers must fit in (or --device cpu: "
+                          "this host's memory)")
+    if a.fit and a.no_data:
+        raise ConfigError("--fit, --no-data: --fit steps on rows of tokenize.max_length already; drop --no-data")
+    own = load_config(a.config, a.overrides + ['placement.sequence_parallel=1'])
+    a.gpus = own.placement.workers_per_node if a.gpus is None else a.gpus
+    a.nodes = own.placement.num_nodes if a.nodes is None else a.nodes
     estimable_cluster(a.gpus, a.nodes)  # before the flags go into the config
-    micro = load_config(a.config, a.overrides + ['placement.sequence_parallel=1']).train.micro_batch_size
+    micro = own.train.micro_batch_size
     # the config of the cluster estimated for (its workers, not one in this process), so its checks
     # (sequence_parallel divides the ranks) see --gpus x --nodes; one step's memory does not depend on the global
     # batch: one micro-batch a rank
     world = [f'placement.workers_per_node={a.gpus}', f'placement.num_nodes={a.nodes}', 'placement.in_process=false',
              f'train.global_batch_size={micro * a.gpus * a.nodes}']
-    p = estimate(load_config(a.config, a.overrides + world), gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
-                 device=a.device, data=not a.no_data)
+    cfg, on = load_config(a.config, a.overrides + world), dict(gpus=a.gpus, nodes=a.nodes, gpu_memory=a.gpu_memory,
+                                                                device=a.device)
+    if a.fit: f = fit_levers(cfg, **on); print(fit_report(f)); sys.exit(0 if f['fits'] else 3)
+    p = estimate(cfg, **on, data=not a.no_data)
     print(estimate_report(p)); sys.exit(0 if p['fits'] else 3)
 
 # %% ../nbs/11_cli.ipynb #32b075d6
@@ -532,14 +543,17 @@ def build_parser() -> argparse.ArgumentParser:
                         description='Estimate CONFIG (key.sub=value overrides) on NODES x GPUS ranks: weights, '
                                     'gradients, optimizer state, activations, peak, verdict.')
     pl.add_argument('config'); pl.add_argument('overrides', nargs='*', help='key.sub=value')
-    pl.add_argument('--gpus', type=int, required=True, help='GPUs (ranks) per node')
-    pl.add_argument('--nodes', type=int, default=1, help='nodes')
+    pl.add_argument('--gpus', type=int, help="GPUs (ranks) per node (default: the config's placement.workers_per_node)")
+    pl.add_argument('--nodes', type=int, help="nodes (default: the config's placement.num_nodes)")
     pl.add_argument('--gpu-memory', type=gib, help='GiB of one GPU (needed for --device cuda)')
     pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
                     help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
     pl.add_argument('--no-data', action='store_true',
                     help="rows of tokenize.max_length, not the data's longest (the data is tokenized when the model "
                          "folder has a tokenizer)")
+    pl.add_argument('--fit', action='store_true',
+                    help='the lever combinations (checkpointing, tiled MLP, offloads, a quantized base) that fit '
+                         '--gpu-memory, cheapest first, each with its peak and the longest row it holds')
     export_parser(sub)
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'),
                     ('pack', 'simulate packing of a dataset'),

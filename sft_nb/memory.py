@@ -4,7 +4,7 @@
 
 # %% ../nbs/08e_memory.ipynb #2ca28c5d
 from __future__ import annotations
-import copy, dataclasses, json, socket, time
+import copy, dataclasses, json, socket, tempfile, time
 from collections import Counter
 from pathlib import Path
 import pandas as pd
@@ -16,10 +16,12 @@ from .stream import plan_class
 from .datareport import long_rows, long_rows_line
 
 # %% auto #0
-__all__ = ['PARTS', 'MAX_ESTIMATE_TOKENS', 'ESTIMATE_FIELDS', 'MAX_ESTIMATE_RANKS', 'rank_memory', 'reset_peak_memory',
-           'rank_now', 'rank_capacity', 'warm_optimizer', 'measure_step', 'fsdp_only', 'largest_micro_batch',
-           'dry_run_batch', 'dry_run_verdict', 'parts_of', 'estimate_data', 'estimate_batch', 'synthetic_targets',
-           'step_memory', 'estimable', 'estimable_cluster', 'estimate', 'estimate_report', 'data_fit']
+__all__ = ['PARTS', 'MAX_ESTIMATE_TOKENS', 'QUANT_BITS', 'ESTIMATE_FIELDS', 'MAX_ESTIMATE_RANKS', 'LEVERS', 'FIT_TILE',
+           'ROW_GAIN', 'FIT_BLOCKS', 'rank_memory', 'reset_peak_memory', 'rank_now', 'rank_capacity', 'warm_optimizer',
+           'measure_step', 'fsdp_only', 'largest_micro_batch', 'dry_run_batch', 'dry_run_verdict', 'parts_of',
+           'estimate_data', 'estimate_batch', 'synthetic_targets', 'quantized_bytes', 'base_linears', 'with_levers',
+           'step_memory', 'estimable', 'estimable_cluster', 'estimable_run', 'estimate', 'estimate_report', 'data_fit',
+           'shallow_model', 'lever_cost', 'lever_combos', 'lever_text', 'fit_levers', 'fit_report']
 
 # %% ../nbs/08e_memory.ipynb #7c118ded
 def rank_memory(use_gpu: bool = False) -> dict:
@@ -251,13 +253,58 @@ def synthetic_targets(rows: int, tokens: int, sp: int = 1) -> int:
     trained token; rank 0 holds the first ⌈tokens / sp⌉ positions of each row."""
     return rows * min(-(-tokens // sp), tokens - 1)
 
+# %% ../nbs/08e_memory.ipynb #82326ed9
+# bits a weight of a quantized base takes: nf4 = 4-bit codes + an 8-bit absmax per 64 weights + an fp32 constant per
+# 256 absmax (QLoRA's double quantization, arXiv 2305.14314: 4.127 bits); int8 = 8-bit codes (+ an fp32 scale a row)
+QUANT_BITS = {'nf4': 4 + 8 / 64 + 32 / (64 * 256), 'int8': 8}
+
+def quantized_bytes(quantize: str, # 'nf4' or 'int8' (`model.quantize`)
+                    weights: int, rows: int) -> float:
+    "Bytes of `weights` linear weights (`rows` output rows in all) quantized: int8 keeps an fp32 scale per row."
+    return weights * QUANT_BITS[quantize] / 8 + (4 * rows if quantize == 'int8' else 0)
+
+# %% ../nbs/08e_memory.ipynb #4d5614b6
+def base_linears(cfg: SFTConfig) -> tuple[int, int]:
+    """(weights, output rows) of the linear layers a quantized base quantizes: every `nn.Linear` of the model but its LM
+    head (bitsandbytes' default skip; embeddings and norms are no linears), counted on a `meta` build."""
+    from transformers import AutoModelForCausalLM
+    from sft_nb.models import model_config
+    with torch.device('meta'): m = AutoModelForCausalLM.from_config(model_config(cfg.model.path))
+    head = m.get_output_embeddings()
+    lins = [x for x in m.modules() if isinstance(x, torch.nn.Linear) and x is not head]
+    return sum(x.weight.numel() for x in lins), sum(x.out_features for x in lins)
+
+# %% ../nbs/08e_memory.ipynb #fe196ac1
+def with_levers(m, # the run's `ModelConfig`: its quantize, activation_offload, cpu_offload
+                peak: dict, kept: dict, # `step_memory`'s kinds of a step traced without those three
+                world: int, layers: int, # ranks; decoder blocks
+                base: tuple[int, int] = (0, 0), # `base_linears(cfg)` (quantize only)
+               ) -> tuple[dict, dict]:
+    """(peak, kept) as the levers a trace does not run change them (each sum of kinds `Total` again):
+    `quantize` stores the base linears' shards at `quantized_bytes` instead of fp32 (the one block's weights gathered
+    for compute stay: its dequantized copy); `activation_offload` keeps on the GPU two blocks' worth of the activations
+    the forward saves (the one backward runs and the next, fetched ahead), the rest in host memory; `cpu_offload` keeps
+    the sharded weights, gradients and optimizer state in host memory (the gathered block and its gradient stay)."""
+    peak, kept = dict(peak), dict(kept)
+    if m.quantize != 'none':
+        cut = (4 * base[0] - quantized_bytes(m.quantize, *base)) / world
+        for d in (peak, kept): d['Sharded Param'] = d.get('Sharded Param', 0) - cut
+    if m.activation_offload:
+        cut = kept.get('Activation', 0) * max(0, 1 - 2 / layers)
+        for d in (peak, kept): d['Activation'] = max(0, d.get('Activation', 0) - cut)
+    if m.cpu_offload:
+        for d in (peak, kept): d.update({k: 0 for k in ('Sharded Param', 'Sharded Grad', 'OptState')})
+    for d in (peak, kept): d['Total'] = sum(v for k, v in d.items() if k != 'Total')
+    return peak, kept
+
 # %% ../nbs/08e_memory.ipynb #7aba08ee
 def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
-                data: DataPlan | None = None) -> tuple[dict, dict, tuple, int]:
+                data: DataPlan | None = None, levers: bool = True) -> tuple[dict, dict, tuple, int]:
     """Rank 0's {FSDP2 memory kind: bytes} at the peak of one fake training step of `cfg` on `world` ranks (on
     `estimate_batch(cfg, vocab, data)`), and kept (weights, gradients, optimizer state after the step; activations at
     the end of the forward), the micro-batch's shape, and this process's RSS with the model built on `meta`; needs a
-    process without a process group."""
+    process without a process group. The step runs unquantized and unoffloaded; `levers`: `with_levers` models
+    `model.quantize`, `activation_offload` and `cpu_offload` on it (False: the kinds as traced)."""
     import torch.distributed as dist
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.fx.experimental.symbolic_shapes import ShapeEnv
@@ -270,7 +317,8 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
                            "estimate in a fresh one (`sft-nb estimate`)")
     dist.init_process_group('fake', store=FakeStore(), rank=0, world_size=world)
     try:
-        w = FSDPWorker(0, world, cfg.model, cfg.optim, total_steps=1, placement=cfg.placement)
+        traced = dataclasses.replace(cfg.model, quantize='none', activation_offload=False, cpu_offload=False)
+        w = FSDPWorker(0, world, traced, cfg.optim, total_steps=1, placement=cfg.placement)
         # meshes outside fake mode; the attention that runs here (the GPU may pick flex_attention)
         model = w.build(dtype, meta=True, attn_device='cpu')
         # this process as a worker is before it loads weights: torch, transformers, the model's code
@@ -300,8 +348,11 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
                 opt.zero_grad()
         (peak,) = tracker.get_tracker_snapshot('peak').values()
         named = lambda d: {str(getattr(k, 'value', k)): v for k, v in d.items()}
-        return (named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']},
-                tuple(mb['input_ids'].shape), runtime)
+        peak, kept = named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']}
+        if levers:
+            base = base_linears(cfg) if cfg.model.quantize != 'none' else (0, 0)
+            peak, kept = with_levers(cfg.model, peak, kept, world, model.config.get_text_config().num_hidden_layers, base)
+        return peak, kept, tuple(mb['input_ids'].shape), runtime
     finally: dist.destroy_process_group()
 
 # %% ../nbs/08e_memory.ipynb #a1c3e5f8
@@ -350,6 +401,20 @@ def estimable_cluster(gpus: int, nodes: int) -> int:
                           f"estimate {MAX_ESTIMATE_RANKS:,} ranks (--gpus, --nodes)")
     return world
 
+# %% ../nbs/08e_memory.ipynb #703d3e99
+def estimable_run(cfg: SFTConfig, gpus: int, nodes: int, gpu_memory: float | None, device: str) -> int:
+    """The ranks `estimate` and `fit_levers` answer for, or the error naming the bad argument: a backend without an
+    estimate, a bad cluster, GiB a GPU missing for `device='cuda'` or not above 0, a lever that needs GPUs on CPU ranks."""
+    fsdp_only(cfg, 'memory estimate')
+    world = estimable_cluster(gpus, nodes)
+    if gpu_memory is not None and not 0 < gpu_memory < float('inf'):  # nan and inf too
+        raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
+    if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
+    if device == 'cpu' and (on := [k for k in ('cpu_offload', 'activation_offload') if getattr(cfg.model, k)]):
+        raise ConfigError(f"model.{on[0]}: moves memory off a GPU, and CPU ranks (device='cpu', --device cpu) keep "
+                          f"everything in host memory already: set model.{on[0]}=false, or estimate GPUs")
+    return world
+
 # %% ../nbs/08e_memory.ipynb #bd616f19
 def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
          gpus: int = 1, # GPUs (workers) per node
@@ -361,11 +426,7 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     """The per-rank memory of one training step of `cfg` on `nodes` x `gpus` ranks (at most `MAX_ESTIMATE_RANKS`):
     `dry_run()`'s dict, each rank's parts, the estimate's own time and, with data, `data` (`data_fit`)."""
     from sft_nb.models import check_context, resolve_model_path
-    fsdp_only(cfg, 'memory estimate')
-    world = estimable_cluster(gpus, nodes)
-    if gpu_memory is not None and not 0 < gpu_memory < float('inf'):  # nan and inf too
-        raise ConfigError(f"gpu_memory: {gpu_memory!r} GiB; give the GiB of one GPU, above 0 (--gpu-memory)")
-    if device == 'cuda' and not gpu_memory: raise ConfigError("gpu_memory: give the GiB of one GPU (--gpu-memory)")
+    world = estimable_run(cfg, gpus, nodes, gpu_memory, device)
     t0, cfg = time.perf_counter(), copy.deepcopy(cfg)  # the caller's config stays as it was
     # the cluster estimated for (its workers, not one in this process): its checks (sequence_parallel divides the
     # ranks) and the advice name it
@@ -441,3 +502,183 @@ def data_fit(cfg: SFTConfig, world: int, dtype, d: DataPlan, capacity: int) -> d
     rows = long_rows(pd.DataFrame({'tokens': d.lengths, 'kept': True}), tokens, cfg.placement.sequence_parallel)
     fits = next((s for s in range(rows['sp_needed'], world + 1) if world % s == 0 and heads % s == 0), None)
     return rows | line | {'sp_fits': fits}
+
+# %% ../nbs/08e_memory.ipynb #09bc70e3
+def shallow_model(path: str, layers: int, where: Path) -> str:
+    """A folder under `where` holding model `path`'s config.json with `layers` decoder blocks (its per-layer lists, such
+    as `layer_types`, cut to them, or repeated for more): what `fit_levers` traces."""
+    from sft_nb.models import resolve_model_path
+    raw = json.loads((Path(resolve_model_path(path)) / 'config.json').read_text())
+    n, raw['num_hidden_layers'] = raw['num_hidden_layers'], layers
+    for k, v in list(raw.items()):
+        if 'layer' in k and isinstance(v, list) and len(v) == n: raw[k] = [v[i % n] for i in range(layers)]
+    (out := Path(where) / f'layers{layers}').mkdir(parents=True, exist_ok=True)
+    (out / 'config.json').write_text(json.dumps(raw))
+    return str(out)
+
+def _extrapolate(pts: dict, layers: int, tokens: float) -> dict:
+    """{kind: bytes} at `layers` blocks and `tokens` a row from traces `pts[(blocks, tokens)]` at two depths and two row
+    lengths (or the model's own depth alone): each kind is affine in the blocks (weights, states and activations per
+    block) and in the tokens."""
+    ls, (t1, t2) = sorted({l for l, _ in pts}), sorted({t for _, t in pts})
+    l1, l2 = ls if len(ls) == 2 else (ls[0], ls[0] + 1)
+    if len(ls) == 1: pts = pts | {(l2, t): pts[l1, t] for t in (t1, t2)}  # traced at `layers` itself: no slope
+    keys = {k for d in pts.values() for k in d}
+    deep = lambda t: {k: pts[l1, t].get(k, 0) + (layers - l1) / (l2 - l1) * (pts[l2, t].get(k, 0) - pts[l1, t].get(k, 0))
+                      for k in keys}
+    a, b = deep(t1), deep(t2)
+    return {k: a[k] + (tokens - t1) / (t2 - t1) * (b[k] - a[k]) for k in keys}
+
+# %% ../nbs/08e_memory.ipynb #031b30d1
+# the levers `fit_levers` tries, cheapest first (the prose above says why this order): (ModelConfig field, value)
+LEVERS = (('activation_checkpointing', 'selective'), ('activation_checkpointing', 'full'), ('tiled_mlp', None),
+          ('activation_offload', True), ('cpu_offload', True), ('quantize', 'nf4'), ('quantize', 'int8'))
+# tokens per tile of a tiled MLP when the config names none; a dearer combination is shown when it holds rows this
+# many times as long as every cheaper one shown
+FIT_TILE, ROW_GAIN = 4096, 1.5
+# the depths a fit traces: from 2 blocks on the peak grows by one block's worth a block (with 1 block the first block is
+# the last, and the peak's moment can differ)
+FIT_BLOCKS = (2, 3)
+
+def lever_cost(combo: dict) -> tuple:
+    """A combination's place in `LEVERS`' order: its levers' ranks, dearest first (compared as tuples: the dearest
+    lever decides, then the next)."""
+    on = lambda k, v: combo.get(k) == v if v is not None else bool(combo.get(k))
+    return tuple(sorted((i + 1 for i, (k, v) in enumerate(LEVERS) if on(k, v)), reverse=True))
+
+def lever_combos(m, device: str = 'cuda') -> list[dict]:
+    """Every combination of the levers for `m` (a `ModelConfig`), cheapest first: offloads on GPUs only, a quantized base
+    for LoRA only (and never offloaded: its weights are small already), a tiled MLP (tiles of `m.tiled_mlp` tokens, else
+    `FIT_TILE`) under full checkpointing, and the config's own."""
+    tile, gpu = m.tiled_mlp or FIT_TILE, device == 'cuda'
+    # a tiled MLP with full checkpointing only: alone it costs more than full checkpointing and keeps more (the notes)
+    out = [dict(activation_checkpointing=ac, tiled_mlp=t, activation_offload=ao, cpu_offload=co, quantize=q)
+           for q in (('none', 'nf4', 'int8') if m.lora_r > 0 else ('none',)) for co in ((False, True) if gpu else (False,))
+           for ao in ((False, True) if gpu else (False,))
+           for ac, t in dict.fromkeys((('none', 0), ('selective', 0), ('full', 0), ('full', tile),
+                                       (m.activation_checkpointing, m.tiled_mlp))) if not (q != 'none' and co)]
+    return sorted(out, key=lever_cost)
+
+# %% ../nbs/08e_memory.ipynb #aec5faca
+def _lever_traces(cfg: SFTConfig, world: int, dtype, ac: str, tile: int, tokens: tuple, where: Path,
+                  layers: int) -> dict:
+    """{(blocks, tokens): (peak, kept)} of raw fake steps (`step_memory(levers=False)`) at `FIT_BLOCKS` blocks (a model
+    of no more `layers` than that: itself), at `tokens`."""
+    out = {}
+    for l in (FIT_BLOCKS if layers > FIT_BLOCKS[-1] else (layers,)):
+        c = copy.deepcopy(cfg)
+        c.model = dataclasses.replace(c.model, path=shallow_model(cfg.model.path, l, where),
+                                      activation_checkpointing=ac, tiled_mlp=tile)
+        for t in tokens:
+            c.tokenize = dataclasses.replace(c.tokenize, max_length=t, extend_context=True)
+            out[l, t] = step_memory(c, world, dtype, levers=False)
+    return out
+
+# %% ../nbs/08e_memory.ipynb #90b57cc5
+def _fit_row(m, combo: dict, lines: dict, world: int, layers: int, base: tuple, n: int, room: float,
+             lim: int | None) -> dict:
+    """One combination's peak on rows of `n` tokens and the longest row within `room` bytes, from its traces: each kind
+    extrapolated to `layers` blocks, then `with_levers`; a tiled MLP runs as the untiled one on rows of one tile."""
+    mc = dataclasses.replace(m, **combo)
+    def peak(key, t):
+        pk, kp = ({k: v[i] for k, v in lines[key].items()} for i in (0, 1))
+        return with_levers(mc, _extrapolate(pk, layers, t), _extrapolate(kp, layers, t), world, layers, base)[0]['Total']
+    def longest(key):  # where the peak, affine in the row's tokens between its traced lengths, meets `room`
+        t1, t2 = sorted({t for _, t in lines[key]}); a, b = peak(key, t1), peak(key, t2)
+        return float('inf') if b <= a else t1 + (room - a) / ((b - a) / (t2 - t1))
+    ac, tile = combo['activation_checkpointing'], combo['tiled_mlp']
+    tok = longest((ac, 0))
+    if tile and tok >= tile: tok = max(tok, longest((ac, tile)))
+    at_n = peak((ac, tile) if tile and n > tile else (ac, 0), n)
+    tok = max(0, tok if lim is None else min(tok, lim))
+    return {'levers': combo, 'peak': at_n, 'fits': at_n <= room, 'longest_row': tok if tok == float('inf') else int(tok),
+            'at_limit': lim is not None and tok == lim, 'exact': combo['quantize'] == 'none', 'cost': lever_cost(combo)}
+
+# %% ../nbs/08e_memory.ipynb #025fba99
+def lever_text(m, combo: dict) -> str:
+    "The overrides that turn `m` (a `ModelConfig`) into `combo`, as `key=value` (`sft-nb estimate/train` arguments)."
+    return ' '.join(f"model.{k}={str(v).lower() if isinstance(v, bool) else v}" for k, v in combo.items()
+                    if getattr(m, k) != v) or 'as configured'
+
+def _fit_verdict(cfg: SFTConfig, rows: list[dict], capacity: int, world: int, device: str) -> dict:
+    """`fit_levers`' result: its rows, those shown (the config's own if it fits, and each fitting one whose rows are
+    `ROW_GAIN` times as long as those of every cheaper one shown, exact levers and a quantized base apart), the verdict."""
+    shown, best, n = [], {}, cfg.tokenize.max_length
+    for r in (r for r in rows if r['fits']):  # the config's own whenever it fits: what the others are read against
+        b = best.get(r['exact'])
+        if r['config'] or b is None or r['longest_row'] >= ROW_GAIN * b:
+            shown.append(r); best[r['exact']] = max(best.get(r['exact'], 0), r['longest_row'])
+    where = f"{world} rank{'s' * (world > 1)} ({device}) of {capacity / 2**30:.3g} GiB"
+    rows_of = f"rows of {n:,} tokens ({cfg.train.micro_batch_size} a micro-batch)"
+    if shown:
+        msg = (f"{sum(r['fits'] for r in rows)} of {len(rows)} lever combinations fit {rows_of} on {where}; the "
+               f"cheapest: {lever_text(cfg.model, shown[0]['levers'])}")
+    else:
+        c = min(rows, key=lambda r: r['peak'])
+        msg = (f"nothing fits {rows_of} on {where}: the closest, {lever_text(cfg.model, c['levers'])}, peaks at "
+               f"{c['peak'] / 2**30:.3g} GiB a rank"
+               + (f" and holds rows of up to {c['longest_row']:,} tokens (tokenize.max_length)" if c['longest_row']
+                  else ", and not even its weights, gradients and optimizer state fit")
+               + "; more ranks (--gpus, --nodes) shard the weights, gradients and optimizer state"
+               + ("; LoRA (model.lora_r=16) with model.quantize=nf4 trains a small adapter on a 4-bit base"
+                  if cfg.model.lora_r == 0 else ''))
+    return {'rows': rows, 'shown': shown, 'fits': bool(shown), 'message': msg, 'tokens': n, 'capacity': capacity,
+            'world': world, 'device': device}
+
+# %% ../nbs/08e_memory.ipynb #8168ab1c
+def fit_levers(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
+               gpus: int = 1, # GPUs (workers) per node
+               nodes: int = 1, # nodes
+               gpu_memory: float | None = None, # GiB a GPU has (device='cuda')
+               device: str = 'cuda', # 'cuda' or 'cpu', as `estimate`
+               others: bool = True, # False: the config's own combination alone (its peak and longest row, quickly)
+              ) -> dict:
+    """Every `lever_combos` combination for `cfg` on `nodes` x `gpus` ranks: its per-rank peak on `micro_batch_size` rows
+    of `tokenize.max_length` tokens, the longest row it holds (within the model's positions unless
+    `tokenize.extend_context`) and whether it fits; `shown`: those that fit, cheapest first, each holding longer rows
+    than every cheaper one shown (exact levers and a quantized base apart); `message`: the verdict."""
+    from sft_nb.models import check_context, context_limit, model_config, resolve_model_path
+    t0, world = time.perf_counter(), estimable_run(cfg, gpus, nodes, gpu_memory, device)
+    cfg = copy.deepcopy(cfg)
+    cfg.placement = dataclasses.replace(cfg.placement, num_nodes=nodes, workers_per_node=gpus, in_process=False)
+    dtype = torch.bfloat16 if device == 'cuda' and cfg.model.dtype == 'bfloat16' else torch.float32
+    estimable(cfg, dtype); check_context(resolve_model_path(cfg.model.path), cfg.tokenize)
+    if device == 'cpu': import ray  # noqa: F401  (as `estimate`: a CPU rank's runtime has Ray)
+    m, n = cfg.model, cfg.tokenize.max_length
+    layers = model_config(m.path).get_text_config().num_hidden_layers
+    lim = None if cfg.tokenize.extend_context else (context_limit(resolve_model_path(m.path)) or (None,))[0]
+    combos = [c for c in lever_combos(m, device) if others or all(getattr(m, k) == v for k, v in c.items())]
+    # in every combination the free levers: the loss in chunks, each block's gathered weights freed after it
+    run = copy.deepcopy(cfg); run.packing.enabled, lines = False, {}
+    run.model = dataclasses.replace(m, loss_chunk=m.loss_chunk or 2048, reshard_after_forward=True)
+    with tempfile.TemporaryDirectory() as where:
+        for ac, tile in dict.fromkeys((c['activation_checkpointing'], c['tiled_mlp']) for c in combos):
+            # a tiled MLP shows on rows of several tiles: traced there (below one tile it is the untiled MLP)
+            ts = (max(1, n // 2), n) if not tile else (max(n // 2, 2 * tile), max(n, 3 * tile))
+            lines[ac, tile] = _lever_traces(run, world, dtype, ac, tile, ts, Path(where), layers)
+        # the quantizable linears by block, as every kind
+        (l1, b1), (l2, b2) = ((l, base_linears(dataclasses.replace(cfg, model=dataclasses.replace(
+            m, path=shallow_model(m.path, l, where)))) if m.lora_r > 0 else (0, 0)) for l in FIT_BLOCKS)
+    base = tuple(x + (layers - l1) / (l2 - l1) * (y - x) for x, y in zip(b1, b2))  # exact: linears by block
+    runtime = next(iter(lines['none', 0].values()))[3] if device == 'cpu' else 0
+    cap = int(gpu_memory * 2**30) if device == 'cuda' else rank_capacity()[0]
+    rows = [_fit_row(run.model, c, lines, world, layers, base, n, cap - runtime, lim) for c in combos]
+    for r in rows: r['peak'] += runtime; r['config'] = all(getattr(m, k) == v for k, v in r['levers'].items())
+    return _fit_verdict(cfg, rows, cap, world, device) | {'fit_s': time.perf_counter() - t0}
+
+# %% ../nbs/08e_memory.ipynb #e6f43a1f
+def fit_report(f: dict) -> str:
+    "A `fit_levers` result as text: the combinations shown, cheapest first (`*`: the config's own), and the verdict."
+    if not f['shown']: return f"{f['message']}\nfitted in {f['fit_s']:.1f} s"
+    yn, lines = lambda b: 'yes' if b else 'no', []
+    head = (f"  {'checkpointing':<14}{'tiled_mlp':>10}{'act_offload':>13}{'cpu_offload':>13}  {'quantize':<12}"
+            f"{'peak GiB':>9}{'longest row':>14}")
+    for r in f['shown']:
+        c, t = r['levers'], r['longest_row']
+        q = {'none': 'none', 'int8': 'int8', 'nf4': 'nf4 (QLoRA)'}[c['quantize']]
+        row = 'any' if t == float('inf') else f"{t:,}" + ('*' if r['at_limit'] else '')
+        lines.append(f"{'>' if r['config'] else ' '} {c['activation_checkpointing']:<14}{c['tiled_mlp'] or '-':>10}"
+                     f"{yn(c['activation_offload']):>13}{yn(c['cpu_offload']):>13}  {q:<12}"
+                     f"{r['peak'] / 2**30:>9.2f}{row:>14}")
+    notes = ["> the config as it is; * the model's positions (tokenize.extend_context lifts it)"]
+    return '\n'.join([f['message'] + ':', head, *lines, *notes, f"fitted in {f['fit_s']:.1f} s"])

@@ -69,3 +69,31 @@ def test_estimate_answers_any_shape_within_2_gib_and_agrees_with_itself(tmp_path
     rc, txt, err = got['sp2_on_2_gpus_of_1_mib']
     assert rc == 3 and txt.startswith('2 ranks (cuda)') and 'does not fit' in txt, (txt, err)
     assert 'no row length does' in txt and 'longer than one worker holds' not in txt, txt
+
+
+def test_estimate_fit_prints_the_lever_table_cheapest_first():
+    """`sft-nb estimate CONFIG --gpu-memory G --fit` (in this process: a fake process group per trace, none left behind):
+    the verdict, then one line per combination shown with its levers, peak and longest row, the config's own marked, the
+    dearer ones below; exit 0 when one fits."""
+    from helpers import cli
+    rc, out, err = cli('estimate', 'examples/tiny.yaml', 'model.lora_r=8', 'model.tiled_mlp=32', 'tokenize.max_length=64',
+                       'train.micro_batch_size=2', '--gpu-memory', '0.05', '--fit')
+    assert rc == 0, (out, err)
+    lines = out.splitlines()
+    assert lines[0].startswith('40 of 40 lever combinations fit rows of 64 tokens (2 a micro-batch) on 1 rank (cuda) of '
+                               '0.05 GiB; the cheapest: '), out
+    assert lines[1].split() == ['checkpointing', 'tiled_mlp', 'act_offload', 'cpu_offload', 'quantize', 'peak', 'GiB',
+                                'longest', 'row'], out
+    rows = [l for l in lines[2:] if l[:1] in ('>', ' ') and 'GiB' not in l and 'positions' not in l]
+    assert rows[0].split()[:5] == ['none', '-', 'no', 'no', 'none'] and any(l.startswith('>') for l in rows), out
+    assert any('nf4 (QLoRA)' in l for l in rows) and rows.index(next(l for l in rows if 'nf4' in l)) > 0, out
+    assert lines[-1].startswith('fitted in '), out
+
+
+def test_estimate_fit_refuses_a_missing_gpu_memory_by_name():
+    "--fit on GPUs needs --gpu-memory, and --no-data is no --fit option: each refused by name (exit 2), before any trace."
+    from helpers import cli
+    rc, out, err = cli('estimate', 'examples/tiny.yaml', '--fit')
+    assert rc == 2 and 'sft-nb estimate: error: --fit: needs --gpu-memory, the GiB of one GPU the levers must fit in' in err, err
+    rc, out, err = cli('estimate', 'examples/tiny.yaml', '--fit', '--gpu-memory', '24', '--no-data')
+    assert rc == 2 and '--fit, --no-data: --fit steps on rows of tokenize.max_length already' in err, err
