@@ -148,6 +148,10 @@ class Notebook:
         out = self.see(self.run_new_cell(code).locator('.jp-OutputArea-output', has_text=tag))
         return json.loads(out.inner_text().split(tag, 1)[1])
 
+    def outputs_text(self) -> str:
+        "The text of every cell output on the page (what a user reads below the cells)."
+        return '\n'.join(self.page.locator('.jp-OutputArea-output').all_text_contents())  # innerText is '' off screen
+
     def errors_shown(self, within=None):
         "Error outputs on the page, or within one cell: tracebacks, and the short boxes of a user's mistake (`user_errors`)."
         return (within or self.page).locator(f'{STDERR}:has-text("Traceback (most recent call last)"), {USER_ERROR}')
@@ -187,6 +191,17 @@ def screenshot_tool():
 
 STDERR = '.jp-OutputArea-output[data-mime-type="application/vnd.jupyter.stderr"]'
 USER_ERROR = f'.jp-OutputArea-child:has(+ .jp-OutputArea-child .sft-nb-error-tb) {STDERR}'
+
+
+def code_cell(nb, text: str):
+    "The notebook's code cell whose source contains `text`."
+    return nb.page.locator('.jp-NotebookPanel .jp-CodeCell', has=nb.page.locator('.cm-content', has_text=text)).first
+
+
+def rerun(nb, cell):
+    "Run `cell` again (Shift+Enter in its editor)."
+    cell.locator('.cm-content').click()
+    nb.page.keyboard.press('Shift+Enter')
 
 
 def status(nb) -> str: return nb.page.locator('.sft-nb-status').text_content()  # off screen (a cell below ran), innerText is ''

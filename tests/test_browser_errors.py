@@ -6,7 +6,7 @@ the cell that reads it is run again. Screenshots: build/browser/error_*.png."""
 from __future__ import annotations
 import re
 import pytest
-from jupyter_lab import LAB_DIR, Notebook, with_params
+from jupyter_lab import LAB_DIR, Notebook, code_cell, rerun, with_params
 from sft_nb.lint import CHECKS
 
 pytestmark = pytest.mark.timeout(900)
@@ -14,20 +14,9 @@ TB = 'Traceback (most recent call last)'
 BOX = '#ffdddd'  # an error output's background (JupyterLab's --jp-rendermime-error-background)
 
 
-def _code_cell(nb, text: str):
-    "The notebook's code cell whose source contains `text`."
-    return nb.page.locator('.jp-NotebookPanel .jp-CodeCell', has=nb.page.locator('.cm-content', has_text=text)).first
-
-
 def _run_menu(nb, command: str):
     nb.page.locator('.lm-MenuBar-item', has_text=re.compile(r'^Run$')).click()
     nb.page.locator(f'.lm-Menu-item[data-command="{command}"]').click()
-
-
-def _rerun(nb, cell):
-    "Run `cell` again (Shift+Enter in its editor)."
-    cell.locator('.cm-content').click()
-    nb.page.keyboard.press('Shift+Enter')
 
 
 def _check_box(nb, cell, kind: str, what: str, fix: str, shot: str) -> str:
@@ -51,22 +40,22 @@ def test_mistakes_in_interactive_show_one_box(lab, browser):
     nb = Notebook(browser, lab, name)
     try:
         _run_menu(nb, 'runmenu:run-all')
-        setup = _code_cell(nb, 'trainer.setup()')
+        setup = code_cell(nb, 'trainer.setup()')
         _check_box(nb, setup, 'ParameterError', 'num_step: not a parameter of this notebook; did you mean num_steps?',
                    "fix: rename it in the parameters cell", 'error_interactive_typo')
         nb.run_new_cell('num_steps = 20')
-        _rerun(nb, setup)
+        rerun(nb, setup)
         _check_box(nb, setup, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_interactive_missing')
         setup.locator('.sft-nb-error-tb summary').click()  # one click opens the traceback
         assert TB in setup.locator('.jp-OutputArea').inner_text()
         nb.shot('error_interactive_missing_open', setup, (BOX,))
 
         nb.run_new_cell("train_data, template = '', 'qwen4'")
-        _rerun(nb, setup)
+        rerun(nb, setup)
         _check_box(nb, setup, 'TemplateError', "tokenize.chat_template: 'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_interactive_template')
 
         nb.run_new_cell("template, max_length = '', 8")
-        _rerun(nb, setup)
+        rerun(nb, setup)
         text = _check_box(nb, setup, 'ConfigError', 'data.train: no usable rows', 'fix: max_length=', 'error_interactive_max_length')
         # the fix names the notebook's parameters, not their config keys (tokenize.max_length, tokenize.truncation)
         assert re.search(r"fix: max_length=\d+ keeps all \d+.*; truncation='keep_start' keeps all \d+", text), text
@@ -91,13 +80,13 @@ def test_mistakes_in_inspect_show_one_box(lab, browser):
         lint.scroll_into_view_if_needed(); nb.shot('lint_table', lint)
 
         nb.run_new_cell("data, max_length = 'nope.jsonl', 2048")
-        reads = _code_cell(nb, 'inspector = Inspector(data, tok, spec, row=row)')
-        _rerun(nb, reads)
+        reads = code_cell(nb, 'inspector = Inspector(data, tok, spec, row=row)')
+        rerun(nb, reads)
         _check_box(nb, reads, 'MissingFile', "data source 'nope.jsonl' does not exist", 'fix: check the path', 'error_inspect_missing')
 
         nb.run_new_cell("data, template = None, 'qwen4'")
-        _rerun(nb, _code_cell(nb, 'tok = load_tokenizer(model, template)'))  # the tokenizer and the config with the new template
-        _rerun(nb, reads)  # which loads the template
+        rerun(nb, code_cell(nb, 'tok = load_tokenizer(model, template)'))  # the tokenizer and the config with the new template
+        rerun(nb, reads)  # which loads the template
         _check_box(nb, reads, 'TemplateError', "'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_inspect_template')
         assert not nb.errors, nb.errors
     finally: nb.close()

@@ -14,8 +14,8 @@ Screenshots: build/browser/second_run_*.png."""
 from __future__ import annotations
 import re
 import pytest
-from jupyter_lab import Notebook, button, status, with_params
-from test_browser_errors import BOX, _code_cell, _rerun
+from jupyter_lab import Notebook, button, code_cell, rerun, status, with_params
+from test_browser_errors import BOX
 
 pytestmark = pytest.mark.timeout(900)
 PHASE_S = 240  # one phase's deadline (the first one's includes the kernel's start and the Run All)
@@ -33,9 +33,9 @@ def _idle_at(nb, step: int):
 
 def _run_again(nb, text: str):
     "Run the code cell whose source holds `text` again; wait until it has run (its prompt shows a new execution count)."
-    cell = _code_cell(nb, text)
+    cell = code_cell(nb, text)
     before = cell.locator('.jp-InputPrompt').text_content()
-    _rerun(nb, cell)
+    rerun(nb, cell)
     nb.until(f"""() => {{ const t = [...document.querySelectorAll('.jp-NotebookPanel .jp-CodeCell')]
         .find(c => c.querySelector('.cm-content')?.textContent.includes({text!r}))
         .querySelector('.jp-InputPrompt').textContent.trim();
@@ -47,7 +47,7 @@ def test_second_run_of_interactive(lab, browser):
     try:
         nb.restart_clock(PHASE_S)
         nb.run_all()
-        gguf = _code_cell(nb, "trainer.export(to='gguf')")
+        gguf = code_cell(nb, "trainer.export(to='gguf')")
         assert 'train first' in gguf.locator('.jp-OutputArea').inner_text()
         wrote = nb.kernel_json("import json, pathlib; print('RUN-DIR', json.dumps(sorted(p.name for p in pathlib.Path(trainer.run_dir).iterdir())))", 'RUN-DIR')
         assert not {'hf', 'gguf'} & set(wrote), wrote  # no export of an untrained model
@@ -67,7 +67,7 @@ def test_second_run_of_interactive(lab, browser):
 
         nb.restart_clock(PHASE_S)
         nb.run_new_cell('old = trainer')
-        setup = _code_cell(nb, 'trainer.setup()')
+        setup = code_cell(nb, 'trainer.setup()')
         _run_again(nb, 'trainer.setup()')
         nb.restart_clock(30)  # the cell has run: the panel says so now, or it still shows the retired trainer
         _idle_at(nb, 0)
@@ -90,7 +90,7 @@ def test_second_run_of_interactive(lab, browser):
 
         nb.restart_clock(PHASE_S)
         nb.run_new_cell('num_step = 20; lr = 3e-3; learning_rate = 1e-4')  # the parameters cell as a user mistypes it
-        _rerun(nb, setup)
+        rerun(nb, setup)
         box = nb.see(nb.user_errors(setup).filter(has_text='ParameterError: '))
         text = box.inner_text()
         assert ('learning_rate: not a parameter of this notebook; did you mean lr?\n'
