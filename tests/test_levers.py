@@ -1,6 +1,6 @@
 """Memory levers (sft_nb.levers) inside the FSDP worker: `model.tiled_mlp` gives the loss and gradients of the untiled
 MLP (fp32, relative bounds) on padded and packed rows, with activation checkpointing and LoRA adapters on the MLP, in one
-process and on 2 FSDP2 ranks that also share each row (Ulysses sp=2); the memory estimate, which builds the worker's
+process (on 2 FSDP2 ranks that share each row, Ulysses sp=2: tests/test_sequence_parallel.py::test_sp2_equals_sp1); the memory estimate, which builds the worker's
 model on meta, sees the tiling; a tile longer than the row takes the plain path. `model.activation_offload` is refused by
 name on CPU workers (its hooks' gradients are checked on CPU in nbs/06f_levers.ipynb)."""
 import pytest
@@ -57,19 +57,6 @@ def test_tile_longer_than_the_row_is_the_plain_call(tiny_path, tiny_tok):
     mlp = w.model.model.layers[0].mlp
     assert type(mlp(torch.randn(1, 100, w.model.config.hidden_size)).grad_fn).__name__ != 'CatBackward0'
     assert s1 == s0 and all(torch.equal(g1[k], g0[k]) for k in g0)
-
-
-def test_two_ranks_sp2_tiled_equals_untiled(tiny_path, tiny_tok):
-    """2 FSDP2 ranks sharing each row (Ulysses sp=2: each tiles its half), DTensor parameters reduce-scattered: the
-    gradients of the tiled MLP equal the untiled ones, with each block checkpointed and LoRA on the MLP."""
-    b = batches(tiny_tok)
-    keep = ('input_ids', 'labels', 'attention_mask', 'position_ids')
-    mbs = [[{k: mb[k] for k in keep if k in mb} for mb in b.values()]]  # one replica: both sp ranks get both
-    n = sum(mb['n_trained'] for mb in b.values())
-    kw = dict(path=str(tiny_path), activation_checkpointing='full', **MLP_LORA)
-    (r0, g0, _, _), (r1, g1, _, _) = spawn(2, 2, [ModelConfig(**kw), ModelConfig(tiled_mlp=8, **kw)], mbs, n)
-    assert g1.keys() == g0.keys() and any('down_proj.lora_B' in k for k in g0)
-    assert_rel_close(r1['nll_sum'], r0['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(g1, g0, GRAD_TOL, 'sp=2 gradients')
 
 
 def test_estimate_sees_the_tiling(tiny_path, tmp_path):

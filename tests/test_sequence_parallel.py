@@ -3,6 +3,7 @@ groups: sp=2 equals sp=1 (losses, every gradient, trained-token counts, per-toke
 with fractional loss weights and a length sp does not divide, also with fewer KV heads than sp and with activation
 checkpointing; sp=3 equals sp=1 on SmolLM2-135M's head layout (9 heads, 3 KV heads); a whole trainer step with sp=2 and with sp=2 × dp=2 on 4
 workers equals 1 worker; exact resume with sp=2."""
+import dataclasses
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -53,7 +54,9 @@ def batches(tok):
 
 @pytest.mark.parametrize('model', ['tiny', 'kv_heads=1 + checkpointing'])
 def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
-    "One replica's micro-batches on sp=2 ranks == on one rank: Σ NLL, Σ weight, every gradient, eval, per-token losses."
+    """One replica's micro-batches on sp=2 ranks == on one rank: Σ NLL, Σ weight, every gradient, eval, per-token losses.
+    With checkpointing, sp=2 also runs with the MLP in tiles of 8 tokens (`model.tiled_mlp`: each rank tiles its half of
+    the row, the DTensor gradients reduce-scattered) and equals the untiled rank all the same."""
     path, ac = (tiny_path, 'none') if model == 'tiny' else (gqa1_path, 'full')
     mbs, n_global = batches(tiny_tok)
     assert mbs[0][0]['input_ids'].shape[1] % 2 and mbs[1][0]['input_ids'].shape[1] % 2  # sp=2 pads both
@@ -61,16 +64,21 @@ def test_sp2_equals_sp1(tiny_path, tiny_tok, gqa1_path, model):
     mcfg = ModelConfig(path=str(path), activation_checkpointing=ac, loss_chunk=5)
     for d in range(2):  # each replica's micro-batch alone
         (r1, g1, e1, t1), = one_rank([mcfg], mbs[d:d + 1], n_global)
-        (r2, g2, e2, t2), = spawn(2, 2, [mcfg], mbs[d:d + 1], n_global)
-        assert r2['weight_sum'] == r1['weight_sum'] and e2['weight_sum'] == e1['weight_sum']  # Σ weight: binary fractions, exact
-        assert_rel_close(r2['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e2['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
-        assert g2.keys() == g1.keys()
-        assert not view_warnings(r2), view_warnings(r2)  # no sharded module returns a view under sp either
-        assert_rel_close(g2, g1, GRAD_TOL, f'{model}, replica {d}: gradients')
-        for a, b in zip(t2, t1):
-            assert (a['top_ids'][:, 0] == b['top_ids'][:, 0]).mean() > 0.99
-            assert_rel_close(torch.as_tensor(a['nll']), torch.as_tensor(b['nll']), 1e-5, 'per-token NLL')
-        print(f"{model} replica {d}: Σ NLL gap {rel_gap(r2['nll_sum'], r1['nll_sum']):.1e}, gradients {rel_gap(g2, g1):.1e}")
+        sp2 = spawn(2, 2, [mcfg] + ([dataclasses.replace(mcfg, tiled_mlp=8)] if ac == 'full' else []), mbs[d:d + 1], n_global)
+        for (r2, g2, e2, t2), tiled in zip(sp2, ('', ' tiled MLP')):
+            sp2_equals_one_rank(r1, g1, e1, t1, r2, g2, e2, t2, f'{model}{tiled}, replica {d}')
+
+
+def sp2_equals_one_rank(r1, g1, e1, t1, r2, g2, e2, t2, what):
+    assert r2['weight_sum'] == r1['weight_sum'] and e2['weight_sum'] == e1['weight_sum']  # Σ weight: binary fractions, exact
+    assert_rel_close(r2['nll_sum'], r1['nll_sum'], TOL, 'Σ NLL'); assert_rel_close(e2['nll_sum'], e1['nll_sum'], TOL, 'eval Σ NLL')
+    assert g2.keys() == g1.keys()
+    assert not view_warnings(r2), view_warnings(r2)  # no sharded module returns a view under sp either
+    assert_rel_close(g2, g1, GRAD_TOL, f'{what}: gradients')
+    for a, b in zip(t2, t1):
+        assert (a['top_ids'][:, 0] == b['top_ids'][:, 0]).mean() > 0.99
+        assert_rel_close(torch.as_tensor(a['nll']), torch.as_tensor(b['nll']), 1e-5, 'per-token NLL')
+    print(f"{what}: Σ NLL gap {rel_gap(r2['nll_sum'], r1['nll_sum']):.1e}, gradients {rel_gap(g2, g1):.1e}")
 
 
 def test_sp2_dp2_equals_one_rank_worker(tiny_path, tiny_tok):
