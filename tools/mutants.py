@@ -152,6 +152,17 @@ MUTANTS = [
     Mutant('pretokenized_ids_unbounded', "a pretokenized id past the tokenizer's vocabulary is kept (the worker dies on it at the first step)",
            [('sft_nb/renderers.py', "if (top := max(conv['input_ids'])) >= len(tokenizer) or", "if False and (top := max(conv['input_ids'])) >= len(tokenizer) or")],
            tests=['tests/test_trust_no_file.py::test_pretokenized_ids_are_checked_on_read']),
+    # ---- memory levers
+    Mutant('tiled_mlp_tile_detached', "each tile of the tiled MLP is cut from the graph: no gradient flows back through the MLP to the layers below it",
+           [('sft_nb/levers.py', 'checkpoint(fwd, t, *args, use_reentrant=False, **kwargs)', 'checkpoint(fwd, t.detach(), *args, use_reentrant=False, **kwargs)')],
+           tests=['tests/test_levers.py::test_worker_tiled_equals_untiled']),
+    Mutant('lora_plus_ratio_dropped', "LoRA+: the schedule sets B's group to the plain LR after the first step",
+           both('sft_nb/optim.py', 'nbs/07c_optim.ipynb', "g['lr'] = lr * g.get('lr_ratio', 1.0)", "g['lr'] = lr"),
+           notebooks=['nbs/07c_optim.ipynb']),
+    Mutant('nf4_export_onto_dequantized', "a quantized run's merged export goes onto the dequantized 4-bit weights, not the source checkpoint's",
+           [('sft_nb/backends/fsdp.py', "model = self._build_model('cpu')  # the checkpoint's weights as stored",
+             "model = self._build_model('cpu', __import__('torch').float32)  #")],
+           tests=['tests/test_quantize.py::test_nf4_merged_export_is_source_plus_adapter']),
 ]
 
 
