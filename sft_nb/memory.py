@@ -281,13 +281,13 @@ def with_levers(m, # the run's `ModelConfig`: its quantize, activation_offload, 
                 base: tuple[int, int] = (0, 0), # `base_linears(cfg)` (quantize only)
                ) -> tuple[dict, dict]:
     """(peak, kept) as the levers a trace does not run change them (each sum of kinds `Total` again):
-    `quantize` stores the base linears' shards at `quantized_bytes` instead of fp32 (the one block's weights gathered
-    for compute stay: its dequantized copy); `activation_offload` keeps on the GPU two blocks' worth of the activations
+    `quantize` holds the base linears whole on every rank at `quantized_bytes` (the worker leaves them out of FSDP2's
+    shards) instead of their fp32 shards (the one block's weights gathered for compute stay: its dequantized copy); `activation_offload` keeps on the GPU two blocks' worth of the activations
     the forward saves (the one backward runs and the next, fetched ahead), the rest in host memory; `cpu_offload` keeps
     the sharded weights, gradients and optimizer state in host memory (the gathered block and its gradient stay)."""
     peak, kept = dict(peak), dict(kept)
     if m.quantize != 'none':
-        cut = (4 * base[0] - quantized_bytes(m.quantize, *base)) / world
+        cut = 4 * base[0] / world - quantized_bytes(m.quantize, *base)
         for d in (peak, kept): d['Sharded Param'] = d.get('Sharded Param', 0) - cut
     if m.activation_offload:
         cut = kept.get('Activation', 0) * max(0, 1 - 2 / layers)
@@ -532,7 +532,7 @@ def _extrapolate(pts: dict, layers: int, tokens: float) -> dict:
 # %% ../nbs/08e_memory.ipynb #031b30d1
 # the levers `fit_levers` tries, cheapest first (the prose above says why this order): (ModelConfig field, value)
 LEVERS = (('activation_checkpointing', 'selective'), ('activation_checkpointing', 'full'), ('tiled_mlp', None),
-          ('activation_offload', True), ('cpu_offload', True), ('quantize', 'nf4'), ('quantize', 'int8'))
+          ('activation_offload', True), ('cpu_offload', True), ('quantize', 'nf4'))
 # tokens per tile of a tiled MLP when the config names none; a dearer combination is shown when it holds rows this
 # many times as long as every cheaper one shown
 FIT_TILE, ROW_GAIN = 4096, 1.5
@@ -547,13 +547,13 @@ def lever_cost(combo: dict) -> tuple:
     return tuple(sorted((i + 1 for i, (k, v) in enumerate(LEVERS) if on(k, v)), reverse=True))
 
 def lever_combos(m, device: str = 'cuda') -> list[dict]:
-    """Every combination of the levers for `m` (a `ModelConfig`), cheapest first: offloads on GPUs only, a quantized base
-    for LoRA only (and never offloaded: its weights are small already), a tiled MLP (tiles of `m.tiled_mlp` tokens, else
-    `FIT_TILE`) under full checkpointing, and the config's own."""
+    """Every combination of the levers for `m` (a `ModelConfig`), cheapest first: offloads on GPUs only, an nf4 base
+    for LoRA only (never offloaded: its weights are small already; the worker refuses int8 for now), a tiled MLP (tiles
+    of `m.tiled_mlp` tokens, else `FIT_TILE`) under full checkpointing, and the config's own."""
     tile, gpu = m.tiled_mlp or FIT_TILE, device == 'cuda'
     # a tiled MLP with full checkpointing only: alone it costs more than full checkpointing and keeps more (the notes)
     out = [dict(activation_checkpointing=ac, tiled_mlp=t, activation_offload=ao, cpu_offload=co, quantize=q)
-           for q in (('none', 'nf4', 'int8') if m.lora_r > 0 else ('none',)) for co in ((False, True) if gpu else (False,))
+           for q in (('none', 'nf4') if m.lora_r > 0 else ('none',)) for co in ((False, True) if gpu else (False,))
            for ao in ((False, True) if gpu else (False,))
            for ac, t in dict.fromkeys((('none', 0), ('selective', 0), ('full', 0), ('full', tile),
                                        (m.activation_checkpointing, m.tiled_mlp))) if not (q != 'none' and co)]
