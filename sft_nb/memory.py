@@ -532,7 +532,7 @@ def _extrapolate(pts: dict, layers: int, tokens: float) -> dict:
 # %% ../nbs/08e_memory.ipynb #031b30d1
 # the levers `fit_levers` tries, cheapest first (the prose above says why this order): (ModelConfig field, value)
 LEVERS = (('activation_checkpointing', 'selective'), ('activation_checkpointing', 'full'), ('tiled_mlp', None),
-          ('activation_offload', True), ('cpu_offload', True), ('quantize', 'nf4'))
+          ('activation_offload', True), ('quantize', 'nf4'), ('cpu_offload', True))
 # tokens per tile of a tiled MLP when the config names none; a dearer combination is shown when it holds rows this
 # many times as long as every cheaper one shown
 FIT_TILE, ROW_GAIN = 4096, 1.5
