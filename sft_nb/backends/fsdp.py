@@ -4,7 +4,7 @@
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8cdaf48e
 from __future__ import annotations
-import json, os, random
+import json, logging, os, random
 from pathlib import Path
 import numpy as np
 from ..workers import TrainWorker, save_rng, load_rng
@@ -17,10 +17,13 @@ from .slices import check_checkpoint, fill_from_checkpoint, init_lora, load_pret
 from .ulysses import sp_shard, check_heads, register_ulysses
 from ..levers import tile_mlp, activation_offload
 from fastcore.basics import patch
+# bitsandbytes (PEFT imports it) warns on CPUs with AVX512-BF16 that an optional kernel from the hub is missing: the
+# worker keeps that CPU kernel off (`_load_quantized`)
+logging.getLogger('bitsandbytes.backends.cpu.ops').setLevel(logging.ERROR)
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'lora_config', 'bnb_config', 'bitsandbytes',
-           'quantized_params', 'trained_token_stats']
+__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'lora_config', 'bnb_config', 'quantized_params',
+           'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #eaa19284
 def _model_cls(path):
@@ -129,27 +132,16 @@ def bnb_config(compute_dtype): # the dtype the 4-bit layers compute in (the run'
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type='nf4', bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=compute_dtype)
 
-def bitsandbytes():
-    """The bitsandbytes module, imported without its warning on CPUs with AVX512-BF16 that the optional kernel from the
-    hub is missing (`pip install kernels`): the worker keeps that CPU kernel off (`_load_quantized`)."""
-    import logging
-    log = logging.getLogger('bitsandbytes.backends.cpu.ops')
-    level = log.level; log.setLevel(logging.ERROR)
-    try: import bitsandbytes as bnb
-    finally: log.setLevel(level)
-    return bnb
-
 def quantized_params(model) -> set:
     "The 4-bit weights of `model` (bitsandbytes' `Params4bit`): frozen, whole on every rank, never sharded."
-    bnb = bitsandbytes()
+    import bitsandbytes as bnb
     return {p for p in model.parameters() if isinstance(p, bnb.nn.Params4bit)}
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #4cd98b7c
 @patch
 def _load_quantized(self: FSDPWorker, cls, device, compute_dtype):
     "The base with its block linears quantized by bitsandbytes as they load (`bnb_config`), on `device`."
-    import torch
-    bnb = bitsandbytes()
+    import torch, bitsandbytes as bnb
     from peft import prepare_model_for_kbit_training
     from sft_nb.config import ConfigError
     if self.mcfg.quantize == 'int8':  # it trains (DoRA aside, on CPU), but could be neither saved nor exported
@@ -184,7 +176,6 @@ def _build_model(self: FSDPWorker, device: str = 'cpu', # where it is built ('me
         if self.mcfg.lora_r > 0:
             import warnings
             from peft import get_peft_model
-            bitsandbytes()  # PEFT imports it (to find quantized layers): here, quietly
             with warnings.catch_warnings():  # PEFT asks transformers a deprecated name (`is_gradient_checkpointing`)
                 warnings.filterwarnings('ignore', message='`is_gradient_checkpointing` is deprecated', category=FutureWarning)
                 model = get_peft_model(model, lora_config(self.mcfg))
