@@ -233,7 +233,7 @@ class ModelConfig:
     lora_target_modules: list[str] = field(default_factory=lambda: ['q_proj', 'k_proj', 'v_proj', 'o_proj'])  # modules LoRA wraps; ['all-linear'] = every linear layer but the LM head
     lora_dora: bool = False  # DoRA: LoRA on the direction of each weight, its magnitude trained apart (PEFT's use_dora)
     lora_rslora: bool = False  # rank-stabilized LoRA: scale the adapter by alpha/sqrt(r), not alpha/r (PEFT's use_rslora)
-    quantize: Literal['none', 'nf4', 'int8'] = 'none'  # the frozen base's weights: none; nf4 = 4-bit NormalFloat with double quantization (QLoRA); int8 = LLM.int8() (bitsandbytes). Needs lora_r > 0
+    quantize: Literal['none', 'nf4', 'int8'] = 'none'  # the frozen base's weights: none; nf4 = 4-bit NormalFloat with double quantization (QLoRA); int8 = LLM.int8() (bitsandbytes; estimated, but refused by the worker for now: its 8-bit state cannot be checkpointed). Needs lora_r > 0
     tiled_mlp: int = 0  # tokens per tile of each block's MLP: computed tile by tile and recomputed in backward, so one tile's intermediate activations live at a time (long rows); 0 = whole sequence at once
     activation_offload: bool = False  # GPU runs: move the activations saved for backward to pinned host memory and bring them back for backward
     loss_chunk: int = 2048  # trained tokens per chunk of the LM head + cross-entropy (forward and backward); 0 = all at once
