@@ -421,7 +421,7 @@ def _cmd_train(a):
                            'tokens_per_s': float(h.tokens_per_s.mean()) if len(h) else None,
                            'wall_time_s': time.time() - t0,
                            'packing_efficiency': t.data.pack_plan.efficiency if t.data.pack_plan is not None else None,
-                           'data_report': t.data_report.to_dict()}
+                           'data_report': t.data_report.to_dict(), 'worker_nodes': t.group.call('node_id')}
                 write_file(Path(t.run_dir, 'summary.json'), json.dumps(summary, indent=1, default=str))
     except Preempted as e:
         if t is not None: raise

@@ -158,31 +158,33 @@ def _stop(p):
 
 def test_two_node_cluster_matches_one_node(tmp_path, ray_session):
     """2 workers spread over a real 2-node Ray cluster (the session's node and a second node that `ray start` joins to it)
-    train exactly like 2 workers packed on one node of it."""
+    train exactly like 2 workers packed on one node of it. Both drivers are `sft-nb train` in this process (the notebook's
+    driver on the cluster: test_train_yaml_and_run_notebook); the packed run trains while the second node registers."""
     import ray
     alive = lambda: sum(n['Alive'] for n in ray.nodes())
     n0 = alive()
-    for attempt in range(2):  # `ray start` gives a raylet 30 s to register (fixed in Ray): a loaded machine can miss it once
-        node = _ray_node([f'--address={ray_session}'], tmp_path)
-        deadline = time.time() + 120
-        while alive() <= n0 and node.poll() is None and time.time() < deadline: time.sleep(0.5)
-        if alive() > n0: break
-        _stop(node)
+    common = [ROOT / 'examples' / 'tiny.yaml', 'train.num_steps=3', 'train.micro_batch_size=2', 'checkpoint.export_hf=false',
+              'eval.samples=0']
+    node = _ray_node([f'--address={ray_session}'], tmp_path)
     try:
-        assert alive() > n0, (tmp_path / f'ray_{attempt}.log').read_text()[-3000:]
-        common = ['-p', 'max_steps', '3', '-p', 'global_batch_size', '8', '-p', 'micro_batch_size', '2', '-p', 'export_hf', 'false',
-                  '-p', 'ray_address', ray_session]
-        placements = {'spread': ['-p', 'num_nodes', '2', '-p', 'workers_per_node', '1', '-p', 'strategy', 'STRICT_SPREAD'],
-                      'local': ['-p', 'workers_per_node', '2', '-p', 'strategy', 'STRICT_PACK']}  # 1+1 and 2 of the cluster's CPUs: both fit at once
-        runs = {k: subprocess.Popen([str(Path(sys.executable).parent / 'sft-nb'), 'run', str(TRAIN_NB), *common, *v, '--run-dir', str(tmp_path / k)],
-                                    env=ENV, stdout=open(tmp_path / f'{k}.log', 'w'), stderr=subprocess.STDOUT) for k, v in placements.items()}
-        for k, p in runs.items(): assert p.wait(600) == 0, (tmp_path / f'{k}.log').read_text()[-3000:]
-    finally:
-        for p in locals().get('runs', {}).values():
-            if p.poll() is None: p.kill()
-        _stop(node)
+        code, _, err = cli('train', *common, 'placement.workers_per_node=2', 'placement.strategy=STRICT_PACK',
+                           f'checkpoint.run_dir={tmp_path / "local"}')
+        assert code == 0, err[-3000:]
+        for attempt in range(2):  # `ray start` gives a raylet 30 s to register (fixed in Ray): a loaded machine can miss it once
+            deadline = time.time() + 120
+            while alive() <= n0 and node.poll() is None and time.time() < deadline: time.sleep(0.5)
+            if alive() > n0: break
+            _stop(node)
+            node = _ray_node([f'--address={ray_session}'], tmp_path)
+        assert alive() > n0, (tmp_path / 'ray_0.log').read_text()[-3000:]
+        # not kept warm: its worker on the second node ends with that node
+        code, _, err = cli('train', *common, 'placement.num_nodes=2', 'placement.workers_per_node=1', 'placement.strategy=STRICT_SPREAD',
+                           'placement.keep_warm=false', f'checkpoint.run_dir={tmp_path / "spread"}')
+        assert code == 0, err[-3000:]
+    finally: _stop(node)
     spread, spread_losses = read_run(tmp_path / 'spread')
     local, local_losses = read_run(tmp_path / 'local')
+    assert len(spread_losses) == 3
     assert len(set(spread['worker_nodes'])) == 2 and len(set(local['worker_nodes'])) == 1  # one worker on each node; both on one
     assert spread_losses == pytest.approx(local_losses, rel=1e-6)  # the same 2 ranks, on one node or two
 
