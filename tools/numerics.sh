@@ -41,12 +41,11 @@ run_one() {  # run_one COMBINATION [quick]
     vars="$vars TORCHINDUCTOR_CACHE_DIR=${TMPDIR:-/tmp}/sft_nb_inductor_$1"
     [ "$1" = avx512 ] && ! grep -q avx512f /proc/cpuinfo && { echo "== $1: this CPU has no AVX-512, skipped"; return 0; }
     echo "== $1 ($vars): $(env $vars python -c 'import torch; print(torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(), "threads")')"
-    local rc=0 nb log nbs="$QUICK_NOTEBOOKS"; log=$(mktemp)
+    local rc=0 log nbs="$QUICK_NOTEBOOKS"; log=$(mktemp)
     [ "${2:-}" = quick ] || nbs="$nbs $RAY_NOTEBOOKS"
-    for nb in $nbs; do
-        env $vars nbdev_test --path "nbs/$nb.ipynb" --flags "${NBDEV_TEST_FLAGS-slow}" >"$log" 2>&1 \
-            || { echo "FAIL: $1: nbs/$nb.ipynb"; grep -v 'warning\|^ *[0-9]* |\|^ *|' "$log" | grep -v '^\s*$' | tail -15; rc=1; }
-    done
+    # the notebooks two at a time (one nbdev_test: it names the notebook that fails)
+    env $vars nbdev_test --path nbs --file_re "^($(echo $nbs | tr ' ' '|'))\.ipynb$" --n_workers 2 --flags "${NBDEV_TEST_FLAGS-slow}" >"$log" 2>&1 \
+        || { echo "FAIL: $1: notebooks"; grep -v 'warning\|^ *[0-9]* |\|^ *|' "$log" | grep -v '^\s*$' | tail -25; rc=1; }
     rm -f "$log"
     if [ "${2:-}" = quick ]; then env $vars python -m pytest -q -p no:cacheprovider $QUICK_TESTS -k "$QUICK_DESELECT" || rc=1
     else env $vars python -m pytest -q -p no:cacheprovider $QUICK_TESTS $RAY_TESTS || rc=1; fi
