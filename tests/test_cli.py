@@ -71,13 +71,14 @@ def test_failing_notebook_names_the_cell(tmp_path):
 
 
 def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
-    """The two batch commands as real processes on the session's cluster: `sft-nb train tiny.yaml` trains, exports and
-    answers its eval samples; `sft-nb run examples/train.ipynb` compared with it streams its cells, writes the executed
-    notebook, a checkpoint, the export, samples before and after training and compare.html with both runs' curves; the
-    same command with `-p resume latest -p max_steps 5` then extends that finished run."""
-    r = sft_nb('train', ROOT / 'examples' / 'tiny.yaml', f'checkpoint.run_dir={tmp_path / "cli"}', 'train.num_steps=2',
-               'eval.max_new_tokens=8', f'placement.ray_address={ray_session}')
-    assert r.returncode == 0, r.stderr[-3000:]
+    """The two batch commands on the session's cluster: `sft-nb train tiny.yaml` (in this process; as a process of its own:
+    tests/test_reliability_signals.py) trains, exports and answers its eval samples; `sft-nb run examples/train.ipynb`, a
+    real process, compared with it streams its cells, writes the executed notebook, a checkpoint, the export, samples before
+    and after training and compare.html with both runs' curves; the same command with `-p resume latest -p max_steps 5` then
+    extends that finished run."""
+    code, _, err = cli('train', ROOT / 'examples' / 'tiny.yaml', f'checkpoint.run_dir={tmp_path / "cli"}', 'train.num_steps=2',
+                       'eval.max_new_tokens=8')
+    assert code == 0, err[-3000:]
     summary, losses = read_run(tmp_path / 'cli')
     assert summary['steps'] == 2 and summary['train_losses'] == losses and (tmp_path / 'cli' / 'hf' / 'config.json').exists()
     assert [x['step'] for x in read_samples(tmp_path / 'cli')] == [2] * 4  # the CLI's final eval answered them too
