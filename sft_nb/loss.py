@@ -10,12 +10,15 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from fastcore.basics import patch
 from .collate import additive_mask
+from .config import ConfigError
 
 # %% auto #0
-__all__ = ['token_nll', 'weighted_sum', 'token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits', 'LinearNLL',
-           'linear_nll', 'chunked_token_nll', 'chunked_nll', 'TrainedHead', 'loss_chunk_for', 'document_ids',
-           'document_block_mask', 'resolve_attn_implementation', 'attention_inputs', 'flex_attention_runs_on',
-           'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits', 'eval_metrics']
+__all__ = ['LOSSES', 'token_nll', 'weighted_sum', 'token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits',
+           'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'Loss', 'register_loss', 'NLL', 'loss_for',
+           'TrainedHead', 'loss_chunk_for', 'kd_divergence', 'TeacherHead', 'KD', 'check_same_tokenizer',
+           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs',
+           'flex_attention_runs_on', 'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits',
+           'eval_metrics']
 
 # %% ../nbs/06c_loss.ipynb #835b68e4
 def token_nll(logits: torch.Tensor, # [N, V] logits of N targets (any float dtype)
@@ -137,16 +140,69 @@ def chunked_nll(h: torch.Tensor, # hidden states [N, H] at the trained positions
     fwd = forward or head
     return weighted_sum(chunked_token_nll(h, lambda hc, tc: token_nll(fwd(hc), tc), targets, chunk), weights)
 
+# %% ../nbs/06c_loss.ipynb #ae20d61f
+class Loss:
+    """A training objective (`train.loss`): a value per trained target (`token_values`), summed with the targets' loss
+    weights (`head_sum`); the worker divides the sum by the step's global count, as for every loss."""
+    name, needs_teacher = None, False  # its `train.loss`; whether `token_values` takes the teacher's logits
+    def __init__(self, cfg=None): self.cfg = cfg  # the run's `TrainConfig` (the loss's own keys)
+
+    def token_values(self, logits: torch.Tensor, # [N, V] the student's logits at N trained targets
+                     targets: torch.Tensor, # [N] the trained next tokens
+                     teacher_logits: torch.Tensor | None = None, # [N, V] the teacher's, when `needs_teacher`
+                    ) -> torch.Tensor: raise NotImplementedError  # [N] fp32
+
+    def head_sum(self, h: torch.Tensor, # [N, H] hidden states at the trained positions
+                 head, # the LM head
+                 targets: torch.Tensor, # [N]
+                 weights: torch.Tensor | None = None, # [N] loss weights, or None
+                 chunk: int = 2048, # targets per chunk; <= 0: all at once
+                 forward=None, # the head's own forward, when `head.forward` is patched
+                 teacher=None, # a `TeacherHead` holding the teacher's hidden states at the same positions
+                ) -> torch.Tensor:
+        "Σ (weight·) `token_values`, a checkpointed chunk at a time: one chunk's logits (of both models) exist at once."
+        fwd, chunk = forward or head, (chunk if chunk > 0 else max(1, h.shape[0]))
+        def values(hc, tc, *ht): return self.token_values(fwd(hc), tc, teacher.logits(ht[0]) if ht else None)
+        th = () if teacher is None else (teacher.h,)
+        parts = [checkpoint(values, h[s:s + chunk], targets[s:s + chunk], *(x[s:s + chunk] for x in th),
+                            use_reentrant=False) for s in range(0, h.shape[0], chunk)]
+        return weighted_sum(torch.cat(parts) if parts else (h[:, 0] * 0).float(), weights)
+
+# %% ../nbs/06c_loss.ipynb #9e898d8e
+LOSSES: dict[str, type] = {}  # `train.loss` → its class
+
+def register_loss(cls: type) -> type:
+    "Make `cls` the loss `train.loss: <cls.name>` names."
+    LOSSES[cls.name] = cls
+    return cls
+
+@register_loss
+class NLL(Loss):
+    "The token loss (`token_nll`) of each trained target: cross-entropy, the chunked head being `chunked_nll`."
+    name = 'nll'
+    def token_values(self, logits, targets, teacher_logits=None): return token_nll(logits, targets)
+    def head_sum(self, h, head, targets, weights=None, chunk=2048, forward=None, teacher=None):
+        return chunked_nll(h, head, targets, weights, chunk, forward=forward)
+
+def loss_for(cfg) -> Loss: # the run's `TrainConfig`
+    "The loss `cfg.loss` names, for this run."
+    if cfg.loss not in LOSSES:
+        raise ConfigError(f"train.loss: {cfg.loss!r} is not a registered loss; use one of {', '.join(map(repr, LOSSES))}")
+    return LOSSES[cfg.loss](cfg)
+
 # %% ../nbs/06c_loss.ipynb #cc571d70
 class TrainedHead:
     """Context manager: the LM head sees only trained positions; with `chunk` > 0 it computes their chunked Σ (weight·)
-    NLL (`.loss`) and makes no logits."""
+    loss (`.loss`, of `objective`, NLL by default) and makes no logits."""
     def __init__(self, head: torch.nn.Module | None, # model.get_output_embeddings()
                  sel: torch.Tensor, # [B, T] bool: positions whose next token is trained (`trained_targets`)
                  targets: torch.Tensor, # [n_trained] next-token ids
                  weights: torch.Tensor | None = None, # [n_trained] loss weights (`target_weights`), or None
-                 chunk: int = 0): # tokens per chunk; 0 = full [n_trained, V] logits
+                 chunk: int = 0, # tokens per chunk; 0 = full [n_trained, V] logits
+                 objective: Loss | None = None, # the run's loss (`loss_for`); None: `NLL`
+                 teacher=None): # the loss's `TeacherHead`, when it `needs_teacher`
         self.head, self.sel, self.targets, self.weights, self.chunk = head, sel, targets, weights, chunk
+        self.objective, self.teacher = objective or NLL(), teacher
         self.selected, self.loss, self.no_logits = False, None, None
 
     def _select(self, module, args):
@@ -156,7 +212,8 @@ class TrainedHead:
 
     def _forward(self, h, *args, **kwargs):
         if not self.selected: return self._orig(h, *args, **kwargs)
-        self.loss = chunked_nll(h, self.head, self.targets, self.weights, self.chunk, forward=self._orig)
+        self.loss = self.objective.head_sum(h, self.head, self.targets, self.weights, self.chunk, forward=self._orig,
+                                            teacher=self.teacher)
         # the model's `.logits`: no logits, but a zero-size tensor in the loss's graph. A copy, not a view: FSDP2
         # hooks the head unit's and the root's outputs for backward (the all-gather); an in-place op on a view drops that
         self.no_logits = self.loss.reshape(1)[:0].clone()
@@ -187,9 +244,13 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
         labels: torch.Tensor, # the micro-batch's labels [B, T]
         loss_weights: torch.Tensor | None = None, # the micro-batch's `loss_weights` [B, T], or None
        ) -> tuple[torch.Tensor, int | float]:
-    """(Σ weight·NLL, Σ weight) of the micro-batch from the model's output (Σ weight = the number of targets without
-    weights)."""
-    if out.dim() == 3: return token_nll_sum(out, labels, loss_weights)  # the head never saw [B, T, H]
+    """(Σ weight·loss, Σ weight) of the micro-batch from the model's output (Σ weight = the number of targets without
+    weights): the count is the same for every loss."""
+    if out.dim() == 3:  # the head never saw [B, T, H]
+        if type(self.objective) is not NLL:
+            raise ValueError(f"train.loss: {self.objective.name!r} needs a model whose LM head is called on its hidden "
+                             "states [B, T, H]; this one's is not: use train.loss: nll")
+        return token_nll_sum(out, labels, loss_weights)
     n = int(self.targets.numel()) if self.weights is None else float(self.weights.sum())
     if self.loss is not None:
         if out is not self.no_logits:
@@ -197,7 +258,8 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
                                "(logit soft-capping or scaling?); set model.loss_chunk: 0 for it")
         # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
         return self.loss + out.sum(), n
-    return weighted_sum(token_nll(out, self.targets), self.weights), n
+    tl = None if self.teacher is None else self.teacher.logits(self.teacher.h)
+    return weighted_sum(self.objective.token_values(out, self.targets, tl), self.weights), n
 
 # %% ../nbs/06c_loss.ipynb #d4bba257
 def loss_chunk_for(model, # a Hugging Face model
@@ -209,6 +271,71 @@ def loss_chunk_for(model, # a Hugging Face model
     if any(getattr(c, k, None) not in (None, 1.0) for c in cfgs if c is not None
            for k in ('final_logit_softcapping', 'logit_scale')): return 0
     return chunk
+
+# %% ../nbs/06c_loss.ipynb #19406dcc
+def kd_divergence(student_logp: torch.Tensor, # [N, V] the student's log-probabilities
+                  teacher_logp: torch.Tensor, # [N, V] the teacher's
+                  kind: str = 'forward_kl', # `train.kd_divergence`: forward_kl, reverse_kl or jsd
+                  beta: float = 0.5, # jsd: the teacher's weight in the mixture
+                 ) -> torch.Tensor:
+    "[N] divergence D(teacher, student) of each target's two distributions."
+    kl = lambda lp, lq: (lp.exp() * (lp - lq)).sum(-1)  # KL(p ‖ q)
+    if kind == 'forward_kl': return kl(teacher_logp, student_logp)
+    if kind == 'reverse_kl': return kl(student_logp, teacher_logp)
+    m = torch.logsumexp(torch.stack([teacher_logp + math.log(beta), student_logp + math.log(1 - beta)]), 0)
+    return beta * kl(teacher_logp, m) + (1 - beta) * kl(student_logp, m)
+
+# %% ../nbs/06c_loss.ipynb #995bc6db
+class TeacherHead:
+    """Context manager around the teacher's forward: its LM head makes no logits but keeps its input at the trained
+    positions (`.h`, [n_trained, H]); `.logits(h)` is the head on a chunk of them, in fp32, when the loss asks."""
+    def __init__(self, head: torch.nn.Module, # the teacher's output embeddings
+                 sel: torch.Tensor): # [B, T] bool: the student's trained positions (`trained_targets`)
+        self.head, self.sel, self.h = head, sel, None
+
+    def _forward(self, h, *args, **kwargs):
+        if h.shape[:2] != self.sel.shape:
+            raise ValueError(f"train.teacher: the teacher's LM head was called on {tuple(h.shape)}, not on the hidden "
+                             f"states of the batch's {tuple(self.sel.shape)} tokens")
+        self.h = h[self.sel]
+        return h.new_zeros(0)
+
+    def __enter__(self):
+        self._orig, self.head.forward = self.head.forward, self._forward
+        return self
+
+    def __exit__(self, *exc): del self.head.forward
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor: # [C, H] a chunk of `.h`
+        "The teacher's fp32 logits [C, V] (the head kept in its own dtype; the hidden states cast to it)."
+        with torch.no_grad():
+            lg = self._orig(h.to(self.head.weight.dtype))
+            return lg.to(torch.promote_types(lg.dtype, torch.float32))
+
+# %% ../nbs/06c_loss.ipynb #eda031ba
+@register_loss
+class KD(Loss):
+    """Distillation from `train.teacher`: per trained target α·NLL + (1-α)·T²·D(teacher, student) on both
+    distributions softened by T (`train.kd_alpha`, `train.kd_temperature`, D = `train.kd_divergence`)."""
+    name, needs_teacher = 'kd', True
+    def token_values(self, logits, targets, teacher_logits=None):
+        c, T = self.cfg, self.cfg.kd_temperature
+        d = kd_divergence(torch.log_softmax(logits.float() / T, -1), torch.log_softmax(teacher_logits.float() / T, -1),
+                          c.kd_divergence, c.kd_beta) * (T * T)
+        return d if c.kd_alpha == 0 else c.kd_alpha * token_nll(logits, targets) + (1 - c.kd_alpha) * d
+
+# %% ../nbs/06c_loss.ipynb #1588db55
+def check_same_tokenizer(student: str, # the student's model folder (`model.path`, resolved)
+                         teacher: str, # the teacher's (`train.teacher`, resolved)
+                        ):
+    "Refuse a teacher whose tokenizer maps any id to another token than the student's, naming the first such id."
+    from transformers import AutoTokenizer
+    ids = [{i: t for t, i in AutoTokenizer.from_pretrained(p).get_vocab().items()} for p in (student, teacher)]
+    for i in sorted(set(ids[0]) | set(ids[1])):
+        if ids[0].get(i) != ids[1].get(i):
+            raise ConfigError(f"train.teacher: {teacher}'s tokenizer is not the student's ({student}): id {i} is "
+                              f"{ids[1].get(i)!r} for the teacher, {ids[0].get(i)!r} for the student; distill from a "
+                              "teacher with model.path's tokenizer")
 
 # %% ../nbs/06c_loss.ipynb #8e975574
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
