@@ -72,7 +72,7 @@ def grads(w, mbs, n, chunk):
 def test_kd_chunked_equals_one_shot_and_packed_equals_padded(kd_worker, tiny_tok):
     """The KD loss and every student gradient: chunks of 7 targets equal the one-shot head (both models' [n_trained, V]
     logits at once), and the packed micro-batch equals the padded one. The teacher is frozen (no gradient, no optimizer
-    state), and evaluation reports the NLL, not the KD loss."""
+    state), evaluation reports the NLL, not the KD loss, and the lens's per-token losses are the KD loss's."""
     w, mbs = kd_worker, layouts(tiny_tok)
     n = mbs['padded']['weight_sum']
     assert n == mbs['packed']['weight_sum'] and mbs['padded']['n_trained'] % 7
@@ -89,6 +89,12 @@ def test_kd_chunked_equals_one_shot_and_packed_equals_padded(kd_worker, tiny_tok
     with torch.no_grad(): nll = float(w.nll(w.to_device(mbs['padded']), objective=NLL())[0])
     assert abs(w.eval_loss([mbs['padded']])['nll_sum'] - nll) <= TOL * nll
     assert abs(nll - ref[0]['nll_sum']) > 1e-3 * nll  # the KD loss is another number
+    # the lens's per-token values come from the same loss: weighted, they add up to the step's KD sum
+    from sft_nb.loss import target_weights
+    st = w.token_losses([mbs['padded']], k=2)[0]
+    wt = target_weights(mbs['padded']['labels'], mbs['padded']['loss_weights']).numpy()
+    assert abs(float((st['loss'] * wt).sum()) - ref[0]['nll_sum']) <= 1e-5 * ref[0]['nll_sum']
+    assert st['teacher_ids'].shape == st['top_ids'].shape == (mbs['padded']['n_trained'], 2)
 
 
 def test_kd_two_ranks_equal_one_rank(kd_worker, tiny_path, tiny_llama_path, tiny_tok):

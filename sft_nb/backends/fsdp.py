@@ -372,7 +372,8 @@ def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #b9614602
 @patch
-def _build_teacher(self: FSDPWorker, dtype):
+def _build_teacher(self: FSDPWorker, dtype): # the student's compute dtype
+    "The frozen teacher of `train.loss: kd` on this rank: checked against the student, sharded as it is (see above)."
     import torch
     from sft_nb.config import ConfigError
     from sft_nb.models import resolve_model_path
@@ -390,7 +391,8 @@ def _build_teacher(self: FSDPWorker, dtype):
     from torch.distributed.device_mesh import init_device_mesh
     whole = [head] + ([emb] if head.weight is emb.weight else [])
     for m in whole: m.to(self.device)
-    kw = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)), ignored_params={p for m in whole for p in m.parameters()},
+    kw = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)),
+              ignored_params={p for m in whole for p in m.parameters()},
               mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for unit in fsdp_units(teacher):
         if not any(m is u for m in whole for u in unit): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
@@ -540,32 +542,44 @@ def load(self: FSDPWorker, path: str) -> int:
 def trained_token_stats(logits, # [n, V] logits at the positions whose next token is trained
                         targets, # [n] the trained next tokens
                         k: int = 3, # alternatives kept per position
+                        objective=None, # the run's `Loss`, when it needs the teacher
+                        teacher_logits=None, # [n, V] the teacher's logits there, or None
                        ) -> dict:
-    "The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays."
+    """The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays;
+    with the teacher's logits also each target's loss (`objective.token_values`: 'loss') and the teacher's `k` most
+    likely tokens ('teacher_ids', 'teacher_p')."""
     import torch
-    top_p, top_ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), -1)
-    return {'nll': token_nll(logits, targets.long()).cpu().numpy(),
-            'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+    top = lambda lg: torch.log_softmax(lg.float(), -1).topk(min(k, lg.shape[-1]), -1)
+    top_p, top_ids = top(logits)
+    out = {'nll': token_nll(logits, targets.long()).cpu().numpy(),
+           'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+    if teacher_logits is None: return out
+    t_p, t_ids = top(teacher_logits)
+    return out | {'loss': objective.token_values(logits, targets.long(), teacher_logits).cpu().numpy(),
+                  'teacher_ids': t_ids.cpu().numpy(), 'teacher_p': t_p.exp().cpu().numpy()}
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e5e41889
 from fastcore.basics import patch
 
 @patch
 def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
-    """Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered;
-    with sp, rank 0 of each sp group answers)."""
+    """Per micro-batch: `trained_token_stats` at its trained targets, with the loss's per-target values and the teacher's
+    top tokens when `train.loss` needs the teacher (all ranks run it: sharded weights are gathered; with sp, rank 0 of
+    each sp group answers)."""
     import torch
     self.model.eval()
-    out = []
+    out, objective = [], loss_for(self.tcfg)
     with torch.no_grad():
         for mb in micro_batches:
             mb = self.to_device(mb)
             inputs, sel, tgt, _ = self.loss_inputs(mb)
+            teacher = self.teacher_head(inputs, sel) if objective.needs_teacher else None
             # the head sees only trained positions: [n_trained, V]
             with TrainedHead(self.model.get_output_embeddings(), sel, tgt):
                 logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
-            out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
+            tl = None if teacher is None else teacher.logits(teacher.h)
+            out.append(self._sp_gather(trained_token_stats(logits, tgt, k, objective, tl), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #044be94a
