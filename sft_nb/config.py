@@ -284,6 +284,12 @@ class TrainConfig:
     seed: int = 0  # model init / data order seed
     sampler: str = 'random'  # order of rows in an epoch: 'random', 'sequential', or 'module:Class' (a Sampler subclass; importing it runs that module's code: a config naming one is code)
     on_nonfinite: Literal['stop', 'skip'] = 'stop'  # a step whose loss or gradient norm is NaN/inf: stop the run with an error naming it, or skip its update
+    loss: str = 'nll'  # the training objective, a loss registered in sft_nb.loss (`LOSSES`): 'nll' (cross-entropy on the trained tokens), 'kd' (distillation from train.teacher); evaluation always reports the NLL
+    teacher: str | None = None  # train.loss kd: the teacher's model folder (or 'tiny', 'smollm2'); the same tokenizer as model.path, frozen, run on the same ranks in the same micro-batches
+    kd_divergence: Literal['forward_kl', 'reverse_kl', 'jsd'] = 'forward_kl'  # train.loss kd: KL(teacher‖student), KL(student‖teacher), or the generalized Jensen-Shannon divergence of weight train.kd_beta
+    kd_beta: float = 0.5  # train.kd_divergence jsd: the teacher's weight β in the mixture β·teacher + (1-β)·student, in (0, 1)
+    kd_temperature: float = 1.0  # train.loss kd: both distributions are softened by this temperature; the divergence is scaled by its square (Hinton et al.)
+    kd_alpha: float = 0.0  # train.loss kd: the weight of the NLL in each token's loss α·NLL + (1-α)·T²·divergence (0: distillation alone)
     def __post_init__(self):
         if self.sampler not in ('random', 'sequential') and ':' not in self.sampler:
             raise ConfigError("sampler: expected 'random', 'sequential' or an import path 'module:Class', got "
@@ -296,6 +302,12 @@ class TrainConfig:
             if getattr(self, k) is not None and getattr(self, k) < 1: raise ConfigError(f"{k}: must be >= 1")
         check_range('eval_every', self.eval_every, 0)
         check_range('seed', self.seed, 0, 2**32 - 1)  # what numpy's and torch's generators both take
+        check_range('kd_beta', self.kd_beta, 0, 1, lo_open=True, hi_open=True)  # its ends are forward_kl and reverse_kl
+        check_range('kd_temperature', self.kd_temperature, 0, lo_open=True)
+        check_range('kd_alpha', self.kd_alpha, 0, 1)
+        if self.loss == 'kd' and not self.teacher:
+            raise ConfigError("train.teacher: train.loss 'kd' distills from a teacher; set train.teacher to its model "
+                              "folder (the same tokenizer as model.path)")
 
 # %% ../nbs/00_config.ipynb #68630c0d
 @dataclass

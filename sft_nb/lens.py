@@ -121,17 +121,20 @@ def example_key(input_ids, loss_mask) -> bytes:
                            digest_size=16).digest()
 
 # %% ../nbs/08c_lens.ipynb #b5b6cb5a
-def _per_example(stats: dict, exs: list[dict], k: int) -> list[dict]:
-    "Cut one micro-batch's flat target statistics into its examples (their targets come in example order)."
+def _per_example(stats: dict, exs: list[dict]) -> list[dict]:
+    """Cut one micro-batch's flat target statistics into its examples (their targets come in example order): each
+    per-target array ('nll', 'top_ids', 'top_p'; with a teacher 'loss', 'teacher_ids', 'teacher_p') over the example's
+    positions, NaN (a value), -1 (an id) or 0 (a probability) where nothing is trained."""
     out, a = [], 0
     for e in exs:
         ids, mask = e['input_ids'], e['loss_mask']
         pos = [p for p in range(1, len(ids)) if mask[p]]
-        b = a + len(pos)
-        nll = np.full(len(ids), np.nan, np.float32); nll[pos] = stats['nll'][a:b]
-        top_ids = np.full((len(ids), k), -1, np.int64); top_ids[pos] = stats['top_ids'][a:b]
-        top_p = np.zeros((len(ids), k), np.float32); top_p[pos] = stats['top_p'][a:b]
-        out.append({**e, 'nll': nll, 'top_ids': top_ids, 'top_p': top_p})
+        b, r = a + len(pos), dict(e)
+        for key, v in stats.items():
+            r[key] = np.full((len(ids),) + v.shape[1:], -1 if v.dtype.kind in 'iu' else np.nan if v.ndim == 1 else 0,
+                             v.dtype)
+            r[key][pos] = v[a:b]
+        out.append(r)
         a = b
     assert a == len(stats['nll']), f"the workers scored {len(stats['nll'])} targets, the batch has {a}"
     return out
@@ -156,7 +159,8 @@ def token_losses(trainer,
                  progress: bool | None = None, # progress bar (default: for more than 64 rows)
                 ) -> list[dict]:
     """Per example: ids, mask, the NLL of every trained token and the top-k alternatives, from the current weights on
-    the workers."""
+    the workers; with a `train.loss` that needs the teacher also each token's loss (`loss`) and the teacher's top-k
+    (`teacher_ids`, `teacher_p`)."""
     from tqdm.auto import tqdm
     trainer.setup()
     if trainer.processor is not None:
@@ -172,7 +176,7 @@ def token_losses(trainer,
         # per replica (megatron: its last stage answers)
         for mbs, res in zip(per_rank, trainer.backend.token_losses(batches, k)):
             for mb, stats in zip(mbs, res):
-                if mb: got += _per_example(stats, mb, k)
+                if mb: got += _per_example(stats, mb)
         dealt = [j for mbs in split_for_ranks(list(range(len(chunk))), dp, micro) for mb in mbs for j in mb]
         out += [r for _, r in sorted(zip(dealt, got), key=lambda p: p[0])]  # back in the order asked for
     return [remember_first(trainer, r) for r in out]
@@ -180,7 +184,8 @@ def token_losses(trainer,
 # %% ../nbs/08c_lens.ipynb #2b88c656
 def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
     """One line per scored example: position, source, index (its row), example of n_examples (of that row), length,
-    n_trained, mean/sum/max loss (and a snippet of the trained text)."""
+    n_trained, mean/sum/max loss (the NLL; with a teacher also mean/sum/max train_loss, the run's own loss per token) and
+    a snippet of the trained text."""
     lines = []
     for j, r in enumerate(results):
         v = r['nll'][~np.isnan(r['nll'])]
@@ -188,6 +193,10 @@ def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
                 'n_examples': r.get('n_examples', 1), 'length': len(r['input_ids']), 'n_trained': len(v),
                 'mean_loss': float(v.mean()) if len(v) else np.nan, 'sum_loss': float(v.sum()),
                 'max_loss': float(v.max()) if len(v) else np.nan}
+        if 'loss' in r:  # train.loss kd: the distillation loss of each token
+            u = r['loss'][~np.isnan(r['loss'])]
+            line |= {'mean_train_loss': float(u.mean()) if len(u) else np.nan, 'sum_train_loss': float(u.sum()),
+                     'max_train_loss': float(u.max()) if len(u) else np.nan}
         if tokenizer is not None:
             text = tokenizer.decode([i for i, m in zip(r['input_ids'], r['loss_mask']) if m], skip_special_tokens=True)
             line['snippet'] = ' '.join(text.split())[:60]
@@ -196,12 +205,16 @@ def loss_table(results: list[dict], tokenizer=None) -> pd.DataFrame:
 
 # %% ../nbs/08c_lens.ipynb #50391eda
 def rank_rows(trainer, split: str = 'train', # 'train', 'heldout', or an eval set's name
-              by: str = 'mean', # 'mean' | 'sum' | 'max' of the token losses
+              by: str = 'mean', # 'mean' | 'sum' | 'max' of the token NLLs; 'mean_train' | 'sum_train' | 'max_train' of the run's loss (train.loss kd)
               k: int | None = 20, # rows kept (None: all)
               **kw) -> pd.DataFrame:
     "The rows of `split`, hardest first by their token losses (`kw` go to `token_losses`)."
-    if by not in ('mean', 'sum', 'max'): raise ValueError(f"by: {by!r} is not allowed; allowed values: mean, sum, max")
+    allowed = ('mean', 'sum', 'max', 'mean_train', 'sum_train', 'max_train')
+    if by not in allowed: raise ValueError(f"by: {by!r} is not allowed; allowed values: {', '.join(allowed)}")
     df = loss_table(token_losses(trainer, split, **kw), trainer.tokenizer)
+    if f'{by}_loss' not in df:
+        raise ValueError(f"by: {by!r} ranks by the run's own loss per token, and train.loss {trainer.cfg.train.loss!r} "
+                         "has none beside the NLL; use by: mean, sum or max")
     df = df.sort_values(f'{by}_loss', ascending=False, kind='stable', na_position='last').reset_index(drop=True)
     return df if k is None else df.head(k)
 
@@ -288,7 +301,7 @@ def hf_token_losses(model, examples: list, k: int = 3) -> list[dict]:
         with torch.no_grad(): lp = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), -1)
         pos = [p for p in range(1, len(ids)) if mask[p]]
         st = trained_token_stats_np(lp[[p - 1 for p in pos]], [ids[p] for p in pos], k)
-        out += _per_example(st, [e], k)
+        out += _per_example(st, [e])
     return out
 
 # %% ../nbs/08c_lens.ipynb #919a173e

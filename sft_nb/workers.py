@@ -9,7 +9,7 @@ from pathlib import Path
 from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
-from .config import ModelConfig, OptimConfig, PlacementConfig
+from .config import ModelConfig, OptimConfig, PlacementConfig, TrainConfig
 from .paths import folder_aside
 
 # %% auto #0
@@ -325,13 +325,15 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
 
 # %% ../nbs/07_workers.ipynb #4a628511
 class TrainWorker(DistWorker):
-    """What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig` and `PlacementConfig`, its
-    steps and seed) and how it exports."""
+    """What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig`, `PlacementConfig` and
+    `TrainConfig` (its loss), its steps and seed) and how it exports."""
     def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int,
-                 seed: int = 0, use_gpu: bool = False, placement: PlacementConfig | None = None):
+                 seed: int = 0, use_gpu: bool = False, placement: PlacementConfig | None = None,
+                 train: TrainConfig | None = None):
         super().__init__(rank, world_size)
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
         self.placement, self.step = placement or PlacementConfig(), 0  # step: optimizer steps taken
+        self.tcfg = train or TrainConfig()
 
 # %% ../nbs/07_workers.ipynb #8af20b22
 @patch

@@ -39,7 +39,7 @@ def local_run(cfg: dict, train_data, n_steps: int | None = None):
     t.tokenizer, t.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     t._prepare_data().plan()
     w = get_backend(c.placement.backend)(0, 1, model=c.model, optim=c.optim, total_steps=t.total_steps,
-                                         seed=c.train.seed, use_gpu=False, placement=c.placement)
+                                         seed=c.train.seed, use_gpu=False, placement=c.placement, train=c.train)
     w.init_dist('127.0.0.1', free_port())
     try:
         t.data.check_packable(w.setup())
@@ -68,15 +68,17 @@ def fsdp_rank(rank, world, sp, port, model_cfgs, mbs, n_global, out):
     """One FSDP rank: for each of `model_cfgs` in turn (one gloo group), setup, forward_backward on its replica's
     micro-batches, eval and per-token losses. Rank 0 puts ('ok', its results, one per config) on `out`; a rank that fails
     puts ('error', its traceback), so the test says why, at once. Each result's forward_backward dict gets `warnings`: the
-    messages of the warnings its setup and forward_backward raised."""
+    messages of the warnings its setup and forward_backward raised. A config may be a (ModelConfig, TrainConfig) pair: the
+    run's loss (`train.loss`)."""
     import traceback, warnings
     from sft_nb.backends.fsdp import FSDPWorker
     from sft_nb.config import OptimConfig, PlacementConfig
     try:
         got = []
         for i, model_cfg in enumerate(model_cfgs):
+            model_cfg, train_cfg = model_cfg if isinstance(model_cfg, tuple) else (model_cfg, None)
             w = FSDPWorker(rank, world, model_cfg, OptimConfig(), total_steps=1,
-                           placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp))
+                           placement=PlacementConfig(workers_per_node=world, sequence_parallel=sp), train=train_cfg)
             if i == 0: w.init_dist('127.0.0.1', port)  # the later configs' workers join the same group
             try:
                 with warnings.catch_warnings(record=True) as seen:

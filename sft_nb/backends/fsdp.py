@@ -13,6 +13,7 @@ from ..loss import token_nll, trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
+from ..loss import NLL, TeacherHead, loss_for, check_same_tokenizer
 from .slices import check_checkpoint, fill_from_checkpoint, init_lora, load_pretrained
 from .ulysses import sp_shard, check_heads, register_ulysses
 from ..levers import tile_mlp, activation_offload
@@ -264,6 +265,7 @@ def setup(self: FSDPWorker):
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     model = self.build(dtype)
+    self.teacher = self._build_teacher(dtype) if loss_for(self.tcfg).needs_teacher else None  # train.loss kd
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
     self.aux_coef, self.top_k = (router_aux_coef(model),
@@ -352,17 +354,57 @@ def loss_inputs(self: FSDPWorker, mb: dict) -> tuple:
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #594f8d08
 @patch
-def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None):
-    """(Σ NLL, target count, with `aux` the Σ over its sequences of the router load-balancing loss, else None) of one
-    micro-batch; the LM head runs only at positions whose next token is trained, `loss_chunk` tokens at a time.
+def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None = None,
+        objective=None): # the `Loss` to sum; None: `train.loss`'s
+    """(Σ loss (`train.loss`: the NLL by default), target count, with `aux` the Σ over its sequences of the router
+    load-balancing loss, else None) of one micro-batch; the LM head runs only at positions whose next token is
+    trained, `loss_chunk` tokens at a time; a loss that needs the teacher gets its hidden states there (`teacher_head`).
     `loss_inputs`: `loss_inputs(mb)` made beforehand (the memory plan makes them from real tensors, then runs the model
     on fake ones)."""
     inputs, sel, tgt, wt = loss_inputs or self.loss_inputs(mb)
-    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt,
-                     self.loss_chunk) as head, RouterLogits(self.model, aux) as router:
+    objective = objective or loss_for(self.tcfg)
+    teacher = self.teacher_head(inputs, sel) if objective.needs_teacher else None
+    with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk, objective,
+                     teacher) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
     s, k = head.nll(out, mb['labels'], mb.get('loss_weights'))
     return s, k, (router_aux_sum(router.logits, *sequence_index(mb), self.top_k) if aux else None)
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #b9614602
+@patch
+def _build_teacher(self: FSDPWorker, dtype): # the student's compute dtype
+    "The frozen teacher of `train.loss: kd` on this rank: checked against the student, sharded as it is (see above)."
+    import torch
+    from sft_nb.config import ConfigError
+    from sft_nb.models import resolve_model_path
+    path = resolve_model_path(self.tcfg.teacher)
+    check_same_tokenizer(self.path, path)
+    teacher = load_pretrained(_model_cls(path), path, attn_implementation=self.attn).requires_grad_(False).eval()
+    teacher.config.use_cache = False
+    head, emb = teacher.get_output_embeddings(), teacher.get_input_embeddings()
+    if (v := head.weight.shape[0]) != (vs := self.model.get_output_embeddings().weight.shape[0]):
+        raise ConfigError(f"train.teacher: {path}'s LM head scores {v} tokens, the student's {vs}; distill from a "
+                          "teacher of the student's vocabulary size")
+    if self.sp > 1: check_heads(teacher.config, self.sp); teacher.set_attn_implementation(register_ulysses(self.attn))
+    if not self.sharded: return teacher.to(self.device)
+    from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
+    from torch.distributed.device_mesh import init_device_mesh
+    whole = [head] + ([emb] if head.weight is emb.weight else [])
+    for m in whole: m.to(self.device)
+    kw = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)),
+              ignored_params={p for m in whole for p in m.parameters()},
+              mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
+    for unit in fsdp_units(teacher):
+        if not any(m is u for m in whole for u in unit): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
+    return fully_shard(teacher, **kw)
+
+@patch
+def teacher_head(self: FSDPWorker, inputs: dict, # this rank's model inputs (`loss_inputs`)
+                 sel) -> TeacherHead: # [B, T] its trained positions
+    "The teacher's forward on the student's inputs, without gradients: its hidden states at the trained positions."
+    import torch
+    with torch.no_grad(), TeacherHead(self.teacher.get_output_embeddings(), sel) as t: self.teacher(**inputs)
+    return t
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #c2374f45
 @patch
@@ -372,7 +414,7 @@ def eval_loss(self: FSDPWorker, micro_batches: list[dict]) -> dict:
     nll, n = 0.0, 0
     with torch.no_grad():
         for mb in micro_batches:
-            s, k, _ = self.nll(self.to_device(mb))
+            s, k, _ = self.nll(self.to_device(mb), objective=NLL())  # every train.loss is evaluated by its NLL
             nll += float(s); n += k
     nll, n = self._sp_sum(nll, n)
     return {'nll_sum': nll, 'weight_sum': n}
@@ -500,32 +542,44 @@ def load(self: FSDPWorker, path: str) -> int:
 def trained_token_stats(logits, # [n, V] logits at the positions whose next token is trained
                         targets, # [n] the trained next tokens
                         k: int = 3, # alternatives kept per position
+                        objective=None, # the run's `Loss`, when it needs the teacher
+                        teacher_logits=None, # [n, V] the teacher's logits there, or None
                        ) -> dict:
-    "The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays."
+    """The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays;
+    with the teacher's logits also each target's loss (`objective.token_values`: 'loss') and the teacher's `k` most
+    likely tokens ('teacher_ids', 'teacher_p')."""
     import torch
-    top_p, top_ids = torch.log_softmax(logits.float(), -1).topk(min(k, logits.shape[-1]), -1)
-    return {'nll': token_nll(logits, targets.long()).cpu().numpy(),
-            'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+    top = lambda lg: torch.log_softmax(lg.float(), -1).topk(min(k, lg.shape[-1]), -1)
+    top_p, top_ids = top(logits)
+    out = {'nll': token_nll(logits, targets.long()).cpu().numpy(),
+           'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
+    if teacher_logits is None: return out
+    t_p, t_ids = top(teacher_logits)
+    return out | {'loss': objective.token_values(logits, targets.long(), teacher_logits).cpu().numpy(),
+                  'teacher_ids': t_ids.cpu().numpy(), 'teacher_p': t_p.exp().cpu().numpy()}
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #e5e41889
 from fastcore.basics import patch
 
 @patch
 def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> list[dict]:
-    """Per micro-batch: `trained_token_stats` at its trained targets (all ranks run it: sharded weights are gathered;
-    with sp, rank 0 of each sp group answers)."""
+    """Per micro-batch: `trained_token_stats` at its trained targets, with the loss's per-target values and the teacher's
+    top tokens when `train.loss` needs the teacher (all ranks run it: sharded weights are gathered; with sp, rank 0 of
+    each sp group answers)."""
     import torch
     self.model.eval()
-    out = []
+    out, objective = [], loss_for(self.tcfg)
     with torch.no_grad():
         for mb in micro_batches:
             mb = self.to_device(mb)
             inputs, sel, tgt, _ = self.loss_inputs(mb)
+            teacher = self.teacher_head(inputs, sel) if objective.needs_teacher else None
             # the head sees only trained positions: [n_trained, V]
             with TrainedHead(self.model.get_output_embeddings(), sel, tgt):
                 logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
-            out.append(self._sp_gather(trained_token_stats(logits, tgt, k), sel))
+            tl = None if teacher is None else teacher.logits(teacher.h)
+            out.append(self._sp_gather(trained_token_stats(logits, tgt, k, objective, tl), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #044be94a

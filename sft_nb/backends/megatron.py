@@ -268,6 +268,9 @@ def setup(self: MegatronWorker) -> dict:
                           "backend; use placement.backend: fsdp")
     if self.mcfg.lora_r > 0:
         raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
+    if self.tcfg.loss != 'nll':  # its vocab-parallel head computes the NLL alone
+        raise ConfigError(f"train.loss: {self.tcfg.loss!r} is not supported by the megatron backend (it trains with "
+                          "the NLL only); use placement.backend: fsdp, or train.loss: nll")
     self.path = str(resolve_model_path(self.mcfg.path))
     self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)

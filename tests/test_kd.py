@@ -1,0 +1,125 @@
+"""Distillation (`train.loss: kd`, sft_nb.loss.KD) on the FSDP worker, the tiny ChatML student and a tiny Llama teacher of the
+same tokenizer: chunked equals one-shot, packed equals padded, 2 ranks equal 1, a resumed run equals a straight one; a
+teacher of another tokenizer is refused by name, and so is kd on the megatron backend. The loss itself (a one-hot
+teacher at α = 0 is the NLL, the divergences, T²) is checked in nbs/06c_loss.ipynb."""
+import pytest
+import torch
+from sft_nb.config import ModelConfig, OptimConfig, TrainConfig, ConfigError
+from sft_nb.collate import collate_padded, collate_packed
+from sft_nb.demo_data import identity_rows
+from sft_nb.numerics import assert_rel_close
+from sft_nb.trainer import SFTTrainer
+from helpers import run_cfg, spawn
+
+ROWS = identity_rows()['train']
+WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
+         for k, r in enumerate(ROWS)]
+TOL, GRAD_TOL = 1e-6, 4e-6  # as tests/test_loss.py: only the order of the sums differs
+
+
+def kd(teacher, **kw) -> TrainConfig:
+    "A distillation config that exercises every term: JSD, a temperature, a share of NLL."
+    return TrainConfig(**{'loss': 'kd', 'teacher': str(teacher), 'kd_divergence': 'jsd', 'kd_beta': 0.3,
+                          'kd_temperature': 2.0, 'kd_alpha': 0.25, **kw})
+
+
+def test_kd_resume_is_exact(tiny_path, tiny_llama_path, tmp_path):
+    """4 KD steps straight == 2 steps, save, a new trainer resumed from that checkpoint, 2 more (in process: no Ray).
+    First in this module: an in-process trainer needs a process without the `kd_worker` fixture's process group."""
+    base = dict(train__num_steps=4, train__micro_batch_size=4, optim__schedule='cosine', optim__max_grad_norm=0.0,
+                placement__in_process=True, train__loss='kd', train__teacher=str(tiny_llama_path), train__kd_alpha=0.5)
+    with SFTTrainer(run_cfg(tiny_path, tmp_path / 'straight', **base), train_data=ROWS) as t:
+        straight = t.fit()['loss'].tolist()
+    with SFTTrainer(run_cfg(tiny_path, tmp_path / 'half', **base), train_data=ROWS) as t:
+        t.fit(2); ckpt = t.save()
+    with SFTTrainer(run_cfg(tiny_path, tmp_path / 'resumed', **base, checkpoint__resume=str(ckpt)), train_data=ROWS) as r:
+        assert r.global_step == 2
+        resumed = r.fit()['loss'].tolist()
+    assert resumed[:2] == straight[:2]
+    assert_rel_close(resumed[2:], straight[2:], 4e-6, 'resumed KD losses')
+
+
+@pytest.fixture(scope='module')
+def kd_worker(tiny_path, tiny_llama_path):
+    "One in-process FSDP worker (1-rank gloo group) distilling the tiny Llama into the tiny ChatML model."
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.workers import free_port
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(lr=1e-3), total_steps=3, train=kd(tiny_llama_path))
+    w.init_dist('127.0.0.1', free_port())
+    w.setup()
+    yield w
+    w.shutdown()
+
+
+def layouts(tok):
+    "The same 6 weighted rows as one padded and one packed micro-batch."
+    from sft_nb.config import TokenizeConfig
+    from sft_nb.tokenize import tokenize_dataset
+    ds, _ = tokenize_dataset(WROWS[:6], tok, TokenizeConfig(max_length=64))
+    exs = [dict(r) for r in ds]
+    return {'padded': collate_padded(exs, tok.pad_token_id), 'packed': collate_packed([exs[:3], exs[3:]], tok.pad_token_id)}
+
+
+def grads(w, mbs, n, chunk):
+    w.loss_chunk = chunk
+    w.opt.zero_grad(set_to_none=True)
+    r = w.forward_backward(mbs, n)
+    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
+    w.opt.zero_grad(set_to_none=True)
+    return r, g
+
+
+def test_kd_chunked_equals_one_shot_and_packed_equals_padded(kd_worker, tiny_tok):
+    """The KD loss and every student gradient: chunks of 7 targets equal the one-shot head (both models' [n_trained, V]
+    logits at once), and the packed micro-batch equals the padded one. The teacher is frozen (no gradient, no optimizer
+    state), evaluation reports the NLL, not the KD loss, and the lens's per-token losses are the KD loss's."""
+    w, mbs = kd_worker, layouts(tiny_tok)
+    n = mbs['padded']['weight_sum']
+    assert n == mbs['packed']['weight_sum'] and mbs['padded']['n_trained'] % 7
+    ref = grads(w, [mbs['padded']], n, 0)
+    for name, chunk in (('padded', 7), ('packed', 0), ('packed', 7)):
+        r, g = grads(w, [mbs[name]], n, chunk)
+        assert r['weight_sum'] == ref[0]['weight_sum']
+        assert abs(r['nll_sum'] - ref[0]['nll_sum']) <= TOL * ref[0]['nll_sum'], (name, chunk, r, ref[0])
+        assert_rel_close(g, ref[1], GRAD_TOL, f'{name}, chunks of {chunk}: KD gradients')
+    assert not any(p.requires_grad for p in w.teacher.parameters())
+    assert {id(p) for p in w.teacher.parameters()}.isdisjoint(id(p) for grp in w.opt.param_groups for p in grp['params'])
+    w.loss_chunk = 7
+    from sft_nb.loss import NLL
+    with torch.no_grad(): nll = float(w.nll(w.to_device(mbs['padded']), objective=NLL())[0])
+    assert abs(w.eval_loss([mbs['padded']])['nll_sum'] - nll) <= TOL * nll
+    assert abs(nll - ref[0]['nll_sum']) > 1e-3 * nll  # the KD loss is another number
+    # the lens's per-token values come from the same loss: weighted, they add up to the step's KD sum
+    from sft_nb.loss import target_weights
+    st = w.token_losses([mbs['padded']], k=2)[0]
+    wt = target_weights(mbs['padded']['labels'], mbs['padded']['loss_weights']).numpy()
+    assert abs(float((st['loss'] * wt).sum()) - ref[0]['nll_sum']) <= 1e-5 * ref[0]['nll_sum']
+    assert st['teacher_ids'].shape == st['top_ids'].shape == (mbs['padded']['n_trained'], 2)
+
+
+def test_kd_two_ranks_equal_one_rank(kd_worker, tiny_path, tiny_llama_path, tiny_tok):
+    """2 FSDP ranks (spawned, gloo), one micro-batch each (padded, packed), the student and the teacher sharded (the
+    teacher's tied head whole on each rank): the reduced KD gradient equals one rank's over both micro-batches."""
+    mbs = list(layouts(tiny_tok).values())
+    n = sum(mb['weight_sum'] for mb in mbs)
+    _, one = grads(kd_worker, mbs, n, 7)
+    keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
+    [(r, two, _, _)] = spawn(2, 1, [(ModelConfig(path=str(tiny_path), loss_chunk=7), kd(tiny_llama_path))],
+                             [[{k: mb[k] for k in keep}] for mb in mbs], n)
+    assert_rel_close(two, one, GRAD_TOL, 'KD, 2 ranks vs 1: gradients')
+
+
+def test_a_teacher_of_another_tokenizer_is_refused(tiny_path, tiny_llama_path, tmp_path):
+    """The worker refuses, before training, a teacher whose tokenizer differs, naming the first id that differs; and the
+    megatron backend refuses train.loss kd by name."""
+    import shutil
+    from transformers import AutoTokenizer
+    from sft_nb.backends.fsdp import FSDPWorker
+    from sft_nb.backends.megatron import MegatronWorker
+    other = tmp_path / 'other_teacher'
+    shutil.copytree(tiny_llama_path, other)
+    tok = AutoTokenizer.from_pretrained(other); tok.add_tokens(['<teacher_only>']); tok.save_pretrained(other)
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(), total_steps=1, train=kd(other))
+    with pytest.raises(ConfigError, match=f"train.teacher: .*id {len(tok) - 1} is '<teacher_only>' for the teacher"): w.setup()
+    m = MegatronWorker(0, 1, ModelConfig(path=str(tiny_path)), OptimConfig(), total_steps=1, train=kd(tiny_llama_path))
+    with pytest.raises(ConfigError, match="train.loss: 'kd' is not supported by the megatron backend"): m.setup()
