@@ -268,6 +268,9 @@ def setup(self: MegatronWorker) -> dict:
                           "backend; use placement.backend: fsdp")
     if self.mcfg.lora_r > 0:
         raise ConfigError("model.lora_r: LoRA is not supported by the megatron backend; use backend fsdp")
+    if self.mcfg.compile:  # its blocks are megatron-core's, not the Hugging Face blocks `compile_blocks` compiles
+        raise ConfigError("model.compile: compiled blocks are not supported by the megatron backend; use "
+                          "placement.backend: fsdp, or model.compile: false")
     self.path = str(resolve_model_path(self.mcfg.path))
     self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
