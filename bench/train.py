@@ -6,6 +6,15 @@
     python bench/train.py --profile --models smollm2   # torch.profiler of one padded step: our worker code vs TRL
     python bench/train.py --gpu [--peak-tflops 989]    # CUDA: SmolLM2 bf16, ours vs TRL × packed/padded × mixed/uniform data
     python bench/train.py --gpu --dry-run              # the same code path on CPU with the tiny model (a smoke test)
+    python bench/train.py --compile                    # also ours with model.compile (padded and packed) in the same run
+
+What the figures depend on, printed beside each model's ratios ("conditions"): the load average before the run and
+during it (sampled after every step; it counts this run's own threads too), torch's threads and OMP/MKL_NUM_THREADS in
+this process (TRL) and in our Ray worker, each process's allocator (jemalloc/tcmalloc mapped in, LD_PRELOAD; our CPU
+worker also fixes glibc's mmap threshold, `compact_malloc`), the CPUs Ray gives the worker (num_cpus, affinity), and
+this machine's GEMM limit: fp32 matmuls of the model's block shapes on the same threads, timed in the same run, against
+which each arm's model FLOP/s (6·N·tokens/s) is a utilization. A run refuses to start (exit 2) when the 1-minute load
+before it is above --max-load (default 0.5 per CPU: 1.0 on 2 cores); --ignore-load runs anyway and the report says so.
 
 What is compared (CPU):
 - rows: `alpaca_en_demo.json` tokenized by sft_nb (all assistant turns trained, rows over max_length dropped); TRL
@@ -51,6 +60,7 @@ sys.path.insert(0, str(ROOT))
 SHARED = ROOT.parent / 'shared'  # the development data beside the checkout; the GPU machine has none: --data
 DATA = str(SHARED / 'datasets' / 'alpaca_en_demo.json') if SHARED.exists() else None
 METHODS = ('ours padded', 'ours packed', 'trl padded', 'trl packed')
+COMPILED = ('ours padded compiled', 'ours packed compiled')  # --compile: model.compile beside eager
 
 
 def log(*a): print(*a, file=sys.stderr, flush=True)
@@ -125,15 +135,85 @@ def proc_cpu(pid):
     return (int(f[11]) + int(f[12])) / os.sysconf('SC_CLK_TCK')
 
 
+# ---------------------------------------------------------------------------------------------------------------------
+# what a figure depends on
+def process_conditions():
+    "This process's torch threads, thread variables, allocator and the CPUs it may run on (called here and in our Ray worker)."
+    import torch
+    maps = Path('/proc/self/maps').read_text()
+    return {'torch_threads': torch.get_num_threads(), 'interop_threads': torch.get_num_interop_threads(),
+            'allocator': next((a for a in ('jemalloc', 'tcmalloc', 'mimalloc') if a in maps), 'glibc'),
+            'cpus': len(os.sched_getaffinity(0)), 'pid': os.getpid(),
+            **{k: os.environ.get(k) for k in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'LD_PRELOAD', 'MALLOC_CONF')}}
+
+
+def describe(c):
+    "One process's conditions in a few words."
+    env = ', '.join(f'{k}={c[k]}' for k in ('OMP_NUM_THREADS', 'MKL_NUM_THREADS', 'LD_PRELOAD', 'MALLOC_CONF') if c.get(k)) or 'no thread/allocator variables'
+    return f"torch threads {c['torch_threads']} (interop {c['interop_threads']}), {env}, allocator {c['allocator']}, {c['cpus']} CPUs in its affinity"
+
+
+def gemm_limit(cfg, tokens, threads, min_s=0.3):
+    """FLOP/s of fp32 matmuls of the model's block shapes ([tokens, d]·[d, d], [tokens, d]·[d, ffn], [tokens, ffn]·[ffn, d])
+    on `threads` torch threads in this process: this machine's limit for a step's dense work, measured now."""
+    import torch
+    torch.set_num_threads(threads)
+    d, f = cfg.hidden_size, cfg.intermediate_size
+    fl = tm = 0.0
+    for k, n in ((d, d), (d, f), (f, d)):
+        a, b = torch.randn(tokens, k), torch.randn(k, n)
+        for _ in range(2): a @ b  # warm-up
+        ts = []
+        while sum(ts) < min_s or len(ts) < 3:
+            t0 = time.perf_counter(); a @ b; ts.append(time.perf_counter() - t0)
+        fl += 2 * tokens * k * n; tm += min(ts)  # the limit: the fastest of the repeats
+    return {'flop_per_s': fl / tm, 'shapes': f"[{tokens}×{d}]·[{d}×{d}], [{tokens}×{d}]·[{d}×{f}], [{tokens}×{f}]·[{f}×{d}]",
+            'threads': threads}
+
+
+def check_load(args):
+    "The load average now; exit 2 when its 1-minute figure is above the limit, unless --ignore-load."
+    load, limit = os.getloadavg(), args.max_load if args.max_load is not None else 0.5 * os.cpu_count()
+    args.load_limit = limit
+    if load[0] > limit and not args.ignore_load:
+        print(f"bench/train.py: the 1-minute load average is {load[0]:.2f} before the run, above {limit:.2f} "
+              f"(--max-load; default 0.5 per CPU, {os.cpu_count()} here): other work would take CPU time from the arms "
+              "unevenly and the ratios would not reproduce. Run it on a quiet machine, or pass --ignore-load (the report "
+              "then says the machine was loaded).", file=sys.stderr)
+        sys.exit(2)
+    return load
+
+
+def conditions_line(name, args, load0, runs, gemm0, gemm1, bench):
+    "What this model's figures depend on, in one report line."
+    during = [x for rs in runs.values() for r in rs for x in r.get('loadavg_during', [])]
+    w = next((r for rs in runs.values() for r in rs if 'worker' in r), None)
+    flag = f" (above the limit {args.load_limit:.2f}: run with --ignore-load, NOT a reproducible figure)" if load0[0] > args.load_limit else f" (limit {args.load_limit:.2f})"
+    ours = (f"our Ray worker: {describe(w['worker'])}, Ray num_cpus {w['ray_num_cpus']} of the cluster's {w['ray_cluster_cpus']:g}"
+            + (" (CPU workers also fix glibc's mmap threshold at 1 MiB: `compact_malloc`)" if w['worker']['allocator'] == 'glibc' else '')
+            if w else 'no ours arm')
+    return (f"{name} conditions: load before {load0[0]:.2f} / {load0[1]:.2f} / {load0[2]:.2f} (1 / 5 / 15 min){flag}; during "
+            f"(1 min, after each step, this run's own threads included): median {statistics.median(during):.2f}, max {max(during):.2f}; "
+            f"this process (TRL's): {describe(bench)}; {ours}; GEMM limit {gemm0['flop_per_s'] / 1e9:.1f} GFLOP/s before the runs, "
+            f"{gemm1['flop_per_s'] / 1e9:.1f} after (fp32 {gemm0['shapes']}, {gemm0['threads']} threads)")
+
+
+def utilization_line(name, runs, n_params, gemm):
+    "Each arm's model FLOP/s (6·N·tokens/s) and its fraction of the GEMM limit measured in the same run."
+    parts = [f"{m} {6 * n_params * med(rs, 'tokens_per_s') / 1e9:.2f} GFLOP/s = {6 * n_params * med(rs, 'tokens_per_s') / gemm:.1%}"
+             for m, rs in runs.items()]
+    return f"{name} FLOP/s utilization (6·N·tokens/s, N = {n_params:,} parameters, against the GEMM limit {gemm / 1e9:.1f} GFLOP/s): " + '; '.join(parts)
+
+
 class Ours:
     "sft_nb's SFTTrainer, driven one `step()` at a time (its Ray worker does the compute)."
-    def __init__(self, folder, packed, args, use_gpu=False, data_path=DATA):
+    def __init__(self, folder, packed, args, use_gpu=False, data_path=DATA, compiled=False):
         import ray
         from sft_nb.trainer import SFTTrainer
         from sft_nb.callbacks import Callback
-        self.name, self.args = 'ours packed' if packed else 'ours padded', args
+        self.name, self.args = ('ours packed' if packed else 'ours padded') + (' compiled' if compiled else ''), args
         self.tmp = tempfile.TemporaryDirectory(prefix='sftnb_bench_')
-        cfg = {'model': {'path': str(folder), **({'dtype': 'bfloat16'} if use_gpu else {})},
+        cfg = {'model': {'path': str(folder), 'compile': compiled, **({'dtype': 'bfloat16'} if use_gpu else {})},
                'data': {'train': [{'path': data_path}]},
                'tokenize': {'max_length': args.max_length, 'mode': 'all_assistant'},
                'packing': {'enabled': packed, 'capacity': args.max_length},
@@ -173,10 +253,15 @@ class Ours:
         h = self.t.metrics
         mem = ray.get(self.t.group.actors[0].__ray_call__.remote(
             lambda self_: __import__('torch').cuda.max_memory_allocated() / 2**30 if __import__('torch').cuda.is_available() else None))
+        steps = h['step_time'].tolist()
         return summarize(self.name, h['loss'].tolist(), h['n_real'].astype(int).tolist(), h['n_trained'].astype(int).tolist(),
-                         self.positions, h['step_time'].tolist(), cpu_times=self.cpu,
+                         self.positions, steps, cpu_times=self.cpu,
                          extra={'n_params': self.t.model_info['n_params'], 'collate_time': self.collate_s, 'worker_niceness': self.niceness,
-                                'worker_peak_rss_gb': peak_rss_gb(self.pid), 'attn_pairs': self.attn_pairs, 'gpu_peak_gb': mem})
+                                'worker_peak_rss_gb': peak_rss_gb(self.pid), 'attn_pairs': self.attn_pairs, 'gpu_peak_gb': mem,
+                                # the first step's time above the median step: the compile (and the warm-up every arm has)
+                                'first_step_excess_s': steps[0] - statistics.median(steps[1:]) if len(steps) > 1 else float('nan'),
+                                'worker': ray.get(self.t.group.actors[0].__ray_call__.remote(lambda self_: process_conditions())),
+                                'ray_num_cpus': self.t.cfg.placement.cpus_per_worker, 'ray_cluster_cpus': ray.cluster_resources().get('CPU')})
 
     def close(self):
         self.t.shutdown(); self.tmp.cleanup()
@@ -274,22 +359,23 @@ def run_interleaved(folder, methods, args, data):
     import torch, ray
     from sft_nb.workers import init_ray
     torch.set_num_threads(args.threads)
-    # one local Ray cluster for both of our trainers: 2 workers × `threads` logical CPUs (only one computes at a time)
-    started = init_ray(num_cpus=max(os.cpu_count(), 2 * args.threads))
+    # one local Ray cluster for all of our trainers: a worker × `threads` logical CPUs each (only one computes at a time)
+    started = init_ray(num_cpus=max(os.cpu_count(), sum(m.startswith('ours') for m in methods) * args.threads))
     steppers = {}
     try:
-        for m in ('ours padded', 'ours packed'):
-            if m in methods: steppers[m] = Ours(folder, m == 'ours packed', args)
+        for m in ('ours padded', 'ours packed') + COMPILED:
+            if m in methods: steppers[m] = Ours(folder, m.startswith('ours packed'), args, compiled=m in COMPILED)
         if 'trl padded' in methods:
             if 'ours padded' not in steppers: raise SystemExit("trl padded needs ours padded (it replays its batches)")
             steppers['trl padded'] = TRL(folder, False, args, data, steppers['ours padded'].rows)
         if 'trl packed' in methods: steppers['trl packed'] = TRL(folder, True, args, data)
-        names = list(steppers)
+        names, load = list(steppers), []
         for k in range(args.n_steps):
             for j in range(len(names)):
                 steppers[names[(k + j) % len(names)]].step()
-            log(f"    step {k + 1}/{args.n_steps} done (loadavg {os.getloadavg()[0]:.2f})")
-        return {m: st.result() for m, st in steppers.items()}
+            load.append(os.getloadavg()[0])
+            log(f"    step {k + 1}/{args.n_steps} done (loadavg {load[-1]:.2f})")
+        return {m: st.result() | {'loadavg_during': load} for m, st in steppers.items()}
     finally:
         for st in steppers.values():
             try: st.close()
@@ -316,7 +402,7 @@ def table(model, runs, steps, batch):
     T = min(sum(rs[0]['n_real']) for rs in runs.values())
     base = med(runs['trl padded'], 'tokens_per_s') if 'trl padded' in runs else None
     lines = []
-    for m in METHODS:
+    for m in METHODS + COMPILED:
         if m not in runs: continue
         rs = runs[m]; r = rs[0]
         tps = med(rs, 'tokens_per_s')
@@ -346,6 +432,14 @@ def table(model, runs, steps, batch):
                                        zip(ra['n_real'][1:], ra['step_time'][1:], rb['n_real'][1:], rb['step_time'][1:]))
             verdicts.append(f"{model}: {a} / {b} = {x:.2f}× (median of per-step ratios {paired:.2f}×; target ≥ 1.2×; {eq}): "
                             f"{'MET' if x >= 1.2 else 'NOT MET'}")
+    for c in COMPILED:
+        e = c.removesuffix(' compiled')
+        if c in runs and e in runs:
+            rc, re_ = runs[c][0], runs[e][0]
+            verdicts.append(f"{model}: {c} / {e} = {tp(c) / tp(e):.2f}× tokens/s; compile ≈ {med(runs[c], 'first_step_excess_s'):.1f} s "
+                            f"(first step above the median step; eager's {med(runs[e], 'first_step_excess_s'):.1f} s); loss@{T:,} "
+                            f"{loss_at(rc, T):.4f} vs {loss_at(re_, T):.4f}; max per-step |Δloss| "
+                            f"{max(abs(p - q) for p, q in zip(rc['loss'], re_['loss'])):.2e}")
     ours = [m for m in ('ours padded', 'ours packed') if m in runs]; trls = [m for m in ('trl padded', 'trl packed') if m in runs]
     if ours and trls:
         bo, bt = max(ours, key=tp), max(trls, key=tp)
@@ -372,7 +466,7 @@ def versions():
 def cpu_main(args):
     from sft_nb.models import smollm2_instruct, tiny_chat_model
     models = {'smollm2': (smollm2_instruct, args.steps_smollm2, args.repeats_smollm2), 'tiny': (tiny_chat_model, args.steps_tiny, args.repeats_tiny)}
-    load0 = os.getloadavg()
+    load0 = check_load(args)
     log(f"loadavg before: {load0}")
     out = {'args': vars(args), 'versions': versions(), 'date': datetime.datetime.now(datetime.timezone.utc).isoformat(timespec='seconds'),
            'machine': f"{platform.machine()}, {os.cpu_count()} CPUs visible, {platform.platform()}", 'loadavg_before': load0, 'models': {}}
@@ -384,9 +478,17 @@ def cpu_main(args):
         data = prepare(folder, args.max_length)
         log(f"[{name}] {data['report']}")
         methods = [m for m in METHODS if m in args.methods.split(',')]
+        if args.compile: methods += [m + ' compiled' for m in ('ours padded', 'ours packed') if m in methods]
+        from transformers import AutoConfig, AutoModelForCausalLM
+        import torch
+        mcfg = AutoConfig.from_pretrained(folder)
+        with torch.device('meta'): n_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(mcfg).parameters())
+        gemm_tokens = min(args.batch * args.max_length, 4096)
+        gemm0 = gemm_limit(mcfg, gemm_tokens, args.threads)
+        log(f"[{name}] GEMM limit {gemm0['flop_per_s'] / 1e9:.1f} GFLOP/s ({gemm0['shapes']}, {args.threads} threads)")
         mode = args.interleave if args.interleave != 'auto' else ('pairs' if name == 'smollm2' else 'all')
         groups = ([methods] if mode == 'all' else
-                  [g for g in ([m for m in methods if m.endswith(k)] for k in ('padded', 'packed')) if g])
+                  [g for g in ([m for m in methods if m.removesuffix(' compiled').endswith(k)] for k in ('padded', 'packed')) if g])
         runs, notes = {m: [] for m in methods}, []
         for rep in range(repeats):
             for g in (groups if rep % 2 == 0 else groups[::-1]):
@@ -412,6 +514,9 @@ def cpu_main(args):
                 notes.append(f"{name} {m}: losses differ between repeats")
             if rs[0].get('token_check'): notes.append(f"{name} {m}: TRL tokenization check: {rs[0]['token_check']}")
         lines, verdicts, T = table(name, runs, steps, args.batch)
+        gemm1 = gemm_limit(mcfg, gemm_tokens, args.threads)
+        verdicts.append(conditions_line(name, args, load0, runs, gemm0, gemm1, process_conditions()))
+        verdicts.append(utilization_line(name, runs, n_params, gemm0['flop_per_s']))
         notes.append(f"{name}: loss@T uses T = {T:,} real tokens")
         if 'ours padded' in runs and 'trl padded' in runs:
             a, b = runs['ours padded'][0], runs['trl padded'][0]
@@ -419,7 +524,7 @@ def cpu_main(args):
                          f"trained tokens {sum(a['n_trained']):,} vs {sum(b['n_trained']):,}; per-step losses ours "
                          f"{[round(x, 4) for x in a['loss']]} vs TRL {[round(x, 4) for x in b['loss']]}")
         all_lines += lines; all_verdicts += verdicts
-        out['models'][name] = {'runs': runs,
+        out['models'][name] = {'runs': runs, 'gemm_limit': [gemm0, gemm1], 'n_params': n_params,
                                'verdicts': verdicts, 'notes': notes, 'T': T, 'data': data['report']}
         print('\n'.join([HEADER] + lines), flush=True)
         for v in verdicts + notes: print('- ' + v, flush=True)
@@ -515,6 +620,7 @@ def gpu_main(args):
     print(f"device: {name}; peak bf16 dense: {f'{peak} TFLOP/s' if peak else 'unknown (pass --peak-tflops)'}; versions {v}; "
           f"{'bf16 compute, fp32 master weights' if use_gpu else 'fp32'}; batch {args.batch}, max_length {args.max_length}, {args.n_steps} steps")
     methods = [m for m in METHODS if m in args.methods.split(',')]
+    if args.compile: methods += [m + ' compiled' for m in ('ours padded', 'ours packed') if m in methods]
     if v['trl'] == 'not installed':
         skipped = [m for m in methods if m.startswith('trl')]
         methods = [m for m in methods if not m.startswith('trl')]
@@ -531,7 +637,8 @@ def gpu_main(args):
             if m == 'trl padded' and ours_padded is None: log("trl padded needs ours padded (it replays its batches): skipped"); continue
             log(f"[{data_name}] {m}: {args.n_steps} steps")
             if use_gpu: torch.cuda.empty_cache()
-            st = (Ours(folder, m.endswith('packed'), args, use_gpu=use_gpu, data_path=path) if m.startswith('ours') else
+            st = (Ours(folder, m.removesuffix(' compiled').endswith('packed'), args, use_gpu=use_gpu, data_path=path,
+                       compiled=m in COMPILED) if m.startswith('ours') else
                   TRL(folder, m.endswith('packed'), args, data, ours_padded, use_gpu=use_gpu))
             try:
                 for _ in range(args.n_steps): st.step()
@@ -643,6 +750,9 @@ def main():
                    help="all: the 4 methods step by step together; pairs: ours/TRL padded, then ours/TRL packed (less memory); "
                         "auto: pairs for smollm2 (4 fp32 copies with Adam and activations do not fit in 24 GB), all for tiny")
     p.add_argument('--ray-niceness', type=int, default=0, help="niceness of our Ray workers (Ray's own default is 15; -1 = leave Ray's default)")
+    p.add_argument('--compile', action='store_true', help='also ours padded and packed with model.compile (compiled decoder blocks), in the same run')
+    p.add_argument('--max-load', type=float, default=None, help='refuse to run (exit 2) above this 1-minute load average (default: 0.5 per CPU)')
+    p.add_argument('--ignore-load', action='store_true', help='run on a loaded machine anyway (the report says so)')
     p.add_argument('--profile', action='store_true', help='profile one padded step of ours (worker code, in-process) and of TRL (first of --models)')
     p.add_argument('--profile-steps', type=int, default=3)
     p.add_argument('--profile-rows', type=int, default=25)

@@ -237,6 +237,7 @@ class ModelConfig:
     tiled_mlp: int = 0  # tokens per tile of each block's MLP: computed tile by tile and recomputed in backward, so one tile's intermediate activations live at a time (long rows); 0 = whole sequence at once
     activation_offload: bool = False  # GPU runs: move the activations saved for backward to pinned host memory and bring them back for backward
     loss_chunk: int = 2048  # trained tokens per chunk of the LM head + cross-entropy (forward and backward); 0 = all at once
+    compile: bool = False  # compile each decoder block with torch.compile (inductor) for training steps (fsdp backend): packed rows are one static shape, one compile; padded batches are marked dynamic, one compile for every length; a block that cannot be compiled warns and runs eager
     def __post_init__(self):
         if not self.path.strip():
             raise ConfigError("path: empty; give 'tiny', 'smollm2', a local HF folder or a hub id")

@@ -177,6 +177,14 @@ MUTANTS = [
            [('sft_nb/backends/fsdp.py', "model = self._build_model('cpu')  # the checkpoint's weights as stored",
              "model = self._build_model('cpu', __import__('torch').float32)  #")],
            tests=['tests/test_quantize.py::test_nf4_merged_export_is_source_plus_adapter']),
+    # ---- compiled blocks
+    Mutant('compile_blocks_unused', "model.compile builds the compiled forwards but every block runs eager",
+           [('sft_nb/backends/fsdp.py', 'if self.shared.failed or not torch.is_grad_enabled(): return self.eager(*args, **kwargs)',
+             'return self.eager(*args, **kwargs)')],
+           tests=['tests/test_compile.py::test_compiled_equals_eager_and_compiles_once_per_shape']),
+    Mutant('compile_padded_static', "padded batches are not marked dynamic: a new length compiles again",
+           [('sft_nb/backends/fsdp.py', 'if self.shared.padded: _mark_dynamic(args, kwargs)', 'pass')],
+           tests=['tests/test_compile.py::test_compiled_equals_eager_and_compiles_once_per_shape']),
 ]
 
 

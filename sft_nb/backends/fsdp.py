@@ -23,8 +23,8 @@ from fastcore.basics import patch
 logging.getLogger('bitsandbytes.backends.cpu.ops').setLevel(logging.ERROR)
 
 # %% auto #0
-__all__ = ['FSDPWorker', 'fsdp_units', 'rebuild_buffers', 'checkpoint_blocks', 'lora_config', 'bnb_config', 'quantized_params',
-           'trained_token_stats']
+__all__ = ['FSDPWorker', 'decoder_blocks', 'fsdp_units', 'rebuild_buffers', 'no_kv_cache', 'checkpoint_blocks', 'CompiledBlocks',
+           'CompiledForward', 'compile_blocks', 'lora_config', 'bnb_config', 'quantized_params', 'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #eaa19284
 def _model_cls(path):
@@ -53,13 +53,17 @@ class FSDPWorker(TrainWorker):
         return torch.device('cuda', 0) if self.use_gpu else torch.device('cpu')
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #6c166df5
+def decoder_blocks(model) -> list:
+    """Each `_no_split_modules` block of `model`, or its activation-checkpoint wrapper where it has one: the modules FSDP2
+    shards one by one and `compile_blocks` compiles."""
+    names = set(getattr(model, '_no_split_modules', None) or ())
+    outer = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, '_checkpoint_wrapped_module')}
+    return [outer.get(id(m), m) for m in model.modules() if type(m).__name__ in names]
+
 def fsdp_units(model) -> list[list]:
     """The module groups FSDP2 shards as units: each `_no_split_modules` block, then the embeddings and the LM head
     (together when tied)."""
-    names = set(getattr(model, '_no_split_modules', None) or ())
-    outer = {id(m._checkpoint_wrapped_module): m for m in model.modules() if hasattr(m, '_checkpoint_wrapped_module')}
-    # a checkpointed block: its wrapper
-    blocks = [[outer.get(id(m), m)] for m in model.modules() if type(m).__name__ in names]
+    blocks = [[m] for m in decoder_blocks(model)]
     if not blocks:
         raise ValueError(f"model.path: {type(model).__name__} names no `_no_split_modules` found in it; FSDP cannot "
                          "shard it per block")
@@ -100,6 +104,12 @@ def _selective_policy(ctx, op, *args, **kwargs):
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #8abe59b9
+def no_kv_cache(model):
+    "Turn off the KV cache that a training forward would otherwise build (the model's config and its text config)."
+    cfg = getattr(model, 'config', None)
+    if cfg is None: return
+    for c in {id(c): c for c in (cfg, cfg.get_text_config())}.values(): c.use_cache = False
+
 def checkpoint_blocks(model, mode: str = 'none'):
     """Wrap each `_no_split_modules` block in a (non-reentrant) checkpoint wrapper: `full` or `selective` recomputation;
     `none` leaves the model as it is."""
@@ -112,9 +122,66 @@ def checkpoint_blocks(model, mode: str = 'none'):
     kw = {'context_fn': partial(create_selective_checkpoint_contexts, _selective_policy)} if mode == 'selective' else {}
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=partial(checkpoint_wrapper, **kw),
                                    check_fn=lambda m: type(m).__name__ in names)
-    for cfg in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-        cfg.use_cache = False  # a KV cache would be appended to again when backward recomputes a block
+    no_kv_cache(model)  # a KV cache would be appended to again when backward recomputes a block
     return model
+
+# %% ../../nbs/07a_backends.fsdp.ipynb #b17fc64f
+class CompiledBlocks:
+    """What the compiled blocks of one model share: whether this forward's rows are padded (their lengths change: the
+    batch and sequence dimensions are marked dynamic) or packed (one static shape), and the compile error after which
+    every block runs eager."""
+    def __init__(self): self.padded, self.failed, self.forwards = True, None, []
+
+    def rows(self, module, args, kwargs):
+        "The model's forward pre-hook: a packed row comes with its [B, 1, T, T] mask or a BlockMask, a padded one with [B, T]."
+        import torch
+        am = kwargs.get('attention_mask')
+        self.padded = am is None or (isinstance(am, torch.Tensor) and am.dim() == 2)
+
+def _mark_dynamic(args, kwargs):
+    "Mark every dimension of the block's tensor inputs that is the batch's B (> 1) or T dynamic (hidden states: [B, T, H])."
+    import torch
+    h = args[0] if args else kwargs['hidden_states']
+    (b, t), ts = h.shape[:2], [*args, *kwargs.values()]
+    ts = [x for v in ts for x in (v if isinstance(v, (tuple, list)) else (v,)) if isinstance(x, torch.Tensor)]
+    for x in ts:
+        for d, n in enumerate(x.shape):
+            if n == t or (d == 0 and n == b > 1): torch._dynamo.maybe_mark_dynamic(x, d)
+
+class CompiledForward:
+    "A block's `forward` compiled by inductor, run for training forwards (grad on); eager otherwise, and after `shared.failed`."
+    def __init__(self, forward, shared: CompiledBlocks, name: str):
+        import torch
+        self.eager, self.shared, self.name = forward, shared, name
+        self.compiled = torch.compile(forward, backend='inductor')
+
+    def __call__(self, *args, **kwargs):
+        import torch
+        if self.shared.failed or not torch.is_grad_enabled(): return self.eager(*args, **kwargs)
+        if self.shared.padded: _mark_dynamic(args, kwargs)
+        try: return self.compiled(*args, **kwargs)
+        except torch._dynamo.exc.TorchDynamoException as e:  # raised while tracing or compiling, before the block ran
+            for _ in range(9):  # the error under dynamo's wrappers says why (the op, the lowering)
+                if (e.__cause__ or e.__context__) is None: break
+                e = e.__cause__ or e.__context__
+            why = next((l.strip() for l in str(e).splitlines() if l.strip()), '')
+            self.shared.failed = f'{type(e).__name__}: {why}'
+            import warnings
+            warnings.warn(f"model.compile: {self.name} could not be compiled ({self.shared.failed}); every block runs "
+                          "eager", stacklevel=2)
+            return self.eager(*args, **kwargs)
+
+def compile_blocks(model, on: bool = True, # `model.compile`
+                  ) -> CompiledBlocks | None:
+    "Each `decoder_blocks` block's forward behind a `CompiledForward`, their shared state; the KV cache off."
+    if not on: return None
+    no_kv_cache(model)
+    shared = CompiledBlocks()
+    model.register_forward_pre_hook(shared.rows, with_kwargs=True)
+    for i, block in enumerate(decoder_blocks(model)):
+        block.forward = CompiledForward(block.forward, shared, f'block {i} ({type(block).__name__})')
+        shared.forwards.append(block.forward)
+    return shared
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #568dd2eb
 def lora_config(mcfg):
@@ -222,7 +289,8 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
           attn_device: str | None = None, # the device whose attention kernel to pick (default: this rank's)
          ):
     """The rank's model as a run trains it: built (loaded whole, read in slices, or on `meta`), checkpointed, sharded,
-    behind Ulysses when sp > 1; sets `model`, `path`, `attn`, `sharded`, `loss_chunk`."""
+    behind Ulysses when sp > 1, its blocks compiled with `model.compile`; sets `model`, `path`, `attn`, `sharded`, `compiled`,
+    `loss_chunk`."""
     import torch
     from sft_nb.models import resolve_model_path
     self.path = resolve_model_path(self.mcfg.path)
@@ -248,6 +316,7 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)
     tile_mlp(model, self.mcfg.tiled_mlp)  # each block's MLP, whichever path built it (the estimate's meta build too)
     if self.sp > 1: self._setup_sp(model)
+    self.compiled = compile_blocks(model, self.mcfg.compile and not meta)  # around FSDP2's hooks, after every wrapper
     self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
     return model
 

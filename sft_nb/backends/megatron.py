@@ -271,6 +271,9 @@ def setup(self: MegatronWorker) -> dict:
     if self.tcfg.loss != 'nll':  # its vocab-parallel head computes the NLL alone
         raise ConfigError(f"train.loss: {self.tcfg.loss!r} is not supported by the megatron backend (it trains with "
                           "the NLL only); use placement.backend: fsdp, or train.loss: nll")
+    if self.mcfg.compile:  # its blocks are megatron-core's, not the Hugging Face blocks `compile_blocks` compiles
+        raise ConfigError("model.compile: compiled blocks are not supported by the megatron backend; use "
+                          "placement.backend: fsdp, or model.compile: false")
     self.path = str(resolve_model_path(self.mcfg.path))
     self.hf_cfg = model_config(self.path)
     check_parallel_sizes(self.hf_cfg, self.tp, self.pp, self.world_size)
