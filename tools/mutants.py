@@ -163,6 +163,11 @@ MUTANTS = [
            [('sft_nb/backends/fsdp.py', "model = self._build_model('cpu')  # the checkpoint's weights as stored",
              "model = self._build_model('cpu', __import__('torch').float32)  #")],
            tests=['tests/test_quantize.py::test_nf4_merged_export_is_source_plus_adapter']),
+    # ---- run folders
+    Mutant('unused_run_dir_ignores_steps', "a retired trainer deletes the run folder it made even when it trained a step there",
+           both('sft_nb/checkpoint.py', 'nbs/07e_checkpoint.ipynb', "if (d / 'metrics.jsonl').exists() and _trained(d / 'metrics.jsonl'): return False",
+                "if False: return False"),
+           notebooks=['nbs/07e_checkpoint.ipynb']),
 ]
 
 
