@@ -587,6 +587,10 @@ def main(argv=None):
     except Preempted as e:
         print(f"sft-nb {cmd}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:  # Ctrl-C where no `SignalStop` is (inspect, pack): one line, as a refused command
+        print(f"sft-nb {cmd}: {e or 'interrupted'}", file=sys.stderr)
+        if debug: traceback.print_exception(e)
+        sys.exit(128 + signal.SIGINT)
     # bad input and failed runs: what, where, the fix; no traceback
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)
