@@ -4,17 +4,17 @@
 
 # %% ../nbs/07e_checkpoint.ipynb #c23dda2a
 from __future__ import annotations
-import errno, hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
+import atexit, errno, hashlib, io, json, os, pickle, re, shutil, socket, threading, warnings
 from pathlib import Path
 from fastcore.basics import patch
 from .config import CheckpointConfig, ConfigError
-from .errors import MissingFile, UserError
+from .errors import MissingFile, UserError, say
 from .paths import write_file
 
 # %% auto #0
-__all__ = ['RUN_OUTPUTS', 'EXPORT_RECORD', 'RunDirBusy', 'run_outputs', 'RunLock', 'CheckpointError', 'read_dcp_metadata',
-           'write_digests', 'check_state', 'verify_checkpoint', 'model_fingerprint', 'check_fingerprint',
-           'Checkpointer', 'record_export', 'export_facts', 'export_source']
+__all__ = ['RUN_OUTPUTS', 'SETUP_FILES', 'MADE_RUN_DIRS', 'EXPORT_RECORD', 'RunDirBusy', 'run_outputs', 'RunLock',
+           'CheckpointError', 'read_dcp_metadata', 'write_digests', 'check_state', 'verify_checkpoint',
+           'model_fingerprint', 'check_fingerprint', 'Checkpointer', 'record_export', 'export_facts', 'export_source']
 
 # %% ../nbs/07e_checkpoint.ipynb #413b51a0
 class RunDirBusy(UserError, RuntimeError):
@@ -237,7 +237,7 @@ class Checkpointer:
     def __init__(self, cfg: CheckpointConfig): # the run's `checkpoint` config (run_dir, keep_last, resume, overwrite)
         self.cfg, self.run_dir = cfg, Path(cfg.run_dir).expanduser()  # '~/runs/x' is the home folder's, not './~'
         self.dir = self.run_dir / 'checkpoints'
-        self.lock, self.owns_run_dir, self.saved_step = None, False, None
+        self.lock, self.owns_run_dir, self.saved_step, self.made_run_dir = None, False, None, False
 
 # %% ../nbs/07e_checkpoint.ipynb #310a05a0
 @patch
@@ -256,6 +256,7 @@ def claim(self: Checkpointer, resuming: bool = False):
     """Lock run_dir; refuse one that holds another run's outputs unless the config (or `resuming`) resumes or overwrites
     it."""
     c = self.cfg
+    if not self.run_dir.exists(): self.made_run_dir = True; MADE_RUN_DIRS.append(self)  # `remove_unused`
     self.run_dir.mkdir(parents=True, exist_ok=True)
     self.lock = RunLock(self.run_dir).acquire()
     self.clean_leftovers()
@@ -274,6 +275,34 @@ def claim(self: Checkpointer, resuming: bool = False):
 def release(self: Checkpointer):
     "Release the run folder's lock (idempotent)."
     if self.lock is not None: self.lock.release(); self.lock = None
+
+# %% ../nbs/07e_checkpoint.ipynb #e8436a57
+SETUP_FILES = ('config.yaml', 'metrics.jsonl', 'events.jsonl', '.lock')  # what setting a trainer up writes
+MADE_RUN_DIRS = []  # the checkpointers that made their run folder in this process (`claim`)
+
+def _trained(metrics: Path) -> bool:
+    "Whether metrics.jsonl logs a train step (a line it cannot read counts as one: the folder is kept)."
+    try: return any(json.loads(l).get('kind') == 'train' for l in metrics.read_text().splitlines() if l.strip())
+    except (OSError, ValueError, AttributeError): return True
+
+@patch
+def remove_unused(self: Checkpointer) -> bool:
+    """Delete run_dir when this checkpointer made it and no run is in it: only `SETUP_FILES` (a metrics.jsonl without a
+    train step) and empty folders, no lock but its own. True when deleted."""
+    d = self.run_dir
+    if not (self.made_run_dir and d.is_dir() and not d.is_symlink()): return False
+    if self.lock is None and (d / '.lock').exists(): return False  # another trainer's
+    for p in d.rglob('*'):
+        if p.is_symlink() or not p.is_dir() and (p.parent != d or p.name not in SETUP_FILES): return False
+    if (d / 'metrics.jsonl').exists() and _trained(d / 'metrics.jsonl'): return False
+    self.release(); shutil.rmtree(d, ignore_errors=True)
+    return True
+
+@atexit.register
+def _remove_unused_at_exit():
+    for ck in MADE_RUN_DIRS:
+        try: ck.remove_unused()
+        except Exception: pass  # at exit a folder kept does no harm
 
 # %% ../nbs/07e_checkpoint.ipynb #f5b307c1
 @patch
@@ -356,7 +385,7 @@ def resolve(self: Checkpointer, spec: str | Path) -> Path | None:
         for path in self._candidates():
             try: verify_checkpoint(path); break
             except CheckpointError as e:
-                problems.append(str(e)); warnings.warn(f"checkpoint.resume=latest: skipping {path.name}: {e}")
+                problems.append(str(e)); warnings.warn(say(f"checkpoint.resume=latest: skipping {path.name}: {e}"))
         else:
             if not problems: return None
             raise CheckpointError(f"checkpoint.resume=latest: no usable checkpoint in {self.dir}: "

@@ -132,18 +132,20 @@ def parameter_keys(notebook: str | Path) -> dict[str, str]:
 def in_parameter_words(text: str, keys: dict[str, str], # from `parameter_keys`
                        form: str = 'notebook', # 'notebook': `max_length=4175` (a Python value) | 'run': `-p max_length 4175`
                       ) -> str:
-    """Advice `key=value` on a config key a notebook parameter sets, in that parameter's words:
-    `tokenize.max_length=4175` → `max_length=4175`."""
+    """Every config key a notebook parameter sets, in that parameter's words: advice `tokenize.max_length=4175` →
+    `max_length=4175`, a key named alone (`tokenize.chat_template: 'qwen4' names no file`) → the parameter's name."""
     if not keys or not text: return text
     import shlex
     def say(m):
+        if m[2] is None: return keys[m[1]]
         quoted = m[2][:1] in ('"', "'")
         raw = m[2][1:-1] if quoted else m[2]
         if form == 'run': return f"-p {keys[m[1]]} {shlex.quote(raw)}"
         try: return f"{keys[m[1]]}={raw if quoted else read_value(raw, Any, m[1])!r}"
         except ConfigError: return m[0]  # not YAML: the advice as it was
     key = '|'.join(map(re.escape, sorted(keys, key=len, reverse=True)))
-    return re.sub(rf"""(?<![\w.])({key})=('[^']*'|"[^"]*"|[^\s,;:)]*[^\s,;:).])""", say, text)
+    # a key alone ends where no name goes on (`tokenize.max_length.` ends a sentence; `data.train[0]` is another key)
+    return re.sub(rf"""(?<![\w.])({key})(?:=('[^']*'|"[^"]*"|[^\s,;:)]*[^\s,;:).])|(?![\w\[]|\.\w))""", say, text)
 
 # %% ../nbs/11_cli.ipynb #668f4cbc
 def check_parameter_names(ns: dict, # the kernel's globals(): its `In` holds the cells it ran
@@ -585,6 +587,10 @@ def main(argv=None):
     except Preempted as e:
         print(f"sft-nb {cmd}: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt as e:  # Ctrl-C where no `SignalStop` is (inspect, pack): one line, as a refused command
+        print(f"sft-nb {cmd}: {e or 'interrupted'}", file=sys.stderr)
+        if debug: traceback.print_exception(e)
+        sys.exit(128 + signal.SIGINT)
     # bad input and failed runs: what, where, the fix; no traceback
     except (ValueError, RuntimeError, OSError, ImportError) as e:
         print(f"sft-nb {cmd}: error: {e}", file=sys.stderr)

@@ -8,7 +8,7 @@ import html, traceback
 
 # %% auto #0
 __all__ = ['reword', 'UserError', 'MissingFile', 'say', 'error_lines', 'traceback_text', 'folded_traceback_html',
-           'user_error_lines', 'error_html']
+           'user_error_lines', 'error_html', 'Interrupted']
 
 # %% ../nbs/00c_errors.ipynb #c22da413
 class UserError(Exception):
@@ -73,3 +73,8 @@ def error_html(exc: BaseException) -> str:
     return ('<div class="sft-nb-error" style="background:#fdd;color:#b00020;padding:4px 6px;margin:2px 0;'
             'white-space:pre-wrap">'
             f'{body}{folded_traceback_html(exc, open=not isinstance(exc, UserError))}</div>')
+
+# %% ../nbs/00c_errors.ipynb #b26dcf3b
+class Interrupted(KeyboardInterrupt):
+    "Ctrl-C stopped work that leaves nothing half-done: one line (what stopped, what is left), no traceback."
+    def _render_traceback_(self) -> list[str]: return [f'\x1b[1;31mInterrupted\x1b[0m: {self}']

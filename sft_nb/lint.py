@@ -8,7 +8,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
 import pandas as pd
+from .errors import say
 from .formats import BAD_ROW_KEY, BadRow, detect_format, normalize_row
+from .report import template_fix
 from .templates import TemplateError, load_template, probe_template, render, template_features, templates_with
 from .renderers import tokenize_turns
 
@@ -116,10 +118,10 @@ def unrendered(tokenizer, convs: dict, template=None, kw=None) -> tuple | None:
     for i, c in convs.items():
         for f in sorted(data_features(c) - have): missing.setdefault(f, i)
     if not missing: return None
-    fix = lambda f: ' | '.join(templates_with(f)) or 'none shipped'
-    return min(missing.values()), '; '.join(f"{FEATURE_NAMES[f]} (sample {i}): not rendered, never reaches the tokens; "
-                                            f"templates that render it: tokenize.chat_template: {fix(f)}"
-                                            for f, i in missing.items())
+    fix = lambda f: template_fix(templates_with(f)) or 'none shipped'
+    # shown as a table cell, not through an error box: in the notebook's words here
+    return min(missing.values()), say('; '.join(f"{FEATURE_NAMES[f]} (sample {i}): not rendered, never reaches the "
+                                                f"tokens; templates that render it: {fix(f)}" for f, i in missing.items()))
 
 # %% ../nbs/03a_lint.ipynb #52d77969
 @dataclass

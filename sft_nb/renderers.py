@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from .config import TokenizeConfig
 from .formats import FORMATS, BadRow, normalize_row
+from .report import template_fix
 from .templates import (CHAT_TEMPLATES, MAX_TEMPLATE_VALUE, TemplateError, load_template, template_features,
                               template_info)
 from .spans import (REWRITTEN_TURNS, check_turns, expand_turns, mask_from_ranges, render_turns, span_renderer,
@@ -265,7 +266,7 @@ def template_error(e: Exception, # what the template raised
     missing = sorted(row_features(conv) - features()) if conv else []
     fix = [n for n, (_, fs) in CHAT_TEMPLATES.items() if set(missing) <= fs]
     return f"chat template error: {e}" + (f" (the row has {', '.join(missing)}, which this template renders nothing "
-                                          f"of; a template that does: tokenize.chat_template: {' | '.join(fix)})"
+                                          f"of; a template that does: {template_fix(fix)})"
                                           if missing and fix else '')
 
 # %% ../nbs/02e_renderers.ipynb #b1a70d78

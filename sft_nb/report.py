@@ -9,7 +9,7 @@ from fastcore.basics import patch
 from .mix import mix_line
 
 # %% auto #0
-__all__ = ['DataReport']
+__all__ = ['DataReport', 'template_fix']
 
 # %% ../nbs/01d_report.ipynb #c79a1e79
 def _first(rows: list[int], n: int = 5) -> str:
@@ -92,6 +92,12 @@ def too_long_fix(self: DataReport) -> str | None:
     return (f"{keeps}; tokenize.truncation='keep_start' keeps all {n}, cut to max_length; with packing, "
             f"packing.capacity must hold the rows too (by default it is the max_length)")
 
+# %% ../nbs/01d_report.ipynb #d433acf4
+def template_fix(names: list[str]) -> str:
+    """Advice naming shipped chat templates, a `key=value` each: the form `sft_nb.errors.say` puts in a notebook's
+    parameters (`template='qwen3'`); '' for none."""
+    return ' or '.join(f'tokenize.chat_template={n}' for n in names)
+
 # %% ../nbs/01d_report.ipynb #0614e79d
 @patch
 def __str__(self: DataReport):
@@ -118,8 +124,7 @@ def __str__(self: DataReport):
 @patch
 def _lost_line(self: DataReport, kind: str) -> str:
     field = 'reasoning_content' if kind == 'reasoning' else kind
-    fix = (f"; a template that renders it: tokenize.chat_template: {' | '.join(self.keeps[kind])}"
-           if self.keeps.get(kind) else '')
+    fix = f"; a template that renders it: {template_fix(self.keeps[kind])}" if self.keeps.get(kind) else ''
     if kind == 'tools':
         return (f"{self.lost[kind]} examples come with tool schemas (tools) the chat template does not render: "
                 f"the model never sees them ({_first(self.lost_rows)}){fix}")

@@ -10,6 +10,7 @@ import numpy as np
 from .config import ConfigError, TokenizeConfig
 from .formats import BadRow, detect_format
 from .data import load_source, source_columns, source_fingerprint, source_format, source_path
+from .errors import Interrupted
 from .report import DataReport
 from .paths import clean_stale_tmp, live_tmp
 from .cache import cache_key, cache_root, commit_entry, file_fingerprint, index_parts, load_entry, open_parts
@@ -296,6 +297,10 @@ def tokenize_dataset(source, # a SourceConfig, path, DataFrame, list of dicts or
             report = _report(len(raw), stats)
             if not use_cache: return _raise_first(_in_memory(tmp / 'data'), report, on_bad_row)
             commit_entry(tmp, folder, report)
+    except KeyboardInterrupt:  # `live_tmp` took the parts written away: an entry appears only whole
+        raise Interrupted(f"tokenizing {source_path(source) or f'{len(raw)} rows'}: interrupted; "
+                          + (f"the cache ({root}) holds nothing of it, the next run tokenizes it from the start"
+                             if use_cache else "nothing of it is kept")) from None
     except OSError as e:
         # Arrow's writer says it in words
         if e.errno not in (errno.ENOSPC, errno.EDQUOT) and 'No space left' not in str(e): raise

@@ -506,12 +506,13 @@ def shutdown(self: SFTTrainer):
 def retire(old, # what the notebook's `trainer` held before (anything else is left alone)
            timeout: float = 600) -> None:
     """Stop an `SFTTrainer` a notebook is about to replace: its running fit at the next step boundary, then its workers
-    and the Ray it started."""
+    and the Ray it started; a run folder it made and ran nothing in goes with it (`Checkpointer.remove_unused`)."""
     if not isinstance(old, SFTTrainer): return
     if old.request_stop():
         end = time.monotonic() + timeout
         while old.running and time.monotonic() < end: time.sleep(0.05)
     old.shutdown()
+    old.ckpt.remove_unused()
 
 # %% ../nbs/08_trainer.ipynb #ef328302
 @patch

@@ -10,6 +10,8 @@ from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig, TrainConfig
+from .config import ModelConfig, OptimConfig, PlacementConfig
+from .errors import say
 from .paths import folder_aside
 
 # %% auto #0
@@ -607,8 +609,8 @@ def kill(self: LocalGroup):
         try: w.release()
         except Exception as e:  # the next in-process trainer must still find no process group of this one's
             if dist.is_initialized(): dist.destroy_process_group()
-            warnings.warn(f"placement.in_process: releasing the worker failed ({type(e).__name__}: {e}); its process "
-                          "group is destroyed, but its model may stay in memory until the kernel restarts")
+            warnings.warn(say(f"placement.in_process: releasing the worker failed ({type(e).__name__}: {e}); its "
+                              "process group is destroyed, but its model may stay in memory until the kernel restarts"))
     self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
     torch.set_num_threads(self.threads)
     for k, v in self.environ.items():

@@ -52,7 +52,7 @@ def test_mistakes_in_interactive_show_one_box(lab, browser):
 
         nb.run_new_cell("train_data, template = '', 'qwen4'")
         rerun(nb, setup)
-        _check_box(nb, setup, 'TemplateError', "tokenize.chat_template: 'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_interactive_template')
+        _check_box(nb, setup, 'TemplateError', "TemplateError: template: 'qwen4' names no file", "fix: did you mean 'qwen3'?", 'error_interactive_template')
 
         nb.run_new_cell("template, max_length = '', 8")
         rerun(nb, setup)
@@ -77,6 +77,7 @@ def test_mistakes_in_inspect_show_one_box(lab, browser):
         shown = lint.inner_text()
         assert CHECKS['text_after_eot'] in shown and CHECKS['unrendered'] in shown and '...' not in shown, shown
         assert re.search(r'text_after_eot\s+info', shown), shown  # ChatML's newline after <|im_end|> never trains
+        assert "template='qwen2.5' or template='qwen3'" in shown and 'tokenize.' not in shown, shown  # in its parameter's words
         lint.scroll_into_view_if_needed(); nb.shot('lint_table', lint)
 
         nb.run_new_cell("data, max_length = 'nope.jsonl', 2048")

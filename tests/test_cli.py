@@ -95,6 +95,8 @@ def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
     assert [x['step'] for x in recs] == [0] * 4 + [3] * 4 and {x['eval'] for x in recs} == {'heldout'}  # before and after training
     out = '\n'.join(o.get('text', '') for c in nbformat.read(run / 'train.ipynb', as_version=4).cells for o in c.get('outputs', []))
     assert '"steps": 3' in out
+    # the kernel's stderr as the executed notebook keeps it: no Ray INFO line (`Connecting to existing Ray cluster`)
+    assert 'INFO worker.py' not in out and 'Connecting to existing Ray cluster' not in out, out[-3000:]
     assert 'samples at step 0 (heldout):' in out and 'samples at step 3 (heldout):' in out and f"  Q: {recs[0]['prompt']}" in out
     html = (run / 'compare.html').read_text()
     assert 'sft-nb-compare' in html and 'nb train' in html and 'cli train' in html and 'optim.lr' in html  # lr 3e-4 vs tiny.yaml's 3e-3

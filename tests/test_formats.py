@@ -84,10 +84,13 @@ def test_dropped_reasoning_is_reported(tiny_tok, tmp_path):
     _, rep = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512), cache_dir=str(tmp_path))
     assert rep.lost == {'reasoning': 2, 'tool_calls': 1, 'tools': 1} and rep.lost_rows == [1]
     assert "1 examples come with tool schemas (tools) the chat template does not render: the model never sees them (row 1); " \
-           "a template that renders it: tokenize.chat_template: qwen2.5 | qwen3" in str(rep)
+           "a template that renders it: tokenize.chat_template=qwen2.5 or tokenize.chat_template=qwen3" in str(rep)
     assert "2 trained assistant turns carry reasoning_content the chat template does not render: it never reaches the tokens (row 1); " \
-           "a template that renders it: tokenize.chat_template: qwen3" in str(rep)
-    assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template: qwen2.5 | qwen3' in str(rep)
+           "a template that renders it: tokenize.chat_template=qwen3" in str(rep)
+    assert 'tool_calls the chat template does not render' in str(rep) and 'tokenize.chat_template=qwen2.5 or tokenize.chat_template=qwen3' in str(rep)
+    from sft_nb.cli import in_parameter_words, parameter_keys  # in a notebook: its `template` parameter, as Python
+    said = in_parameter_words(str(rep), parameter_keys(Path(__file__).parents[1] / 'examples' / 'inspect.ipynb'))
+    assert "a template that renders it: template='qwen2.5' or template='qwen3'" in said and 'tokenize.' not in said
     _, rep3 = tokenize_dataset(FIX / 'llamafactory_v1.jsonl', tiny_tok, TokenizeConfig(max_length=512, chat_template='qwen3'), cache_dir=str(tmp_path))
     assert rep3.lost == {} and rep3.n_kept == 3 and 'WARNING' not in str(rep3)
     assert rep3.n_trained > rep.n_trained  # the reasoning and the call are trained now
@@ -157,7 +160,7 @@ def test_template_error_names_what_the_template_lacks(shared, tmp_path):
     cfg = TokenizeConfig(chat_template=tpl, max_length=4096)
     _, rep = tokenize_dataset(path, tok, cfg, cache_dir=str(tmp_path))
     tail = ("Conversation roles must alternate user/assistant/user/assistant/... (the row has tool, tool_calls, tools, "
-            "which this template renders nothing of; a template that does: tokenize.chat_template: qwen2.5 | qwen3)")
+            "which this template renders nothing of; a template that does: tokenize.chat_template=qwen2.5 or tokenize.chat_template=qwen3)")
     row, reason, why = rep.bad_rows[0]
     assert (row, reason) == (0, 'template_error') and why.startswith('chat template error: chat template given in tokenize.chat_template') and why.endswith(tail)
     assert Inspector(str(path), tok, cfg, row=0).error == f'template_error: {why}'

@@ -281,3 +281,16 @@ def test_an_interrupt_during_a_save_waits_for_it(tiny_path, tmp_path):
         assert [p.name for p in t.checkpoints()] == ['step_000001']
         assert t.step()['step'] == 2
     finally: t.shutdown()
+
+
+def test_run_all_without_a_step_leaves_one_run_folder(tiny_path, tmp_path):
+    """A notebook's Run All twice without a step leaves one run folder: the retired trainer deletes the one it made and
+    ran nothing in. A trainer that trained and saved a step keeps its folder when retired."""
+    from sft_nb.trainer import retire
+    cfg = lambda name: make_cfg(tiny_path, tmp_path / name, placement__in_process=True, train__num_steps=2)
+    trainer = None
+    for name in ('first', 'second'):  # each Run All: retire the last trainer, set up a new one
+        retire(trainer); trainer = SFTTrainer(cfg(name), train_data=ROWS).setup()
+    assert [p.name for p in tmp_path.iterdir()] == ['second']
+    trainer.step(); trainer.save(); retire(trainer)
+    assert sorted(p.name for p in (tmp_path / 'second').iterdir()) == ['checkpoints', 'config.yaml', 'metrics.jsonl']

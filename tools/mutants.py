@@ -185,6 +185,11 @@ MUTANTS = [
     Mutant('compile_padded_static', "padded batches are not marked dynamic: a new length compiles again",
            [('sft_nb/backends/fsdp.py', 'if self.shared.padded: _mark_dynamic(args, kwargs)', 'pass')],
            tests=['tests/test_compile.py::test_compiled_equals_eager_and_compiles_once_per_shape']),
+    # ---- run folders
+    Mutant('unused_run_dir_ignores_steps', "a retired trainer deletes the run folder it made even when it trained a step there",
+           both('sft_nb/checkpoint.py', 'nbs/07e_checkpoint.ipynb', "if (d / 'metrics.jsonl').exists() and _trained(d / 'metrics.jsonl'): return False",
+                "if False: return False"),
+           notebooks=['nbs/07e_checkpoint.ipynb']),
 ]
 
 
