@@ -10,7 +10,6 @@ from datetime import timedelta
 from typing import Any
 from fastcore.basics import patch
 from .config import ModelConfig, OptimConfig, PlacementConfig, TrainConfig
-from .config import ModelConfig, OptimConfig, PlacementConfig
 from .errors import say
 from .paths import folder_aside
 
