@@ -411,13 +411,17 @@ def kill(self: WorkerGroup):
     "Kill all actors and free the placement group (idempotent)."
     import ray
     from ray.util.placement_group import remove_placement_group
-    for a in getattr(self, 'actors', []):
+    # Ray down (the kernel's shutdown stopped it; a trainer's `__del__` runs after, at exit): the actors and the group
+    # went with it, and a Ray call would start Ray again (its auto-init), the exiting kernel waiting on it until killed
+    up = ray.is_initialized()
+    for a in getattr(self, 'actors', []) if up else []:
         try: ray.kill(a)
         except Exception: pass
     self.actors, self.dead = [], getattr(self, 'dead', None) or 'its workers were killed'
     if getattr(self, 'pg', None) is not None:
-        try: remove_placement_group(self.pg)
-        except Exception: pass
+        if up:
+            try: remove_placement_group(self.pg)
+            except Exception: pass
         self.pg = None
 
 # %% ../nbs/07_workers.ipynb #85d9a225
