@@ -163,6 +163,9 @@ MUTANTS = [
            [('sft_nb/backends/fsdp.py', "model = self._build_model('cpu')  # the checkpoint's weights as stored",
              "model = self._build_model('cpu', __import__('torch').float32)  #")],
            tests=['tests/test_quantize.py::test_nf4_merged_export_is_source_plus_adapter']),
+    Mutant('estimate_drops_logsumexp_temp', "the estimate's peak leaves out the temporary ATen's logsumexp makes inside itself for the loss's logits",
+           [('sft_nb/memory.py', "if lse.peak['Total'] > peak['Total']: peak = lse.peak", "if False: peak = lse.peak")],
+           tests=['tests/test_memory.py::test_estimate_counts_the_loss_logsumexp_temporary']),
 ]
 
 
