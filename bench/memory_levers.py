@@ -68,7 +68,7 @@ def worker(over: list[str], steps: int):
     mods = dict(w.model.named_modules())
     # the layers each lever changed: a lever the build does not apply yet shows 0
     levers = {'quantized': sum(type(m).__module__.startswith('bitsandbytes') for m in mods.values()),
-              'dora': sum(k.endswith('lora_magnitude_vector') for k in mods),
+              'dora': sum(len(m) > 0 for k, m in mods.items() if k.endswith('lora_magnitude_vector')),  # PEFT makes an empty one per LoRA layer
               'tiled': sum(type(m.__dict__.get('forward')).__name__ == 'TiledForward' for m in mods.values())}
     times = []
     for _ in range(steps):

@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 import pandas as pd
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 from .config import ConfigError, SFTConfig
 from .dataplan import synthetic_dataset
 from .dataplan import DataPlan
@@ -19,9 +20,10 @@ from .datareport import long_rows, long_rows_line
 __all__ = ['PARTS', 'MAX_ESTIMATE_TOKENS', 'QUANT_BITS', 'ESTIMATE_FIELDS', 'MAX_ESTIMATE_RANKS', 'LEVERS', 'FIT_TILE',
            'ROW_GAIN', 'FIT_BLOCKS', 'rank_memory', 'reset_peak_memory', 'rank_now', 'rank_capacity', 'warm_optimizer',
            'measure_step', 'fsdp_only', 'largest_micro_batch', 'dry_run_batch', 'dry_run_verdict', 'parts_of',
-           'estimate_data', 'estimate_batch', 'synthetic_targets', 'quantized_bytes', 'base_linears', 'with_levers',
-           'step_memory', 'estimable', 'estimable_cluster', 'estimable_run', 'estimate', 'estimate_report', 'data_fit',
-           'shallow_model', 'lever_cost', 'lever_combos', 'lever_text', 'fit_levers', 'fit_report']
+           'estimate_data', 'estimate_batch', 'synthetic_targets', 'quantized_bytes', 'base_linears',
+           'mapped_checkpoint', 'with_levers', 'LogsumexpTemp', 'step_memory', 'estimable', 'estimable_cluster',
+           'estimable_run', 'estimate', 'estimate_report', 'data_fit', 'shallow_model', 'lever_cost', 'lever_combos',
+           'lever_text', 'fit_levers', 'fit_report']
 
 # %% ../nbs/08e_memory.ipynb #7c118ded
 def rank_memory(use_gpu: bool = False) -> dict:
@@ -274,6 +276,15 @@ def base_linears(cfg: SFTConfig) -> tuple[int, int]:
     lins = [x for x in m.modules() if isinstance(x, torch.nn.Linear) and x is not head]
     return sum(x.weight.numel() for x in lins), sum(x.out_features for x in lins)
 
+# %% ../nbs/08e_memory.ipynb #c4f1bdae
+def mapped_checkpoint(cfg: SFTConfig) -> int:
+    """Host bytes of the checkpoint a CPU rank with a quantized base keeps mapped: its base linears (`base_linears`) in
+    the dtype config.json stores them in (fp32 when it does not say)."""
+    from sft_nb.models import model_config
+    d = getattr(model_config(cfg.model.path).get_text_config(), 'dtype', None) or torch.float32
+    return base_linears(cfg)[0] * (getattr(torch, d) if isinstance(d, str) else d).itemsize
+
+
 # %% ../nbs/08e_memory.ipynb #fe196ac1
 def with_levers(m, # the run's `ModelConfig`: its quantize, activation_offload, cpu_offload
                 peak: dict, kept: dict, # `step_memory`'s kinds of a step traced without those three
@@ -296,6 +307,20 @@ def with_levers(m, # the run's `ModelConfig`: its quantize, activation_offload, 
         for d in (peak, kept): d.update({k: 0 for k in ('Sharded Param', 'Sharded Grad', 'OptState')})
     for d in (peak, kept): d['Total'] = sum(v for k, v in d.items() if k != 'Total')
     return peak, kept
+
+# %% ../nbs/08e_memory.ipynb #d917e331
+class LogsumexpTemp(TorchDispatchMode):
+    "Inside a `FSDPMemTracker`: `peak`, the {kind: bytes} of the tracker's current memory plus a logsumexp's temporary (kind 'Temp'), at its largest call."
+    def __init__(self, tracker):
+        super().__init__(); self.tracker, self.peak = tracker, {'Total': 0}
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.logsumexp.default:  # `(x - max).exp_()`: one more tensor of its input's size
+            (now,) = self.tracker.get_tracker_snapshot('current').values()
+            now = {str(getattr(k, 'value', k)): v for k, v in now.items()}
+            if (total := now['Total'] + args[0].nbytes) > self.peak['Total']:
+                self.peak = now | {'Temp': now.get('Temp', 0) + args[0].nbytes, 'Total': total}
+        return func(*args, **(kwargs or {}))
+
 
 # %% ../nbs/08e_memory.ipynb #7aba08ee
 def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
@@ -340,7 +365,7 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
             warm_optimizer(opt)  # a later step's: Adam's state is held through forward and backward
             tracker = FSDPMemTracker(model, opt)
             with tracker:
-                s, _, _ = w.nll(mb, loss_inputs=(inputs, sel, tgt, wt))
+                with LogsumexpTemp(tracker) as lse: s, _, _ = w.nll(mb, loss_inputs=(inputs, sel, tgt, wt))
                 (fwd,) = tracker.get_tracker_snapshot('current').values()  # what the forward keeps for backward
                 s.backward(); opt.step()
                 # sharded weights, gradients, optimizer state: what a run keeps
@@ -349,6 +374,7 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
         (peak,) = tracker.get_tracker_snapshot('peak').values()
         named = lambda d: {str(getattr(k, 'value', k)): v for k, v in d.items()}
         peak, kept = named(peak), named(after) | {k: v for k, v in named(fwd).items() if k in PARTS['activations']}
+        if lse.peak['Total'] > peak['Total']: peak = lse.peak  # the loss's logsumexp set it (`LogsumexpTemp`)
         if levers:
             base = base_linears(cfg) if cfg.model.quantize != 'none' else (0, 0)
             peak, kept = with_levers(cfg.model, peak, kept, world, model.config.get_text_config().num_hidden_layers, base)
@@ -437,9 +463,11 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     if device == 'cpu': import ray  # noqa: F401  (a CPU rank is a Ray actor: its runtime has Ray too)
     d = estimate_data(cfg) if data else None
     peak, after, shape, runtime = step_memory(cfg, world, dtype, d)
-    base = runtime if device == 'cpu' else 0
+    # host memory a CPU rank holds beside its tensors: its runtime, and a quantized base's mapped checkpoint
+    mapped = mapped_checkpoint(cfg) if device == 'cpu' and cfg.model.quantize != 'none' else 0
+    base = runtime + mapped if device == 'cpu' else 0
     kept, at_peak = parts_of(after), parts_of(peak)
-    parts = kept | ({'runtime': base} if base else {})
+    parts = kept | ({'runtime': runtime} if base else {}) | ({'mapped checkpoint': mapped} if mapped else {})
     cap, cap_from = ((int(gpu_memory * 2**30), f'--gpu-memory {gpu_memory:g} GiB')
                      if device == 'cuda' else rank_capacity())
     ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap,

@@ -97,3 +97,35 @@ def test_estimate_fit_refuses_a_missing_gpu_memory_by_name():
     assert rc == 2 and 'sft-nb estimate: error: --fit: needs --gpu-memory, the GiB of one GPU the levers must fit in' in err, err
     rc, out, err = cli('estimate', 'examples/tiny.yaml', '--fit', '--gpu-memory', '24', '--no-data')
     assert rc == 2 and '--fit, --no-data: --fit steps on rows of tokenize.max_length already' in err, err
+
+
+def test_estimate_counts_the_loss_logsumexp_temporary(tmp_path):
+    """The estimate's peak holds, beside the loss's chunk of fp32 logits, the temporary of their size ATen's logsumexp
+    makes inside itself (`LogsumexpTemp`): with LoRA and full checkpointing on the tiny model with a 32k vocabulary, that
+    moment sets the peak (a fake step; config.json alone)."""
+    import json
+    from pathlib import Path
+    from sft_nb.config import load_config
+    from sft_nb.memory import step_memory
+    from sft_nb.models import resolve_model_path
+    raw = json.loads((Path(resolve_model_path('tiny')) / 'config.json').read_text()) | {'vocab_size': 32768}
+    (tmp_path / 'config.json').write_text(json.dumps(raw))
+    cfg = load_config(None, [f'model.path={tmp_path}', 'tokenize.max_length=256', 'train.micro_batch_size=1',
+                             'train.global_batch_size=1', 'model.lora_r=4', 'model.activation_checkpointing=full'])
+    peak = step_memory(cfg, 1)[0]
+    chunk = 255 * 32768 * 4  # 255 trained positions' fp32 logits
+    assert peak['Temp'] >= chunk and peak['Activation'] + peak['Temp'] >= 2 * chunk, peak
+
+
+def test_cpu_estimate_of_a_quantized_base_counts_its_mapped_checkpoint():
+    """On CPU ranks a quantized base's checkpoint stays mapped, the pages of its linears read while quantizing them in
+    the rank's RSS: `estimate(device='cpu')` adds them as a part (fp32 tiny model: 4 bytes a weight) and its peak holds
+    them; on GPUs that memory is the host's, not the GPU's, and the estimate leaves it out."""
+    from sft_nb.config import load_config
+    from sft_nb.memory import base_linears, estimate
+    cfg = load_config(None, ['model.lora_r=8', 'model.quantize=nf4', 'tokenize.max_length=64'])
+    r = estimate(cfg, device='cpu', data=False)['ranks'][0]
+    assert r['parts']['mapped checkpoint'] == 4 * base_linears(cfg)[0], r['parts']
+    assert r['peak'] == sum(r['at_peak'].values()) + r['parts']['runtime'] + r['parts']['mapped checkpoint']
+    g = estimate(cfg, gpu_memory=24, data=False)['ranks'][0]
+    assert 'mapped checkpoint' not in g['parts'] and g['peak'] == sum(g['at_peak'].values()), g['parts']

@@ -190,6 +190,9 @@ MUTANTS = [
            both('sft_nb/checkpoint.py', 'nbs/07e_checkpoint.ipynb', "if (d / 'metrics.jsonl').exists() and _trained(d / 'metrics.jsonl'): return False",
                 "if False: return False"),
            notebooks=['nbs/07e_checkpoint.ipynb']),
+    Mutant('estimate_drops_logsumexp_temp', "the estimate's peak leaves out the temporary ATen's logsumexp makes inside itself for the loss's logits",
+           [('sft_nb/memory.py', "if lse.peak['Total'] > peak['Total']: peak = lse.peak", "if False: peak = lse.peak")],
+           tests=['tests/test_memory.py::test_estimate_counts_the_loss_logsumexp_temporary']),
 ]
 
 
