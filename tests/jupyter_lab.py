@@ -94,9 +94,9 @@ class Notebook:
         "Poll the page until the JavaScript predicate `js` holds, up to the deadline."
         self.page.wait_for_function(js, timeout=self.left_ms(), polling=polling)
 
-    def see(self, locator):
-        "Wait, up to the deadline, until `locator` is on the page; returns it."
-        locator.wait_for(timeout=self.left_ms())
+    def see(self, locator, within_s: float | None = None):
+        "Wait, up to the deadline (or `within_s`, for what comes at once), until `locator` is on the page; returns it."
+        locator.wait_for(timeout=self.left_ms() if within_s is None else min(self.left_ms(), within_s * 1000))
         return locator
 
     def session(self) -> dict | None:
@@ -132,13 +132,19 @@ class Notebook:
         assert err.count() == 0, f'a cell failed: {err.first.inner_text()[-3000:]}'
 
     def run_new_cell(self, code: str):
-        "Append a cell at the end, type `code` into it and run it (Shift+Enter); returns the cell."
-        cells = self.page.locator('.jp-NotebookPanel .jp-Cell')
-        cells.last.click()
+        """Append a cell at the end, type `code` into it and run it (Shift+Enter); returns the cell.
+        Each step waits for the page to show it: on a loaded machine the new cell can appear after a fixed pause, and
+        typing then went into the cell above (a SyntaxError, which has no traceback header a test could wait for)."""
+        cells = self.page.locator('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell')
+        n = cells.count()
+        cells.last.locator('.jp-InputPrompt').click()
         self.page.keyboard.press('Escape'); self.page.keyboard.press('b')
-        self.page.wait_for_timeout(300)
-        cells.last.locator('.cm-content').click()
+        self.until(f"() => document.querySelectorAll('.jp-NotebookPanel:not(.lm-mod-hidden) .jp-Cell').length === {n + 1}", polling=100)
+        new = cells.nth(n)
+        new.locator('.cm-content').click()
         self.page.keyboard.type(code)
+        typed = new.locator('.cm-content').inner_text().strip()
+        assert typed == code, f'typed {code!r} into a new cell, it holds {typed!r}'
         self.page.keyboard.press('Shift+Enter')
         # found by its code: running the last cell appends another one, so "the last cell" moves
         return self.page.locator('.jp-NotebookPanel .jp-CodeCell', has=self.page.locator('.cm-content', has_text=code)).last

@@ -126,7 +126,7 @@ def test_step_fit_stop_evaluate(run):
     assert 'alive fit True' in cell.locator('.jp-OutputArea-output').inner_text()  # action names it, running is a bool
     # a second run from a cell is refused with a clear error, and the panel's fit goes on
     run.busy_cell = nb.run_new_cell('trainer.fit()')
-    err = nb.see(nb.errors_shown(run.busy_cell))
+    err = nb.see(nb.errors_shown(run.busy_cell), within_s=120)  # the refusal is immediate: a miss costs 2 min, not the test's deadline
     assert 'TrainerBusy' in err.inner_text() and 'trainer.fit() is running in another thread' in err.inner_text()
     assert nb.user_errors(run.busy_cell).count() == 1  # the user's mistake: one short box, its traceback folded
     assert 'Traceback (most recent call last)' not in run.busy_cell.locator('.jp-OutputArea').inner_text()
