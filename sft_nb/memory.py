@@ -290,15 +290,16 @@ def with_levers(m, # the run's `ModelConfig`: its quantize, activation_offload, 
                 peak: dict, kept: dict, # `step_memory`'s kinds of a step traced without those three
                 world: int, layers: int, # ranks; decoder blocks
                 base: tuple[int, int] = (0, 0), # `base_linears(cfg)` (quantize only)
+                stored: int = 4, # bytes a frozen base weight takes as traced: the compute dtype's (`store_frozen_in`)
                ) -> tuple[dict, dict]:
     """(peak, kept) as the levers a trace does not run change them (each sum of kinds `Total` again):
     `quantize` holds the base linears whole on every rank at `quantized_bytes` (the worker leaves them out of FSDP2's
-    shards) instead of their fp32 shards (the one block's weights gathered for compute stay: its dequantized copy); `activation_offload` keeps on the GPU two blocks' worth of the activations
+    shards) instead of their shards as traced (`stored` bytes a weight) (the one block's weights gathered for compute stay: its dequantized copy); `activation_offload` keeps on the GPU two blocks' worth of the activations
     the forward saves (the one backward runs and the next, fetched ahead), the rest in host memory; `cpu_offload` keeps
     the sharded weights, gradients and optimizer state in host memory (the gathered block and its gradient stay)."""
     peak, kept = dict(peak), dict(kept)
     if m.quantize != 'none':
-        cut = 4 * base[0] / world - quantized_bytes(m.quantize, *base)
+        cut = stored * base[0] / world - quantized_bytes(m.quantize, *base)
         for d in (peak, kept): d['Sharded Param'] = d.get('Sharded Param', 0) - cut
     if m.activation_offload:
         cut = kept.get('Activation', 0) * max(0, 1 - 2 / layers)
@@ -377,7 +378,8 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
         if lse.peak['Total'] > peak['Total']: peak = lse.peak  # the loss's logsumexp set it (`LogsumexpTemp`)
         if levers:
             base = base_linears(cfg) if cfg.model.quantize != 'none' else (0, 0)
-            peak, kept = with_levers(cfg.model, peak, kept, world, model.config.get_text_config().num_hidden_layers, base)
+            peak, kept = with_levers(cfg.model, peak, kept, world, model.config.get_text_config().num_hidden_layers, base,
+                                     dtype.itemsize)
         return peak, kept, tuple(mb['input_ids'].shape), runtime
     finally: dist.destroy_process_group()
 
@@ -604,13 +606,13 @@ def _lever_traces(cfg: SFTConfig, world: int, dtype, ac: str, tile: int, tokens:
 
 # %% ../nbs/08e_memory.ipynb #90b57cc5
 def _fit_row(m, combo: dict, lines: dict, world: int, layers: int, base: tuple, n: int, room: float,
-             lim: int | None) -> dict:
+             lim: int | None, stored: int) -> dict:
     """One combination's peak on rows of `n` tokens and the longest row within `room` bytes, from its traces: each kind
     extrapolated to `layers` blocks, then `with_levers`; a tiled MLP runs as the untiled one on rows of one tile."""
     mc = dataclasses.replace(m, **combo)
     def peak(key, t):
         pk, kp = ({k: v[i] for k, v in lines[key].items()} for i in (0, 1))
-        return with_levers(mc, _extrapolate(pk, layers, t), _extrapolate(kp, layers, t), world, layers, base)[0]['Total']
+        return with_levers(mc, _extrapolate(pk, layers, t), _extrapolate(kp, layers, t), world, layers, base, stored)[0]['Total']
     def longest(key):  # where the peak, affine in the row's tokens between its traced lengths, meets `room`
         t1, t2 = sorted({t for _, t in lines[key]}); a, b = peak(key, t1), peak(key, t2)
         return float('inf') if b <= a else t1 + (room - a) / ((b - a) / (t2 - t1))
@@ -690,7 +692,7 @@ def fit_levers(cfg: SFTConfig, # the run's config (model.path may hold only conf
     base = tuple(x + (layers - l1) / (l2 - l1) * (y - x) for x, y in zip(b1, b2))  # exact: linears by block
     runtime = next(iter(lines['none', 0].values()))[3] if device == 'cpu' else 0
     cap = int(gpu_memory * 2**30) if device == 'cuda' else rank_capacity()[0]
-    rows = [_fit_row(run.model, c, lines, world, layers, base, n, cap - runtime, lim) for c in combos]
+    rows = [_fit_row(run.model, c, lines, world, layers, base, n, cap - runtime, lim, dtype.itemsize) for c in combos]
     for r in rows: r['peak'] += runtime; r['config'] = all(getattr(m, k) == v for k, v in r['levers'].items())
     return _fit_verdict(cfg, rows, cap, world, device) | {'fit_s': time.perf_counter() - t0}
 

@@ -24,7 +24,8 @@ logging.getLogger('bitsandbytes.backends.cpu.ops').setLevel(logging.ERROR)
 
 # %% auto #0
 __all__ = ['FSDPWorker', 'decoder_blocks', 'fsdp_units', 'rebuild_buffers', 'no_kv_cache', 'checkpoint_blocks', 'CompiledBlocks',
-           'CompiledForward', 'compile_blocks', 'lora_config', 'bnb_config', 'quantized_params', 'trained_token_stats']
+           'CompiledForward', 'compile_blocks', 'lora_config', 'bnb_config', 'quantized_params', 'store_frozen_in',
+           'trained_token_stats']
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #eaa19284
 def _model_cls(path):
@@ -250,9 +251,22 @@ def _build_model(self: FSDPWorker, device: str = 'cpu', # where it is built ('me
     return model
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #986bf121
+def store_frozen_in(model, dtype, keep: set = frozenset()) -> int: # `keep`: parameters left in their dtype
+    """Keep `model`'s frozen floating-point parameters (a LoRA run's base, a teacher) in the compute dtype `dtype`, in
+    place; returns how many were cast. FSDP2's mixed precision casts every parameter to `dtype` at its all-gather, so
+    the step computes the same numbers; an fp32 copy of a weight that takes no update and has no optimizer state is
+    only memory: 2 bytes a weight in bf16, not 4 (FSDP2 asks a uniform dtype of the trainable parameters alone).
+    Quantized weights (integer storage) are left as they are."""
+    n = 0
+    for p in model.parameters():
+        if not p.requires_grad and p.is_floating_point() and p.dtype != dtype and p not in keep:
+            p.data, n = p.data.to(dtype), n + 1
+    return n
+
 @patch
 def _shard(self: FSDPWorker, model, dtype):
     import torch
+    store_frozen_in(model, dtype)
     from torch.distributed.fsdp import fully_shard, MixedPrecisionPolicy
     from torch.distributed.device_mesh import init_device_mesh
     mesh = init_device_mesh(self.device.type, (self.world_size,))
@@ -460,8 +474,8 @@ def _build_teacher(self: FSDPWorker, dtype): # the student's compute dtype
     from torch.distributed.device_mesh import init_device_mesh
     whole = [head] + ([emb] if head.weight is emb.weight else [])
     for m in whole: m.to(self.device)
-    kw = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)),
-              ignored_params={p for m in whole for p in m.parameters()},
+    store_frozen_in(teacher, dtype, keep := {p for m in whole for p in m.parameters()})  # the head whole, in its dtype
+    kw = dict(mesh=init_device_mesh(self.device.type, (self.world_size,)), ignored_params=keep,
               mp_policy=MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32))
     for unit in fsdp_units(teacher):
         if not any(m is u for m in whole for u in unit): fully_shard(unit if len(unit) > 1 else unit[0], **kw)
@@ -557,12 +571,13 @@ def full_state(self: FSDPWorker) -> dict:
 @patch
 def hf_model(self: FSDPWorker, state: dict, lora_export: str = 'merged'):
     """A CPU Hugging Face model holding the full `state` (what `export_hf` saves): LoRA merged, or the PeftModel itself
-    with `lora_export='adapter'` (its `save_pretrained` writes the adapter only). A quantized run's adapter goes onto
-    the base's original weights, read from its checkpoint files, not onto the dequantized ones it trained against."""
+    with `lora_export='adapter'` (its `save_pretrained` writes the adapter only). A LoRA run's adapter goes onto the
+    base's original weights, read from its checkpoint files: not onto the dequantized ones a quantized run trained
+    against, nor the bf16 copies a bf16 run keeps (`store_frozen_in`)."""
     import sys
     model = self._build_model('cpu')  # the checkpoint's weights as stored
+    if self.mcfg.lora_r > 0: state = {k: v for k, v in state.items() if '.lora_' in k}  # the adapter (and DoRA's magnitudes) alone
     if (q := self.mcfg.quantize) != 'none':
-        state = {k: v for k, v in state.items() if '.lora_' in k}  # the adapter (and DoRA's magnitudes) alone
         if lora_export != 'adapter':
             print(f"export: model.quantize {q}: the LoRA adapter is merged into the original weights of {self.path} "
                   f"(its checkpoint files), not into the {q} weights it trained against", file=sys.stderr)
