@@ -73,8 +73,9 @@ def test_estimate_sees_the_tiling(tiny_path, tmp_path):
     assert untiled - tiled > 0.5 * 2 * 3 * (1024 - 128) * 384 * 4, (untiled, tiled)
 
 
-def test_activation_offload_on_cpu_workers_is_refused(tiny_path):
+@pytest.mark.parametrize('key', ['cpu_offload', 'activation_offload'])
+def test_offload_on_cpu_workers_is_refused(tiny_path, key):
     from sft_nb.backends.fsdp import FSDPWorker
-    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path), activation_offload=True), OptimConfig(), total_steps=1)
-    with pytest.raises(ConfigError, match=r'model.activation_offload: needs GPU workers \(placement.use_gpu\)') as e: w.setup()
-    assert e.value.fix == 'set model.activation_offload: false'
+    w = FSDPWorker(0, 1, ModelConfig(path=str(tiny_path), **{key: True}), OptimConfig(), total_steps=1)
+    with pytest.raises(ConfigError, match=rf'model.{key}: needs GPU workers \(placement.use_gpu\)') as e: w.setup()
+    assert e.value.fix == f'set model.{key}: false'

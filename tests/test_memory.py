@@ -23,14 +23,6 @@ def test_memory_options_keep_losses_and_gradients(tiny_path):
     assert ref['losses'][-1] < ref['losses'][0]
 
 
-def test_cpu_offload_on_cpu_workers_is_refused(tiny_path):
-    import pytest
-    from sft_nb.backends.fsdp import FSDPWorker
-    from sft_nb.config import ModelConfig, OptimConfig
-    w = FSDPWorker(0, 2, ModelConfig(path=str(tiny_path), cpu_offload=True), OptimConfig(), total_steps=1)
-    with pytest.raises(ValueError, match='model.cpu_offload: needs GPU workers'): w.setup()
-
-
 ESTIMATES = {  # name: sft-nb estimate's arguments after examples/tiny.yaml
     'rows_of_2e8_tokens': ['tokenize.max_length=200000000', 'tokenize.extend_context=true', '--no-data'],
     'micro_batch_of_50000': ['train.micro_batch_size=50000', 'train.global_batch_size=50000', '--no-data'],

@@ -338,13 +338,11 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
 @patch
 def setup(self: FSDPWorker):
     import torch
-    if self.mcfg.cpu_offload and not self.use_gpu:  # FSDP2 offload pins host memory for an accelerator
-        raise ValueError("model.cpu_offload: needs GPU workers (placement.use_gpu); CPU workers keep everything in "
-                         "host memory already")
-    if self.mcfg.activation_offload and not self.use_gpu:  # it moves activations from the GPU to host memory
-        from sft_nb.config import ConfigError
-        raise ConfigError("model.activation_offload: needs GPU workers (placement.use_gpu); CPU workers keep "
-                          "activations in host memory already", fix="set model.activation_offload: false")
+    for key, what in (('cpu_offload', 'weights, gradients and optimizer state'), ('activation_offload', 'activations')):
+        if getattr(self.mcfg, key) and not self.use_gpu:  # both move memory from a GPU to the host's
+            from sft_nb.config import ConfigError
+            raise ConfigError(f"model.{key}: needs GPU workers (placement.use_gpu); CPU workers keep {what} in host "
+                              "memory already", fix=f"set model.{key}: false")
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     model = self.build(dtype)
