@@ -92,8 +92,8 @@ def _cmdline(pid: int) -> str:
     except OSError: return ''
 
 
-def test_run_all_three_times_leaves_one_trainer(lab, browser):
-    """interactive.ipynb Run All three times in one kernel, its worker under Ray (`in_process = False`): each run retires
+def test_run_all_twice_leaves_one_trainer(lab, browser):
+    """interactive.ipynb Run All twice in one kernel, its worker under Ray (`in_process = False`): each run retires
     the trainer before it, so one worker process remains. Then the 20-step run, done, continues to 30 from a cell: steps
     1-20 and the chart's eval points stay. No Ray INFO line shows; the kernel, shut down with Ray up, leaves no Ray
     process and no stack dump."""
@@ -105,7 +105,7 @@ def test_run_all_three_times_leaves_one_trainer(lab, browser):
                                             {'num_steps': '20', 'eval_every': '10', 'early_stopping': '0', 'keep_best': 'False',
                                              'in_process': 'False'}))
     try:
-        for k in range(3):
+        for k in range(2):
             nb.run_all()
             nb.see(nb.page.locator('.sft-nb-panel').first)
             if k: continue
@@ -124,7 +124,7 @@ def test_run_all_three_times_leaves_one_trainer(lab, browser):
         (kpid,) = [int(p.name) for p in __import__('pathlib').Path('/proc').glob('[0-9]*') if f'kernel-{kernel}' in _cmdline(int(p.name))]
         workers = [p for p in _descendants(kpid) if _cmdline(p).startswith('ray::FSDPWorker')]
         assert len(workers) == 1, [_cmdline(p) for p in workers]
-        nb.shot('run_all_three_times', nb.page.locator('.sft-nb-panel').first, ('#388e3c', '#e5ecf6'))  # Fit enabled, the empty chart
+        nb.shot('run_all_twice', nb.page.locator('.sft-nb-panel').first, ('#388e3c', '#e5ecf6'))  # Fit enabled, the empty chart
         from jupyter_lab import button, status
         button(nb, 'Fit').click()
         nb.until("() => document.querySelector('.sft-nb-status').textContent.includes('step 20/20')")
