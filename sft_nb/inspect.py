@@ -242,6 +242,7 @@ def _ink(bg: str) -> str:
 
 # %% ../nbs/03_inspect.ipynb #981bdd9a
 def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
+    if view == 'train' and 'loss' in losses: return scale_color(float(losses['loss'][pos]))  # the run's own loss
     now = float(losses['nll'][pos])
     if view == 'diff' and losses.get('before_nll') is not None:
         return scale_color(now - float(losses['before_nll'][pos]), DELTA_SCALE)
@@ -249,8 +250,8 @@ def _loss_bg(losses: dict, pos: int, view: str = 'now') -> str:
 
 # %% ../nbs/03_inspect.ipynb #77be2660
 def loss_title(losses: dict, pos: int, tokenizer=None) -> str:
-    """Hover text of a scored token: its loss, the change since its first scoring, the top-k alternatives ('' where not
-    scored)."""
+    """Hover text of a scored token: its loss, the change since its first scoring, the top-k alternatives, and where the
+    run trains another loss (distillation) that loss and the teacher's top-k ('' where not scored)."""
     import math
     v = float(losses['nll'][pos])
     if math.isnan(v): return ''
@@ -258,17 +259,22 @@ def loss_title(losses: dict, pos: int, tokenizer=None) -> str:
     b = losses.get('before_nll')
     if b is not None and not math.isnan(float(b[pos])):
         out += f' (first {float(b[pos]):.3f}, Δ {v - float(b[pos]):+.3f})'
-    ids = [int(i) for i in losses['top_ids'][pos]]
-    names = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
-    return out + ' | top: ' + ', '.join(f'{n!r} {float(p):.0%}' for n, p in zip(names, losses['top_p'][pos]))
+    def top(ids_key, p_key):
+        ids = [int(i) for i in losses[ids_key][pos]]
+        names = tokenizer.convert_ids_to_tokens(ids) if tokenizer is not None else [str(i) for i in ids]
+        return ', '.join(f'{n!r} {float(p):.0%}' for n, p in zip(names, losses[p_key][pos]))
+    out += ' | top: ' + top('top_ids', 'top_p')
+    if 'loss' in losses: out += f" | train loss {float(losses['loss'][pos]):.3f}"
+    return out + (' | teacher: ' + top('teacher_ids', 'teacher_p') if 'teacher_ids' in losses else '')
 
 # %% ../nbs/03_inspect.ipynb #35a18d3c
 def loss_summary(losses: dict, view: str = 'now') -> str:
     "The loss part of a row's summary line: mean and max over its trained tokens (and the change in the diff view)."
     import numpy as np
-    v = np.asarray(losses['nll'], dtype=float); v = v[~np.isnan(v)]
+    key, name = ('loss', 'train loss') if view == 'train' and 'loss' in losses else ('nll', 'loss')
+    v = np.asarray(losses[key], dtype=float); v = v[~np.isnan(v)]
     if not len(v): return ' · no trained token scored'
-    s = f" · loss mean {v.mean():.3f} max {v.max():.3f}" + (f" (step {losses['step']})"
+    s = f" · {name} mean {v.mean():.3f} max {v.max():.3f}" + (f" (step {losses['step']})"
                                                             if losses.get('step') is not None else '')
     b = losses.get('before_nll')
     if view == 'diff' and b is not None:
@@ -284,7 +290,8 @@ def loss_legend_html(view: str = 'now') -> str:
     if view == 'diff':
         items, label = ([(x, scale_color(x, DELTA_SCALE), f'{x:+d}') for x in (-4, -2, -1, 0, 1, 2, 4)],
                         'Δ loss since first scored (nats): easier ← → harder')
-    else: items, label = [(x, scale_color(x), f'{x}' + ('+' if x == 8 else '')) for x in range(0, 9)], 'loss (nats)'
+    else: items, label = ([(x, scale_color(x), f'{x}' + ('+' if x == 8 else '')) for x in range(0, 9)],
+                          'train loss (nats): the run\'s own, per token' if view == 'train' else 'loss (nats)')
     sw = ''.join(f'<span class="k" style="background:{c};color:{_ink(c)};border-color:transparent">{t}</span>'
                  for _, c, t in items)
     return f'<div class="loss-legend" data-view="{view}">{label} {sw}</div>'
@@ -355,7 +362,10 @@ class Inspector:
         self.view = W.ToggleButtons(options=['tokens', 'text'], value=view)
         self.html = W.HTML()
         self.scorer, self.k, self.losses, self.first_losses = trainer, k, [], {}
-        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')], value='now',
+        # a run that trains another loss than the NLL (distillation: `train.loss: kd`) shades by that one too
+        own = getattr(getattr(getattr(trainer, 'cfg', None), 'train', None), 'loss', 'nll')
+        self.loss_view = W.ToggleButtons(options=[('loss now', 'now'), ('before training → now', 'diff')]
+                                         + ([(f'{own} loss', 'train')] if own != 'nll' else []), value='now',
                                          style={'button_width': 'auto'},
                                          layout=W.Layout(display='' if trainer is not None else 'none'))
         self.widget = W.VBox([W.HBox([self.source, self.row, self.row_box]),

@@ -56,3 +56,34 @@ def test_ranked_rows_open_in_loss_mode(lab, browser):
     cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
     nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
     nb.close()
+
+
+def test_a_distillation_run_shades_by_its_kd_loss(lab, browser, tmp_path):
+    """lens.ipynb with `teacher`: a tiny model trained 30 steps on the same rows is the teacher, the run distills from
+    it (`train.loss: kd`), and the inspector's 'kd loss' view shades each trained chip by its distillation loss; the
+    hover names that loss and the teacher's top guesses beside the student's."""
+    from jupyter_lab import with_params
+    from sft_nb.demo_data import identity_rows
+    from sft_nb.models import tiny_chat_model
+    from sft_nb.trainer import SFTTrainer
+    from helpers import run_cfg
+    with SFTTrainer(run_cfg(tiny_chat_model(), tmp_path / 'teacher', train__num_steps=30, train__micro_batch_size=4, optim__lr=3e-3,
+                            placement__in_process=True), train_data=identity_rows()['train']) as t:
+        t.fit(); teacher = t.export(tmp_path / 'teacher_hf')
+    nb = Notebook(browser, lab, with_params('lens.ipynb', 'lens_kd.ipynb', {'teacher': repr(str(teacher)), 'num_steps': '5'}))
+    try:
+        nb.run_all()
+        ranked = nb.page.locator('.sft-nb-ranked')
+        ranked.locator('button.jupyter-button', has_text=re.compile(r'^#1 ')).click()
+        nb.until("() => document.querySelector('.sft-nb-ranked .sft-nb-inspector .widget-html')?.textContent.includes('loss mean')")
+        ranked.locator('.sft-nb-inspector .widget-toggle-buttons button', has_text='kd loss').click()
+        nb.until('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="train"]')''')
+        h = ranked.locator('.sft-nb-inspector .widget-html').first.inner_text()
+        assert 'train loss mean' in h, h[:500]
+        title = ranked.locator('.sft-nb-inspector .sftnb span.k.loss').first.get_attribute('title')
+        assert re.search(r'\| top: .* \| train loss \d+\.\d{3} \| teacher: ', title), title
+        ranked.scroll_into_view_if_needed(); nb.shot('lens_kd_loss', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
+        nb.check_clean()
+        cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
+        nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
+    finally: nb.close()
