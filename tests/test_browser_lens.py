@@ -1,6 +1,7 @@
 """The loss lens in a real JupyterLab + headless Chromium (the session's server and browser, tests/jupyter_lab.py): examples/lens.ipynb
-trains a few steps on the tiny model and lists the hardest rows; a click on one opens it in the inspector in loss
-mode (chips shaded by loss, a legend), and the "before training → now" toggle shades the change. Screenshots:
+trains a few steps on the tiny model, distilling from a teacher, and lists the hardest rows; a click on one opens it in
+the inspector in loss mode (chips shaded by loss, a legend), the "before training → now" toggle shades the change, and
+"kd loss" shades the distillation loss (the teacher's guesses on hover). Screenshots:
 `build/browser/lens_*.png`."""
 from __future__ import annotations
 import re
@@ -15,8 +16,18 @@ def _inspector_html(nb) -> str:
     return nb.page.locator('.sft-nb-ranked .sft-nb-inspector .widget-html').first.inner_html()
 
 
-def test_ranked_rows_open_in_loss_mode(lab, browser):
-    nb = Notebook(browser, lab, 'lens.ipynb')
+def test_ranked_rows_open_in_loss_mode(lab, browser, tmp_path):
+    """The run distills (lens.ipynb's `teacher`: the tiny model trained 30 steps on the same rows), so one Run All shows
+    the NLL views every run has and the 'kd loss' view a distillation run adds."""
+    from jupyter_lab import with_params
+    from sft_nb.demo_data import identity_rows
+    from sft_nb.models import tiny_chat_model
+    from sft_nb.trainer import SFTTrainer
+    from helpers import run_cfg
+    with SFTTrainer(run_cfg(tiny_chat_model(), tmp_path / 'teacher', train__num_steps=30, train__micro_batch_size=4, optim__lr=3e-3,
+                            placement__in_process=True), train_data=identity_rows()['train']) as t:
+        t.fit(); teacher = t.export(tmp_path / 'teacher_hf')
+    nb = Notebook(browser, lab, with_params('lens.ipynb', 'lens_kd.ipynb', {'teacher': repr(str(teacher))}))
     nb.run_all()
     ranked = nb.page.locator('.sft-nb-ranked')
     buttons = ranked.locator('button.jupyter-button', has_text=re.compile(r'^#\d+ '))
@@ -52,38 +63,16 @@ def test_ranked_rows_open_in_loss_mode(lab, browser):
     assert 'first scored at step 0' in h and 'easier' in h, h[:500]
     assert ranked.locator('.sft-nb-inspector .sftnb span.k.loss').count() == n_loss
     nb.shot('lens_ranked_diff', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
+    # the distillation view: chips shaded by the run's own per-token (KD) loss; the hover adds it and the teacher's guesses
+    ranked.locator('.sft-nb-inspector .widget-toggle-buttons button', has_text='kd loss').click()
+    nb.until('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="train"]')''')
+    h = ranked.locator('.sft-nb-inspector .widget-html').first.inner_text()
+    assert 'train loss mean' in h and "train loss (nats): the run's own, per token" in h, h[:500]
+    title = ranked.locator('.sft-nb-inspector .sftnb span.k.loss').first.get_attribute('title')
+    assert re.search(r'\| top: .* \| train loss \d+\.\d{3} \| teacher: ', title), title
+    nb.shot('lens_kd_loss', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
     nb.check_clean()
     cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
     nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
     nb.close()
 
-
-def test_a_distillation_run_shades_by_its_kd_loss(lab, browser, tmp_path):
-    """lens.ipynb with `teacher`: a tiny model trained 30 steps on the same rows is the teacher, the run distills from
-    it (`train.loss: kd`), and the inspector's 'kd loss' view shades each trained chip by its distillation loss; the
-    hover names that loss and the teacher's top guesses beside the student's."""
-    from jupyter_lab import with_params
-    from sft_nb.demo_data import identity_rows
-    from sft_nb.models import tiny_chat_model
-    from sft_nb.trainer import SFTTrainer
-    from helpers import run_cfg
-    with SFTTrainer(run_cfg(tiny_chat_model(), tmp_path / 'teacher', train__num_steps=30, train__micro_batch_size=4, optim__lr=3e-3,
-                            placement__in_process=True), train_data=identity_rows()['train']) as t:
-        t.fit(); teacher = t.export(tmp_path / 'teacher_hf')
-    nb = Notebook(browser, lab, with_params('lens.ipynb', 'lens_kd.ipynb', {'teacher': repr(str(teacher)), 'num_steps': '5'}))
-    try:
-        nb.run_all()
-        ranked = nb.page.locator('.sft-nb-ranked')
-        ranked.locator('button.jupyter-button', has_text=re.compile(r'^#1 ')).click()
-        nb.until("() => document.querySelector('.sft-nb-ranked .sft-nb-inspector .widget-html')?.textContent.includes('loss mean')")
-        ranked.locator('.sft-nb-inspector .widget-toggle-buttons button', has_text='kd loss').click()
-        nb.until('''() => !!document.querySelector('.sft-nb-ranked .sft-nb-inspector .loss-legend[data-view="train"]')''')
-        h = ranked.locator('.sft-nb-inspector .widget-html').first.inner_text()
-        assert 'train loss mean' in h, h[:500]
-        title = ranked.locator('.sft-nb-inspector .sftnb span.k.loss').first.get_attribute('title')
-        assert re.search(r'\| top: .* \| train loss \d+\.\d{3} \| teacher: ', title), title
-        ranked.scroll_into_view_if_needed(); nb.shot('lens_kd_loss', ranked, (COLORS['masked'],), {COLORS['trained']: 2000})
-        nb.check_clean()
-        cell = nb.run_new_cell("trainer.shutdown(); print('workers stopped')")
-        nb.see(cell.locator('.jp-OutputArea-output', has_text='workers stopped'))
-    finally: nb.close()
