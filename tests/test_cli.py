@@ -128,20 +128,14 @@ def test_train_yaml_and_run_notebook(tmp_path, ray_session, browser):
     assert (run / 'checkpoints' / 'step_000005' / 'trainer_state.json').exists()
 
 
-def test_train_takes_sequence_parallel(tmp_path, ray_session):
-    """`sft-nb train CONFIG placement.sequence_parallel=N`: sp=3 on 2 workers is refused by the config before any worker
-    starts; sp=2 on 2 workers trains and its run's config.yaml says sp=2. (That sp=2 trains as one rank does:
-    tests/test_sequence_parallel.py.)"""
-    import yaml
+def test_train_refuses_a_sequence_parallel_that_does_not_divide_the_workers(tmp_path):
+    """`sft-nb train CONFIG placement.sequence_parallel=3` on 2 workers is refused by the config, naming both numbers,
+    before any worker starts. (sp=2 trains as one rank does, through the trainer and its workers:
+    tests/test_sequence_parallel.py; an override reaches the run's config as every other does.)"""
     tiny = ROOT / 'examples' / 'tiny.yaml'
     code, _, err = cli('train', tiny, 'placement.workers_per_node=2', 'placement.sequence_parallel=3', f'checkpoint.run_dir={tmp_path / "bad"}')
     assert code != 0 and 'sequence_parallel: 3 must divide world size 2' in err, err[-2000:]
-    code, _, err = cli('train', tiny, 'train.num_steps=1', 'checkpoint.export_hf=false', f'checkpoint.run_dir={tmp_path / "sp2"}',
-                       'placement.workers_per_node=2', 'placement.sequence_parallel=2')
-    assert code == 0, err[-3000:]
-    assert yaml.safe_load((tmp_path / 'sp2' / 'config.yaml').read_text())['placement']['sequence_parallel'] == 2
-    (loss,) = read_run(tmp_path / 'sp2')[1]
-    assert math.isfinite(loss) and loss > 0, loss
+    assert not (tmp_path / 'bad').exists()
 
 
 def _ray_node(args, tmp):
