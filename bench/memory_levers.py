@@ -31,7 +31,8 @@ its own, so they come from the heap, which keeps what they freed: `MALLOC_MMAP_T
 model's (megabytes each) are mapped, and measures the tensors, not the heap.
 
     HF_HUB_OFFLINE=1 python bench/memory_levers.py [--arms full,lora,qlora,dora,plain,tiled] [--length 6144] [--cap 3.5]
-    HF_HUB_OFFLINE=1 python bench/memory_levers.py --model llama-shaped --arms plain,tiled --length 4096 --cap 1.0
+    MALLOC_MMAP_THRESHOLD_=65536 HF_HUB_OFFLINE=1 python bench/memory_levers.py --model llama-shaped --arms plain,tiled \
+        --length 8192 --tile 1024 --cap 0.62 --probes 4 --max-length 16384    # RESULTS (4): 15 minutes here
     python bench/memory_levers.py --quick     # the tiny model, short rows, no search: a smoke run (minutes here)
 
 Memory-heavy and slow (a SmolLM2 step on one 4,096-token row takes 2 minutes on 2 idle cores): run it alone.
