@@ -17,7 +17,22 @@ the long row and a row of half its length predicts the longest row under the cap
 which is measured; then steps of `--grid` doubling away from it until the cap is bracketed, then halving the bracket,
 at most `--probes` rows each way.
 
+Beside each arm's longest row: its step time, the estimate's peak at that row, and the estimate's own longest row under
+the same cap (`sft_nb.memory.fit_levers(device='cpu', gpu_memory=cap, others=False)`: its search, not another).
+
+`--model llama-shaped`: Llama-3.1-8B's proportions with random weights (`llama_shaped`: 32 blocks, intermediate 3.5x
+hidden, untied head) but 64 wide and the tiny model's 712-token vocabulary, so that a CPU step on rows of 4k-8k tokens
+takes seconds to a minute and the blocks' activations, not the vocabulary, set the peak. Its attention is not grouped
+(4 KV heads, not 1 a 4 query heads): torch's CPU sdpa backward with `enable_gqa`, which transformers takes for GQA
+without a mask, ran 10-40x slower than on repeated KV heads here (16-dim heads, 4,096-8,192 tokens), a 8,192-token step
+6 minutes; under full checkpointing K and V are held only inside the one block recomputed. At this width a tile's
+tensors (1,024 tokens x 64 or 224 floats) are under the 1 MiB from which `compact_malloc` has glibc map each block on
+its own, so they come from the heap, which keeps what they freed: `MALLOC_MMAP_THRESHOLD_=65536` maps them as an 8B
+model's (megabytes each) are mapped, and measures the tensors, not the heap.
+
     HF_HUB_OFFLINE=1 python bench/memory_levers.py [--arms full,lora,qlora,dora,plain,tiled] [--length 6144] [--cap 3.5]
+    MALLOC_MMAP_THRESHOLD_=65536 HF_HUB_OFFLINE=1 python bench/memory_levers.py --model llama-shaped --arms plain,tiled \
+        --length 8192 --tile 1024 --cap 0.62 --probes 4 --max-length 16384    # RESULTS (4): 15 minutes here
     python bench/memory_levers.py --quick     # the tiny model, short rows, no search: a smoke run (minutes here)
 
 Memory-heavy and slow (a SmolLM2 step on one 4,096-token row takes 2 minutes on 2 idle cores): run it alone.
@@ -47,6 +62,25 @@ def overrides(model: str, rows: int, length: int, over: list[str]) -> list[str]:
     "A config of `rows` rows of `length` tokens a micro-batch on one rank; past the model's positions on purpose (memory, not quality)."
     return BASE + [f'model.path={model}', f'tokenize.max_length={length}', 'tokenize.extend_context=true',
                    f'train.micro_batch_size={rows}', f'train.global_batch_size={rows}'] + over
+
+
+def llama_shaped(where: Path, hidden: int = 64, layers: int = 32, kv_heads: int = 4) -> str:
+    """A model folder under `where` (made once, random weights, seed 0) shaped as Llama-3.1-8B (32 blocks of width 4,096:
+    intermediate 14,336 = 3.5x, 131,072 positions, rope theta 500,000, untied head) but `hidden` wide with 4 query heads
+    on `kv_heads` KV heads (Llama: 32 on 8), and the tiny model's tokenizer (712 tokens)."""
+    import shutil, torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from sft_nb.models import resolve_model_path
+    out = Path(where) / f'llama-shaped-h{hidden}-l{layers}-kv{kv_heads}'
+    if (out / 'model.safetensors').exists(): return str(out)
+    tiny = Path(resolve_model_path('tiny'))
+    torch.manual_seed(0)
+    c = LlamaConfig(hidden_size=hidden, intermediate_size=int(3.5 * hidden), num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=kv_heads, vocab_size=712, max_position_embeddings=131072,
+                    rope_theta=500000.0, tie_word_embeddings=False, bos_token_id=None, eos_token_id=2, pad_token_id=0)
+    LlamaForCausalLM(c).save_pretrained(out)
+    for f in ('tokenizer.json', 'tokenizer_config.json', 'chat_template.jinja'): shutil.copy(tiny / f, out / f)
+    return str(out)
 
 
 def worker(over: list[str], steps: int):
@@ -89,11 +123,20 @@ def estimator(over: list[str]):
     print(json.dumps({'peak': r['peak'], 'parts': r['parts'], 's': p['estimate_s']}))
 
 
-def child(role: str, over: list[str], steps: int = 0) -> dict:
-    "Run `role` (worker | estimator) in a fresh process: its JSON, or {'error': its last line}."
+def fitter(over: list[str], cap: float):
+    "The estimate's longest row of the same config under `cap` GiB on one CPU rank (`fit_levers`' search); prints a JSON line."
+    from sft_nb.config import load_config
+    from sft_nb.memory import fit_levers
+    f = fit_levers(load_config(None, over), device='cpu', gpu_memory=cap, others=False)
+    (r,) = f['rows']
+    print(json.dumps({'longest': r['longest_row'], 's': f['fit_s']}))
+
+
+def child(role: str, over: list[str], steps: int = 0, cap: float = 0) -> dict:
+    "Run `role` (worker | estimator | fitter) in a fresh process: its JSON, or {'error': its last line}."
     env = {**os.environ, 'OMP_NUM_THREADS': str(THREADS)}
-    out = subprocess.run([sys.executable, __file__, '--role', role, '--steps', str(steps), '--over', json.dumps(over)],
-                         capture_output=True, text=True, env=env)
+    out = subprocess.run([sys.executable, __file__, '--role', role, '--steps', str(steps), '--over', json.dumps(over),
+                          '--cap', str(cap)], capture_output=True, text=True, env=env)
     if out.returncode:
         lines = [l for l in out.stderr.strip().splitlines() if l.strip()]
         return {'error': (lines or ['exit code %d' % out.returncode])[-1][:300]}
@@ -143,7 +186,7 @@ def longest(measure, cap: int, pts: dict, grid: int, hi: int, probes: int = 6) -
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument('--role', choices=('worker', 'estimator')); ap.add_argument('--over', default='[]')
+    ap.add_argument('--role', choices=('worker', 'estimator', 'fitter')); ap.add_argument('--over', default='[]')
     ap.add_argument('--steps', type=int, default=2, help='timed steps after the measured one (median)')
     ap.add_argument('--arms', default=','.join([*LEVERS, *LONG]), help=f"of {', '.join([*LEVERS, *LONG])}")
     ap.add_argument('--rows-length', type=int, default=1024, help="tokens of each of the lever arms' 2 rows")
@@ -153,15 +196,18 @@ def main():
     ap.add_argument('--grid', type=int, default=512, help="the search's step in tokens")
     ap.add_argument('--max-length', type=int, default=32768, help='longest row the search tries')
     ap.add_argument('--probes', type=int, default=6, help='most rows the search measures past the two fixed ones, each way')
+    ap.add_argument('--model', default='smollm2', help="'smollm2', 'tiny', 'llama-shaped' (`llama_shaped`, under build/) or a model folder")
     ap.add_argument('--quick', action='store_true', help='the tiny model, short rows: a smoke run')
     a = ap.parse_args()
     if a.role == 'worker': return worker(json.loads(a.over), a.steps)
     if a.role == 'estimator': return estimator(json.loads(a.over))
-    model = 'tiny' if a.quick else 'smollm2'
+    if a.role == 'fitter': return fitter(json.loads(a.over), a.cap)
+    model = 'tiny' if a.quick else a.model
+    if model == 'llama-shaped': model = llama_shaped(Path(__file__).resolve().parents[1] / 'build')
     if a.quick: a.rows_length, a.length, a.tile, a.grid, a.steps = 128, 1024, 256, 256, 1
     if a.cap is None: a.cap = 0 if a.quick else 3.5
     arms = a.arms.split(',')
-    print(f"{model}, CPU fp32, 1 rank, {THREADS} threads, activation checkpointing full; load avg "
+    print(f"{Path(model).name}, CPU fp32, 1 rank, {THREADS} threads, activation checkpointing full; load avg "
           f"{os.getloadavg()[0]:.1f} at the start; GiB\n\n{HEAD}", flush=True)
     for name in (n for n in arms if n in LEVERS):
         what, over = LEVERS[name]
@@ -180,19 +226,36 @@ def main():
     if not (a.cap and long): return
     cap = int(a.cap * GiB)
     print(f"\nlongest row whose step peak stays under {a.cap:g} GiB (searched on multiples of {a.grid} tokens):", flush=True)
-    found = {}
+    found, fit, runs = {}, {}, {n: {} for n in long}  # runs: {length: the worker's JSON}
     for name in long:
         def measure(L, name=name):
-            m = child('worker', at(name, L), 0)
-            print(f"  {name} {L}: {'failed: ' + m['error'] if 'error' in m else g(m['peak']) + ' GiB'}", flush=True)
+            m = runs[name][L] = child('worker', at(name, L), 0)
+            said = f"failed: {m['error']}" if 'error' in m else f"{g(m['peak'])} GiB, {m['step_s']:.1f} s"
+            print(f"  {name} {L}: {said}", flush=True)
             return m.get('peak')
         if a.length // 2 not in pts[name]: pts[name][a.length // 2] = measure(a.length // 2)
         if sum(p is not None for p in pts[name].values()) < 2: print(f"  {name}: no line to search on"); continue
         found[name] = longest(measure, cap, pts[name], a.grid, a.max_length, a.probes)
-        ok, over = found[name]
-        print(f"{name}: longest under {a.cap:g} GiB: {ok} tokens (over at {over})", flush=True)
+        fit[name] = child('fitter', at(name, a.length), cap=a.cap)
+    if not found: return
+    print(f"\n| arm | longest row measured (over at) | its step peak | its step s | estimate's peak there | est / dry "
+          f"| estimate's longest row | est / measured |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name, (ok, over) in found.items():
+        m, f = runs[name].get(ok, {}), fit[name]
+        e = child('estimator', at(name, ok)) if ok else {'error': 'none fits'}
+        ep = g(e['peak']) if 'error' not in e else f"failed: {e['error']}"
+        er = f"{e['peak'] / m['peak']:.2f}" if 'error' not in e and 'peak' in m else '-'
+        fl = f"{f['longest']:,}" if 'error' not in f else f"failed: {f['error']}"
+        fr = f"{f['longest'] / ok:.2f}" if 'error' not in f and ok else '-'
+        step = f"{m['step_s']:.1f}" if 'step_s' in m else '-'
+        print(f"| {name} | {ok:,} ({over if over is None else f'{over:,}'}) | {g(m.get('peak'))} | {step} | {ep} | {er} "
+              f"| {fl} | {fr} |", flush=True)
     if {'plain', 'tiled'} <= set(found) and found['plain'][0]:
-        print(f"tiled / plain longest row: {found['tiled'][0] / found['plain'][0]:.2f}x (goal >= 1.5x)")
+        ratio = lambda d: d['tiled'] / d['plain']
+        est = (f"{ratio({n: fit[n]['longest'] for n in fit}):.2f}x" if all('error' not in f for f in fit.values())
+               else '-')
+        print(f"\ntiled / plain longest row: measured {ratio({n: found[n][0] for n in found}):.2f}x, "
+              f"estimate {est} (goal >= 1.5x)")
 
 
 if __name__ == '__main__': main()

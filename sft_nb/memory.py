@@ -21,9 +21,9 @@ __all__ = ['PARTS', 'MAX_ESTIMATE_TOKENS', 'QUANT_BITS', 'ESTIMATE_FIELDS', 'MAX
            'ROW_GAIN', 'FIT_BLOCKS', 'rank_memory', 'reset_peak_memory', 'rank_now', 'rank_capacity', 'warm_optimizer',
            'measure_step', 'fsdp_only', 'largest_micro_batch', 'dry_run_batch', 'dry_run_verdict', 'parts_of',
            'estimate_data', 'estimate_batch', 'synthetic_targets', 'quantized_bytes', 'base_linears',
-           'mapped_checkpoint', 'with_levers', 'LogsumexpTemp', 'step_memory', 'estimable', 'estimable_cluster',
-           'estimable_run', 'estimate', 'estimate_report', 'data_fit', 'shallow_model', 'lever_cost', 'lever_combos',
-           'lever_text', 'fit_levers', 'fit_report']
+           'mapped_checkpoint', 'with_levers', 'LogsumexpTemp', 'causal_sdpa', 'step_memory', 'estimable',
+           'estimable_cluster', 'estimable_run', 'estimate', 'estimate_report', 'data_fit', 'shallow_model',
+           'lever_cost', 'lever_combos', 'lever_text', 'fit_levers', 'fit_report']
 
 # %% ../nbs/08e_memory.ipynb #7c118ded
 def rank_memory(use_gpu: bool = False) -> dict:
@@ -323,6 +323,19 @@ class LogsumexpTemp(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+# %% ../nbs/08e_memory.ipynb #c62b7e02
+def causal_sdpa() -> str:
+    """Register 'causal_sdpa' with transformers' attention interface: sdpa's causal kernel with no mask made; the name,
+    for `model.set_attn_implementation`. A trace of rows without padding, each one sequence, runs it: on such rows the run's
+    transformers reads the all-ones padding mask and skips the [B, 1, T, T] mask, which on fake rows it cannot read and
+    would build (T² bytes, and T² floats at the peak)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    AttentionInterface.register('causal_sdpa', ALL_ATTENTION_FUNCTIONS['sdpa'])
+    AttentionMaskInterface.register('causal_sdpa', lambda *args, **kwargs: None)
+    return 'causal_sdpa'
+
+
 # %% ../nbs/08e_memory.ipynb #7aba08ee
 def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
                 data: DataPlan | None = None, levers: bool = True) -> tuple[dict, dict, tuple, int]:
@@ -355,6 +368,9 @@ def step_memory(cfg: SFTConfig, world: int, dtype=torch.float32,
             mb = w.to_device(estimate_batch(cfg, vocab, data))
             inputs, sel, tgt, wt = w.loss_inputs(mb)
             n_sel, sel = int(sel.sum()), mode.from_tensor(sel)
+        am = mb['attention_mask'] if data is not None else None  # the synthetic rows: one unpadded sequence each
+        if w.sp == 1 and w.attn == 'sdpa' and not cfg.packing.enabled and (am is None or (am.dim() == 2 and bool(am.all()))):
+            model.set_attn_implementation(causal_sdpa())
         with mode:
             if data is None:  # rows of any length, fake from the start: their trained positions are known
                 mb = w.to_device(estimate_batch(cfg, vocab))
@@ -447,7 +463,7 @@ def estimable_run(cfg: SFTConfig, gpus: int, nodes: int, gpu_memory: float | Non
 def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
          gpus: int = 1, # GPUs (workers) per node
          nodes: int = 1, # nodes
-         gpu_memory: float | None = None, # GiB a GPU has (device='cuda')
+         gpu_memory: float | None = None, # GiB a GPU has (device='cuda'); on CPU, GiB a rank may use (else `rank_capacity`)
          device: str = 'cuda', # 'cuda': bf16 if model.dtype asks for it, parts on the GPU; 'cpu': fp32, host memory as a CPU dry run counts it
          data: bool = True, # step on the data's longest rows and say which rows one rank cannot hold, where `estimate_data` can read it
         ) -> dict:
@@ -471,7 +487,7 @@ def estimate(cfg: SFTConfig, # the run's config (model.path may hold only config
     kept, at_peak = parts_of(after), parts_of(peak)
     parts = kept | ({'runtime': runtime} if base else {}) | ({'mapped checkpoint': mapped} if mapped else {})
     cap, cap_from = ((int(gpu_memory * 2**30), f'--gpu-memory {gpu_memory:g} GiB')
-                     if device == 'cuda' else rank_capacity())
+                     if gpu_memory else rank_capacity())
     ranks = [{'rank': r, 'peak': peak['Total'] + base, 'rss': base + parts['weights'], 'capacity': cap,
               'capacity_from': cap_from, 'host': f'node{r // gpus}', 'device': device, 'parts': parts,
               'at_peak': at_peak} for r in range(world)]
@@ -659,7 +675,7 @@ def _fit_verdict(cfg: SFTConfig, rows: list[dict], capacity: int, world: int, de
 def fit_levers(cfg: SFTConfig, # the run's config (model.path may hold only config.json)
                gpus: int = 1, # GPUs (workers) per node
                nodes: int = 1, # nodes
-               gpu_memory: float | None = None, # GiB a GPU has (device='cuda')
+               gpu_memory: float | None = None, # GiB a GPU has (device='cuda'); on CPU, GiB a rank may use (else `rank_capacity`)
                device: str = 'cuda', # 'cuda' or 'cpu', as `estimate`
                others: bool = True, # False: the config's own combination alone (its peak and longest row, quickly)
               ) -> dict:
@@ -682,16 +698,18 @@ def fit_levers(cfg: SFTConfig, # the run's config (model.path may hold only conf
     run = copy.deepcopy(cfg); run.packing.enabled, lines = False, {}
     run.model = dataclasses.replace(m, loss_chunk=m.loss_chunk or 2048, reshard_after_forward=True)
     with tempfile.TemporaryDirectory() as where:
-        for ac, tile in dict.fromkeys((c['activation_checkpointing'], c['tiled_mlp']) for c in combos):
-            # a tiled MLP shows on rows of several tiles: traced there (below one tile it is the untiled MLP)
+        # a tiled MLP's rows of one tile or less run the untiled MLP: its line is traced too
+        for ac, tile in dict.fromkeys((c['activation_checkpointing'], t) for c in combos for t in (0, c['tiled_mlp'])):
+            # a tiled MLP shows on rows of several tiles: traced there
             ts = (max(1, n // 2), n) if not tile else (max(n // 2, 2 * tile), max(n, 3 * tile))
             lines[ac, tile] = _lever_traces(run, world, dtype, ac, tile, ts, Path(where), layers)
         # the quantizable linears by block, as every kind
         (l1, b1), (l2, b2) = ((l, base_linears(dataclasses.replace(cfg, model=dataclasses.replace(
             m, path=shallow_model(m.path, l, where)))) if m.lora_r > 0 else (0, 0)) for l in FIT_BLOCKS)
     base = tuple(x + (layers - l1) / (l2 - l1) * (y - x) for x, y in zip(b1, b2))  # exact: linears by block
-    runtime = next(iter(lines['none', 0].values()))[3] if device == 'cpu' else 0
-    cap = int(gpu_memory * 2**30) if device == 'cuda' else rank_capacity()[0]
+    # a CPU rank's runtime: this process's RSS at its first trace
+    runtime = next(iter(next(iter(lines.values())).values()))[3] if device == 'cpu' else 0
+    cap = int(gpu_memory * 2**30) if gpu_memory else rank_capacity()[0]
     rows = [_fit_row(run.model, c, lines, world, layers, base, n, cap - runtime, lim, dtype.itemsize) for c in combos]
     for r in rows: r['peak'] += runtime; r['config'] = all(getattr(m, k) == v for k, v in r['levers'].items())
     return _fit_verdict(cfg, rows, cap, world, device) | {'fit_s': time.perf_counter() - t0}

@@ -196,6 +196,9 @@ MUTANTS = [
     Mutant('estimate_drops_logsumexp_temp', "the estimate's peak leaves out the temporary ATen's logsumexp makes inside itself for the loss's logits",
            [('sft_nb/memory.py', "if lse.peak['Total'] > peak['Total']: peak = lse.peak", "if False: peak = lse.peak")],
            tests=['tests/test_memory.py::test_estimate_counts_the_loss_logsumexp_temporary']),
+    Mutant('estimate_builds_unpadded_mask', "the estimate's trace of unpadded rows builds the [T, T] attention mask the run skips",
+           both('sft_nb/memory.py', 'nbs/08e_memory.ipynb', "model.set_attn_implementation(causal_sdpa())", "pass"),
+           notebooks=['nbs/08e_memory.ipynb']),
 ]
 
 
