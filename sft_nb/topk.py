@@ -28,6 +28,9 @@ TOKENIZE_KEYS = ('chat_template', 'chat_template_kwargs', 'mode', 'max_length', 
 def teacher_identity(path: str) -> dict: # the teacher's model folder (resolved)
     "{'train.teacher': folder, 'teacher.weights': xxh3 of its config.json and weight files (by name)}."
     import xxhash
+    if not Path(path).is_dir():
+        raise ConfigError(f"train.teacher: {path} is not a model folder; a teacher top-k cache is named by its teacher's "
+                          "weight files: give train.teacher as a local folder (download a hub model first)")
     h = xxhash.xxh3_128()
     for f in sorted(Path(path).iterdir()):
         if f.name == 'config.json' or f.suffix in ('.safetensors', '.bin'):

@@ -52,8 +52,9 @@ def fkl(teacher, **kw) -> TrainConfig:
 def test_offline_top_k_trains_as_online_and_a_cache_of_another_teacher_or_tokenization_is_refused(
         tiny_path, tiny_llama_path, tiny_tok, tmp_path):
     """`sft-nb teacher-topk` stores the tiny Llama's top-k of the whole vocabulary; 2 packed steps trained from it, without
-    the teacher, have the online run's losses. Before a step, a run refuses the cache with another train.teacher (its
-    weights) or with other tokenized data (tokenize.max_length and truncation), naming what differs. In process, no Ray:
+    the teacher, have the online run's losses, and resumed after a step the straight run's. Before a step, a run refuses
+    the cache with another train.teacher (its weights) or with other tokenized data (tokenize.max_length and truncation),
+    naming what differs. In process, no Ray:
     before the `kd_worker` fixture's process group."""
     from sft_nb.trainer import SFTTrainer
     rows = tmp_path / 'rows.jsonl'
@@ -61,6 +62,7 @@ def test_offline_top_k_trains_as_online_and_a_cache_of_another_teacher_or_tokeni
     cache = tmp_path / 'topk'
     base = run_cfg(tiny_path, tmp_path / 'online', train__num_steps=2, train__micro_batch_size=4, packing__enabled=True,
                    tokenize__max_length=64, optim__max_grad_norm=0.0, placement__in_process=True, data__train=[{'path': str(rows)}],
+                   data__eval_fraction=0.25,
                    **{f'train__{k}': v for k, v in vars(fkl(tiny_llama_path)).items() if k.startswith(('loss', 'teacher', 'kd_'))})
     (tmp_path / 'kd.yaml').write_text(yaml.safe_dump(base))
     code, out, err = cli('teacher-topk', tmp_path / 'kd.yaml', '--out', cache, '--k', len(tiny_tok))
@@ -73,6 +75,12 @@ def test_offline_top_k_trains_as_online_and_a_cache_of_another_teacher_or_tokeni
         assert t.setup().group.actors[0].teacher is None  # no teacher in memory
         offline = t.fit()['loss'].tolist()
     assert_rel_close(offline, online, 1e-5, 'offline top-k = V vs online KD losses')
+    with SFTTrainer(off('half')) as t:
+        t.fit(1); ckpt = t.save()
+    with SFTTrainer(off('resumed', checkpoint={**base['checkpoint'], 'run_dir': str(tmp_path / 'resumed'),
+                                               'resume': str(ckpt)})) as t:
+        assert t.fit()['loss'].tolist()[1:] == offline[1:]  # resumed: the same rows, the same top-k
+        assert t.evaluate()['eval_loss'] > 0  # the held-out rows' NLL: no teacher needed
     import re
     with pytest.raises(ConfigError, match=re.escape(f"train.teacher_cache: {cache} was written by another teacher: "
                                                     f"{tiny_llama_path} (weights ") + ".*" +
