@@ -174,7 +174,8 @@ def offline(w, folder):
 
 def test_top_k_of_the_whole_vocabulary_equals_online(kd_worker, topk_layouts, tiny_llama_path):
     """Forward-KL KD from the stored top-k at k = V equals the online teacher's, loss and every student gradient, on the
-    padded and the packed micro-batch, in chunks of 7 targets and one-shot; the lens reads the stored teacher's top tokens."""
+    padded and the packed micro-batch, in chunks of 7 targets and one-shot; the lens reads the stored teacher's top tokens;
+    the empty micro-batch (no top-k: nothing trained) runs."""
     mbs, folder = topk_layouts
     n = mbs['padded']['weight_sum']
     kd_worker.tcfg, was = fkl(tiny_llama_path), kd_worker.tcfg
@@ -186,6 +187,8 @@ def test_top_k_of_the_whole_vocabulary_equals_online(kd_worker, topk_layouts, ti
             assert_rel_close(r['nll_sum'], ref[0]['nll_sum'], 2e-6, f'{name}, chunks of {chunk}: offline KD loss')
             assert_rel_close(g, ref[1], 1e-5, f'{name}, chunks of {chunk}: offline KD gradients')
         st = w.token_losses([mbs['padded']], k=2)[0]
+        empty = collate_padded([{'input_ids': [0, 0], 'loss_mask': [0, 0]}], 0)  # a rank with nothing left: no top-k
+        assert grads(w, [empty], n, 7)[0]['nll_sum'] == 0
     assert (st['teacher_ids'] == mbs['padded']['teacher_ids'][:, :2].numpy()).all()
 
 

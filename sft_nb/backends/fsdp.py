@@ -437,8 +437,13 @@ def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None
     objective = objective or loss_for(self.tcfg)
     teacher = self.teacher_for(mb, inputs, sel) if objective.needs_teacher else None
     if objective.needs_teacher and teacher is None:
-        raise ValueError("train.teacher_cache: a micro-batch to train carries no teacher top-k (teacher_ids, "
-                         "teacher_logp): collate it from the run's DataPlan, whose examples carry them")
+        import torch
+        if sel.any():
+            raise ValueError("train.teacher_cache: a micro-batch to train carries no teacher top-k (teacher_ids, "
+                             "teacher_logp): collate it from the run's DataPlan, whose examples carry them")
+        # the empty micro-batch: nothing to distill, and it still runs the loss's graph
+        teacher = StoredTeacher(torch.zeros(0, 1, dtype=torch.long, device=sel.device),
+                                torch.zeros(0, 1, device=sel.device))
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk, objective,
                      teacher) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
@@ -486,12 +491,8 @@ def teacher_for(self: FSDPWorker, mb: dict, # a micro-batch on the device
                 inputs: dict, sel): # `loss_inputs`' model inputs and [B, T] trained positions
     """The loss's teacher at the trained positions: the online teacher's hidden states (`teacher_head`), or with
     train.teacher_cache the batch's stored top-k (`StoredTeacher`); None for a batch without it (the lens's rows)."""
-    import torch
     if self.teacher is not None: return self.teacher_head(inputs, sel)
-    if 'teacher_ids' in mb: return StoredTeacher(mb['teacher_ids'], mb['teacher_logp'])
-    if not sel.any():  # the empty micro-batch: nothing to distill, and it still runs the loss's graph
-        return StoredTeacher(torch.zeros(0, 1, dtype=torch.long, device=sel.device), torch.zeros(0, 1, device=sel.device))
-    return None
+    return StoredTeacher(mb['teacher_ids'], mb['teacher_logp']) if 'teacher_ids' in mb else None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #c2374f45
 @patch
