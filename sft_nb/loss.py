@@ -362,15 +362,14 @@ def write_teacher_topk(cfg, # the run's `SFTConfig`: its data, tokenize settings
                       ) -> dict:
     "Store train.teacher's top-`k` at every trained target of the run's train sets; returns the cache's meta.json."
     from pathlib import Path
-    import numpy as np
     from sft_nb.dataplan import DataPlan
     from sft_nb.models import load_model_inputs, resolve_model_path
     from sft_nb.paths import live_tmp
     from sft_nb.topk import commit_topk, data_identity, teacher_identity
-    out = Path(out or cfg.train.teacher_cache or '').expanduser()
-    if not cfg.train.teacher or not str(out):
+    if not cfg.train.teacher or not (out or cfg.train.teacher_cache):
         raise ConfigError("train.teacher: sft-nb teacher-topk runs train.teacher and writes train.teacher_cache (or "
                           "--out); set both")
+    out = Path(out or cfg.train.teacher_cache).expanduser()
     if cfg.data.streaming: raise ConfigError("data.streaming: a teacher top-k cache is written for map-style data")
     teacher = resolve_model_path(cfg.train.teacher)
     check_same_tokenizer(resolve_model_path(cfg.model.path), teacher)
