@@ -432,6 +432,18 @@ def _cmd_train(a):
                         signal.Signals(e.exit_code - 128).name) from None
     print(json.dumps({k: v for k, v in summary.items() if k not in ('data_report', 'train_losses')}, indent=1))
 
+# %% ../nbs/11_cli.ipynb #ccbfaee6
+def _cmd_teacher_topk(a):
+    check_overrides(a.overrides)
+    from sft_nb.config import load_config
+    from sft_nb.loss import write_teacher_topk
+    cfg = load_config(a.config, a.overrides)
+    meta = write_teacher_topk(cfg, a.out, a.k, a.batch_size)
+    out = a.out or cfg.train.teacher_cache
+    n = sum(s['targets'] for s in meta['sets'])
+    print(json.dumps({'teacher_cache': str(out), 'k': meta['k'], 'targets': n, 'bytes_per_target': meta['bytes_per_target'],
+                      'train_with': f"train.loss=kd train.teacher={cfg.train.teacher} train.teacher_cache={out}"}, indent=1))
+
 # %% ../nbs/11_cli.ipynb #e5400a02
 def export_parser(sub):
     "`sft-nb export RUN_DIR`: its arguments."
@@ -556,6 +568,15 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument('--fit', action='store_true',
                     help='the lever combinations (checkpointing, tiled MLP, offloads, a quantized base) that fit '
                          '--gpu-memory, cheapest first, each with its peak and the longest row it holds')
+    k = sub.add_parser('teacher-topk', help="store train.teacher's top-k at every trained target: train.teacher_cache "
+                                            "for offline distillation",
+                       description="Tokenize CONFIG's train data as its run does, run train.teacher over it once and "
+                                   "write its top-K log-probabilities at every trained target to --out (default "
+                                   "train.teacher_cache); a run with train.teacher_cache then trains without the teacher.")
+    k.add_argument('config'); k.add_argument('overrides', nargs='*', help='key.sub=value')
+    k.add_argument('--out', help='the cache folder (default: the config\'s train.teacher_cache)')
+    k.add_argument('--k', type=int, default=64, help='tokens kept per trained target (8·k bytes each)')
+    k.add_argument('--batch-size', type=int, default=8, help='rows per teacher forward')
     export_parser(sub)
     for name, h in (('inspect', 'show tokens and loss masks of a row (ANSI)'),
                     ('pack', 'simulate packing of a dataset'),
@@ -581,7 +602,8 @@ def main(argv=None):
         if stray := [x for x in extra if x.startswith('-') or '=' not in x or not hasattr(a, 'overrides')]:
             p.error(f"unrecognized arguments: {' '.join(stray)}")
         if extra: a.overrides += extra
-        cmds = {'run': _cmd_run, 'train': _cmd_train, 'estimate': _cmd_estimate, 'export': _cmd_export}
+        cmds = {'run': _cmd_run, 'train': _cmd_train, 'estimate': _cmd_estimate, 'export': _cmd_export,
+                'teacher-topk': _cmd_teacher_topk}
         cmd, run = a.command, lambda: cmds[a.command](a)
     try: return run()
     except Preempted as e:

@@ -9,7 +9,7 @@ import torch
 from .renderers import labels_for  # the labels rule lives with the examples it reads
 
 # %% auto #0
-__all__ = ['VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'model_inputs',
+__all__ = ['TARGET_KEYS', 'VISION_KEYS', 'collate_padded', 'block_causal_mask', 'additive_mask', 'collate_packed', 'model_inputs',
            'collate_vision']
 
 # %% ../nbs/05_collate.ipynb #4c36b45c
@@ -31,6 +31,21 @@ def _with_weights(wt, labels) -> dict:
     wt[labels == -100] = 0
     return {'loss_weights': wt, 'weight_sum': float(wt.double().sum())}
 
+# %% ../nbs/05_collate.ipynb #37db8b48
+TARGET_KEYS = ('teacher_ids', 'teacher_logp')  # per-target columns: one row per trained target of an example (`sft_nb.topk`)
+
+def _per_target(examples: list, n_trained: int) -> dict:
+    """The examples' per-target columns (`TARGET_KEYS`) concatenated in the batch's target order, the order
+    `labels[:, 1:] != -100` selects (row-major: rows, and a packed row's sequences, one after another); nothing when
+    the examples have none."""
+    if not any(isinstance(e, dict) and TARGET_KEYS[0] in e for e in examples): return {}
+    out = {k: torch.cat([torch.tensor(e[k]) for e in examples]) for k in TARGET_KEYS}
+    out['teacher_ids'] = out['teacher_ids'].long()  # gather's index dtype
+    if len(out['teacher_ids']) != n_trained:
+        raise ValueError(f"train.teacher_cache: the rows' stored top-k cover {len(out['teacher_ids'])} targets, the "
+                         f"batch trains {n_trained}: the cache is not of these rows")
+    return out
+
 # %% ../nbs/05_collate.ipynb #8b914168
 def collate_padded(examples: Sequence, # Examples or dicts with input_ids and loss_mask
                    pad_id: int, # id used for padding (never trained, never attended)
@@ -51,8 +66,9 @@ def collate_padded(examples: Sequence, # Examples or dicts with input_ids and lo
         ids[b, :n] = torch.as_tensor(i); labels[b, :n] = torch.as_tensor(labels_for(i, m)); attn[b, :n] = 1
         if wt is not None: wt[b, :n] = torch.as_tensor(m if ws[b] is None else ws[b], dtype=torch.float32)
     pos = torch.arange(T).expand(B, T).clone()
-    return {'input_ids': ids, 'labels': labels, 'attention_mask': attn, 'position_ids': pos,
-            'n_trained': int((labels != -100).sum()), 'n_real': int(attn.sum())} | _with_weights(wt, labels)
+    n = int((labels != -100).sum())
+    return ({'input_ids': ids, 'labels': labels, 'attention_mask': attn, 'position_ids': pos, 'n_trained': n,
+             'n_real': int(attn.sum())} | _with_weights(wt, labels) | _per_target(examples, n))
 
 # %% ../nbs/05_collate.ipynb #a523aad2
 def block_causal_mask(seq_lens_rows: list[list[int]], T: int) -> torch.Tensor:
@@ -104,10 +120,11 @@ def collate_packed(bins: Sequence[Sequence], # one list of Examples/dicts per pa
     mask = block_causal_mask(lens, T)
     flat = [n for l in lens for n in l]
     cu = torch.zeros(len(flat) + 1, dtype=torch.int32); cu[1:] = torch.cumsum(torch.as_tensor(flat), 0)
+    n = int((labels != -100).sum())
     return {'input_ids': ids, 'labels': labels, 'position_ids': pos,
             'attention_mask': mask if mask_form == 'bool' else additive_mask(mask),
-            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': int((labels != -100).sum()),
-            'n_real': sum(flat)} | _with_weights(wt, labels)
+            'seq_lens': lens, 'cu_seqlens': cu, 'n_trained': n,
+            'n_real': sum(flat)} | _with_weights(wt, labels) | _per_target([e for b in bins for e in b], n)
 
 # %% ../nbs/05_collate.ipynb #0c8be797
 VISION_KEYS = ('pixel_values', 'image_grid_thw', 'mm_token_type_ids')

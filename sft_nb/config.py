@@ -291,6 +291,7 @@ class TrainConfig:
     kd_beta: float = 0.5  # train.kd_divergence jsd: the teacher's weight β in the mixture β·teacher + (1-β)·student, in (0, 1)
     kd_temperature: float = 1.0  # train.loss kd: both distributions are softened by this temperature; the divergence is scaled by its square (Hinton et al.)
     kd_alpha: float = 0.0  # train.loss kd: the weight of the NLL in each token's loss α·NLL + (1-α)·T²·divergence (0: distillation alone)
+    teacher_cache: str | None = None  # train.loss kd: a folder of train.teacher's top-k log-probabilities at every trained target, written once by `sft-nb teacher-topk` (sft_nb.loss.write_teacher_topk): the run trains from it without loading the teacher; forward_kl only
     def __post_init__(self):
         if self.sampler not in ('random', 'sequential') and ':' not in self.sampler:
             raise ConfigError("sampler: expected 'random', 'sequential' or an import path 'module:Class', got "
@@ -309,6 +310,14 @@ class TrainConfig:
         if self.loss == 'kd' and not self.teacher:
             raise ConfigError("train.teacher: train.loss 'kd' distills from a teacher; set train.teacher to its model "
                               "folder (the same tokenizer as model.path)")
+        if self.teacher_cache and self.loss != 'kd':
+            raise ConfigError(f"train.teacher_cache: only train.loss 'kd' reads it, and train.loss is {self.loss!r}; "
+                              "set train.loss: kd or drop train.teacher_cache")
+        # the cache holds the teacher's mass on its top k only: the student's mass elsewhere would be invisible to them
+        if self.teacher_cache and self.kd_divergence != 'forward_kl':
+            raise ConfigError(f"train.kd_divergence: {self.kd_divergence!r} weighs the student's probability of every "
+                              "token against the teacher's, and train.teacher_cache holds only the teacher's top k; use "
+                              "kd_divergence: forward_kl with the cache, or drop train.teacher_cache to distill online")
 
 # %% ../nbs/00_config.ipynb #68630c0d
 @dataclass
@@ -444,6 +453,10 @@ class SFTConfig:
         if self.optim.lora_plus_ratio > 0 and self.model.lora_r == 0:
             raise ConfigError(f"optim.lora_plus_ratio: {self.optim.lora_plus_ratio} sets the LR of LoRA's B matrices, and "
                               "model.lora_r is 0 (full fine-tuning); set model.lora_r (e.g. 16), or lora_plus_ratio: 0")
+        if t.teacher_cache and (self.data.streaming or self.placement.sequence_parallel > 1):
+            why = 'data.streaming reads rows the cache was not written for' if self.data.streaming else \
+                  'placement.sequence_parallel splits rows the cache stores whole'
+            raise ConfigError(f"train.teacher_cache: {why}; drop train.teacher_cache to distill online")
 
 # %% ../nbs/00_config.ipynb #e51d17c7
 class _Loader(yaml.SafeLoader): "`yaml.SafeLoader`, constructing the scalars `_mark_plain` tagged as `Plain`."

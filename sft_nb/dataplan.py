@@ -112,6 +112,7 @@ class DataPlan:
         self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
         self.pending, self._pool = {}, None  # {step: future} of the batch collating in a thread (see `batches`)
         self.source_names, self._identity = [], None  # train sources as reports name them; what `identity` found
+        self.topk = None  # train.teacher_cache: its `sft_nb.topk.TopKCache`, whose rows each example carries
 
 # %% ../nbs/05a_dataplan.ipynb #dbee7118
 @patch
@@ -206,9 +207,10 @@ def plan(self: DataPlan) -> DataPlan:
 # %% ../nbs/05a_dataplan.ipynb #331a6c94
 @patch
 def example(self: DataPlan, k: int) -> dict:
-    "Train item `k` (a position in `rows`) as the collator's input."
+    "Train item `k` (a position in `rows`) as the collator's input, with its targets' teacher top-k from a cache."
     s, i = self.rows[k]
-    return _row(self.train_sets[s], int(i))
+    ex = _row(self.train_sets[s], int(i))
+    return ex if self.topk is None else ex | self.topk.row(s, int(i))
 
 # %% ../nbs/05a_dataplan.ipynb #1829b05b
 @patch

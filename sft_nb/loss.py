@@ -11,14 +11,15 @@ from torch.utils.checkpoint import checkpoint
 from fastcore.basics import patch
 from .collate import additive_mask
 from .config import ConfigError
+from .topk import TopK
 
 # %% auto #0
 __all__ = ['LOSSES', 'token_nll', 'weighted_sum', 'token_nll_sum', 'target_weights', 'trained_targets', 'chunk_logits',
            'LinearNLL', 'linear_nll', 'chunked_token_nll', 'chunked_nll', 'Loss', 'register_loss', 'NLL', 'loss_for',
-           'TrainedHead', 'loss_chunk_for', 'kd_divergence', 'TeacherHead', 'KD', 'check_same_tokenizer',
-           'document_ids', 'document_block_mask', 'resolve_attn_implementation', 'attention_inputs',
-           'flex_attention_runs_on', 'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits',
-           'eval_metrics']
+           'TrainedHead', 'loss_chunk_for', 'kd_divergence', 'TeacherHead', 'StoredTeacher', 'KD',
+           'check_same_tokenizer', 'write_teacher_topk', 'teacher_model', 'write_set_topk', 'document_ids',
+           'document_block_mask', 'resolve_attn_implementation', 'attention_inputs', 'flex_attention_runs_on',
+           'router_aux_coef', 'sequence_index', 'router_aux_sum', 'RouterLogits', 'eval_metrics']
 
 # %% ../nbs/06c_loss.ipynb #835b68e4
 def token_nll(logits: torch.Tensor, # [N, V] logits of N targets (any float dtype)
@@ -158,12 +159,12 @@ class Loss:
                  weights: torch.Tensor | None = None, # [N] loss weights, or None
                  chunk: int = 2048, # targets per chunk; <= 0: all at once
                  forward=None, # the head's own forward, when `head.forward` is patched
-                 teacher=None, # a `TeacherHead` holding the teacher's hidden states at the same positions
+                 teacher=None, # a `TeacherHead` (the teacher's hidden states there) or `StoredTeacher` (its top-k)
                 ) -> torch.Tensor:
         "Σ (weight·) `token_values`, a checkpointed chunk at a time: one chunk's logits (of both models) exist at once."
         fwd, chunk = forward or head, (chunk if chunk > 0 else max(1, h.shape[0]))
-        def values(hc, tc, *ht): return self.token_values(fwd(hc), tc, teacher.logits(ht[0]) if ht else None)
-        th = () if teacher is None else (teacher.h,)
+        def values(hc, tc, *ht): return self.token_values(fwd(hc), tc, teacher.logits(*ht) if ht else None)
+        th = () if teacher is None else teacher.parts
         parts = [checkpoint(values, h[s:s + chunk], targets[s:s + chunk], *(x[s:s + chunk] for x in th),
                             use_reentrant=False) for s in range(0, h.shape[0], chunk)]
         return weighted_sum(torch.cat(parts) if parts else (h[:, 0] * 0).float(), weights)
@@ -258,7 +259,7 @@ def nll(self: TrainedHead, out: torch.Tensor, # the model's `.logits`
                                "(logit soft-capping or scaling?); set model.loss_chunk: 0 for it")
         # + 0 through the model's output, so backward passes the hooks (FSDP's) put on it
         return self.loss + out.sum(), n
-    tl = None if self.teacher is None else self.teacher.logits(self.teacher.h)
+    tl = None if self.teacher is None else self.teacher.logits(*self.teacher.parts)
     return weighted_sum(self.objective.token_values(out, self.targets, tl), self.weights), n
 
 # %% ../nbs/06c_loss.ipynb #d4bba257
@@ -306,11 +307,21 @@ class TeacherHead:
 
     def __exit__(self, *exc): del self.head.forward
 
+    @property
+    def parts(self) -> tuple: return (self.h,)  # what the loss cuts into chunks with the student's targets
+
     def logits(self, h: torch.Tensor) -> torch.Tensor: # [C, H] a chunk of `.h`
         "The teacher's fp32 logits [C, V] (the head kept in its own dtype; the hidden states cast to it)."
         with torch.no_grad():
             lg = self._orig(h.to(self.head.weight.dtype))
             return lg.to(torch.promote_types(lg.dtype, torch.float32))
+
+# %% ../nbs/06c_loss.ipynb #544db2ab
+class StoredTeacher:
+    """The teacher of `train.teacher_cache`: its stored top-k at the trained targets (the batch's `teacher_ids`,
+    `teacher_logp`), read as `TeacherHead`'s hidden states are: `parts` in chunks, `.logits` a chunk's `TopK`."""
+    def __init__(self, ids: torch.Tensor, logp: torch.Tensor): self.parts = (ids, logp)  # [n_trained, k] each
+    def logits(self, ids, logp) -> TopK: return TopK(ids, logp)
 
 # %% ../nbs/06c_loss.ipynb #eda031ba
 @register_loss
@@ -318,10 +329,13 @@ class KD(Loss):
     """Distillation from `train.teacher`: per trained target α·NLL + (1-α)·T²·D(teacher, student) on both
     distributions softened by T (`train.kd_alpha`, `train.kd_temperature`, D = `train.kd_divergence`)."""
     name, needs_teacher = 'kd', True
-    def token_values(self, logits, targets, teacher_logits=None):
+    def token_values(self, logits, targets, teacher_logits=None): # teacher_logits: [N, V], or a stored `TopK`
         c, T = self.cfg, self.cfg.kd_temperature
-        d = kd_divergence(torch.log_softmax(logits.float() / T, -1), torch.log_softmax(teacher_logits.float() / T, -1),
-                          c.kd_divergence, c.kd_beta) * (T * T)
+        s = torch.log_softmax(logits.float() / T, -1)
+        if isinstance(teacher_logits, TopK):  # forward KL on the teacher's top k, renormalized (train.teacher_cache)
+            t, s = torch.log_softmax(teacher_logits.logp.float() / T, -1), s.gather(1, teacher_logits.ids)
+        else: t = torch.log_softmax(teacher_logits.float() / T, -1)
+        d = kd_divergence(s, t, c.kd_divergence, c.kd_beta) * (T * T)
         return d if c.kd_alpha == 0 else c.kd_alpha * token_nll(logits, targets) + (1 - c.kd_alpha) * d
 
 # %% ../nbs/06c_loss.ipynb #1588db55
@@ -336,6 +350,78 @@ def check_same_tokenizer(student: str, # the student's model folder (`model.path
             raise ConfigError(f"train.teacher: {teacher}'s tokenizer is not the student's ({student}): id {i} is "
                               f"{ids[1].get(i)!r} for the teacher, {ids[0].get(i)!r} for the student; distill from a "
                               "teacher with model.path's tokenizer")
+
+# %% ../nbs/06c_loss.ipynb #95a730fe
+def write_teacher_topk(cfg, # the run's `SFTConfig`: its data, tokenize settings, model.path and train.teacher
+                       out=None, # the cache folder; None: cfg.train.teacher_cache
+                       k: int = 64, # tokens kept per trained target
+                       batch_size: int = 8, # rows per teacher forward
+                       train_data=None, # rows instead of cfg.data.train (as `SFTTrainer`'s train_data)
+                       device: str | None = None, # None: cuda when there is one
+                       chunk: int = 2048, # targets per LM-head chunk
+                      ) -> dict:
+    "Store train.teacher's top-`k` at every trained target of the run's train sets; returns the cache's meta.json."
+    from pathlib import Path
+    from sft_nb.dataplan import DataPlan
+    from sft_nb.models import load_model_inputs, resolve_model_path
+    from sft_nb.paths import live_tmp
+    from sft_nb.topk import commit_topk, data_identity, teacher_identity
+    if not cfg.train.teacher or not (out or cfg.train.teacher_cache):
+        raise ConfigError("train.teacher: sft-nb teacher-topk runs train.teacher and writes train.teacher_cache (or "
+                          "--out); set both")
+    out = Path(out or cfg.train.teacher_cache).expanduser()
+    if cfg.data.streaming: raise ConfigError("data.streaming: a teacher top-k cache is written for map-style data")
+    teacher = resolve_model_path(cfg.train.teacher)
+    check_same_tokenizer(resolve_model_path(cfg.model.path), teacher)
+    tok, _ = load_model_inputs(cfg.model.path, cfg.tokenize.chat_template)
+    plan = DataPlan(cfg, tok, None, train_data).prepare()
+    meta = {'teacher': teacher_identity(teacher), 'data': data_identity(plan), 'sets': []}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with live_tmp(out.parent, f'.{out.name}.tmp') as tmp:
+        model = teacher_model(teacher, device)
+        k = min(k, model.get_output_embeddings().weight.shape[0])  # k = V: every token
+        for s, ds in enumerate(plan.train_sets):
+            meta['sets'].append(write_set_topk(model, ds, tmp, s, k, batch_size, chunk, tok.pad_token_id))
+        commit_topk(tmp, out, meta := meta | {'k': k, 'bytes_per_target': 8 * k})
+    return meta
+
+# %% ../nbs/06c_loss.ipynb #0f9af572
+def teacher_model(path: str, # the teacher's model folder (resolved)
+                  device: str | None = None): # None: cuda when there is one
+    "The frozen fp32 teacher on `device`, in eval mode, without a KV cache."
+    from transformers import AutoModelForCausalLM
+    from sft_nb.models import quiet_loading
+    with quiet_loading(): m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    m.config.use_cache = False
+    return m.requires_grad_(False).eval().to(device or ('cuda' if torch.cuda.is_available() else 'cpu'))
+
+def write_set_topk(model, ds, # the teacher and a tokenized train set
+                   tmp, s: int, # the folder aside and the set's number
+                   k: int, batch_size: int, chunk: int, pad_id: int) -> dict:
+    "Train set `s`'s top-`k` at every trained target into `tmp/set{s}.*.npy`, rows in order; {'rows', 'targets'}."
+    import numpy as np
+    from numpy.lib.format import open_memmap
+    from tqdm.auto import tqdm
+    from sft_nb.collate import collate_padded, model_inputs
+    n_row = [sum(1 for m in mask[1:] if m) for mask in ds['loss_mask']]  # the targets `labels_for` trains
+    offsets = np.concatenate([[0], np.cumsum(n_row, dtype=np.int64)]).astype(np.int64)
+    np.save(tmp / f'set{s}.offsets.npy', offsets)
+    n, dev = int(offsets[-1]), next(model.parameters()).device
+    ids = open_memmap(tmp / f'set{s}.ids.npy', 'w+', np.int32, (n, k))
+    logp = open_memmap(tmp / f'set{s}.logp.npy', 'w+', np.float32, (n, k))
+    for a in tqdm(range(0, len(ds), batch_size), desc=f'teacher top-k of train set {s} ({batch_size} rows/it)'):
+        rows = ds[a:a + batch_size]
+        b = collate_padded([{'input_ids': i, 'loss_mask': m} for i, m in zip(rows['input_ids'], rows['loss_mask'])],
+                           pad_id)
+        sel, _ = trained_targets(b['labels'])
+        with torch.no_grad(), TeacherHead(model.get_output_embeddings(), sel.to(dev)) as t:
+            model(**{key: v.to(dev) for key, v in model_inputs(b).items()})
+        for c in range(0, len(t.h), chunk):
+            v, i = torch.log_softmax(t.logits(t.h[c:c + chunk]), -1).topk(k, -1)
+            o = int(offsets[a]) + c
+            ids[o:o + len(i)], logp[o:o + len(i)] = i.cpu().numpy(), v.cpu().numpy()
+    ids.flush(); logp.flush()
+    return {'rows': len(ds), 'targets': n}
 
 # %% ../nbs/06c_loss.ipynb #8e975574
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from .config import ConfigError, SFTConfig, load_config, save_config
 from .errors import UserError
 from .stream import StreamPlan, plan_class
 from .dataplan import DataPlan
+from .topk import open_teacher_cache, teacher_identity, data_identity
 from .templates import chat_ids, load_template
 from .models import load_model_inputs, resolve_model_path, check_context
 from .loss import eval_metrics
@@ -187,9 +188,15 @@ def setup(self: SFTTrainer, resuming: bool = False) -> SFTTrainer:
 # %% ../nbs/08_trainer.ipynb #b293b42d
 @patch
 def _prepare_data(self: SFTTrainer) -> DataPlan:
-    "The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned)."
+    """The data plan of this config with the trainer's tokenizer: tokenized, mixed and split (not yet planned); with
+    train.teacher_cache, its examples carry the cache's teacher top-k (once the cache is checked to be of this run)."""
+    t = self.cfg.train
     self.data = plan_class(self.cfg)(self.cfg, self.tokenizer, self.processor, self.train_data, self.eval_data)
-    return self.data.prepare()  # assigned first: when no row is usable, `trainer.data_report` says per row why
+    self.data.prepare()  # assigned first: when no row is usable, `trainer.data_report` says per row why
+    if t.teacher_cache:
+        self.data.topk = open_teacher_cache(t.teacher_cache, teacher_identity(resolve_model_path(t.teacher)),
+                                            data_identity(self.data))
+    return self.data
 
 # %% ../nbs/08_trainer.ipynb #ee7d81ec
 def unsaved_run(run_dir: Path, save_every: int) -> str:

@@ -13,7 +13,8 @@ from ..loss import token_nll, trained_targets, target_weights
 from ..collate import model_inputs
 from ..loss import TrainedHead, loss_chunk_for, resolve_attn_implementation, attention_inputs
 from ..loss import RouterLogits, router_aux_coef, router_aux_sum, sequence_index
-from ..loss import NLL, TeacherHead, loss_for, check_same_tokenizer
+from ..loss import NLL, TeacherHead, StoredTeacher, loss_for, check_same_tokenizer
+from ..topk import TopK
 from .slices import check_checkpoint, fill_from_checkpoint, init_lora, load_pretrained
 from .ulysses import sp_shard, check_heads, register_ulysses
 from ..levers import tile_mlp, activation_offload
@@ -346,7 +347,9 @@ def setup(self: FSDPWorker):
     torch.manual_seed(self.seed); random.seed(self.seed); np.random.seed(self.seed)
     dtype = torch.bfloat16 if (self.mcfg.dtype == 'bfloat16' and self.use_gpu) else torch.float32
     model = self.build(dtype)
-    self.teacher = self._build_teacher(dtype) if loss_for(self.tcfg).needs_teacher else None  # train.loss kd
+    # train.loss kd online; with train.teacher_cache the micro-batches carry the teacher's top-k instead
+    online = loss_for(self.tcfg).needs_teacher and not self.tcfg.teacher_cache
+    self.teacher = self._build_teacher(dtype) if online else None
     lt = getattr(model.config, 'layer_types', None)  # linear-attention / hybrid layers ignore attention masks
     self.packable = not (lt and any(t not in ('full_attention', 'sliding_attention') for t in lt))
     self.aux_coef, self.top_k = (router_aux_coef(model),
@@ -444,7 +447,15 @@ def nll(self: FSDPWorker, mb: dict, aux: bool = False, loss_inputs: tuple | None
     on fake ones)."""
     inputs, sel, tgt, wt = loss_inputs or self.loss_inputs(mb)
     objective = objective or loss_for(self.tcfg)
-    teacher = self.teacher_head(inputs, sel) if objective.needs_teacher else None
+    teacher = self.teacher_for(mb, inputs, sel) if objective.needs_teacher else None
+    if objective.needs_teacher and teacher is None:
+        import torch
+        if sel.any():
+            raise ValueError("train.teacher_cache: a micro-batch to train carries no teacher top-k (teacher_ids, "
+                             "teacher_logp): collate it from the run's DataPlan, whose examples carry them")
+        # the empty micro-batch: nothing to distill, and it still runs the loss's graph
+        teacher = StoredTeacher(torch.zeros(0, 1, dtype=torch.long, device=sel.device),
+                                torch.zeros(0, 1, device=sel.device))
     with TrainedHead(self.model.get_output_embeddings(), sel, tgt, wt, self.loss_chunk, objective,
                      teacher) as head, RouterLogits(self.model, aux) as router:
         out = self.model(**inputs).logits
@@ -486,6 +497,14 @@ def teacher_head(self: FSDPWorker, inputs: dict, # this rank's model inputs (`lo
     import torch
     with torch.no_grad(), TeacherHead(self.teacher.get_output_embeddings(), sel) as t: self.teacher(**inputs)
     return t
+
+@patch
+def teacher_for(self: FSDPWorker, mb: dict, # a micro-batch on the device
+                inputs: dict, sel): # `loss_inputs`' model inputs and [B, T] trained positions
+    """The loss's teacher at the trained positions: the online teacher's hidden states (`teacher_head`), or with
+    train.teacher_cache the batch's stored top-k (`StoredTeacher`); None for a batch without it (the lens's rows)."""
+    if self.teacher is not None: return self.teacher_head(inputs, sel)
+    return StoredTeacher(mb['teacher_ids'], mb['teacher_logp']) if 'teacher_ids' in mb else None
 
 # %% ../../nbs/07a_backends.fsdp.ipynb #c2374f45
 @patch
@@ -625,7 +644,7 @@ def trained_token_stats(logits, # [n, V] logits at the positions whose next toke
                         targets, # [n] the trained next tokens
                         k: int = 3, # alternatives kept per position
                         objective=None, # the run's `Loss`, when it needs the teacher
-                        teacher_logits=None, # [n, V] the teacher's logits there, or None
+                        teacher_logits=None, # [n, V] the teacher's logits there, its stored `TopK`, or None
                        ) -> dict:
     """The token loss of each target (`token_nll`) and the `k` most likely tokens (ids, probabilities), as NumPy arrays;
     with the teacher's logits also each target's loss (`objective.token_values`: 'loss') and the teacher's `k` most
@@ -636,7 +655,8 @@ def trained_token_stats(logits, # [n, V] logits at the positions whose next toke
     out = {'nll': token_nll(logits, targets.long()).cpu().numpy(),
            'top_ids': top_ids.cpu().numpy(), 'top_p': top_p.exp().cpu().numpy()}
     if teacher_logits is None: return out
-    t_p, t_ids = top(teacher_logits)
+    t_p, t_ids = ((teacher_logits.logp[:, :k], teacher_logits.ids[:, :k]) if isinstance(teacher_logits, TopK)
+                  else top(teacher_logits))  # a stored top-k is sorted, most likely first
     return out | {'loss': objective.token_values(logits, targets.long(), teacher_logits).cpu().numpy(),
                   'teacher_ids': t_ids.cpu().numpy(), 'teacher_p': t_p.exp().cpu().numpy()}
 
@@ -655,12 +675,12 @@ def token_losses(self: FSDPWorker, micro_batches: list[dict], k: int = 3) -> lis
         for mb in micro_batches:
             mb = self.to_device(mb)
             inputs, sel, tgt, _ = self.loss_inputs(mb)
-            teacher = self.teacher_head(inputs, sel) if objective.needs_teacher else None
+            teacher = self.teacher_for(mb, inputs, sel) if objective.needs_teacher else None
             # the head sees only trained positions: [n_trained, V]
             with TrainedHead(self.model.get_output_embeddings(), sel, tgt):
                 logits = self.model(**inputs).logits
             if logits.dim() == 3: logits = logits[sel]  # the model did not go through its output embeddings
-            tl = None if teacher is None else teacher.logits(teacher.h)
+            tl = None if teacher is None else teacher.logits(*teacher.parts)
             out.append(self._sp_gather(trained_token_stats(logits, tgt, k, objective, tl), sel))
     return None if self.sp > 1 and self.sp_rank else out  # sp: the replica's first rank answers
 
