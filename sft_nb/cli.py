@@ -478,7 +478,7 @@ def _cmd_estimate(a):
     from sft_nb.memory import estimable_cluster, estimate, estimate_report, fit_levers, fit_report
     if a.fit and a.device == 'cuda' and a.gpu_memory is None:
         raise ConfigError("--fit: needs --gpu-memory, the GiB of one GPU the levers must fit in (or --device cpu: "
-                          "this host's memory)")
+                          "this host's memory, unless --gpu-memory caps a rank)")
     if a.fit and a.no_data:
         raise ConfigError("--fit, --no-data: --fit steps on rows of tokenize.max_length already; drop --no-data")
     own = load_config(a.config, a.overrides + ['placement.sequence_parallel=1'])
@@ -559,7 +559,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument('config'); pl.add_argument('overrides', nargs='*', help='key.sub=value')
     pl.add_argument('--gpus', type=int, help="GPUs (ranks) per node (default: the config's placement.workers_per_node)")
     pl.add_argument('--nodes', type=int, help="nodes (default: the config's placement.num_nodes)")
-    pl.add_argument('--gpu-memory', type=gib, help='GiB of one GPU (needed for --device cuda)')
+    pl.add_argument('--gpu-memory', type=gib, help='GiB of one GPU (needed for --device cuda); with --device cpu, the GiB a rank may hold (default: all of this host)')
     pl.add_argument('--device', choices=('cuda', 'cpu'), default='cuda',
                     help='cpu: estimate CPU ranks on this host (host memory, as a CPU dry run counts it)')
     pl.add_argument('--no-data', action='store_true',
