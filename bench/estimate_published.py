@@ -84,14 +84,19 @@ def config_dir(arch: dict) -> Path:
     return d
 
 
+def fresh_process(code: str) -> dict:
+    "The JSON the last line of `code`'s output holds, `code` run in a fresh process (one fake process group each)."
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    if out.returncode: raise RuntimeError(out.stderr[-3000:])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def estimate_case(name: str) -> dict:
     arch, gpus, nodes, mem, over, *_ = CASES[name]
     code = ("import json; from sft_nb.config import load_config; from sft_nb.memory import estimate; "
             f"p = estimate(load_config(None, {[f'model.path={config_dir(arch)}'] + over!r}), gpus={gpus}, nodes={nodes}, gpu_memory={mem}); "
             "r = p['ranks'][0]; print(json.dumps({'peak': r['peak'], 'parts': r['parts'], 'at_peak': r['at_peak'], 's': p['estimate_s'], 'fits': p['fits']}))")
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    if out.returncode: raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(code)
 
 
 def longest_case(name: str) -> dict:
@@ -99,9 +104,7 @@ def longest_case(name: str) -> dict:
     code = ("import json; from sft_nb.config import load_config; from sft_nb.memory import fit_levers; "
             f"p = fit_levers(load_config(None, {[f'model.path={config_dir(arch)}'] + over!r}), gpu_memory={mem}, others=False); "
             "(r,) = p['rows']; print(json.dumps({'longest_row': r['longest_row'], 'peak': r['peak'], 's': p['fit_s']}))")
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    if out.returncode: raise RuntimeError(out.stderr[-3000:])
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return fresh_process(code)
 
 
 def main():
