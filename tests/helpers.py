@@ -142,3 +142,14 @@ def one_rank(model_cfgs, mbs, n_global):
     out = queue.Queue()
     fsdp_rank(0, 1, 1, free_port(), model_cfgs, mbs, n_global, out)
     return _rank_results(out.get_nowait())
+
+
+def step_grads(w, mbs, n, chunk=None):
+    """(result, gradients) of one `forward_backward(mbs, n)` on an in-process worker, gradients zeroed before and after;
+    `chunk` sets the worker's loss chunk first (0: the one-shot head)."""
+    if chunk is not None: w.loss_chunk = chunk
+    w.opt.zero_grad(set_to_none=True)
+    r = w.forward_backward(mbs, n)
+    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
+    w.opt.zero_grad(set_to_none=True)
+    return r, g

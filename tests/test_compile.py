@@ -10,7 +10,7 @@ from sft_nb.config import ModelConfig, OptimConfig, TokenizeConfig
 from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close
-from helpers import spawn
+from helpers import spawn, step_grads
 
 LOSS_TOL = 1e-6  # of Σ NLL: inductor fuses and reorders fp32 sums, nothing else changes
 GRAD_TOL = 1e-5
@@ -47,15 +47,6 @@ def worker(mcfg):
     return w
 
 
-def grads(w, mbs, n):
-    "(Σ NLL, gradients) of one forward_backward of `mbs` divided by `n`; gradients zeroed before and after."
-    w.opt.zero_grad(set_to_none=True)
-    r = w.forward_backward(mbs, n)
-    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
-    w.opt.zero_grad(set_to_none=True)
-    return r['nll_sum'], g
-
-
 def graphs() -> int:
     from torch._dynamo.utils import counters
     return counters['stats']['unique_graphs']
@@ -71,14 +62,15 @@ def test_compiled_equals_eager_and_compiles_once_per_shape(group, tiny_path, mbs
     new = []
     for mb in mbs:
         g0 = graphs()
-        (s0, ref), (s1, got) = grads(eager, [mb], mb['n_trained']), grads(comp, [mb], mb['n_trained'])
+        (r0, ref), (r1, got) = step_grads(eager, [mb], mb['n_trained']), step_grads(comp, [mb], mb['n_trained'])
         new.append(graphs() - g0)
+        s0, s1 = r0['nll_sum'], r1['nll_sum']
         assert abs(s1 - s0) <= LOSS_TOL * s0 and got.keys() == ref.keys()
         assert_rel_close(got, ref, GRAD_TOL, f"compiled vs eager, {tuple(mb['input_ids'].shape)}: gradients")
     assert new == [1, 0, 0, 0], new  # one graph, B and T dynamic, for every length and for the packed rows after them
     assert comp.compiled.failed is None
     g0, again = graphs(), worker(dataclasses.replace(full, compile=True))
-    for mb in mbs: grads(again, [mb], mb['n_trained'])
+    for mb in mbs: step_grads(again, [mb], mb['n_trained'])
     assert graphs() == g0, 'a second worker in the same process compiled again'
 
 
@@ -90,7 +82,7 @@ def test_two_ranks_compiled_equal_one_rank_eager(group, tiny_path, mbs):
     two_mbs = mbs[:2]  # padded: both ranks compile the same (dynamic) graph, at the same time
     n = sum(mb['n_trained'] for mb in two_mbs)
     ws = [worker(m) for m in (full, lora)]
-    one = [(grads(w, two_mbs[:1], n)[0], grads(w, two_mbs, n)[1]) for w in ws]  # (rank 0's Σ NLL, both's gradients)
+    one = [(step_grads(w, two_mbs[:1], n)[0]['nll_sum'], step_grads(w, two_mbs, n)[1]) for w in ws]  # (rank 0's Σ NLL, both's gradients)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids')
     two = spawn(2, 1, [dataclasses.replace(m, compile=True) for m in (full, lora)],
                 [[{k: mb[k] for k in keep if k in mb}] for mb in two_mbs], n)

@@ -14,7 +14,7 @@ from sft_nb.collate import collate_padded, collate_packed
 from sft_nb.demo_data import identity_rows
 from sft_nb.numerics import assert_rel_close
 from sft_nb.trainer import SFTTrainer
-from helpers import cli, run_cfg, spawn
+from helpers import cli, run_cfg, spawn, step_grads
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -113,15 +113,6 @@ def layouts(tok, topk=lambda i: {}):
     return {'padded': collate_padded(exs, tok.pad_token_id), 'packed': collate_packed([exs[:3], exs[3:]], tok.pad_token_id)}
 
 
-def grads(w, mbs, n, chunk):
-    w.loss_chunk = chunk
-    w.opt.zero_grad(set_to_none=True)
-    r = w.forward_backward(mbs, n)
-    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
-    w.opt.zero_grad(set_to_none=True)
-    return r, g
-
-
 def test_kd_chunked_equals_one_shot_and_packed_equals_padded(kd_worker, tiny_tok):
     """The KD loss and every student gradient: chunks of 7 targets equal the one-shot head (both models' [n_trained, V]
     logits at once), and the packed micro-batch equals the padded one. The teacher is frozen (no gradient, no optimizer
@@ -129,9 +120,9 @@ def test_kd_chunked_equals_one_shot_and_packed_equals_padded(kd_worker, tiny_tok
     w, mbs = kd_worker, layouts(tiny_tok)
     n = mbs['padded']['weight_sum']
     assert n == mbs['packed']['weight_sum'] and mbs['padded']['n_trained'] % 7
-    ref = grads(w, [mbs['padded']], n, 0)
+    ref = step_grads(w, [mbs['padded']], n, 0)
     for name, chunk in (('padded', 7), ('packed', 0), ('packed', 7)):
-        r, g = grads(w, [mbs[name]], n, chunk)
+        r, g = step_grads(w, [mbs[name]], n, chunk)
         assert r['weight_sum'] == ref[0]['weight_sum']
         assert abs(r['nll_sum'] - ref[0]['nll_sum']) <= TOL * ref[0]['nll_sum'], (name, chunk, r, ref[0])
         assert_rel_close(g, ref[1], GRAD_TOL, f'{name}, chunks of {chunk}: KD gradients')
@@ -179,16 +170,16 @@ def test_top_k_of_the_whole_vocabulary_equals_online(kd_worker, topk_layouts, ti
     mbs, folder = topk_layouts
     n = mbs['padded']['weight_sum']
     kd_worker.tcfg, was = fkl(tiny_llama_path), kd_worker.tcfg
-    try: ref = grads(kd_worker, [mbs['padded']], n, 0)
+    try: ref = step_grads(kd_worker, [mbs['padded']], n, 0)
     finally: kd_worker.tcfg = was
     with offline(kd_worker, folder) as w:
         for name, chunk in (('padded', 0), ('padded', 7), ('packed', 0), ('packed', 7)):
-            r, g = grads(w, [mbs[name]], n, chunk)
+            r, g = step_grads(w, [mbs[name]], n, chunk)
             assert_rel_close(r['nll_sum'], ref[0]['nll_sum'], 2e-6, f'{name}, chunks of {chunk}: offline KD loss')
             assert_rel_close(g, ref[1], 1e-5, f'{name}, chunks of {chunk}: offline KD gradients')
         st = w.token_losses([mbs['padded']], k=2)[0]
         empty = collate_padded([{'input_ids': [0, 0], 'loss_mask': [0, 0]}], 0)  # a rank with nothing left: no top-k
-        assert grads(w, [empty], n, 7)[0]['nll_sum'] == 0
+        assert step_grads(w, [empty], n, 7)[0]['nll_sum'] == 0
     assert (st['teacher_ids'] == mbs['padded']['teacher_ids'][:, :2].numpy()).all()
 
 
@@ -199,8 +190,8 @@ def test_kd_two_ranks_equal_one_rank(kd_worker, topk_layouts, tiny_path, tiny_ll
     topk, folder = topk_layouts
     mbs = list(topk.values())
     n = sum(mb['weight_sum'] for mb in mbs)
-    _, one = grads(kd_worker, mbs, n, 7)
-    with offline(kd_worker, folder) as w: _, one_offline = grads(w, mbs, n, 7)
+    _, one = step_grads(kd_worker, mbs, n, 7)
+    with offline(kd_worker, folder) as w: _, one_offline = step_grads(w, mbs, n, 7)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights', 'teacher_ids', 'teacher_logp')
     [(r, two, _, _), (_, two_offline, _, _)] = spawn(
         2, 1, [(ModelConfig(path=str(tiny_path), loss_chunk=7), kd(tiny_llama_path)),

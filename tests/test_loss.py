@@ -12,7 +12,7 @@ from sft_nb.demo_data import identity_rows
 from sft_nb.loss import linear_nll, chunked_nll, resolve_attn_implementation, flex_attention_runs_on
 from sft_nb.trainer import SFTTrainer
 from sft_nb.numerics import assert_rel_close, rel_gap
-from helpers import run_cfg, spawn, view_warnings
+from helpers import run_cfg, spawn, step_grads, view_warnings
 
 ROWS = identity_rows()['train']
 WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['role'] == 'assistant' else m for m in r['messages']]}
@@ -77,24 +77,15 @@ def batches(tok, weighted):
     return {'padded': collate_padded(exs, tok.pad_token_id), 'packed': collate_packed([exs[:3], exs[3:]], tok.pad_token_id)}
 
 
-def grads_of(w, mb, chunk):
-    w.loss_chunk = chunk
-    w.opt.zero_grad(set_to_none=True)
-    r = w.forward_backward([mb], mb.get('weight_sum', mb['n_trained']))  # the training scale: gradients of the mean loss
-    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
-    w.opt.zero_grad(set_to_none=True)
-    return r, g
-
-
 @pytest.mark.parametrize('weighted', [False, True])
 def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
     "The FSDP worker (tied head): Σ NLL, the count and every parameter's gradient, chunks of 5 and 7 tokens vs 0 (off)."
     assert worker.model.get_output_embeddings().weight is worker.model.get_input_embeddings().weight  # tied
     for name, mb in batches(tiny_tok, weighted).items():
         assert ('loss_weights' in mb) == weighted
-        r0, g0 = grads_of(worker, mb, 0)
+        r0, g0 = step_grads(worker, [mb], mb.get('weight_sum', mb['n_trained']), 0)
         for chunk in (5, 7):
-            r1, g1 = grads_of(worker, mb, chunk)
+            r1, g1 = step_grads(worker, [mb], mb.get('weight_sum', mb['n_trained']), chunk)
             assert r1['weight_sum'] == r0['weight_sum'] and mb['n_trained'] % chunk != 0
             assert abs(r1['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum'], (name, r0, r1)
             assert g1.keys() == g0.keys()
@@ -102,15 +93,6 @@ def test_worker_chunked_equals_one_shot(worker, tiny_tok, weighted):
         with torch.no_grad():
             worker.loss_chunk = 5
             assert abs(worker.eval_loss([mb])['nll_sum'] - r0['nll_sum']) <= TOL * r0['nll_sum']
-
-
-def _grads(w, mbs, n):
-    "Gradients of one forward_backward of `mbs` with divisor `n` on the in-process worker (zeroed before and after)."
-    w.opt.zero_grad(set_to_none=True)
-    r = w.forward_backward(mbs, n)
-    g = {k: p.grad.clone() for k, p in w.model.named_parameters() if p.grad is not None}
-    w.opt.zero_grad(set_to_none=True)
-    return r, g
 
 
 @pytest.mark.parametrize('weighted', [False, True])
@@ -122,7 +104,7 @@ def test_micro_batches_share_the_step_divisor(worker, tiny_path, tiny_tok, weigh
     from sft_nb.collate import model_inputs
     mbs = list(batches(tiny_tok, weighted).values())
     n = sum(mb.get('weight_sum', mb['n_trained']) for mb in mbs)
-    r, got = _grads(worker, mbs, n)
+    r, got = step_grads(worker, mbs, n)
     ref = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     nll = 0
     for mb in mbs:
@@ -149,12 +131,12 @@ def test_two_ranks_equal_one_rank(worker, tiny_path, tiny_tok):
     full, one_shot = ModelConfig(path=str(tiny_path), loss_chunk=7), ModelConfig(path=str(tiny_path), loss_chunk=0)
     lora = ModelConfig(path=str(tiny_path), loss_chunk=7, lora_r=4, lora_target_modules=['q_proj', 'v_proj', 'lm_head'])
     worker.loss_chunk = full.loss_chunk
-    _, one = _grads(worker, mbs, n)
+    _, one = step_grads(worker, mbs, n)
     worker.loss_chunk = one_shot.loss_chunk
-    _, one_0 = _grads(worker, mbs, n)
+    _, one_0 = step_grads(worker, mbs, n)
     lw = FSDPWorker(0, 1, lora, OptimConfig(), total_steps=1)  # in this process's 1-rank group (the `worker` fixture's)
     lw.setup()
-    _, one_lora = _grads(lw, mbs, n)
+    _, one_lora = step_grads(lw, mbs, n)
     keep = ('input_ids', 'labels', 'attention_mask', 'position_ids', 'loss_weights')
     (r, two, _, _), (r0, two_0, _, _), (rl, two_lora, _, _) = spawn(2, 1, [full, one_shot, lora],
                                                                      [[{k: mb[k] for k in keep}] for mb in mbs], n)
