@@ -38,11 +38,21 @@ peak RSS is honest), in interleaved rounds, best of `--repeats` (default 2). Bot
   limit_mt, ours_mt  limit and ours (num_proc 1) with the Rust tokenizer's threads on (TOKENIZERS_PARALLELISM=true); every
                other method runs with them off
 SmolLM2-135M-Instruct's tokenizer and its own template, mode all_assistant. It prints rows/s (wall and per CPU-second,
-the latter less sensitive to other load on a shared machine), peak RSS, the ratio to the limit and the targets (>= 95%
-of the limit on 1-turn rows, >= 90% on 3-turn rows, wall).
+the latter less sensitive to other load on a shared machine), peak RSS, the load average before and after each
+measurement, and the targets, wall time, best of the repeats:
+  ours_mt >= 90% of limit_mt   one process against the limit as a user's process runs it (the tokenizer's threads on)
+  ours_np2 >= 1.7x ours        num_proc 2 against one process, both with the tokenizer's threads off; beside it the
+                               same against ours_mt and the most 2 processes could give over ours_mt on this machine's
+                               cores (ours_mt's wall over ours's CPU seconds / cores): a process with the tokenizer's
+                               threads on already uses more than one core while it encodes
+  ours >= 95% / 90% of limit   (1-turn / 3-turn rows, threads off) when both are run
+The default methods are limit_mt, ours_mt, ours and ours_np2 on 1-turn rows. It refuses to start (exit 2) when the
+1-minute load is above --max-load (default 0.5 per CPU) unless --ignore-load: on a loaded machine the processes of
+num_proc 2 do not get two free cores and the figures do not reproduce.
 
     HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000
-    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --turns 1 --methods ours cache_hit
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 100000 --turns 1 3 --methods limit ours
+    HF_HUB_OFFLINE=1 python bench/tokenize.py --rows 1000000 --methods ours cache_hit
 
 `--cpu-rows N`: the same workloads and both sides in one process, CPU seconds only (less sensitive to a loaded machine).
 
@@ -183,8 +193,10 @@ def main():
     ap.add_argument('--profile', choices=MODES, help='only cProfile tokenize_rows on the tool-calling set in this mode')
     ap.add_argument('--verify-rows', type=int, default=0, help='only measure the cache content check on a cache of this many rows')
     ap.add_argument('--rows', type=int, default=0, help='scale mode: this many generated chat rows per workload, ours vs the limit')
-    ap.add_argument('--methods', nargs='*', default=['limit', 'ours'], choices=SCALE_METHODS, help='scale mode: which methods')
-    ap.add_argument('--turns', nargs='*', type=int, default=[1, 3], help='scale mode: user/assistant pairs per row, one workload each')
+    ap.add_argument('--methods', nargs='*', default=['limit_mt', 'ours_mt', 'ours', 'ours_np2'], choices=SCALE_METHODS, help='scale mode: which methods')
+    ap.add_argument('--turns', nargs='*', type=int, default=[1], help='scale and --cpu-rows modes: user/assistant pairs per row, one workload each')
+    ap.add_argument('--max-load', type=float, default=None, help='scale mode: refuse to start (exit 2) above this 1-minute load average (default: 0.5 per CPU)')
+    ap.add_argument('--ignore-load', action='store_true', help='scale mode: run on a loaded machine anyway (the report says so)')
     ap.add_argument('--workdir', default=None, help='scale mode: where the generated source and cache go (default: a temp dir)')
     ap.add_argument('--cpu-rows', type=int, default=0, help='in one process: CPU seconds of the limit and of ours on this many rows per workload')
     ap.add_argument('--check-cost', action='store_true', help='only measure what the per-row self-check (check_turns) costs')
@@ -376,6 +388,14 @@ def _scale_child(a):
 def _scale(a):
     "Scale mode: per workload (turns per row), every method in its own subprocess, rounds of all methods, best of --repeats."
     import json, subprocess
+    limit = a.max_load if a.max_load is not None else 0.5 * os.cpu_count()
+    load0 = os.getloadavg()
+    if load0[0] > limit and not a.ignore_load:
+        raise SystemExit(f"bench/tokenize.py: the 1-minute load average is {load0[0]:.2f} before the run, above {limit:.2f} "
+                         f"(--max-load; default 0.5 per CPU, {os.cpu_count()} here): num_proc 2 would not get two free cores and "
+                         "the figures would not reproduce. Run it on a quiet machine, or pass --ignore-load.")
+    print(f"# load average before: {_load()} (limit {limit:.2f}{'; ABOVE IT, --ignore-load: not a reproducible figure' if load0[0] > limit else ''}); "
+          f"{os.cpu_count()} CPUs, {len(os.sched_getaffinity(0))} in this process's affinity", flush=True)
     work = Path(a.workdir or tempfile.mkdtemp(prefix='sft_nb_scale_'))
     work.mkdir(parents=True, exist_ok=True)
     repeats = a.repeats or 2
@@ -394,23 +414,36 @@ def _scale(a):
                 print(f"  round {rnd + 1} {m:10s} {res['wall']:8.1f} s wall {a.rows / res['wall']:8,.0f} rows/s | {res['cpu']:8.1f} s cpu "
                       f"{a.rows / res['cpu']:8,.0f} rows/cpu-s | peak RSS {res['rss']:.2f} GiB (workers {res['child_rss']:.2f}) | load {_load()}", flush=True)
                 if m not in best or res['wall'] < best[m]['wall']: best[m] = {**res, 'cpu': min(res['cpu'], best.get(m, res)['cpu'])}
-        lim = best.get('limit')
-        print(f"\n### {a.rows:,} rows of {turns} turn(s), best of {repeats}\n\n| method | rows/s | rows/cpu-s | peak RSS GiB | % of limit (wall) | % of limit (cpu) |\n|---|---:|---:|---:|---:|---:|")
+        ref = next((k for k in ('limit_mt', 'limit') if k in best), None)  # the table's reference: the threads-on limit if run
+        print(f"\n### {a.rows:,} rows of {turns} turn(s), best of {repeats}\n\n| method | wall s | rows/s | rows/cpu-s | peak RSS GiB "
+              f"| % of {ref} (wall) | % of {ref} (cpu) |\n|---|---:|---:|---:|---:|---:|---:|")
         for m, r in best.items():
-            pw = f"{100 * lim['wall'] / r['wall']:.0f}%" if lim else '-'
-            pc = f"{100 * lim['cpu'] / r['cpu']:.0f}%" if lim else '-'
+            pw = f"{100 * best[ref]['wall'] / r['wall']:.0f}%" if ref else '-'
+            pc = f"{100 * best[ref]['cpu'] / r['cpu']:.0f}%" if ref else '-'
             rss = r['rss'] + (r['child_rss'] if m == 'ours_np2' else 0)
-            print(f"| {m} | {a.rows / r['wall']:,.0f} | {a.rows / r['cpu']:,.0f} | {rss:.2f} | {pw} | {pc} |")
+            print(f"| {m} | {r['wall']:.1f} | {a.rows / r['wall']:,.0f} | {a.rows / r['cpu']:,.0f} | {rss:.2f} | {pw} | {pc} |")
+        lim = best.get('limit')
         if 'ours' in best and 'ours_np2' in best:
-            sp = best['ours']['wall'] / best['ours_np2']['wall']
+            sp, cores = best['ours']['wall'] / best['ours_np2']['wall'], os.cpu_count()
             print(f"\nnum_proc 1 -> 2: {sp:.2f}x wall ({100 * sp / 2:.0f}% per-core efficiency); "
-                  f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {os.cpu_count()}")
+                  f"CPU used {best['ours_np2']['cpu'] / best['ours']['cpu']:.2f}x; cores on this machine: {cores}")
+            verdicts.append(f"- {turns}-turn rows: num_proc 2 {sp:.2f}x num_proc 1 (both threads off, wall), target >= 1.7x -> "
+                            f"{'MET' if sp >= 1.7 else 'NOT MET'}")
+            if 'ours_mt' in best:
+                mt, bound = best['ours_mt']['wall'] / best['ours_np2']['wall'], best['ours_mt']['wall'] / (best['ours']['cpu'] / cores)
+                verdicts.append(f"- {turns}-turn rows: num_proc 2 {mt:.2f}x one process with the tokenizer's threads on; at most "
+                                f"{bound:.2f}x on {cores} cores (ours_mt {best['ours_mt']['wall']:.1f} s wall against "
+                                f"{best['ours']['cpu']:.1f} CPU s / {cores} cores)")
         if 'cache_hit' in best: print(f"cache hit: {best['cache_hit']['wall']:.2f} s")
+        if 'limit_mt' in best and 'ours_mt' in best:
+            v = best['limit_mt']['wall'] / best['ours_mt']['wall']
+            verdicts.append(f"- {turns}-turn rows: ours_mt {100 * v:.0f}% of limit_mt (the tokenizer's threads on, wall; CPU "
+                            f"{100 * best['limit_mt']['cpu'] / best['ours_mt']['cpu']:.0f}%), target >= 90% -> {'MET' if v >= 0.9 else 'NOT MET'}")
         if lim and 'ours' in best and turns in SCALE_TARGETS:
             v, tgt = lim['wall'] / best['ours']['wall'], SCALE_TARGETS[turns]
             verdicts.append(f"- {turns}-turn rows: ours {100 * v:.0f}% of the limit (wall; CPU {100 * lim['cpu'] / best['ours']['cpu']:.0f}%), "
                             f"target >= {100 * tgt:.0f}% -> {'MET' if v >= tgt else 'NOT MET'}")
-    if verdicts: print('\n## targets\n\n' + '\n'.join(verdicts))
+    if verdicts: print(f'\n## targets (load average after: {_load()})\n\n' + '\n'.join(verdicts))
 
 def _cpu_ratio(a):
     "`--cpu-rows N`: in one process, CPU seconds of the limit and of `tokenize_dataset` on the `--turns` workloads, best of --repeats interleaved."
