@@ -396,6 +396,7 @@ def loss_at(r, T):
 
 
 def med(rs, key): return statistics.median(r[key] for r in rs)
+def median_step(rs): return statistics.median(x for r in rs for x in r['step_time'][1:])  # step 1 is warm-up
 
 
 def table(model, runs, steps, batch):
@@ -410,7 +411,7 @@ def table(model, runs, steps, batch):
         spread = f"{min(x['tokens_per_s'] for x in rs):,.0f}–{max(x['tokens_per_s'] for x in rs):,.0f}" if len(rs) > 1 else ''
         wall = f"{med(rs, 'wall_tokens_per_s'):,.0f}" if 'wall_tokens_per_s' in r else f"{tps:,.0f}"
         ratio = f"{tps / base:.2f}×" if base else '–'
-        step = statistics.median(x for rr in rs for x in rr['step_time'][1:])
+        step = median_step(rs)
         per_step = statistics.median(x['median_step_tokens_per_s'] for x in rs)
         cpu = f"{med(rs, 'tokens_per_cpu_s'):,.0f}" if all(x.get('tokens_per_cpu_s') for x in rs) else '–'
         lines.append(f"| {model} | {m} | {steps} | {batch} | {tps:,.0f} | {spread} | {per_step:,.0f} | {wall} | {ratio} | {cpu} | "
@@ -438,12 +439,12 @@ def table(model, runs, steps, batch):
         e = c.removesuffix(' compiled')
         if c in runs and e in runs:
             rc, re_ = runs[c][0], runs[e][0]
-            extra = med(runs[c], 'first_step_excess_s') - med(runs[e], 'first_step_excess_s')  # the compile, net of the warm-up both pay
-            gain = statistics.median(x for rr in runs[e] for x in rr['step_time'][1:]) - statistics.median(x for rr in runs[c] for x in rr['step_time'][1:])
+            first_c, first_e = med(runs[c], 'first_step_excess_s'), med(runs[e], 'first_step_excess_s')
+            extra, gain = first_c - first_e, median_step(runs[e]) - median_step(runs[c])  # the compile, net of the warm-up both pay
             pays = (f"it pays for itself after {max(extra, 0) / gain:.1f} steps: a run of fewer steps is faster eager" if gain > 0 else
                     "a compiled step is not faster here: compiling does not pay at any run length")
-            verdicts.append(f"{model}: {c} / {e} = {tp(c) / tp(e):.2f}× tokens/s; compile ≈ {med(runs[c], 'first_step_excess_s'):.1f} s "
-                            f"(first step above the median step; eager's {med(runs[e], 'first_step_excess_s'):.1f} s); {pays} "
+            verdicts.append(f"{model}: {c} / {e} = {tp(c) / tp(e):.2f}× tokens/s; compile ≈ {first_c:.1f} s "
+                            f"(first step above the median step; eager's {first_e:.1f} s); {pays} "
                             f"({max(extra, 0):.1f} s of compile / {gain:.2f} s saved a step); loss@{T:,} "
                             f"{loss_at(rc, T):.4f} vs {loss_at(re_, T):.4f}; max per-step |Δloss| "
                             f"{max(abs(p - q) for p, q in zip(rc['loss'], re_['loss'])):.2e}")
