@@ -4,9 +4,10 @@
 
 # %% ../nbs/08b_live.ipynb #b1fee389
 from __future__ import annotations
-import html, sys, threading, traceback
+import html, sys, threading, time, traceback
 from contextlib import contextmanager
 import plotly.graph_objects as go
+import plotly.io as pio
 import ipywidgets as W
 from fastcore.basics import patch_to
 from .callbacks import Callback
@@ -31,19 +32,22 @@ def loss_fig(metrics, evals: list[dict] | None = None, title: str = 'loss') -> g
 
 # %% ../nbs/08b_live.ipynb #6a9dedac
 class LivePlot(Callback):
-    "Appends each step's loss (and each eval) to a `FigureWidget`; starts from `trainer`'s metrics when given one."
-    def __init__(self, trainer=None):
-        self.fig = go.FigureWidget(loss_fig({'step': [], 'loss': []}))
+    """Appends each step's loss (and each eval) to `fig` and redraws it whole in `widget`, at most every `every` seconds
+    and always after the last change; starts from `trainer`'s metrics when given one."""
+    def __init__(self, trainer=None, every: float = 0.25):
+        self.fig, self.widget, self.every = loss_fig({'step': [], 'loss': []}), W.Output(), every
+        self.lock, self.drawn, self.timer = threading.RLock(), 0.0, None  # the training thread and the redraw timer
         self.show(trainer)
     def show(self, trainer):
         "Start over from `trainer`'s steps and evaluations (None: an empty chart)."
         rows, evals = getattr(trainer, 'step_metrics', []), getattr(trainer, 'eval_metrics', [])
         evals = [e for e in evals if 'eval_loss' in e]
-        train, ev = self.fig.data
-        with self.fig.batch_update():
+        with self.lock:
+            train, ev = self.fig.data
             train.x, train.y = tuple(r['step'] for r in rows), tuple(r['loss'] for r in rows)
             ev.x, ev.y = tuple(e['step'] for e in evals), tuple(e['eval_loss'] for e in evals)
             self._empty(not rows and not evals)
+            self.draw()
     def _empty(self, empty: bool):
         "An empty chart says so instead of drawing axes from -1 to 6; the first point brings the axes."
         lay = self.fig.layout
@@ -51,13 +55,29 @@ class LivePlot(Callback):
         lay.annotations = [dict(text='no step yet: press Step or Fit', showarrow=False, xref='paper', yref='paper',
                                 x=0.5, y=0.5, font=dict(color='#777'))] if empty else []
     def _append(self, trace: int, x, y):
-        tr = self.fig.data[trace]
-        with self.fig.batch_update():
+        with self.lock:
+            tr = self.fig.data[trace]
             tr.x, tr.y = tuple(tr.x or ()) + (x,), tuple(tr.y or ()) + (y,)
             if self.fig.layout.annotations: self._empty(False)
+            self.draw_soon()
+    def draw(self):
+        "Send the whole figure to the page now."
+        with self.lock:
+            if self.timer is not None: self.timer.cancel(); self.timer = None
+            bundle = pio.renderers['plotly_mimetype'].to_mimebundle(self.fig.to_dict())
+            self.widget.outputs = ({'output_type': 'display_data', 'data': bundle, 'metadata': {}},)
+            self.drawn = time.monotonic()
+    def draw_soon(self):
+        "Redraw now if the last redraw is `every` seconds old, else once when it is (one redraw waits at a time)."
+        with self.lock:
+            wait = self.drawn + self.every - time.monotonic()
+            if wait <= 0: return self.draw()
+            if self.timer is None:
+                self.timer = threading.Timer(wait, self.draw); self.timer.daemon = True; self.timer.start()
     def on_step_end(self, trainer, metrics): self._append(0, metrics['step'], metrics['loss'])
     def on_evaluate(self, trainer, metrics):
         if 'eval_loss' in metrics: self._append(1, metrics['step'], metrics['eval_loss'])
+
 
 # %% ../nbs/08b_live.ipynb #992fb791
 class _Router:
@@ -299,7 +319,7 @@ class TrainerPanel(Callback):
                    self.dry_button]
         self.chat = ChatBox(self)  # talk to the current weights between steps
         self.samples = W.HTML()  # eval samples, newest first
-        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.fig,
+        self.widget = W.VBox([W.HBox(buttons), W.HBox([self.progress, self.status]), self.data_line, self.plot.widget,
                               self.samples, self.chat.widget, self.log.widget])
         for w, c in ((self.widget, 'sft-nb-panel'), (self.status, 'sft-nb-status'), (self.log.widget, 'sft-nb-log'),
                      (self.samples, 'sft-nb-samples'), (self.data_line, 'sft-nb-data')):

@@ -91,8 +91,10 @@ class Notebook:
         return max(1.0, (self.deadline - time.monotonic()) * 1000)
 
     def until(self, js: str, polling: float = 500):
-        "Poll the page until the JavaScript predicate `js` holds, up to the deadline."
-        self.page.wait_for_function(js, timeout=self.left_ms(), polling=polling)
+        "Poll the page until the JavaScript predicate `js` holds, up to the deadline; a miss names the page's console errors."
+        from playwright.sync_api import TimeoutError as PageTimeout
+        try: self.page.wait_for_function(js, timeout=self.left_ms(), polling=polling)
+        except PageTimeout as e: raise AssertionError(f'{js[:300]} did not hold by the deadline; console errors: {self.errors[-10:]}') from e
 
     def see(self, locator, within_s: float | None = None):
         "Wait, up to the deadline (or `within_s`, for what comes at once), until `locator` is on the page; returns it."
