@@ -9,8 +9,9 @@ first in the queue, and must all pass or no mutant is judged: a mutant is only c
 edit whose original text is not in its file exactly once stops everything: the list must not rot silently.
 
 Only in-process checks can be named: Ray workers import sft_nb from the installed path, not from the copy. The pytest
-runs are forks of one warm Python that imported torch, transformers and pytest once (`FORK_SERVER`: 133 s -> 82 s for
-all 23 here); sft_nb is imported after the fork, from the copy.
+and notebook runs are forks of one warm Python that imported torch, transformers, pytest and nbdev once (`FORK_SERVER`);
+sft_nb is imported after the fork, from the copy. Forking the pytest runs took all 23 mutants of the time from 133 s to
+82 s; forking the notebook runs too took these 44 from 167 s to 127 s (2026-12-07, this machine, one after the other).
 
     python tools/mutants.py                 every mutant, 2 at a time; exit 1 if one is missed
     python tools/mutants.py --list          the mutants, their edits and the checks that must catch them
@@ -264,7 +265,8 @@ def env_for(tmp: Path) -> dict:
 
 
 def run(cmd: list[str], tmp: Path) -> tuple[int, str]:
-    if cmd[:3] == PYTEST and WARM.up(): return WARM.run(cmd[3:], tmp)
+    if cmd[:3] == PYTEST and WARM.up(): return WARM.run('pytest', cmd[3:], tmp)
+    if cmd[:2] == NBDEV_TEST and WARM.up(): return WARM.run('nbdev', cmd[2:], tmp)
     try:
         p = subprocess.run(cmd, cwd=tmp, env=env_for(tmp), capture_output=True, text=True, timeout=TIMEOUT)
         return p.returncode, p.stdout + p.stderr
@@ -278,20 +280,22 @@ def pytest_cmd(ids: list[str], first_failure: bool) -> list[str]:
     return PYTEST + ['-q', '-p', 'no:cacheprovider', '-rfE'] + (['-x'] if first_failure else []) + ids
 
 
-# A Python that has imported what every named test imports (torch, transformers' model code, pytest: ~5 s of CPU) and not
-# sft_nb; each pytest run is a fork of it in its copy (sft_nb, imported after the fork, comes from the copy). One thread
-# only: a fork of a process with threads may hold their locks. It reads one job a line: [copy, argv, output file]; the
-# forked run writes its exit code to output + '.rc' last, by a rename (a reader never sees it half written).
+# A Python that has imported what every named check imports (torch, transformers' model code, pytest, nbdev's notebook
+# runner: ~5 s of CPU) and not sft_nb; each pytest or notebook run is a fork of it in its copy (sft_nb, imported after the
+# fork, comes from the copy). One thread only: a fork of a process with threads may hold their locks. It reads one job a
+# line: [copy, 'pytest' or 'nbdev', argv, output file]; the forked run writes its exit code to output + '.rc' last, by a
+# rename (a reader never sees it half written).
 FORK_SERVER = r"""
 import json, os, signal, sys, threading
 import torch, numpy, pandas, pytest, transformers
+import nbdev.test  # its settings are read in the run, from the copy's settings.ini
 from transformers import AutoModelForCausalLM, AutoTokenizer
 import transformers.models.llama.modeling_llama, transformers.models.qwen2.modeling_qwen2
 if threading.active_count() != 1: sys.exit(f'fork server: {threading.active_count()} threads after the imports')
 signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # the runs are reaped by the kernel
 print('ready', flush=True)
 for line in sys.stdin:
-    tmp, argv, out = json.loads(line)
+    tmp, kind, argv, out = json.loads(line)
     pid = os.fork()
     if pid:
         print(pid, flush=True); continue
@@ -299,7 +303,10 @@ for line in sys.stdin:
     fd = os.open(os.devnull, os.O_RDONLY); os.dup2(fd, 0)
     os.chdir(tmp); sys.path.insert(0, tmp); os.environ.update(PYTHONPATH=tmp, SFT_NB_HOME=os.path.join(tmp, 'home'))
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC); os.dup2(fd, 1); os.dup2(fd, 2)
-    try: rc = int(pytest.main(argv))
+    try:
+        if kind == 'pytest': rc = int(pytest.main(argv))
+        else: nbdev.test.nbdev_test(path=argv[0]); rc = 0  # one notebook: run in this process (nbdev_test's exit 1 on a failure)
+    except SystemExit as e: rc = e.code if isinstance(e.code, int) else 1
     except BaseException as e: print(f'fork server run: {e!r}'); rc = 3
     sys.stdout.flush(); sys.stderr.flush()
     with open(out + '.rc.tmp', 'w') as f: f.write(str(rc))
@@ -308,7 +315,7 @@ for line in sys.stdin:
 
 
 class ForkServer:
-    "Runs of `pytest ARGV` in a copy, forked from one warm Python (`FORK_SERVER`); started on first use, by one thread at a time."
+    "Runs of `pytest ARGV` or `nbdev_test --path NB` in a copy, forked from one warm Python (`FORK_SERVER`); started on first use, by one thread at a time."
     def __init__(self): self.proc, self.lock, self.failed = None, threading.Lock(), False
     def up(self) -> bool:
         with self.lock:
@@ -319,10 +326,10 @@ class ForkServer:
                     print('fork server did not start: each pytest run imports everything itself', flush=True)
                     self.proc.kill(); self.proc, self.failed = None, True
             return self.proc is not None
-    def run(self, argv: list[str], tmp: Path) -> tuple[int, str]:
-        out = tmp / f'.pytest-{time.monotonic_ns()}.log'
+    def run(self, kind: str, argv: list[str], tmp: Path) -> tuple[int, str]:
+        out = tmp / f'.{kind}-{time.monotonic_ns()}.log'
         with self.lock:
-            self.proc.stdin.write(json.dumps([str(tmp), argv, str(out)]) + '\n'); self.proc.stdin.flush()
+            self.proc.stdin.write(json.dumps([str(tmp), kind, argv, str(out)]) + '\n'); self.proc.stdin.flush()
             pid = int(self.proc.stdout.readline())
         rc, deadline = Path(f'{out}.rc'), time.monotonic() + TIMEOUT
         while not rc.exists() and time.monotonic() < deadline: time.sleep(0.1)
@@ -339,8 +346,10 @@ class ForkServer:
 WARM = ForkServer()
 
 
+NBDEV_TEST = [str(Path(sys.executable).with_name('nbdev_test')), '--path']
+
 def nbdev_cmd(nb: str) -> list[str]:
-    return [str(Path(sys.executable).with_name('nbdev_test')), '--path', nb]
+    return NBDEV_TEST + [nb]
 
 
 def judge_pytest(rc: int, out: str) -> tuple[bool, str]:
