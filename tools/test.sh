@@ -20,8 +20,10 @@ ran=$(grep -c '^Starting' "$log" || true)
 echo "nbdev_test: $ran notebooks passed in $((SECONDS - t0)) s"
 t1=$SECONDS
 # two pytest workers, each with its own session Ray cluster (and JupyterLab/Chromium where it runs a browser test); a
-# file's tests stay together (module fixtures, ordered browser steps): the Ray tests leave a third of the CPU idle alone
-python -m pytest tests -n 2 --dist loadfile --durations=30 ${PYTEST_ARGS:-} ; rc=$?
+# file's tests stay together (module fixtures, ordered browser steps): the Ray tests leave a third of the CPU idle alone.
+# The longest files go first (tests/conftest.py, from tests/durations.json; `python tools/test_durations.py` refreshes it
+# from this run's build/junit.xml)
+python -m pytest tests -n 2 --dist loadfile --no-loadscope-reorder --junitxml=build/junit.xml --durations=30 ${PYTEST_ARGS:-} ; rc=$?
 echo "pytest: exit $rc in $((SECONDS - t1)) s; notebooks + pytest $((SECONDS - t0)) s"
 [ "$rc" -eq 5 ] && { echo "FAIL: pytest collected no tests"; exit 1; }
 exit "$rc"
