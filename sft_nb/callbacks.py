@@ -10,9 +10,10 @@ from pathlib import Path
 
 # %% auto #0
 __all__ = ['SAVE_ON_SIGNAL', 'Control', 'Callback', 'EarlyStopping', 'KeepBest', 'NonFiniteLoss', 'NonFiniteGuard', 'Schedule',
-           'Profiler', 'Preempted', 'SaveOnSignal', 'builtin_callbacks', 'ConsoleTracker', 'JSONLTracker',
-           'optional_tracker', 'ScalarTracker', 'TensorBoardTracker', 'WandbTracker', 'MLflowTracker', 'make_trackers',
-           'answer_text', 'split_answer', 'prompt_messages', 'data_prompts', 'SamplesCallback']
+           'Profiler', 'Preempted', 'SaveOnSignal', 'CompilePayback', 'compile_payback', 'builtin_callbacks',
+           'ConsoleTracker', 'JSONLTracker', 'optional_tracker', 'ScalarTracker', 'TensorBoardTracker', 'WandbTracker',
+           'MLflowTracker', 'make_trackers', 'answer_text', 'split_answer', 'prompt_messages', 'data_prompts',
+           'SamplesCallback']
 
 # %% ../nbs/08a_callbacks.ipynb #e1fd35b6
 @dataclass
@@ -139,6 +140,31 @@ class SaveOnSignal(Callback):
         raise Preempted(f"stopped by {self.got[0]} at step {trainer.global_step} of {trainer.total_steps}; "
                         + (f"checkpoint {where}" if where else "no step was trained, nothing to resume"), self.got[0])
 
+# %% ../nbs/08a_callbacks.ipynb #2798c58c
+class CompilePayback(Callback):
+    "After a compiled trainer's third step: what compiling cost, and how much less time each step left must take to pay it back."
+    SAVED = 0.19  # the most a compiled step saved against an eager one in bench/train.py (1.23x: SmolLM2, packed, CPU)
+    def __init__(self): self.times = []
+    def on_step_end(self, trainer, m):
+        if len(self.times) == 3: return
+        self.times.append(m['step_time'])
+        if len(self.times) == 3 and (line := compile_payback(*self.times, trainer.total_steps - m['step'])):
+            print(line, file=sys.stderr, flush=True)
+
+def compile_payback(first: float, second: float, third: float, left: int) -> str | None:
+    """The line `CompilePayback` prints for three step times (seconds) and the steps left; None where nothing was compiled
+    (the first step no slower than twice the others) or no step is left."""
+    steady = min(second, third)
+    cost = first - steady
+    if cost <= steady or left <= 0: return None
+    save = cost / left  # seconds each step left must save against eager: an eager step takes steady + save at least
+    need = save / (steady + save)  # ... that is, this fraction of the eager step's time
+    line = (f"model.compile: ~{cost:.0f} s compiling (the first step {first:.1f} s, then {steady:.2f} s); the {left:,} "
+            f"steps left pay it back only if each takes {need:.0%} less time than eager")
+    return line + (f", more than the {CompilePayback.SAVED:.0%} a compiled step saved in bench/train.py: model.compile=false "
+                   "is likely faster for this run" if need > CompilePayback.SAVED else '')
+
+
 # %% ../nbs/08a_callbacks.ipynb #4c6ee75e
 SAVE_ON_SIGNAL = 'SFT_NB_SAVE_ON_SIGNAL'  # set by `sft-nb run` in its kernel's environment
 
@@ -147,7 +173,7 @@ def builtin_callbacks(cfg) -> list[Callback]:
     lg = cfg.logging
     return ([Profiler(lg.profile_step, lg.profile_steps, lg.profile_ranks), NonFiniteGuard(cfg.train.on_nonfinite),
              Schedule(cfg.train.eval_every, cfg.checkpoint.save_every)]
-            + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else []))
+            + ([CompilePayback()] if cfg.model.compile else []) + ([SaveOnSignal()] if os.environ.get(SAVE_ON_SIGNAL) else []))
 
 # %% ../nbs/08a_callbacks.ipynb #fa96d65a
 def _in_panel() -> bool:
