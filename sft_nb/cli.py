@@ -393,7 +393,7 @@ def _cmd_train(a):
     check_overrides(a.overrides)
     t, hint = None, f"continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
     # a fit that ends at a step boundary
-    steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop()
+    steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop() is not None
     sig = SignalStop('sft-nb train', a.grace, steps_left, hint=hint)
     try:
         with sig:  # from before the imports: a signal in setup (tokenization, Ray's start, the model) stops it at once

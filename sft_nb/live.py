@@ -297,7 +297,7 @@ class TrainerPanel(Callback):
     """Step / Fit / Stop / Evaluate / Save, a progress bar, a status line, the live chart, eval samples and an output
     area for a trainer."""
     def __init__(self, trainer, fit_steps: int | None = None):  # fit_steps: steps per Fit click (None: to the end)
-        self.trainer, self.fit_steps, self.thread, self.state, self.in_step = None, fit_steps, None, 'idle', False
+        self.trainer, self.fit_steps, self.thread, self.state = None, fit_steps, None, 'idle'
         # one refresh at a time: an instant action's end must not interleave with its start's
         self.refreshing = threading.RLock()
         self.plot, self.log = LivePlot(), PanelLog()
@@ -369,7 +369,7 @@ def follow(self, trainer):
             if cbs is not None: cbs[:] = [c for c in cbs if c is not self and c is not self.plot]
     for cbs in (trainer.user_callbacks, getattr(trainer, 'callbacks', None)):  # callbacks exist once set up
         if cbs is not None: cbs.extend(c for c in (self.plot, self) if c not in cbs)
-    self.trainer, self.state, self.in_step = trainer, 'idle', False
+    self.trainer, self.state = trainer, 'idle'
     self.plot.show(trainer); self.chat.clear()
     if old is not None: self.log.write(f'this panel now drives the new trainer (run folder {trainer.run_dir})\n')
     self.samples.value = samples_html(getattr(trainer, 'samples', []))
@@ -380,11 +380,10 @@ def follow(self, trainer):
 @patch_to(TrainerPanel)
 def stop(self):
     "Stop a running fit after its current step (nothing happens when idle)."
-    if self.trainer.request_stop():
-        # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next
-        # one
+    # in a step: it ends that step; between steps (an eval_every evaluation, a save) the fit stops before the next one
+    if (after := self.trainer.request_stop()) is not None:
         self.stopped = True
-        self.log.write(f'stop: the run stops after step {self.trainer.global_step + int(self.in_step)}\n')
+        self.log.write(f'stop: the run stops after step {after}\n')
     self.refresh()
 
 # %% ../nbs/08b_live.ipynb #95e13d95
@@ -437,15 +436,11 @@ def wait(self, timeout: float | None = None):
 
 # %% ../nbs/08b_live.ipynb #6450a894
 @patch_to(TrainerPanel)
-def on_train_start(self, trainer): self.in_step = False; self.refresh()  # (a step that raised never ended)
-
-# %% ../nbs/08b_live.ipynb #a6bee059
-@patch_to(TrainerPanel)
-def on_step_start(self, trainer, step): self.in_step = True
+def on_train_start(self, trainer): self.refresh()
 
 # %% ../nbs/08b_live.ipynb #eb015cb8
 @patch_to(TrainerPanel)
-def on_step_end(self, trainer, metrics): self.in_step = False; self.refresh()
+def on_step_end(self, trainer, metrics): self.refresh()
 
 # %% ../nbs/08b_live.ipynb #2c42ea4c
 @patch_to(TrainerPanel)

@@ -105,12 +105,17 @@ class SFTTrainer:
         self.data = plan_class(self.cfg)(self.cfg, train_data=train_data, eval_data=eval_data)  # rows, plan, batches
         self.ckpt = Checkpointer(self.cfg.checkpoint)  # run folder claim and checkpoints
         self._exclusive, self._ray_started = Exclusive(), False  # one action at a time: `with self._exclusive('fit'):`
+        # the step `fit` has begun and not finished (None between steps); a stop asked for before a step begins stops
+        # the fit before it, one asked for after stops after it: `request_stop` knows which
+        self._stop_lock, self._step_running = threading.Lock(), None
 
-    def request_stop(self) -> bool:
-        "Ask a running `fit`/`train` to stop after the current step; does nothing (returns False) when idle."
-        if self.action not in ('fit', 'train'): return False
-        self.control.should_stop = True
-        return True
+    def request_stop(self) -> int | None:
+        """Ask a running `fit`/`train` to stop after the current step; returns the step it stops after (None when
+        idle: nothing is asked). Exact from any thread: `fit` starts no step once this is asked."""
+        if self.action not in ('fit', 'train'): return None
+        with self._stop_lock:
+            self.control.should_stop = True
+            return self._step_running or self.global_step
 
     def _emit(self, event: str, *args):
         for cb in self.callbacks: getattr(cb, event)(self, *args)
@@ -293,11 +298,17 @@ def fit(self: SFTTrainer, n_steps: int | None = None) -> pd.DataFrame:
     self.control.should_stop = False  # a stop asked for before this fit began is not meant for it
     self._emit('on_train_start')
     if self.cfg.train.eval_before and self.global_step == 0 and self.last_eval.get('step') != 0: self.evaluate()
-    while self.global_step < end:
-        self.step()
-        if self.control.should_evaluate: self.control.should_evaluate = False; self.evaluate()
-        if self.control.should_save: self.control.should_save = False; self.save()
-        if self.control.should_stop: self.control.should_stop = False; break
+    try:
+        while self.global_step < end:
+            with self._stop_lock:
+                if self.control.should_stop: self.control.should_stop = False; break
+                self._step_running = self.global_step + 1
+            self.step()
+            self._step_running = None
+            if self.control.should_evaluate: self.control.should_evaluate = False; self.evaluate()
+            if self.control.should_save: self.control.should_save = False; self.save()
+            if self.control.should_stop: self.control.should_stop = False; break
+    finally: self._step_running = None
     self._emit('on_train_end')
     return self.metrics
 
@@ -515,7 +526,7 @@ def retire(old, # what the notebook's `trainer` held before (anything else is le
     """Stop an `SFTTrainer` a notebook is about to replace: its running fit at the next step boundary, then its workers
     and the Ray it started; a run folder it made and ran nothing in goes with it (`Checkpointer.remove_unused`)."""
     if not isinstance(old, SFTTrainer): return
-    if old.request_stop():
+    if old.request_stop() is not None:
         end = time.monotonic() + timeout
         while old.running and time.monotonic() < end: time.sleep(0.05)
     old.shutdown()
