@@ -16,6 +16,11 @@ sft_nb is imported after the fork, from the copy. Forking the pytest runs took a
     python tools/mutants.py                 every mutant, 2 at a time; exit 1 if one is missed
     python tools/mutants.py --list          the mutants, their edits and the checks that must catch them
     python tools/mutants.py --only NAME     one mutant (repeat --only for more), after its own checks' baseline
+    python tools/mutants.py --passed build/junit.xml
+                                            the named pytest checks that report lists as passed, on this tree (newer
+                                            than every file of sft_nb/ and tests/), are not run again for the baseline
+                                            (CI: the suite has just run them all); the notebooks' baseline still runs, as
+                                            the suite ran them with their slow cells and a mutant's run does not
 """
 from __future__ import annotations
 import argparse, json, os, re, shutil, signal, subprocess, sys, tempfile, threading, time
@@ -264,6 +269,10 @@ def env_for(tmp: Path) -> dict:
     return env
 
 
+def timed(fn, *args):
+    t = time.perf_counter(); r = fn(*args); return r, time.perf_counter() - t
+
+
 def run(cmd: list[str], tmp: Path) -> tuple[int, str]:
     if cmd[:3] == PYTEST and WARM.up(): return WARM.run('pytest', cmd[3:], tmp)
     if cmd[:2] == NBDEV_TEST and WARM.up(): return WARM.run('nbdev', cmd[2:], tmp)
@@ -401,9 +410,26 @@ def check_mutant(m: Mutant, keep: bool) -> tuple[bool, str, float]:
         if not keep: shutil.rmtree(tmp, ignore_errors=True)
 
 
-def baseline_work(mutants: list[Mutant], jobs: int) -> list[tuple[str, list[str], set[str]]]:
-    "(label, command, the checks it runs) of the unmutated runs: the named tests as `jobs` pytest runs (a share of the files each), each notebook once."
-    tests = list(dict.fromkeys(t for m in mutants for t in m.tests))
+def passed_in(junit: Path) -> set[str]:
+    """The pytest node ids a JUnit report of this tree lists as passed (no failure, error or skip). A report older than a
+    file of sft_nb/ or tests/ is of another tree: refused."""
+    import xml.etree.ElementTree as ET
+    newest = max(f.stat().st_mtime for d in ('sft_nb', 'tests') for f in (ROOT / d).rglob('*.py'))
+    if junit.stat().st_mtime < newest: raise SystemExit(f"--passed {junit}: older than the code and tests it would vouch for")
+    ok = {}
+    for case in ET.parse(junit).getroot().iter('testcase'):
+        nodeid = f"{case.get('classname', '').replace('.', '/')}.py::{case.get('name', '')}"  # tests.test_x + t[a] → tests/test_x.py::t[a]
+        ok[nodeid] = not any(c.tag in ('failure', 'error', 'skipped') for c in case)
+    whole = {}  # a test named without its parameters passed when every parametrization did
+    for nodeid, passed in ok.items():
+        if '[' in nodeid: whole[nodeid.split('[')[0]] = whole.get(nodeid.split('[')[0], True) and passed
+    return {t for t, passed in (ok | whole).items() if passed}
+
+
+def baseline_work(mutants: list[Mutant], jobs: int, passed: set[str] = frozenset()) -> list[tuple[str, list[str], set[str]]]:
+    """(label, command, the checks it runs) of the unmutated runs: the named tests as `jobs` pytest runs (a share of the
+    files each), but those in `passed`, and each notebook once."""
+    tests = [t for t in dict.fromkeys(t for m in mutants for t in m.tests) if t not in passed]
     files = list(dict.fromkeys(t.split('::')[0] for t in tests))
     work = []
     for share in (files[k::jobs] for k in range(jobs)):
@@ -418,6 +444,7 @@ def main(argv=None) -> int:
     ap.add_argument('--only', action='append', metavar='NAME', help='run only this mutant (repeatable)')
     ap.add_argument('--jobs', type=int, default=2, help='runs at once (default 2)')
     ap.add_argument('--keep', action='store_true', help='keep the copies under build/mutants/')
+    ap.add_argument('--passed', type=Path, metavar='JUNIT', help="a JUnit report of this tree: its passed tests need no baseline run")
     a = ap.parse_args(argv)
     names = [m.name for m in MUTANTS]
     assert len(set(names)) == len(names), 'mutant names repeat'
@@ -439,6 +466,7 @@ def main(argv=None) -> int:
             for c in m.tests + m.notebooks: print(f"    caught by {c}")
         return 0
     t0 = time.perf_counter()
+    passed = passed_in(a.passed) if a.passed else set()
     base = copy_tree('baseline', any(m.notebooks for m in chosen))
     try:
         rc, out = run([sys.executable, '-c', 'import sft_nb; print(sft_nb.__file__)'], base)
@@ -447,18 +475,19 @@ def main(argv=None) -> int:
             return 1
         failing, missed = set(), []
         with ThreadPoolExecutor(a.jobs) as pool:  # the unmutated runs first, the mutants as the runs free up
-            work = {pool.submit(run, cmd, base): (label, checks) for label, cmd, checks in baseline_work(chosen, a.jobs)}
+            work = {pool.submit(timed, run, cmd, base): (label, checks) for label, cmd, checks in baseline_work(chosen, a.jobs, passed)}
             mutants = {pool.submit(check_mutant, m, a.keep): m for m in chosen}
             for f in as_completed(work):
-                (label, checks), (rc, out) = work[f], f.result()
+                (label, checks), ((rc, out), dt) = work[f], f.result()
                 if rc != 0:
                     failing |= checks
                     failed = re.findall(r'^(?:FAILED|ERROR) (\S+)', out, re.M)
-                    print(f"baseline: {label} fails unmutated (exit {rc}): {', '.join(failed) or _last_line(out)}", flush=True)
+                    print(f"baseline: {label} fails unmutated (exit {rc}, {dt:.0f} s): {', '.join(failed) or _last_line(out)}", flush=True)
                     print('\n'.join(f'    | {l}' for l in out.strip().splitlines()[-60:]), flush=True)  # why, for a failure seen only in CI
-            n = sum(len(c) for _, c in work.values())
-            print(f"baseline: the {n} named checks {'do NOT all pass' if failing else 'pass'} unmutated "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+                else: print(f"baseline: {label} passes ({dt:.0f} s)", flush=True)
+            n, vouched = sum(len(c) for _, c in work.values()), {t for m in chosen for t in m.tests} & passed
+            print(f"baseline: the {n} named checks run {'do NOT all pass' if failing else 'pass'} unmutated "
+                  f"({time.perf_counter() - t0:.0f} s)" + (f"; {len(vouched)} more passed in {a.passed}" if vouched else ''), flush=True)
             if failing:
                 for f in mutants: f.cancel()
                 return 1
