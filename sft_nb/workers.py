@@ -14,10 +14,10 @@ from .errors import say
 from .paths import folder_aside
 
 # %% auto #0
-__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'jemalloc_env', 'on_jemalloc', 'child_pids',
+__all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'PARKED_WAIT_S', 'jemalloc_env', 'on_jemalloc', 'child_pids',
            'stop_with_kernel', 'init_ray', 'free_port', 'stop_ray', 'exception_chain', 'write_error', 'compact_malloc',
            'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
-           'failure_message', 'WorkerGroup', 'release_parked', 'LocalGroup']
+           'failure_message', 'WorkerGroup', 'release_parked', 'make_room', 'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -467,16 +467,18 @@ def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
     return self._wait([getattr(self.actors[rank], method).remote(*args, **kwargs)], method, [rank])[0]
 
 # %% ../nbs/07_workers.ipynb #3ecc1d8d
-# at most one WorkerGroup a trainer let go of: its workers released, waiting warm for the next group of its shape
+# WorkerGroups trainers let go of, oldest first, one a shape: their workers released, each group waiting warm for the
+# next group of its shape, until a group of another shape needs the CPUs or GPUs it holds (`make_room`)
 _PARKED: list = []
 
 @patch
 def park(self: WorkerGroup) -> bool:
     """Release every rank's run (`DistWorker.release`) and keep the actors and their placement for the next group of
-    this shape in this process (another parked group is killed). False when a rank fails (the group is then dead)."""
+    this shape in this process (a group of this shape parked before is killed). False when a rank fails (the group is
+    then dead)."""
     try: self.call('release')
     except WorkerError: return False
-    release_parked()
+    release_parked(lambda g: g.shape == self.shape)
     warm = WorkerGroup.__new__(WorkerGroup)
     warm.shape, warm.world_size, warm.actors, warm.pg, warm.dead = (self.shape, self.world_size, self.actors,
                                                                     self.pg, None)
@@ -485,19 +487,36 @@ def park(self: WorkerGroup) -> bool:
     return True
 
 # %% ../nbs/07_workers.ipynb #e76fe9e2
-def release_parked():
-    "Kill the parked worker group, if any: its processes end and the CPUs/GPUs it held are free again."
-    while _PARKED: _PARKED.pop().kill()
+def release_parked(which=lambda g: True):
+    "Kill the parked worker groups `which` picks (all of them by default): their processes end and their CPUs/GPUs are free again."
+    for g in [g for g in _PARKED if which(g)]: _PARKED.remove(g); g.kill()
+
+# %% ../nbs/07_workers.ipynb #b8f2d3e5
+@patch(as_prop=True)
+def bundle(self: WorkerGroup) -> dict:
+    "What one rank holds in Ray: its CPUs (and a GPU)."
+    return {'CPU': self.shape[5], **({'GPU': 1} if self.shape[4] else {})}
+
+def make_room(need: dict, # Ray resources a new group asks for: {'CPU': n, 'GPU': m}
+              free: dict, # Ray's free resources now (`ray.available_resources()`)
+             ):
+    "Kill parked groups, oldest first, until `need` fits in `free` and what the killed ones held; a group that holds none of what is short stays."
+    free = dict(free)
+    for g in list(_PARKED):
+        short = {k for k, v in need.items() if free.get(k, 0) < v}
+        if not short: return
+        if not short & set(g.bundle): continue
+        _PARKED.remove(g); g.kill()
+        for k, v in g.bundle.items(): free[k] = free.get(k, 0) + v * g.world_size
 
 # %% ../nbs/07_workers.ipynb #f2a3ee16
 @patch
 def unpark(self: WorkerGroup, kwargs: list[dict]) -> bool:
-    """Take over the parked group when its shape is this group's: rank r becomes `worker_cls(**kwargs[r])` in its warm
-    process. A parked group of another shape is killed (its resources may be needed)."""
+    """Take over the parked group of this group's shape, if any: rank r becomes `worker_cls(**kwargs[r])` in its warm
+    process. Parked groups of other shapes stay (`_place` ends those whose CPUs or GPUs it needs)."""
     warm = next((g for g in _PARKED if g.shape == self.shape), None)
-    if warm is not None: _PARKED.remove(warm)
-    release_parked()
     if warm is None: return False
+    _PARKED.remove(warm)
     try: warm.call_per_rank('reinit', [(k,) for k in kwargs])
     except WorkerError as e:  # a parked worker died meanwhile (the group is killed): new ones are placed
         warnings.warn(f"placement.keep_warm: the warm workers could not take this run ({e}); placing new ones")
@@ -533,21 +552,31 @@ def _wait(self: WorkerGroup, refs: list, what: str, ranks: list[int] | None = No
     return out
 
 # %% ../nbs/07_workers.ipynb #cbfb3e08
+PARKED_WAIT_S = 5  # seconds a new group waits for its placement while other groups are parked, before they all go
+
 @patch
 def _place(self: WorkerGroup, kwargs: list[dict], timeout_s: float):
-    "New actors, one per rank, in a new placement group."
+    """New actors, one per rank, in a new placement group. Parked groups make room first (`make_room`): all of those of
+    another cluster or driver, and all of them for a group over several nodes (a cluster's free total does not say one
+    node's). If it is still not placed after `PARKED_WAIT_S` with groups parked (Ray's free view was behind), they all
+    go and it waits the rest of `timeout_s`."""
     import ray
     from ray.util.placement_group import placement_group, remove_placement_group
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker = self.shape[:6]
-    bundle = {'CPU': cpus_per_worker, **({'GPU': 1} if use_gpu else {})}
-    self.pg = placement_group([dict(bundle) for _ in range(self.world_size)], strategy=strategy)
-    try: ray.get(self.pg.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(self.pg)
-        raise WorkerError(f"could not place {self.world_size} workers ({num_nodes} nodes × {workers_per_node}, "
-                          f"strategy {strategy}, {bundle} each) within {timeout_s:.0f}s; cluster has "
-                          f"{ray.cluster_resources()} in total, {ray.available_resources()} free") from None
+    release_parked(lambda g: g.shape[6:] != self.shape[6:] or num_nodes > 1)
+    make_room({k: v * self.world_size for k, v in self.bundle.items()}, ray.available_resources())
+    self.pg = placement_group([self.bundle for _ in range(self.world_size)], strategy=strategy)
+    first = min(PARKED_WAIT_S, timeout_s) if _PARKED else timeout_s
+    for wait in (first, timeout_s - first):
+        try:
+            ray.get(self.pg.ready(), timeout=wait); break
+        except ray.exceptions.GetTimeoutError:
+            if _PARKED: release_parked(); continue
+            remove_placement_group(self.pg)
+            raise WorkerError(f"could not place {self.world_size} workers ({num_nodes} nodes × {workers_per_node}, "
+                              f"strategy {strategy}, {self.bundle} each) within {timeout_s:.0f}s; cluster has "
+                              f"{ray.cluster_resources()} in total, {ray.available_resources()} free") from None
     cls = ray.remote(worker_cls)
     self.actors = [cls.options(num_cpus=cpus_per_worker, num_gpus=1 if use_gpu else 0,
                                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg,
