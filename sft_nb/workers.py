@@ -17,7 +17,7 @@ from .paths import folder_aside
 __all__ = ['JEMALLOC_CONF', 'RAY_ENV', 'DIST_ENV', 'RESTART_HINT', 'PARKED_WAIT_S', 'jemalloc_env', 'on_jemalloc', 'child_pids',
            'stop_with_kernel', 'init_ray', 'free_port', 'stop_ray', 'exception_chain', 'write_error', 'compact_malloc',
            'DistWorker', 'save_rng', 'load_rng', 'save_hf_folder', 'TrainWorker', 'WorkerError', 'death_message',
-           'failure_message', 'WorkerGroup', 'release_parked', 'make_room', 'LocalGroup']
+           'failure_message', 'WorkerGroup', 'release_parked', 'make_room', 'held', 'trim_parked', 'LocalGroup']
 
 # %% ../nbs/07_workers.ipynb #c9ca71c6
 # freed pages go back to the OS after ~1 s
@@ -468,14 +468,15 @@ def call_rank(self: WorkerGroup, rank: int, method: str, *args, **kwargs):
 
 # %% ../nbs/07_workers.ipynb #3ecc1d8d
 # WorkerGroups trainers let go of, oldest first, one a shape: their workers released, each group waiting warm for the
-# next group of its shape, until a group of another shape needs the CPUs or GPUs it holds (`make_room`)
+# next group of its shape, until a group of another shape needs the CPUs or GPUs it holds (`make_room`) or the older
+# ones hold more than half the cluster (`trim_parked`)
 _PARKED: list = []
 
 @patch
 def park(self: WorkerGroup) -> bool:
     """Release every rank's run (`DistWorker.release`) and keep the actors and their placement for the next group of
-    this shape in this process (a group of this shape parked before is killed). False when a rank fails (the group is
-    then dead)."""
+    this shape in this process (a group of this shape parked before is killed; older groups of other shapes stay
+    within `trim_parked`'s bound). False when a rank fails (the group is then dead)."""
     try: self.call('release')
     except WorkerError: return False
     release_parked(lambda g: g.shape == self.shape)
@@ -483,6 +484,8 @@ def park(self: WorkerGroup) -> bool:
     warm.shape, warm.world_size, warm.actors, warm.pg, warm.dead = (self.shape, self.world_size, self.actors,
                                                                     self.pg, None)
     _PARKED.append(warm)
+    import ray
+    trim_parked(ray.cluster_resources())
     self.actors, self.pg, self.dead = [], None, 'its workers were released'
     return True
 
@@ -507,7 +510,22 @@ def make_room(need: dict, # Ray resources a new group asks for: {'CPU': n, 'GPU'
         if not short: return
         if not short & set(g.bundle): continue
         _PARKED.remove(g); g.kill()
-        for k, v in g.bundle.items(): free[k] = free.get(k, 0) + v * g.world_size
+        for k, v in held([g]).items(): free[k] = free.get(k, 0) + v
+
+def held(groups) -> dict:
+    "The Ray resources `groups` hold together."
+    out = {}
+    for g in groups:
+        for k, v in g.bundle.items(): out[k] = out.get(k, 0) + v * g.world_size
+    return out
+
+def trim_parked(total: dict, # the cluster's resources (`ray.cluster_resources()`)
+               ):
+    """Kill parked groups, oldest first, while all of them together hold more than half of a resource of the cluster;
+    the newest stays whatever it holds (one group kept warm, as on a one-GPU machine). Other drivers of the cluster (a
+    `sft-nb run` beside a notebook) cannot end them, so half is left to them."""
+    while len(_PARKED) > 1 and any(v > total.get(k, 0) / 2 for k, v in held(_PARKED).items()):
+        _PARKED.pop(0).kill()
 
 # %% ../nbs/07_workers.ipynb #f2a3ee16
 @patch

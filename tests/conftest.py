@@ -55,10 +55,12 @@ def tiny_llama_path(tiny_tok, tmp_path_factory) -> Path:
 @pytest.fixture(scope='session')
 def ray_session() -> str:
     """One local Ray cluster (capped object store) for the whole session; always shut down. In-process trainers join it;
-    yields its address for subprocesses and notebook kernels (`placement.ray_address`, the notebooks' `ray_address`)."""
+    yields its address for subprocesses and notebook kernels (`placement.ray_address`, the notebooks' `ray_address`).
+    6 logical CPUs: the groups this process keeps warm hold at most half (`trim_parked`), the rest is for the groups of a
+    test and of the kernels and `sft-nb` processes beside it."""
     import ray
     from sft_nb.workers import init_ray
-    started = init_ray(num_cpus=4, object_store_memory=256 * 1024**2)
+    started = init_ray(num_cpus=6, object_store_memory=256 * 1024**2)
     try: yield ray.get_runtime_context().gcs_address
     finally:
         if started: ray.shutdown()
@@ -70,7 +72,7 @@ def pytest_collection_modifyitems(config, items):
     the order stays (module fixtures, ordered browser steps). tools/test.sh runs with `--no-loadscope-reorder`, or xdist
     would order the files by their number of tests."""
     import json, statistics
-    seconds = json.loads((Path(__file__).with_name('durations.json')).read_text())
+    seconds = {k: v for k, v in json.loads((Path(__file__).with_name('durations.json')).read_text()).items() if k.startswith('tests/')}
     unknown = statistics.median(seconds.values())
     order = {}
     for k, item in enumerate(items): order.setdefault(item.nodeid.split('::')[0], k)
