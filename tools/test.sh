@@ -13,7 +13,8 @@ n_nbs=$(find nbs -name '[0-9a-z]*.ipynb' -not -path '*/.ipynb_checkpoints/*' | w
 [ "$n_nbs" -ge 1 ] || { echo "FAIL: no notebooks under nbs/"; exit 1; }
 log=$(mktemp)
 t0=$SECONDS
-nbdev_test --n_workers 2 --do_print --timing --flags "${NBDEV_TEST_FLAGS-slow}" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
+# nbdev_test's runs, longest first (tools/test_notebooks.py)
+python tools/test_notebooks.py --n_workers 2 --flags "${NBDEV_TEST_FLAGS-slow}" 2>&1 | tee "$log"; rc=${PIPESTATUS[0]}
 [ "$rc" -eq 0 ] || { echo "FAIL: nbdev_test exit $rc"; exit "$rc"; }
 ran=$(grep -c '^Starting' "$log" || true)
 [ "$ran" -ge 1 ] || { echo "FAIL: nbdev_test ran zero notebooks"; exit 1; }

@@ -1,6 +1,8 @@
 """tests/durations.json: each test file's seconds in a pytest run, read from its JUnit XML (tools/test.sh writes
-build/junit.xml). The suite's two workers take whole files (`--dist loadfile`), longest first (tests/conftest.py): a
-long file started last would run alone while the other worker idles. Only the order depends on these figures.
+build/junit.xml), and each notebook's (tools/test_notebooks.py writes build/notebook_times.json). The suite's two
+workers take whole files (`--dist loadfile`), longest first (tests/conftest.py), as the notebooks' two processes do
+(tools/test_notebooks.py): a long file started last would run alone while the other worker idles. Only the order
+depends on these figures.
 
     python tools/test_durations.py [build/junit.xml]"""
 import collections, json, sys
@@ -22,5 +24,7 @@ def file_seconds(junit: Path) -> dict[str, float]:
 if __name__ == '__main__':
     report = Path(sys.argv[1]) if len(sys.argv) > 1 else ROOT / 'build' / 'junit.xml'
     seconds = file_seconds(report)
+    notebooks = ROOT / 'build' / 'notebook_times.json'
+    if notebooks.exists(): seconds |= json.loads(notebooks.read_text())
     (ROOT / 'tests' / 'durations.json').write_text(json.dumps(seconds, indent=0) + '\n')
     print(f'tests/durations.json: {len(seconds)} files, {sum(seconds.values()):.0f} s in all')
