@@ -391,7 +391,7 @@ def check_overrides(overrides: list[str]):
 # %% ../nbs/11_cli.ipynb #e7ff5e9a
 def _cmd_train(a):
     check_overrides(a.overrides)
-    t, hint = None, f"continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
+    t, lost, hint = None, False, f"continue with: sft-nb train {a.config} {' '.join(a.overrides)} checkpoint.resume=latest"
     # a fit that ends at a step boundary
     steps_left = lambda name: t is not None and t.global_step < t.total_steps and t.request_stop() is not None
     sig = SignalStop('sft-nb train', a.grace, steps_left, hint=hint)
@@ -403,6 +403,9 @@ def _cmd_train(a):
             t0 = time.time()
             with SFTTrainer(cfg) as t:
                 sig.arm()  # Ray's start replaced the SIGTERM handler
+                # a signal in setup raised at once and something swallowed it (an `except Exception` around an import):
+                # setup went on to here, where it stops as the setup it stopped
+                if (lost := sig.raised): raise Preempted(f"stopped by {sig.got[0]} outside a training step", sig.got[0])
                 try:
                     if a.dry_run: r = t.dry_run(); print(r['message']); sys.exit(0 if r['fits'] else 3)  # no step taken
                     if not sig.got: t.fit()
@@ -426,7 +429,8 @@ def _cmd_train(a):
                            'data_report': t.data_report.to_dict(), 'worker_nodes': t.group.call('node_id')}
                 write_file(Path(t.run_dir, 'summary.json'), json.dumps(summary, indent=1, default=str))
     except Preempted as e:
-        if t is not None: raise
+        if t is not None and not lost: raise
+        if lost: t.ckpt.remove_unused()  # the run folder it made, as at a process's exit (`main` may run in a caller's)
         raise Preempted(f"{e}, during setup (loading, tokenization, starting workers): nothing was trained and the run "
                         "folder holds no new run; run the same command again",
                         signal.Signals(e.exit_code - 128).name) from None
