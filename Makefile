@@ -12,7 +12,9 @@ $(STAMP): requirements.txt settings.ini setup.py
 	$(PY) -m pip install -q --upgrade pip
 	# torch==2.13.0 must be in the same pip command as the rest (CPU wheel on local disk). pip would byte-compile the
 	# ~21k modules one at a time (half of this step); compileall does it on every core. They must be compiled here: with
-	# PYTHONDONTWRITEBYTECODE set (as on this machine) every process would compile what it imports, again and again
+	# PYTHONDONTWRITEBYTECODE set (as on this machine) every process would compile what it imports, again and again.
+	# Unsetting it for make's targets instead (each module compiled at its first import) saved these 38 s but cost CI's
+	# notebooks 46 s: processes that start together (two notebooks, their Ray workers) compile the same modules
 	$(PY) -m pip install -q --no-compile -r requirements.txt
 	# (a few packages ship files that are not Python 3, which pip skips too)
 	$(PY) -m compileall -q -j 0 $$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])') >/dev/null || true
