@@ -435,7 +435,9 @@ def baseline_work(mutants: list[Mutant], jobs: int, passed: set[str] = frozenset
     for share in (files[k::jobs] for k in range(jobs)):
         ids = [t for t in tests if t.split('::')[0] in share]
         if ids: work.append((f"pytest {' '.join(Path(f).name for f in share)}", pytest_cmd(ids, False), set(ids)))
-    return work + [(nb, nbdev_cmd(nb), {nb}) for nb in dict.fromkeys(nb for m in mutants for nb in m.notebooks)]
+    seconds = json.loads((ROOT / 'tests' / 'durations.json').read_text())  # the longest notebook first, not last and alone
+    nbs = sorted(dict.fromkeys(nb for m in mutants for nb in m.notebooks), key=lambda nb: -seconds.get(nb, 0))
+    return work + [(nb, nbdev_cmd(nb), {nb}) for nb in nbs]
 
 
 def main(argv=None) -> int:
