@@ -583,7 +583,7 @@ def _place(self: WorkerGroup, kwargs: list[dict], timeout_s: float):
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
     worker_cls, num_nodes, workers_per_node, strategy, use_gpu, cpus_per_worker = self.shape[:6]
     release_parked(lambda g: g.shape[6:] != self.shape[6:] or num_nodes > 1)
-    make_room({k: v * self.world_size for k, v in self.bundle.items()}, ray.available_resources())
+    make_room(held([self]), ray.available_resources())
     self.pg = placement_group([self.bundle for _ in range(self.world_size)], strategy=strategy)
     first = min(PARKED_WAIT_S, timeout_s) if _PARKED else timeout_s
     for wait in (first, timeout_s - first):
