@@ -1,7 +1,7 @@
 """The examples run from a plain clone: examples/ copied alone into an empty folder (no ../shared, no nbs/, no tests/),
 each notebook executed by papermill on its defaults with that folder as its working directory, using only the
 installed package. Users have nothing else beside the examples."""
-import shutil
+import os, shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 import pytest
@@ -24,5 +24,10 @@ def test_every_example_runs_on_its_defaults_from_an_empty_folder(tmp_path):
         except papermill.PapermillExecutionError as e: return nb.name, f'{e.ename}: {e.evalue}'
         return nb.name, None
 
-    with ThreadPoolExecutor(2) as pool: failed = {n: err for n, err in pool.map(run, notebooks) if err}
+    # papermill's `cwd` is a process-wide chdir that each run undoes to what it saw: two runs in threads can leave this
+    # process in the clone (later tests' relative paths then fail), so the working directory is put back here
+    before = os.getcwd()
+    try:
+        with ThreadPoolExecutor(2) as pool: failed = {n: err for n, err in pool.map(run, notebooks) if err}
+    finally: os.chdir(before)
     assert not failed, failed
