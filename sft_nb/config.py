@@ -213,6 +213,7 @@ class PackingConfig:
     enabled: bool = False  # pack rows into bins of `capacity` tokens instead of padding
     strategy: Literal['bfd', 'ffd', 'balanced', 'greedy', 'min_slack'] = 'bfd'  # bin-packing algorithm (see sft_nb.packing)
     capacity: int | None = None  # tokens per packed row; None = tokenize.max_length
+    padding_free: bool = True  # not packing: each micro-batch's rows laid out back to back in as few rows of its longest row's length as hold them (BFD), with packing's block-diagonal mask and restarting positions: the padded batch's loss on fewer positions; false = right-padded rows (always for vision rows and for models whose layers masks cannot separate)
     def __post_init__(self):
         check_range('capacity', self.capacity, 2)
 

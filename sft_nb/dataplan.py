@@ -17,7 +17,7 @@ from .report import DataReport
 from .tokenize import tokenize_dataset, make_renderer
 from .vision import ProcessorRenderer
 from .collate import collate_padded, collate_packed
-from .packing import deal, pack
+from .packing import deal, pack, plan_bins
 
 # %% auto #0
 __all__ = ['STREAM_KEYS', 'split_for_ranks', 'Sampler', 'SequentialSampler', 'make_sampler', 'synthetic_dataset', 'heldout_split',
@@ -109,6 +109,7 @@ class DataPlan:
         # (source, row) pairs: train, held out
         self.rows, self.heldout, self.lengths = [], [], np.zeros(0, dtype=np.int64)
         self.capacity, self.pack_plan, self.items = None, None, []  # items: row numbers, or bins of them when packing
+        self.padding_free = False  # unpacked micro-batches without padding: what `use_model` finds the model allows
         self.steps_per_epoch, self.total_steps, self.sampler, self._orders, self._fill = 0, 0, None, {}, None
         self.pending, self._pool = {}, None  # {step: future} of the batch collating in a thread (see `batches`)
         self.source_names, self._identity = [], None  # train sources as reports name them; what `identity` found
@@ -234,7 +235,15 @@ def fill_row(self: DataPlan) -> dict:
 # %% ../nbs/05a_dataplan.ipynb #dfcd2e46
 @patch
 def collate(self: DataPlan, examples: list[dict]) -> dict:
-    "A padded micro-batch of `examples` with the renderer's extra columns (pixel values for a vision-language model)."
+    """A micro-batch of `examples`: padding-free when `use_model` allowed it and it makes fewer rows, else padded with
+    the renderer's extra columns (pixel values for a vision-language model)."""
+    if self.padding_free and examples:
+        lens = [len(e['input_ids']) for e in examples]
+        bins = plan_bins(lens, max(lens))
+        if len(bins) < len(examples):  # else as many rows as padded: the padded layout, without a 4D mask
+            b = collate_packed([[examples[j] for j in bin_] for bin_ in bins], self.tokenizer.pad_token_id)
+            b.pop('seq_lens'); b.pop('cu_seqlens')
+            return b
     extras = self.renderer.features()
     fill = (self.cfg.placement.dp_size > 1 and bool(extras)
             and not any(_uses(e.get(k)) for e in examples for k in extras))
@@ -363,11 +372,14 @@ def restore(self: DataPlan, state: dict, path):
 
 # %% ../nbs/05a_dataplan.ipynb #9b1d156d
 @patch
-def check_packable(self: DataPlan, info: dict):
-    "Refuse to pack for a model whose layers attention masks cannot separate (`info`: what the workers' `setup` found)."
-    if self.cfg.packing.enabled and not info['packable']:
+def use_model(self: DataPlan, info: dict):
+    """What the workers' `setup` found (`info`) decides the layout: packing is refused for a model whose layers attention
+    masks cannot separate; for one whose layers they separate, text micro-batches go padding-free (`packing.padding_free`)."""
+    p = self.cfg.packing
+    if p.enabled and not info['packable']:
         raise ConfigError("packing.enabled: this model has linear-attention/hybrid layers that attention masks "
                           "cannot separate; packing would leak across sequences. Set packing.enabled=false")
+    self.padding_free = p.padding_free and not p.enabled and info['packable'] and not self.renderer.features()
 
 # %% ../nbs/05a_dataplan.ipynb #4c866a5b
 def _said(v) -> str: s = repr(v); return s if len(s) <= 60 else s[:57] + '...'

@@ -243,7 +243,7 @@ def _build(self: SFTTrainer, resuming: bool) -> SFTTrainer:
     self.group, self.model_info = self.backend.group, self.backend.setup()[0]
     # what a checkpoint must fit
     self.model_fingerprint = model_fingerprint(resolve_model_path(c.model.path), self.model_info)
-    self.data.check_packable(self.model_info)  # packing needs layers that attention masks separate
+    self.data.use_model(self.model_info)  # packing and padding-free rows need layers that attention masks separate
     self.write_config()
     if carry_on: self._carry_on('set up again')
     elif c.checkpoint.resume: self.load(resume if resume is not None else c.checkpoint.resume)

@@ -327,14 +327,15 @@ def save_hf_folder(model, # a Hugging Face model holding the full weights
 # %% ../nbs/07_workers.ipynb #4a628511
 class TrainWorker(DistWorker):
     """What every backend's training worker is given (the run's `ModelConfig`, `OptimConfig`, `PlacementConfig` and
-    `TrainConfig` (its loss), its steps and seed) and how it exports."""
+    `TrainConfig` (its loss), its steps and seed, the packed rows' length) and how it exports."""
     def __init__(self, rank: int, world_size: int, model: ModelConfig, optim: OptimConfig, total_steps: int,
                  seed: int = 0, use_gpu: bool = False, placement: PlacementConfig | None = None,
-                 train: TrainConfig | None = None):
+                 train: TrainConfig | None = None,
+                 packed_length: int | None = None): # packing: every packed row's length (packing.capacity); None: rows vary
         super().__init__(rank, world_size)
         self.mcfg, self.ocfg, self.total_steps, self.seed, self.use_gpu = model, optim, total_steps, seed, use_gpu
         self.placement, self.step = placement or PlacementConfig(), 0  # step: optimizer steps taken
-        self.tcfg = train or TrainConfig()
+        self.tcfg, self.packed_length = train or TrainConfig(), packed_length
 
 # %% ../nbs/07_workers.ipynb #8af20b22
 @patch

@@ -26,7 +26,8 @@ def trained_runs(ex, tok) -> list[str]:
 
 def local_run(cfg: dict, train_data, n_steps: int | None = None):
     """The steps of a 1-rank `cfg` in this process, no Ray: the trainer's own data plan and its backend's worker (a 1-rank
-    gloo group), stepped as `SFTTrainer.step` steps it. Returns (per-step metrics: loss, grad_norm, weight_sum, n_trained;
+    gloo group), stepped as `SFTTrainer.step` steps it. Returns (per-step metrics: loss, grad_norm, weight_sum, n_trained,
+    positions (the micro-batches' input_ids elements);
     the final full state).
     Reference runs for parity tests: what runs under Ray (ranks, dealing, the transport) is compared against this."""
     from sft_nb.backends import get_backend
@@ -39,16 +40,18 @@ def local_run(cfg: dict, train_data, n_steps: int | None = None):
     t.tokenizer, t.processor = load_model_inputs(c.model.path, c.tokenize.chat_template)
     t._prepare_data().plan()
     w = get_backend(c.placement.backend)(0, 1, model=c.model, optim=c.optim, total_steps=t.total_steps,
-                                         seed=c.train.seed, use_gpu=False, placement=c.placement, train=c.train)
+                                         seed=c.train.seed, use_gpu=False, placement=c.placement, train=c.train,
+                                         packed_length=c.pack_capacity if c.packing.enabled else None)
     w.init_dist('127.0.0.1', free_port())
     try:
-        t.data.check_packable(w.setup())
+        t.data.use_model(w.setup())
         steps = []
         for step in range(t.total_steps if n_steps is None else n_steps):
             (batch,), weight_sum, n_trained, _ = t.data.rank_batches(t.data.global_batch(step))
             fb = w.forward_backward(batch, weight_sum)
             loss = fb['nll_sum'] / (weight_sum if weight_sum > 0 else 1)
-            steps.append({'loss': loss, 'grad_norm': w.optim_step(False)['grad_norm'], 'weight_sum': weight_sum, 'n_trained': n_trained})
+            steps.append({'loss': loss, 'grad_norm': w.optim_step(False)['grad_norm'], 'weight_sum': weight_sum, 'n_trained': n_trained,
+                          'positions': sum(b['input_ids'].numel() for b in batch)})
         return steps, w.full_state()
     finally: w.shutdown()
 

@@ -18,13 +18,14 @@ GRAD_TOL = 1e-5
 
 @pytest.fixture(scope='module')
 def mbs(tiny_tok):
-    "Padded batches of three lengths (each with padding), then a packed micro-batch of 2 rows at a fixed capacity."
+    """Padded batches of three lengths (each with padding), a packed micro-batch of 2 rows at a fixed capacity, and a
+    padding-free one (`DataPlan.collate`'s layout: rows as long as the longest bin)."""
     from sft_nb.tokenize import tokenize_dataset
     ds, _ = tokenize_dataset(identity_rows()['train'][:8], tiny_tok, TokenizeConfig(max_length=64))
     exs = [dict(r) for r in ds]
     pad = tiny_tok.pad_token_id
     out = [collate_padded([exs[1], exs[6]], pad), collate_padded(exs[2:5], pad), collate_padded(exs[5:8], pad),
-           collate_packed([exs[:3], exs[3:6]], pad, capacity=160)]
+           collate_packed([exs[:3], exs[3:6]], pad, capacity=160), collate_packed([exs[:2], exs[2:3]], pad)]
     assert len({mb['input_ids'].shape[1] for mb in out[:3]}) == 3 and all((mb['attention_mask'] == 0).any() for mb in out[:3])
     return out
 
@@ -54,7 +55,7 @@ def graphs() -> int:
 
 def test_compiled_equals_eager_and_compiles_once_per_shape(group, tiny_path, mbs):
     """One rank: each micro-batch's Σ NLL and gradients equal eager's. Graphs: one for the first padded batch (its B and T
-    dynamic), none for two more lengths, none for the packed rows it also fits; a second compiled worker in this process:
+    dynamic), none for two more lengths, none for the packed and padding-free rows it also fits; a second compiled worker in this process:
     none. (A packed-only run compiles a static graph of its capacity: `CompiledBlocks.rows` in nbs/07a.)"""
     full = ModelConfig(path=str(tiny_path), loss_chunk=7)
     eager, comp = worker(full), worker(dataclasses.replace(full, compile=True))
@@ -67,7 +68,7 @@ def test_compiled_equals_eager_and_compiles_once_per_shape(group, tiny_path, mbs
         s0, s1 = r0['nll_sum'], r1['nll_sum']
         assert abs(s1 - s0) <= LOSS_TOL * s0 and got.keys() == ref.keys()
         assert_rel_close(got, ref, GRAD_TOL, f"compiled vs eager, {tuple(mb['input_ids'].shape)}: gradients")
-    assert new == [1, 0, 0, 0], new  # one graph, B and T dynamic, for every length and for the packed rows after them
+    assert new == [1, 0, 0, 0, 0], new  # one graph, B and T dynamic, for every length and for the packed rows after them
     assert comp.compiled.failed is None
     g0, again = graphs(), worker(dataclasses.replace(full, compile=True))
     for mb in mbs: step_grads(again, [mb], mb['n_trained'])

@@ -16,6 +16,13 @@ WROWS = [{'messages': [{**m, 'loss_weight': [0.25, 1, 2.5, 0.5][k % 4]} if m['ro
          for k, r in enumerate(ROWS)]
 
 
+def uneven(rows):
+    "Every other row without its system prompt and with a 3-word answer: short rows that padding-free lays out 2 or 3 to a row."
+    short = lambda r: {'messages': [m if m['role'] != 'assistant' else {**m, 'content': ' '.join(m['content'].split()[:3])}
+                                    for m in r['messages'] if m['role'] != 'system']}
+    return [short(r) if k % 2 else r for k, r in enumerate(rows)]
+
+
 def make_cfg(tiny_path, run_dir, **kw):
     "No clipping: the parity tests compare raw gradients."
     return run_cfg(tiny_path, run_dir, **{'optim__max_grad_norm': 0.0, **kw})
@@ -45,19 +52,26 @@ def assert_same_step(a, b, what):
 
 
 @pytest.mark.parametrize('weighted', [False, True], ids=['0/1 weights', 'fractional weights'])
-@pytest.mark.parametrize('packed', [False, True], ids=['padded', 'packed'])
-def test_micro_batch_split_invariance(tiny_path, tmp_path, packed, weighted):
+@pytest.mark.parametrize('layout', ['padded', 'padding-free', 'packed'])
+def test_micro_batch_split_invariance(tiny_path, tmp_path, layout, weighted):
     """One rank (in this process): a global batch as micro-batches of 1 or as one micro-batch gives the same loss, grad
     norm, Σ weight and weights. With fractional loss weights the loss is Σ weight·NLL ÷ Σ weight over the global batch,
-    so the same holds, and it differs from the unweighted loss (the divisor is Σ weight, not the count)."""
-    extra, big = {**SPLIT, **(PACKED if packed else {})}, 4 if packed else 8
-    rows = WROWS if weighted else ROWS
+    so the same holds, and it differs from the unweighted loss (the divisor is Σ weight, not the count). Padding-free
+    (the default without packing): the micro-batch of 8 rows runs on fewer positions than its padded rows, and a row
+    alone stays padded, so that case compares the padding-free layout with the padded one."""
+    packed = layout == 'packed'
+    extra, big = {**SPLIT, **(PACKED if packed else {}), 'packing__padding_free': layout != 'padded'}, 4 if packed else 8
+    rows = (uneven if layout == 'padding-free' else list)(WROWS if weighted else ROWS)
     runs = [local_run(make_cfg(tiny_path, tmp_path / str(mb), **extra, train__micro_batch_size=mb), rows) for mb in (1, big)]
     (m1,), w1 = runs[0]
     (m2,), w2 = runs[1]
     if weighted: assert m1['weight_sum'] != m1['n_trained']
-    assert_same_step((m1, w1), (m2, w2), f'packed={packed} weighted={weighted}: 1 micro-batch vs {big}')
-    if weighted and not packed:
+    if layout == 'padding-free':  # the 8 rows' positions, padded, against what the padding-free micro-batch ran
+        (padded,), _ = local_run(make_cfg(tiny_path, tmp_path / 'rows', **{**extra, 'packing__padding_free': False},
+                                          train__micro_batch_size=big), rows)
+        assert m2['positions'] < padded['positions'], (m2['positions'], padded['positions'])
+    assert_same_step((m1, w1), (m2, w2), f'{layout} weighted={weighted}: 1 micro-batch vs {big}')
+    if weighted and layout == 'padded':
         (plain,), _ = local_run(make_cfg(tiny_path, tmp_path / 'plain', **extra, train__micro_batch_size=1), ROWS)
         assert plain['weight_sum'] != m1['weight_sum'] and rel_gap(plain['loss'], m1['loss']) > 1e-3
 

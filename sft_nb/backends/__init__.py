@@ -118,7 +118,7 @@ def start_workers(cfg, # the run's `SFTConfig`
     actors, or one worker in this process (`placement.in_process`)."""
     p, cls = cfg.placement, get_backend(cfg.placement.backend)
     kw = dict(model=cfg.model, optim=cfg.optim, total_steps=total_steps, seed=cfg.train.seed, use_gpu=p.use_gpu,
-              placement=p, train=cfg.train)
+              placement=p, train=cfg.train, packed_length=cfg.pack_capacity if cfg.packing.enabled else None)
     group = (LocalGroup(cls, p.use_gpu, p.cpus_per_worker, init_kwargs=kw) if p.in_process
              else WorkerGroup(cls, p.num_nodes, p.workers_per_node, p.strategy, p.use_gpu, p.cpus_per_worker,
                               init_kwargs=kw))

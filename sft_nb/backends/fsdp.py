@@ -130,15 +130,17 @@ def checkpoint_blocks(model, mode: str = 'none'):
 # %% ../../nbs/07a_backends.fsdp.ipynb #b17fc64f
 class CompiledBlocks:
     """What the compiled blocks of one model share: whether this forward's rows are padded (their lengths change: the
-    batch and sequence dimensions are marked dynamic) or packed (one static shape), and the compile error after which
-    every block runs eager."""
-    def __init__(self): self.padded, self.failed, self.forwards = True, None, []
+    batch and sequence dimensions are marked dynamic) or packed rows of the run's fixed `packed_length` (one static
+    shape), and the compile error after which every block runs eager."""
+    def __init__(self, packed_length: int | None = None): # packing.capacity when packing; None: no fixed length
+        self.packed_length, self.padded, self.failed, self.forwards = packed_length, True, None, []
 
     def rows(self, module, args, kwargs):
-        "The model's forward pre-hook: a packed row comes with its [B, 1, T, T] mask or a BlockMask, a padded one with [B, T]."
-        import torch
+        """The model's forward pre-hook: packed rows come with their [B, 1, T, T] mask or a BlockMask, padded ones with
+        [B, T]; padding-free rows (a mask of another T than `packed_length`) change length as padded ones do."""
         am = kwargs.get('attention_mask')
-        self.padded = am is None or (isinstance(am, torch.Tensor) and am.dim() == 2)
+        t = am.shape[-1] if am is not None and len(am.shape) == 4 else None
+        self.padded = t is None or t != self.packed_length
 
 def _mark_dynamic(args, kwargs):
     "Mark every dimension of the block's tensor inputs that is the batch's B (> 1) or T dynamic (hidden states: [B, T, H])."
@@ -174,11 +176,12 @@ class CompiledForward:
             return self.eager(*args, **kwargs)
 
 def compile_blocks(model, on: bool = True, # `model.compile`
+                   packed_length: int | None = None, # the packed rows' fixed length (`CompiledBlocks`)
                   ) -> CompiledBlocks | None:
     "Each `decoder_blocks` block's forward behind a `CompiledForward`, their shared state; the KV cache off."
     if not on: return None
     no_kv_cache(model)
-    shared = CompiledBlocks()
+    shared = CompiledBlocks(packed_length)
     model.register_forward_pre_hook(shared.rows, with_kwargs=True)
     for i, block in enumerate(decoder_blocks(model)):
         block.forward = CompiledForward(block.forward, shared, f'block {i} ({type(block).__name__})')
@@ -331,7 +334,8 @@ def build(self: FSDPWorker, dtype, # compute dtype: bf16 goes through FSDP2's mi
     else: model = self._shard(checkpoint_blocks(self._build_model('cpu'), ac), dtype)
     tile_mlp(model, self.mcfg.tiled_mlp)  # each block's MLP, whichever path built it (the estimate's meta build too)
     if self.sp > 1: self._setup_sp(model)
-    self.compiled = compile_blocks(model, self.mcfg.compile and not meta)  # around FSDP2's hooks, after every wrapper
+    # around FSDP2's hooks, after every wrapper
+    self.compiled = compile_blocks(model, self.mcfg.compile and not meta, self.packed_length)
     self.model, self.loss_chunk = model, loss_chunk_for(model, self.mcfg.loss_chunk)
     return model
 
