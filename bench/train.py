@@ -225,8 +225,7 @@ class Ours:
         t = self.t = SFTTrainer(cfg).setup()
         order = [t.data.global_batch(s) for s in range(args.n_steps)]
         orig = [int(i) for i in t.data.train_sets[0]['index']]
-        self.positions = ([len(b) * t.data.capacity for b in order] if packed else
-                          [len(b) * max(int(t.data.lengths[k]) for k in b) for b in order])  # tokens incl. padding
+        self.positions = []  # each step's positions as collated (padding included; padded rows go padding-free)
         self.rows = None if packed else [[orig[t.data.rows[k][1]] for k in b] for b in order]  # original row ids of each step
         flat = [[k for it in b for k in (it if isinstance(it, (list, tuple)) else [it])] for b in order]
         self.attn_pairs = [sum(int(t.data.lengths[k]) * (int(t.data.lengths[k]) + 1) // 2 for k in b) for b in flat]  # causal (query, key) pairs
@@ -240,7 +239,9 @@ class Ours:
         t.callbacks.append(Meter())
         rank_batches = t.data.rank_batches
         def timed(items):  # driver-side collation time of each step (inside step_time)
-            c0 = time.perf_counter(); out = rank_batches(items); self.collate_s.append(time.perf_counter() - c0); return out
+            c0 = time.perf_counter(); out = rank_batches(items); self.collate_s.append(time.perf_counter() - c0)
+            self.positions.append(sum(b['input_ids'].numel() for mbs in out.batches for b in mbs))
+            return out
         t.data.rank_batches = timed
 
     def step(self):
