@@ -109,6 +109,16 @@ def test_estimate_counts_the_loss_logsumexp_temporary(tmp_path):
     assert peak['Temp'] >= chunk and peak['Activation'] + peak['Temp'] >= 2 * chunk, peak
 
 
+def test_the_estimate_of_rows_without_padding_builds_no_attention_mask():
+    """Rows without padding, each one sequence, run sdpa's causal kernel in the estimate's trace as in the run
+    (`causal_sdpa`): the activations of a row twice as long are at most twice as large, not the T² of a [T, T] mask."""
+    from sft_nb.config import load_config
+    from sft_nb.memory import step_memory
+    rows = lambda n: load_config(None, ['model.path=tiny', f'tokenize.max_length={n}', 'model.activation_checkpointing=full'])
+    act = {n: step_memory(rows(n), 1, levers=False)[0]['Activation'] for n in (256, 512)}
+    assert act[512] <= 2.02 * act[256], act
+
+
 def test_cpu_estimate_of_a_quantized_base_counts_its_mapped_checkpoint():
     """On CPU ranks a quantized base's checkpoint stays mapped, the pages of its linears read while quantizing them in
     the rank's RSS: `estimate(device='cpu')` adds them as a part (fp32 tiny model: 4 bytes a weight) and its peak holds

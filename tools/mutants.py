@@ -195,6 +195,10 @@ MUTANTS = [
            [('sft_nb/backends/fsdp.py', "model = self._build_model('cpu')  # the checkpoint's weights as stored",
              "model = self._build_model('cpu', __import__('torch').float32)  #")],
            tests=['tests/test_quantize.py::test_nf4_merged_export_is_source_plus_adapter']),
+    # ---- padding-free micro-batches
+    Mutant('padding_free_unused', "unpacked micro-batches stay right-padded where padding-free rows would be fewer",
+           [('sft_nb/dataplan.py', 'if len(bins) < len(examples):', 'if False:')],
+           tests=['tests/test_trainer.py::test_micro_batch_split_invariance[padding-free-0/1 weights]']),
     # ---- compiled blocks
     Mutant('compile_blocks_unused', "model.compile builds the compiled forwards but every block runs eager",
            [('sft_nb/backends/fsdp.py', 'if self.shared.failed or not torch.is_grad_enabled(): return self.eager(*args, **kwargs)',
@@ -215,8 +219,8 @@ MUTANTS = [
            [('sft_nb/memory.py', "if lse.peak['Total'] > peak['Total']: peak = lse.peak", "if False: peak = lse.peak")],
            tests=['tests/test_memory.py::test_estimate_counts_the_loss_logsumexp_temporary']),
     Mutant('estimate_builds_unpadded_mask', "the estimate's trace of unpadded rows builds the [T, T] attention mask the run skips",
-           both('sft_nb/memory.py', 'nbs/08e_memory.ipynb', "model.set_attn_implementation(causal_sdpa())", "pass"),
-           notebooks=['nbs/08e_memory.ipynb']),
+           [('sft_nb/memory.py', "model.set_attn_implementation(causal_sdpa())", "pass")],
+           tests=['tests/test_memory.py::test_the_estimate_of_rows_without_padding_builds_no_attention_mask']),
 ]
 
 
@@ -363,7 +367,7 @@ def nbdev_cmd(nb: str) -> list[str]:
 
 def judge_pytest(rc: int, out: str) -> tuple[bool, str]:
     "(caught, why): caught only by a failing test, never by an error in collection or in a fixture."
-    failed = re.findall(r'^FAILED (\S+)(?: - (.*))?$', out, re.M)
+    failed = re.findall(r'^FAILED (.+?)(?: - (.*))?$', out, re.M)  # a node id may hold spaces (its parameters' ids)
     if rc == 1 and failed:
         test, error = failed[0]
         if BROKEN.match(error): return False, f"{test} fails on {error[:160]}: the mutant broke an import"
@@ -483,7 +487,7 @@ def main(argv=None) -> int:
                 (label, checks), ((rc, out), dt) = work[f], f.result()
                 if rc != 0:
                     failing |= checks
-                    failed = re.findall(r'^(?:FAILED|ERROR) (\S+)', out, re.M)
+                    failed = re.findall(r'^(?:FAILED|ERROR) (.+?)(?: - .*)?$', out, re.M)
                     print(f"baseline: {label} fails unmutated (exit {rc}, {dt:.0f} s): {', '.join(failed) or _last_line(out)}", flush=True)
                     print('\n'.join(f'    | {l}' for l in out.strip().splitlines()[-60:]), flush=True)  # why, for a failure seen only in CI
                 else: print(f"baseline: {label} passes ({dt:.0f} s)", flush=True)
