@@ -235,7 +235,9 @@ def check_fingerprint(state: dict, fingerprint: dict, path):
 class Checkpointer:
     "A run folder's checkpoints (atomic save, prune to `keep_last`, resume-path resolution) and its claim."
     def __init__(self, cfg: CheckpointConfig): # the run's `checkpoint` config (run_dir, keep_last, resume, overwrite)
-        self.cfg, self.run_dir = cfg, Path(cfg.run_dir).expanduser()  # '~/runs/x' is the home folder's, not './~'
+        # '~/runs/x' is the home folder's, not './~'; absolute: the workers (Ray actors of a cluster started elsewhere)
+        # write checkpoints and exports into it from their own working directory
+        self.cfg, self.run_dir = cfg, Path(cfg.run_dir).expanduser().absolute()
         self.dir = self.run_dir / 'checkpoints'
         self.lock, self.owns_run_dir, self.saved_step, self.made_run_dir = None, False, None, False
 

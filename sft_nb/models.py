@@ -199,12 +199,15 @@ def smollm2_chat_template() -> str:
 
 # %% ../nbs/06_models.ipynb #010a9596
 def resolve_model_path(path: str) -> str:
-    "'tiny', 'tiny-vlm' and 'smollm2' name the offline models; anything else (folder or hub id) passes through."
+    """'tiny', 'tiny-vlm' and 'smollm2' name the offline models; a folder that exists here, as its absolute path (the
+    workers of a Ray cluster started elsewhere read it from their own working directory); anything else (a hub id)
+    passes through."""
     if path == 'tiny': return str(tiny_chat_model())
     if path == 'tiny-vlm':
         return str(tiny_vlm())
     if path in ('smollm2', 'SmolLM2-135M-Instruct'): return str(smollm2_instruct())
-    return path
+    folder = Path(path).expanduser()
+    return str(folder.absolute()) if folder.is_dir() else path
 
 # %% ../nbs/06_models.ipynb #5014487b
 def _dtypes():

@@ -442,7 +442,8 @@ def export(self: SFTTrainer, path: str | Path | None = None,
     Modelfile beside it, and returns the GGUF's path."""
     from sft_nb.export import export_gguf, save_run_tokenizer
     if to not in ('hf', 'gguf'): raise ConfigError(f"export: to {to!r} is neither 'hf' nor 'gguf'")
-    hf = Path(path or self.run_dir / 'hf') if to == 'hf' else self.run_dir / 'hf'
+    # absolute: the workers write it from their own working directory
+    hf = Path(path).expanduser().absolute() if path and to == 'hf' else self.run_dir / 'hf'
     self.backend.export_hf(str(hf), resolve_model_path(self.cfg.model.path), self.cfg.checkpoint.lora_export)
     if not any((hf / f).exists() for f in ('config.json', 'adapter_config.json')):
         raise RuntimeError(f"export: the workers wrote no model into {hf}")
