@@ -29,6 +29,7 @@ def test_trainer_surface():
     import subprocess, sys
     code = """
 import sys
+from pathlib import Path
 from sft_nb.trainer import SFTTrainer
 t = SFTTrainer({'model': {'path': 'tiny'}})
 assert 'sft_nb.lens' not in sys.modules
@@ -38,7 +39,7 @@ for a in ('global_step', 'metrics', 'eval_metrics', 'step_metrics', 'last_eval',
 for m in ('setup', 'step', 'fit', 'train', 'evaluate', 'save', 'load', 'export', 'generate', 'shutdown', 'dry_run', 'restart_workers',
           'checkpoints', 'token_losses', 'rank_rows', 'request_stop'):
     assert callable(getattr(t, m)), m
-assert t.total_steps == 0 and t.data.heldout == [] and t.group is None and str(t.run_dir) == t.cfg.checkpoint.run_dir
+assert t.total_steps == 0 and t.data.heldout == [] and t.group is None and t.run_dir == Path(t.cfg.checkpoint.run_dir).absolute()
 assert t.running is False and t.action is None and t.checkpoints() == []
 print('ok')
 """
